@@ -1,0 +1,33 @@
+# simsearch: `make demo` runs the whole chain on the embedded glyph set; `make test` runs the tests.
+# Both set up the machine first (Debian fonts, .venv) when needed.
+
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+DEMO   ?= runs/demo
+
+.PHONY: setup demo test test-fast bench protos lint clean
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $@
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py --out $(DEMO)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+protos: $(STAMP)
+	PATH=$(VENV)/bin:$$PATH bash scripts/gen_protos.sh
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,221 @@
+"""Artifact directories: manifests, atomic publishing, and the index `CURRENT` pointer.
+
+Every stage writes its artifact into a temporary directory beside the target and renames it
+into place, so a reader never sees a half-written artifact and a crash leaves the previous
+version live.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import datetime as _dt
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+MODEL_FILE = "model.onnx"
+INDEX_FILE = "index.faiss"
+ITEMS_FILE = "items.parquet"
+CURRENT = "CURRENT"
+VERSIONS = "versions"
+
+
+class ArtifactError(RuntimeError):
+    """An artifact directory that is missing, incomplete or inconsistent."""
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_json_atomic(path: str | Path, data: Any) -> Path:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True, default=str)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"no {MANIFEST} in {directory}: not a published artifact")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{path}: invalid JSON ({exc.msg})") from exc
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically with Linux renameat2(RENAME_EXCHANGE); False if unsupported."""
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    result = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return result == 0
+
+
+def publish_directory(staging: Path, target: Path) -> Path:
+    """Move a fully written staging directory to `target` in one atomic step.
+
+    An existing target is swapped out atomically (renameat2 exchange) and then removed, so
+    readers see either the old or the new directory, never a mix or nothing.
+    """
+    for child in staging.rglob("*"):
+        if child.is_file():
+            with open(child, "rb") as f:
+                os.fsync(f.fileno())
+    if not target.exists():
+        os.rename(staging, target)
+    elif _exchange(staging, target):
+        shutil.rmtree(staging, ignore_errors=True)
+    else:  # pragma: no cover - non-Linux fallback with a brief window
+        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(target, old)
+        os.rename(staging, target)
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(target.parent)
+    return target
+
+
+@contextlib.contextmanager
+def staging_directory(target: str | Path) -> Iterator[Path]:
+    """Yield a temporary directory beside `target`; publish it there if the block succeeds."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_name(f".{target.name}.staging-{uuid.uuid4().hex[:8]}")
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    publish_directory(staging, target)
+
+
+# ---------------------------------------------------------------------------------------------
+# Index roots: <root>/versions/<version>/ and <root>/CURRENT naming the live one.
+
+
+def new_version_name(content_id: str) -> str:
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    return f"{stamp}-{content_id[:8]}"
+
+
+def list_versions(root: str | Path) -> list[str]:
+    versions = Path(root) / VERSIONS
+    if not versions.is_dir():
+        return []
+    # Hidden entries are staging directories of builds in progress (or killed mid-write).
+    return sorted(
+        p.name
+        for p in versions.iterdir()
+        if not p.name.startswith(".") and p.is_dir() and (p / MANIFEST).is_file()
+    )
+
+
+def current_version(root: str | Path) -> str | None:
+    pointer = Path(root) / CURRENT
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text(encoding="utf-8").strip()
+    return name or None
+
+
+def version_dir(root: str | Path, version: str | None = None) -> Path:
+    """The directory of `version`, or of the live version when None."""
+    root = Path(root)
+    if version is None:
+        version = current_version(root)
+        if version is None:
+            raise ArtifactError(f"{root}: no {CURRENT} pointer; no index has been published here")
+    if not version or version.startswith(".") or "/" in version or "\\" in version:
+        raise ArtifactError(f"{root}: {version!r} is not a version name")
+    path = root / VERSIONS / version
+    if not (path / MANIFEST).is_file():
+        raise ArtifactError(f"{root}: version {version!r} does not exist or is incomplete")
+    return path
+
+
+def set_current(root: str | Path, version: str) -> None:
+    """Point CURRENT at `version` with one atomic rename."""
+    version_dir(root, version)
+    root = Path(root)
+    tmp = root / f".{CURRENT}.{uuid.uuid4().hex[:8]}.tmp"
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(version + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / CURRENT)
+    _fsync_dir(root)
+
+
+def publish_version(root: str | Path, staging: Path, version: str, make_current: bool = True) -> Path:
+    """Rename a written staging directory into root/versions/<version> and switch CURRENT."""
+    versions = Path(root) / VERSIONS
+    versions.mkdir(parents=True, exist_ok=True)
+    target = versions / version
+    if target.exists():
+        raise ArtifactError(f"version {version} already exists in {root}")
+    publish_directory(staging, target)
+    if make_current:
+        set_current(root, version)
+    return target
+
+
+def index_staging_dir(root: str | Path) -> Path:
+    """A fresh staging directory inside the index root (same filesystem, so rename is atomic)."""
+    versions = Path(root) / VERSIONS
+    versions.mkdir(parents=True, exist_ok=True)
+    staging = versions / f".staging-{uuid.uuid4().hex[:12]}"
+    staging.mkdir()
+    return staging
+
+
+def prune_versions(root: str | Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` versions; the live one is always kept."""
+    if keep < 1:
+        raise ValueError("keep must be at least 1")
+    live = current_version(root)
+    versions = list_versions(root)
+    doomed = [v for v in versions[:-keep] if v != live]
+    for v in doomed:
+        shutil.rmtree(Path(root) / VERSIONS / v, ignore_errors=True)
+    return doomed

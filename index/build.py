@@ -1,0 +1,238 @@
+"""Build an index version: embed a catalog with the model artifact, build faiss, gate, publish."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from index import artifacts
+from index.artifacts import ArtifactError, read_manifest, utc_now, write_json_atomic
+from index.catalog import Catalog, read_catalog
+from index.config import to_jsonable
+from index.embedder import OnnxEmbedder
+from index.evaluation import ann_recall, recall_at_k, recall_from_neighbor_labels
+from index.faiss_index import build_index, save_index, search, select_device
+from index.items import ItemTable
+from index.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, load_image
+
+log = logging.getLogger(__name__)
+
+EMBEDDINGS_FILE = "embeddings.npy"
+
+
+class QualityGateError(RuntimeError):
+    """The new index is worse than allowed; it was not published."""
+
+
+@dataclass
+class BuildConfig:
+    model: str = "runs/model"
+    index_root: str = "runs/index"
+    catalog: str | None = None  # None: the test split recorded in the model manifest
+    factory: str = "Flat"
+    search_params: dict[str, float] = field(default_factory=dict)
+    train_size: int | None = None
+    device: str = "auto"
+    provider: str = "auto"
+    batch_size: int = 256
+    decode_threads: int = 4
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_bad_fraction: float = 0.01
+    ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    quality_sample: int = 1000
+    ann_k: int = 10
+    min_ann_recall: float = 0.0
+    min_probe_recall_at_1: float = 0.0
+    max_recall_drop: float | None = None
+    force: bool = False
+    keep: int = 5
+
+    def __post_init__(self) -> None:
+        if self.batch_size <= 0 or self.decode_threads <= 0 or self.quality_sample <= 0:
+            raise ValueError("batch_size, decode_threads and quality_sample must be positive")
+        if not 0 <= self.max_bad_fraction <= 1:
+            raise ValueError("max_bad_fraction must be within [0, 1]")
+        if self.keep < 1:
+            raise ValueError("keep must be at least 1")
+        if not self.ks or min(self.ks) <= 0:
+            raise ValueError(f"ks must be positive, got {self.ks}")
+        select_device(self.device, num_gpus=1)  # validates the name only
+
+
+def default_catalog(model_manifest: dict) -> str:
+    splits = model_manifest.get("training_data", {}).get("splits", {})
+    if "test" not in splits:
+        raise ValueError("no --catalog given and the model manifest records no test split")
+    return splits["test"]
+
+
+def embed_catalog(
+    catalog: Catalog,
+    embedder: OnnxEmbedder,
+    batch_size: int = 256,
+    threads: int = 4,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    progress: bool = True,
+) -> tuple[np.ndarray, list[int], dict[str, int]]:
+    """Embeddings of every decodable row, the rows kept, and counts of skipped rows by reason."""
+    skipped: dict[str, int] = {}
+
+    def decode(path: Path) -> np.ndarray | None:
+        try:
+            return load_image(path, embedder.contract, max_pixels)
+        except ImageDecodeError as exc:
+            reason = "missing" if "not found" in str(exc) else "unreadable"
+            skipped[reason] = skipped.get(reason, 0) + 1
+            log.warning("skipping %s: %s", path, exc)
+            return None
+
+    parts, kept = [], []
+    with ThreadPoolExecutor(max_workers=threads) as pool, tqdm(
+        total=len(catalog), desc="embed", unit="img", disable=not progress
+    ) as bar:
+        for start in range(0, len(catalog), batch_size):
+            rows = range(start, min(start + batch_size, len(catalog)))
+            arrays = list(pool.map(decode, (catalog.paths[r] for r in rows)))
+            good = [(r, a) for r, a in zip(rows, arrays, strict=True) if a is not None]
+            if good:
+                parts.append(embedder.embed(np.stack([a for _, a in good])))
+                kept.extend(r for r, _ in good)
+            bar.update(len(rows))
+    embeddings = np.concatenate(parts) if parts else np.zeros((0, embedder.dim), np.float32)
+    return embeddings, kept, skipped
+
+
+def quality_figures(index, embeddings: np.ndarray, labels: list[str], cfg: BuildConfig) -> dict:
+    """ANN recall vs exact search, and probe Recall@K, on a fixed sample of the catalog."""
+    n = len(embeddings)
+    rng = np.random.default_rng(0)
+    sample = np.sort(rng.choice(n, size=min(cfg.quality_sample, n), replace=False))
+    ann_k = min(cfg.ann_k, n)
+    figures: dict = {"sample_size": int(len(sample)), "ann_k": ann_k}
+    figures["ann_recall_at_k"] = ann_recall(index, embeddings, embeddings[sample], ann_k)
+    # Probe: sampled items query the built index itself, excluding their own row.
+    label_array = np.asarray(labels)
+    k = min(max(cfg.ks) + 1, n)
+    _, rows = search(index, embeddings[sample], k)
+    neighbor_labels = np.empty((len(sample), k - 1), dtype=object)
+    for i, (query_row, found) in enumerate(zip(sample, rows, strict=True)):
+        others = [r for r in found if r != query_row and r >= 0][: k - 1]
+        others += [-1] * (k - 1 - len(others))
+        neighbor_labels[i] = [label_array[r] if r >= 0 else None for r in others]
+    ks = [kk for kk in cfg.ks if kk <= k - 1]
+    if ks:
+        figures["probe_recall_at_k"] = {
+            str(kk): v for kk, v in recall_from_neighbor_labels(neighbor_labels, label_array[sample], ks).items()
+        }
+    if n <= 20000:
+        figures["exact_recall_at_k"] = {
+            str(kk): v for kk, v in recall_at_k(embeddings, labels, ks).items()
+        } if ks else {}
+    return figures
+
+
+def check_quality(figures: dict, cfg: BuildConfig, live: dict | None) -> list[str]:
+    """Reasons to refuse publishing (empty when the gate passes)."""
+    reasons = []
+    if figures["ann_recall_at_k"] < cfg.min_ann_recall:
+        reasons.append(f"ANN recall@{figures['ann_k']} {figures['ann_recall_at_k']:.4f} < floor {cfg.min_ann_recall}")
+    probe = figures.get("probe_recall_at_k", {}).get("1")
+    if probe is not None and probe < cfg.min_probe_recall_at_1:
+        reasons.append(f"probe Recall@1 {probe:.4f} < floor {cfg.min_probe_recall_at_1}")
+    if cfg.max_recall_drop is not None and live is not None and probe is not None:
+        live_probe = live.get("quality", {}).get("probe_recall_at_k", {}).get("1")
+        if live_probe is not None and probe < live_probe - cfg.max_recall_drop:
+            reasons.append(
+                f"probe Recall@1 {probe:.4f} is more than {cfg.max_recall_drop} below the live "
+                f"version's {live_probe:.4f}"
+            )
+    return reasons
+
+
+def run_build(cfg: BuildConfig, progress: bool = True) -> Path:
+    """Build and publish a new index version; returns its directory."""
+    started = time.perf_counter()
+    embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
+    catalog_path = cfg.catalog or default_catalog(embedder.manifest)
+    catalog = read_catalog(catalog_path)
+    embeddings, kept, skipped = embed_catalog(
+        catalog, embedder, cfg.batch_size, cfg.decode_threads, cfg.max_pixels, progress
+    )
+    bad = len(catalog) - len(kept)
+    if bad / len(catalog) > cfg.max_bad_fraction:
+        raise ValueError(
+            f"{bad} of {len(catalog)} catalog rows could not be embedded ({skipped}), over the "
+            f"allowed fraction {cfg.max_bad_fraction}"
+        )
+    items = catalog.subset(kept)
+    embed_seconds = time.perf_counter() - started
+    device = select_device(cfg.device)
+    index = build_index(embeddings, cfg.factory, cfg.search_params, cfg.train_size, device)
+    figures = quality_figures(index, embeddings, items.labels, cfg)
+    root = Path(cfg.index_root)
+    live = None
+    if artifacts.current_version(root):
+        live = read_manifest(artifacts.version_dir(root))
+        if live.get("model_id") != embedder.model_id:
+            live = None  # a different model's recall is no baseline for this one
+    reasons = check_quality(figures, cfg, live)
+    if reasons and not cfg.force:
+        raise QualityGateError("quality gate refused to publish: " + "; ".join(reasons))
+
+    staging = artifacts.index_staging_dir(root)
+    try:
+        save_index(index, staging / artifacts.INDEX_FILE)
+        np.save(staging / EMBEDDINGS_FILE, embeddings)
+        ItemTable(
+            ids=items.ids,
+            labels=items.labels,
+            paths=[str(p.resolve()) for p in items.paths],
+            metadata=items.metadata,
+        ).write(staging / artifacts.ITEMS_FILE)
+        index_id = artifacts.file_sha256(staging / artifacts.INDEX_FILE)[:16]
+        version = artifacts.new_version_name(index_id)
+        manifest = {
+            "index_id": index_id,
+            "version": version,
+            "model_id": embedder.model_id,
+            "model_dir": str(Path(cfg.model).resolve()),
+            "factory": cfg.factory,
+            "metric": "inner_product",
+            "normalized": True,
+            "size": int(index.ntotal),
+            "dimension": int(index.d),
+            "search_params": cfg.search_params,
+            "built_on": device,
+            "build_seconds": time.perf_counter() - started,
+            "embed_seconds": embed_seconds,
+            "created": utc_now(),
+            "catalog": str(Path(catalog_path).resolve()),
+            "rows": {"catalog": len(catalog), "indexed": len(kept), "skipped": skipped},
+            "quality": figures,
+            "quality_gate": {"passed": not reasons, "forced": bool(reasons), "reasons": reasons},
+            "config": to_jsonable(cfg),
+        }
+        write_json_atomic(staging / artifacts.MANIFEST, manifest)
+        target = artifacts.publish_version(root, staging, version)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    artifacts.prune_versions(root, cfg.keep)
+    log.info("published index %s (%d items) at %s", version, index.ntotal, target)
+    return target
+
+
+def check_model_index_pair(model_manifest: dict, index_manifest: dict) -> None:
+    if model_manifest["model_id"] != index_manifest["model_id"]:
+        raise ArtifactError(
+            f"index {index_manifest.get('version')} was built with model {index_manifest['model_id']}, "
+            f"not the loaded model {model_manifest['model_id']}"
+        )

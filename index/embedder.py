@@ -1,0 +1,84 @@
+"""ONNX Runtime embedder: the model artifact's graph, run on CUDA when present, else CPU."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from index.artifacts import MODEL_FILE, ArtifactError, read_manifest
+from index.preprocess import InputContract
+
+log = logging.getLogger(__name__)
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+
+
+def select_providers(
+    prefer: str = "auto", available: Sequence[str] | None = None
+) -> list[str]:
+    """Execution providers in priority order: CUDA first when present and allowed, CPU last."""
+    if prefer not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"provider must be auto, cpu or cuda, got {prefer!r}")
+    available = list(ort.get_available_providers() if available is None else available)
+    if prefer == "cuda" and CUDA not in available:
+        raise RuntimeError(
+            "CUDA provider requested but ONNX Runtime has no CUDAExecutionProvider "
+            "(install onnxruntime-gpu)"
+        )
+    if prefer != "cpu" and CUDA in available:
+        return [CUDA, CPU]
+    return [CPU]
+
+
+def session_options(intra_op_threads: int | None = None) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = intra_op_threads or min(os.cpu_count() or 1, 8)
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.log_severity_level = 3
+    return options
+
+
+class OnnxEmbedder:
+    """Embeds preprocessed NCHW batches with a published model artifact."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        provider: str = "auto",
+        intra_op_threads: int | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.manifest = read_manifest(self.model_dir)
+        model_path = self.model_dir / MODEL_FILE
+        if not model_path.is_file():
+            raise ArtifactError(f"{self.model_dir}: {MODEL_FILE} is missing")
+        self.contract = InputContract.from_dict(self.manifest["input"])
+        self.model_id: str = self.manifest["model_id"]
+        self.dim: int = int(self.manifest["embedding_dim"])
+        self.providers = select_providers(provider)
+        self.session = ort.InferenceSession(
+            str(model_path), sess_options=session_options(intra_op_threads), providers=self.providers
+        )
+        self.input_name = self.session.get_inputs()[0].name
+        log.info("loaded model %s with providers %s", self.model_id, self.session.get_providers())
+
+    def embed(self, batch: np.ndarray) -> np.ndarray:
+        """L2-normalised float32 embeddings of an NCHW batch."""
+        batch = np.ascontiguousarray(batch, dtype=np.float32)
+        expected = self.contract.input_shape
+        if batch.ndim != 4 or tuple(batch.shape[1:]) != expected:
+            raise ValueError(f"expected a batch of shape (N, {', '.join(map(str, expected))}), got {batch.shape}")
+        if batch.shape[0] == 0:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        (out,) = self.session.run(None, {self.input_name: batch})
+        out = np.asarray(out, dtype=np.float32)
+        norms = np.linalg.norm(out, axis=1, keepdims=True)
+        return out / np.maximum(norms, 1e-12)

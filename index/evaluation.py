@@ -1,0 +1,87 @@
+"""Retrieval quality: Recall@K, MAP@R and ANN recall, with exact faiss search as reference.
+
+Training evaluation, index quality gates and the server's online monitor all use these, so a
+Recall@K means the same thing at every stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from index.faiss_index import exact_search, search
+
+
+def recall_from_neighbor_labels(
+    neighbor_labels: np.ndarray, query_labels: np.ndarray, ks: Sequence[int]
+) -> dict[int, float]:
+    """Recall@K: the fraction of queries with a same-label item among their K nearest.
+
+    `neighbor_labels` is (queries, >= max K), nearest first, already without the query itself.
+    """
+    neighbor_labels = np.asarray(neighbor_labels)
+    query_labels = np.asarray(query_labels)
+    if len(query_labels) == 0:
+        raise ValueError("no queries to measure recall on")
+    if neighbor_labels.shape[1] < max(ks):
+        raise ValueError(f"need {max(ks)} neighbours per query, got {neighbor_labels.shape[1]}")
+    hits = neighbor_labels == query_labels[:, None]
+    first_hit = np.where(hits.any(axis=1), hits.argmax(axis=1), np.iinfo(np.int64).max)
+    return {int(k): float(np.mean(first_hit < k)) for k in ks}
+
+
+def _neighbors_without_self(
+    embeddings: np.ndarray, k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact k nearest other items of every item (self removed even among exact ties)."""
+    n = len(embeddings)
+    scores, rows = exact_search(embeddings, embeddings, min(k + 1, n))
+    keep = rows != np.arange(n)[:, None]
+    # Each row drops its own index once; rows where self was not returned drop the last column.
+    drop_last = keep.all(axis=1)
+    keep[drop_last, -1] = False
+    width = keep.shape[1] - 1
+    return scores[keep].reshape(n, width), rows[keep].reshape(n, width)
+
+
+def recall_at_k(
+    embeddings: np.ndarray, labels: Sequence, ks: Sequence[int] = (1, 2, 4, 8)
+) -> dict[int, float]:
+    """Leave-one-out Recall@K: every item queries all the others by exact inner product."""
+    labels = np.asarray(labels)
+    if len(labels) < 2:
+        raise ValueError("Recall@K needs at least two items")
+    k = min(max(ks), len(labels) - 1)
+    _, rows = _neighbors_without_self(embeddings, k)
+    neighbor_labels = labels[rows]
+    if neighbor_labels.shape[1] < max(ks):  # tiny sets: pad with a label no query has
+        pad = np.full((len(labels), max(ks) - neighbor_labels.shape[1]), object(), dtype=object)
+        neighbor_labels = np.concatenate([neighbor_labels.astype(object), pad], axis=1)
+    return recall_from_neighbor_labels(neighbor_labels, labels, ks)
+
+
+def map_at_r(embeddings: np.ndarray, labels: Sequence) -> float:
+    """MAP@R (Musgrave et al.): R = number of other items of the query's class."""
+    labels = np.asarray(labels)
+    _, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
+    r_per_query = counts[inverse] - 1
+    max_r = int(r_per_query.max())
+    if max_r == 0:
+        raise ValueError("MAP@R needs at least one class with two items")
+    _, rows = _neighbors_without_self(embeddings, min(max_r, len(labels) - 1))
+    hits = labels[rows] == labels[:, None]
+    ranks = np.arange(1, hits.shape[1] + 1)
+    precision_at_i = np.cumsum(hits, axis=1) / ranks
+    within_r = ranks[None, :] <= r_per_query[:, None]
+    ap = (precision_at_i * hits * within_r).sum(axis=1) / np.maximum(r_per_query, 1)
+    return float(ap[r_per_query > 0].mean())
+
+
+def ann_recall(
+    index, database: np.ndarray, queries: np.ndarray, k: int
+) -> float:
+    """Fraction of the exact top-k neighbours the ANN index returns (averaged over queries)."""
+    _, exact_rows = exact_search(database, queries, k)
+    _, ann_rows = search(index, queries, k)
+    return float(np.mean([len(set(a) & set(e)) / len(e) for a, e in zip(ann_rows, exact_rows)]))

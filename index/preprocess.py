@@ -1,0 +1,149 @@
+"""The one preprocessing implementation: image bytes or files → model input arrays.
+
+Training evaluation, ONNX export parity checks, index building and serving all call this,
+so an image is turned into numbers the same way at every stage. The model's manifest carries
+the `InputContract`; everything downstream reads it from there.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+# A decompression bomb is rejected from the header before any pixel is decoded.
+DEFAULT_MAX_PIXELS = 40_000_000
+
+
+class ImageDecodeError(ValueError):
+    """The bytes are not a decodable image, or the image breaks a limit."""
+
+
+@dataclass(frozen=True)
+class InputContract:
+    """What a model expects as input; written to and read from the model manifest."""
+
+    height: int
+    width: int
+    channels: int = 3  # 1 = grey ("L"), 3 = RGB
+    resize: int | None = None  # shorter side resized to this before the centre crop
+    dtype: str = "float32"
+    layout: str = "NCHW"
+    scale: float = 1.0 / 255.0
+    mean: tuple[float, ...] = field(default=(0.0,))
+    std: tuple[float, ...] = field(default=(1.0,))
+    # When True the graph applies (x - mean) / std itself and callers feed scaled pixels.
+    normalize_in_graph: bool = True
+
+    def __post_init__(self) -> None:
+        if self.height <= 0 or self.width <= 0:
+            raise ValueError(f"input size must be positive, got {self.height}x{self.width}")
+        if self.channels not in (1, 3):
+            raise ValueError(f"channels must be 1 (grey) or 3 (RGB), got {self.channels}")
+        if len(self.mean) not in (1, self.channels) or len(self.std) not in (1, self.channels):
+            raise ValueError("mean/std must have 1 or `channels` entries")
+        if any(s <= 0 for s in self.std):
+            raise ValueError("std entries must be positive")
+        if self.layout != "NCHW" or self.dtype != "float32":
+            raise ValueError("only NCHW float32 inputs are supported")
+
+    @property
+    def color_mode(self) -> str:
+        return "L" if self.channels == 1 else "RGB"
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        return (self.channels, self.height, self.width)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["mean"], d["std"] = list(self.mean), list(self.std)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> InputContract:
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        for key in ("mean", "std"):
+            if key in known:
+                known[key] = tuple(float(x) for x in known[key])
+        return cls(**known)
+
+
+def open_image(source: bytes | str | Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """Open an image from bytes or a path, checking its size from the header first."""
+    try:
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            if len(source) == 0:
+                raise ImageDecodeError("empty image bytes")
+            image = Image.open(io.BytesIO(bytes(source)))
+        else:
+            path = Path(source)
+            if not path.is_file():
+                raise ImageDecodeError(f"image file not found: {path}")
+            image = Image.open(path)
+    except UnidentifiedImageError as exc:
+        raise ImageDecodeError("bytes are not a recognised image format") from exc
+    except Image.DecompressionBombError as exc:  # Pillow's own header check, past ~179M pixels
+        raise ImageDecodeError(f"image is over the pixel limit: {exc}") from exc
+    except OSError as exc:
+        raise ImageDecodeError(f"cannot read image: {exc}") from exc
+    width, height = image.size
+    if width <= 0 or height <= 0:
+        raise ImageDecodeError(f"image has no pixels ({width}x{height})")
+    if width * height > max_pixels:
+        raise ImageDecodeError(
+            f"image is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}"
+        )
+    try:
+        image.load()
+    except (OSError, Image.DecompressionBombError, ValueError) as exc:
+        raise ImageDecodeError(f"corrupt or truncated image: {exc}") from exc
+    return image
+
+
+def to_model_input(image: Image.Image, contract: InputContract) -> np.ndarray:
+    """Convert a decoded image to one CHW float32 array following the contract."""
+    image = image.convert(contract.color_mode)
+    if contract.resize is not None:
+        w, h = image.size
+        ratio = contract.resize / min(w, h)
+        image = image.resize(
+            (max(1, round(w * ratio)), max(1, round(h * ratio))), Image.Resampling.BILINEAR
+        )
+    image = _center_crop_or_resize(image, contract.height, contract.width)
+    array = np.asarray(image, dtype=np.float32) * np.float32(contract.scale)
+    array = array[None, :, :] if array.ndim == 2 else array.transpose(2, 0, 1)
+    if not contract.normalize_in_graph:
+        mean = np.asarray(contract.mean, dtype=np.float32).reshape(-1, 1, 1)
+        std = np.asarray(contract.std, dtype=np.float32).reshape(-1, 1, 1)
+        array = (array - mean) / std
+    return np.ascontiguousarray(array, dtype=np.float32)
+
+
+def _center_crop_or_resize(image: Image.Image, height: int, width: int) -> Image.Image:
+    w, h = image.size
+    if (w, h) == (width, height):
+        return image
+    if w >= width and h >= height:
+        left, top = (w - width) // 2, (h - height) // 2
+        return image.crop((left, top, left + width, top + height))
+    return image.resize((width, height), Image.Resampling.BILINEAR)
+
+
+def load_image(
+    source: bytes | str | Path, contract: InputContract, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> np.ndarray:
+    """Decode and preprocess one image: the whole inference contract in one call."""
+    return to_model_input(open_image(source, max_pixels=max_pixels), contract)
+
+
+def load_batch(
+    sources: list[bytes | str | Path], contract: InputContract, max_pixels: int = DEFAULT_MAX_PIXELS
+) -> np.ndarray:
+    """Decode and stack several images into an NCHW batch (raises on the first bad one)."""
+    if not sources:
+        return np.zeros((0, *contract.input_shape), dtype=np.float32)
+    return np.stack([load_image(s, contract, max_pixels) for s in sources])

@@ -1,0 +1,194 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Embedding(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class SearchRequest(_message.Message):
+    __slots__ = ("image", "embedding", "item_id", "k", "request_id", "label", "exclude_ids")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_IDS_FIELD_NUMBER: _ClassVar[int]
+    image: bytes
+    embedding: Embedding
+    item_id: str
+    k: int
+    request_id: str
+    label: str
+    exclude_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, image: _Optional[bytes] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ..., item_id: _Optional[str] = ..., k: _Optional[int] = ..., request_id: _Optional[str] = ..., label: _Optional[str] = ..., exclude_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Neighbor(_message.Message):
+    __slots__ = ("id", "score", "label", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    score: float
+    label: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[str] = ..., score: _Optional[float] = ..., label: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class StageTimings(_message.Message):
+    __slots__ = ("decode_ms", "queue_ms", "embed_ms", "search_ms", "total_ms")
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    EMBED_MS_FIELD_NUMBER: _ClassVar[int]
+    SEARCH_MS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    decode_ms: float
+    queue_ms: float
+    embed_ms: float
+    search_ms: float
+    total_ms: float
+    def __init__(self, decode_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., embed_ms: _Optional[float] = ..., search_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+
+class SearchResponse(_message.Message):
+    __slots__ = ("neighbors", "request_id", "index_version", "index_id", "model_id", "timings")
+    NEIGHBORS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    neighbors: _containers.RepeatedCompositeFieldContainer[Neighbor]
+    request_id: str
+    index_version: str
+    index_id: str
+    model_id: str
+    timings: StageTimings
+    def __init__(self, neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., request_id: _Optional[str] = ..., index_version: _Optional[str] = ..., index_id: _Optional[str] = ..., model_id: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ...) -> None: ...
+
+class SearchBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[SearchRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[SearchRequest, _Mapping]]] = ...) -> None: ...
+
+class SearchBatchResponse(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[SearchResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[SearchResponse, _Mapping]]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("image", "request_id")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    image: bytes
+    request_id: str
+    def __init__(self, image: _Optional[bytes] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embedding", "model_id", "request_id", "timings")
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    model_id: str
+    request_id: str
+    timings: StageTimings
+    def __init__(self, embedding: _Optional[_Iterable[float]] = ..., model_id: _Optional[str] = ..., request_id: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ...) -> None: ...
+
+class FeedbackRequest(_message.Message):
+    __slots__ = ("request_id", "relevant_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEVANT_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    relevant_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., relevant_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FeedbackResponse(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_k", "max_message_bytes", "max_image_pixels", "max_batch_queries")
+    MAX_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    max_k: int
+    max_message_bytes: int
+    max_image_pixels: int
+    max_batch_queries: int
+    def __init__(self, max_k: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_batch_queries: _Optional[int] = ...) -> None: ...
+
+class RecallFigure(_message.Message):
+    __slots__ = ("source", "k", "value")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    k: int
+    value: float
+    def __init__(self, source: _Optional[str] = ..., k: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("model_id", "index_version", "index_id", "index_size", "embedding_dim", "factory", "limits", "recall_at_k", "ann_recall_at_k", "providers")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIM_FIELD_NUMBER: _ClassVar[int]
+    FACTORY_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    RECALL_AT_K_FIELD_NUMBER: _ClassVar[int]
+    ANN_RECALL_AT_K_FIELD_NUMBER: _ClassVar[int]
+    PROVIDERS_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    index_version: str
+    index_id: str
+    index_size: int
+    embedding_dim: int
+    factory: str
+    limits: Limits
+    recall_at_k: _containers.RepeatedCompositeFieldContainer[RecallFigure]
+    ann_recall_at_k: _containers.RepeatedCompositeFieldContainer[RecallFigure]
+    providers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., index_version: _Optional[str] = ..., index_id: _Optional[str] = ..., index_size: _Optional[int] = ..., embedding_dim: _Optional[int] = ..., factory: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., recall_at_k: _Optional[_Iterable[_Union[RecallFigure, _Mapping]]] = ..., ann_recall_at_k: _Optional[_Iterable[_Union[RecallFigure, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReloadRequest(_message.Message):
+    __slots__ = ("index_version", "model_dir")
+    INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
+    index_version: str
+    model_dir: str
+    def __init__(self, index_version: _Optional[str] = ..., model_dir: _Optional[str] = ...) -> None: ...
+
+class ReloadResponse(_message.Message):
+    __slots__ = ("index_version", "model_id", "previous_index_version")
+    INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    index_version: str
+    model_id: str
+    previous_index_version: str
+    def __init__(self, index_version: _Optional[str] = ..., model_id: _Optional[str] = ..., previous_index_version: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,134 @@
+"""The whole chain on the embedded glyph set: train → export → index → serve → query → report.
+
+Each stage runs as its own command (`python -m training …`, `python -m index …`,
+`python -m serving …`), exactly as an operator would run them; the queries go through the
+project's gRPC client, once per test image, and Recall@K is computed from what the server
+answered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from index.catalog import read_catalog
+from index.evaluation import recall_from_neighbor_labels
+from serving.client import SearchClient
+
+KS = (1, 2, 4, 8)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stage(title: str, *args: str) -> float:
+    print(f"\n=== {title}: python {' '.join(args)}", flush=True)
+    started = time.perf_counter()
+    subprocess.run([sys.executable, *args], check=True)
+    return time.perf_counter() - started
+
+
+def query_server(target: str, catalog_path: Path, ks=KS, threads: int = 8) -> dict[int, float]:
+    """Every test image queries the server once (itself excluded); Recall@K from the answers."""
+    catalog = read_catalog(catalog_path)
+    k = max(ks)
+    with SearchClient(target, timeout=30.0) as client:
+        client.wait_ready(60)
+        for _ in range(300):
+            if client.healthy():
+                break
+            time.sleep(0.2)
+        else:
+            raise RuntimeError("server never became healthy")
+
+        def ask(row: int) -> list[str]:
+            response = client.search_image(catalog.paths[row], k=k, exclude_ids=[catalog.ids[row]], label=catalog.labels[row])
+            return [n.label for n in response.neighbors]
+
+        with ThreadPoolExecutor(threads) as pool:
+            answers = list(pool.map(ask, range(len(catalog))))
+    width = max(len(a) for a in answers)
+    labels = np.array([a + [None] * (width - len(a)) for a in answers], dtype=object)
+    return recall_from_neighbor_labels(labels, np.array(catalog.labels, dtype=object), ks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="runs/demo", help="where model/, index/ and report.json go")
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--max-classes", type=int, help="use a slice of the glyph classes (quick runs)")
+    parser.add_argument("--max-per-class", type=int, help="use at most N faces per class")
+    parser.add_argument("--classes-per-batch", type=int, default=20)
+    parser.add_argument("--loss", default="raw_vthm")
+    args = parser.parse_args(argv)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    slice_args = []
+    if args.max_classes:
+        slice_args += ["--max-classes", str(args.max_classes)]
+    if args.max_per_class:
+        slice_args += ["--max-per-class", str(args.max_per_class)]
+    times = {}
+    times["train"] = stage(
+        "train (Ray Train)", "-m", "training", "train", "--out", str(out / "train"), "--loss", args.loss,
+        "--epochs", str(args.epochs), "--classes-per-batch", str(args.classes_per_batch), *slice_args,
+    )
+    times["export"] = stage("export (ONNX)", "-m", "training", "export", "--run", str(out / "train"), "--out", str(out / "model"))
+    times["index"] = stage(
+        "index (faiss)", "-m", "index", "build", "--model", str(out / "model"), "--index-root", str(out / "index"),
+        "--no-progress",
+    )
+
+    port, metrics_port = free_port(), free_port()
+    print(f"\n=== serve: python -m serving serve --index-root {out / 'index'} --port {port} --metrics-port {metrics_port}", flush=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "serving", "serve", "--index-root", str(out / "index"), "--port", str(port), "--metrics-port", str(metrics_port)],
+    )
+    try:
+        t = time.perf_counter()
+        served = query_server(f"127.0.0.1:{port}", out / "train" / "splits" / "test.csv")
+        times["query"] = time.perf_counter() - t
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+
+    results = json.loads((out / "train" / "results.json").read_text())
+    report = {
+        "untrained_recall_at_k": {str(k): results["untrained"]["recall_at_k"][str(k)] for k in KS},
+        "trained_recall_at_k": {str(k): results["trained"]["recall_at_k"][str(k)] for k in KS},
+        "served_recall_at_k": {str(k): served[k] for k in KS},
+        "test_images": results["test_images"],
+        "test_classes": results["test_classes"],
+        "seconds": {**times, "total": time.perf_counter() - started},
+        "machine": {"cpus": os.cpu_count()},
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nRecall@K on {report['test_classes']} unseen classes ({report['test_images']} images):")
+    print(f"{'':<28}" + "".join(f"{'R@' + str(k):>8}" for k in KS))
+    for name, key in (
+        ("untrained network", "untrained_recall_at_k"),
+        ("trained (in-process)", "trained_recall_at_k"),
+        ("served (gRPC, ONNX+faiss)", "served_recall_at_k"),
+    ):
+        print(f"{name:<28}" + "".join(f"{100 * report[key][str(k)]:8.2f}" for k in KS))
+    print(f"\nwall time {report['seconds']['total']:.0f} s; report: {out / 'report.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

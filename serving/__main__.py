@@ -1,0 +1,121 @@
+"""`python -m serving {serve,query,info}`: run the search server, or query one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+import grpc
+
+from index.cli import run_cli
+from index.config import from_cli
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m serving", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve similarity search over gRPC")
+    serve.add_argument("--config", help="YAML/TOML file with any of the options below")
+    serve.add_argument("--index-root", dest="index_root", help="index root with versions/ and CURRENT")
+    serve.add_argument("--model", help="model artifact directory (default: the one the index records)")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="gRPC port (0 picks a free one)")
+    serve.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus HTTP port")
+    serve.add_argument("--provider", choices=["auto", "cpu", "cuda"], help="ONNX Runtime provider")
+    serve.add_argument("--workers", type=int, help="RPC worker threads")
+    serve.add_argument("--admin-token", dest="admin_token", help="bearer token for IndexAdmin (or SIMSEARCH_ADMIN_TOKEN)")
+    serve.add_argument("--max-k", dest="max_k", type=int)
+    serve.add_argument("--max-message-bytes", dest="max_message_bytes", type=int)
+    serve.add_argument("--max-image-pixels", dest="max_image_pixels", type=int)
+    serve.add_argument("--max-batch-queries", dest="max_batch_queries", type=int)
+
+    query = sub.add_parser("query", help="search with one or more image files")
+    query.add_argument("images", nargs="+", help="image files")
+    query.add_argument("--target", default="127.0.0.1:50051", help="server address host:port")
+    query.add_argument("--k", type=int, default=10, help="neighbours per image")
+    query.add_argument("--timeout", type=float, default=10.0, help="deadline per call in seconds")
+    query.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    info = sub.add_parser("info", help="print the server's live versions and limits")
+    info.add_argument("--target", default="127.0.0.1:50051")
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import os
+
+    from serving.server import SearchServer, ServerConfig
+
+    config = from_cli(ServerConfig, args)
+    if config.admin_token is None and os.environ.get("SIMSEARCH_ADMIN_TOKEN"):
+        config.admin_token = os.environ["SIMSEARCH_ADMIN_TOKEN"]
+    server = SearchServer(config)
+    server.start()
+    print(json.dumps({"port": server.port, "metrics_port": config.metrics_port}), flush=True)
+    stopped = threading.Event()
+
+    def shutdown(signum, frame):  # drain in-flight requests, then exit
+        logging.getLogger("serving").info("signal %d: draining and stopping", signum)
+        stopped.set()
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    stopped.wait()
+    server.stop(grace=10.0)
+
+
+def _query(args: argparse.Namespace) -> None:
+    from google.protobuf.json_format import MessageToDict
+
+    from serving.client import SearchClient
+
+    if args.k <= 0:
+        raise ValueError(f"--k must be at least 1, got {args.k}")
+    results = []
+    with SearchClient(args.target, timeout=args.timeout) as client:
+        for image in args.images:
+            try:
+                response = client.search_image(image, k=args.k)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"image file not found: {image}") from None
+            results.append((image, response))
+    if args.json:
+        print(json.dumps([{"image": i, **MessageToDict(r)} for i, r in results], indent=2))
+        return
+    for image, response in results:
+        print(f"{image}  (index {response.index_version}, model {response.model_id}, {response.timings.total_ms:.1f} ms)")
+        print(f"  {'rank':>4}  {'score':>7}  {'label':<12} id")
+        for rank, n in enumerate(response.neighbors, 1):
+            print(f"  {rank:>4}  {n.score:7.4f}  {n.label:<12} {n.id}")
+
+
+def _info(args: argparse.Namespace) -> None:
+    from google.protobuf.json_format import MessageToDict
+
+    from serving.client import SearchClient
+
+    with SearchClient(args.target) as client:
+        print(json.dumps(MessageToDict(client.get_info()), indent=2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    commands = {"serve": _serve, "query": _query, "info": _info}
+
+    def command() -> None:
+        try:
+            commands[args.command](args)
+        except grpc.RpcError as exc:
+            raise ValueError(f"server answered {exc.code().name}: {exc.details()}") from None
+
+    return run_cli(command)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Python client for simsearch: deadlines on every call, retries on UNAVAILABLE."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.simsearch.v1 import search_pb2 as pb
+from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
+
+_RETRY_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "simsearch.v1.SimilaritySearch"}],
+                "retryPolicy": {
+                    "maxAttempts": 4,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
+
+
+class SearchClient:
+    """A channel to one server. Use as a context manager or call `close()`."""
+
+    def __init__(
+        self,
+        target: str,
+        timeout: float = 10.0,
+        admin_token: str | None = None,
+        max_message_bytes: int = 16 * 1024 * 1024,
+    ) -> None:
+        self.timeout = timeout
+        self.admin_token = admin_token
+        self.channel = grpc.insecure_channel(
+            target,
+            options=[
+                ("grpc.service_config", _RETRY_SERVICE_CONFIG),
+                ("grpc.enable_retries", 1),
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", max_message_bytes),
+            ],
+        )
+        self.stub = pb_grpc.SimilaritySearchStub(self.channel)
+        self.admin = pb_grpc.IndexAdminStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+
+    def __enter__(self) -> SearchClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+
+    def healthy(self, service: str = "") -> bool:
+        try:
+            reply = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=self.timeout)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def search(self, request: pb.SearchRequest, timeout: float | None = None) -> pb.SearchResponse:
+        return self.stub.Search(request, timeout=timeout or self.timeout)
+
+    def search_image(
+        self,
+        image: bytes | str | Path,
+        k: int = 10,
+        request_id: str = "",
+        label: str | None = None,
+        exclude_ids: Sequence[str] = (),
+        timeout: float | None = None,
+    ) -> pb.SearchResponse:
+        data = image if isinstance(image, (bytes, bytearray)) else Path(image).read_bytes()
+        return self.search(
+            pb.SearchRequest(image=bytes(data), k=k, request_id=request_id, label=label, exclude_ids=list(exclude_ids)),
+            timeout,
+        )
+
+    def search_embedding(self, values: Sequence[float], k: int = 10, timeout: float | None = None) -> pb.SearchResponse:
+        return self.search(pb.SearchRequest(embedding=pb.Embedding(values=list(values)), k=k), timeout)
+
+    def search_item(self, item_id: str, k: int = 10, timeout: float | None = None) -> pb.SearchResponse:
+        return self.search(pb.SearchRequest(item_id=item_id, k=k), timeout)
+
+    def search_batch(self, requests: Sequence[pb.SearchRequest], timeout: float | None = None) -> pb.SearchBatchResponse:
+        return self.stub.SearchBatch(pb.SearchBatchRequest(requests=list(requests)), timeout=timeout or self.timeout)
+
+    def embed(self, image: bytes, timeout: float | None = None) -> pb.EmbedResponse:
+        return self.stub.Embed(pb.EmbedRequest(image=image), timeout=timeout or self.timeout)
+
+    def feedback(self, request_id: str, relevant_ids: Sequence[str]) -> pb.FeedbackResponse:
+        return self.stub.Feedback(
+            pb.FeedbackRequest(request_id=request_id, relevant_ids=list(relevant_ids)), timeout=self.timeout
+        )
+
+    def get_info(self, timeout: float | None = None) -> pb.GetInfoResponse:
+        return self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout or self.timeout)
+
+    def reload(self, index_version: str = "", model_dir: str = "", timeout: float | None = None) -> pb.ReloadResponse:
+        metadata = [("authorization", f"Bearer {self.admin_token}")] if self.admin_token else []
+        return self.admin.Reload(
+            pb.ReloadRequest(index_version=index_version, model_dir=model_dir),
+            timeout=timeout or max(self.timeout, 60.0),
+            metadata=metadata,
+        )

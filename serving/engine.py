@@ -1,0 +1,184 @@
+"""The search logic behind the gRPC servicer: a live model+index pair and queries against it.
+
+The live pair is one immutable object swapped by reference, so a request that took it at the
+start finishes on it even if a reload swaps in another meanwhile, and every answer names the
+versions that produced it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from index import artifacts
+from index.artifacts import ArtifactError, read_manifest
+from index.build import check_model_index_pair
+from index.embedder import OnnxEmbedder
+from index.faiss_index import apply_search_params, load_index
+from index.items import ItemTable
+from index.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, load_image
+from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_k: int = 1000
+    max_message_bytes: int = 16 * 1024 * 1024
+    max_image_pixels: int = DEFAULT_MAX_PIXELS
+    max_batch_queries: int = 256
+
+
+@dataclass(frozen=True)
+class ServingPair:
+    """A loaded model and the index built with it."""
+
+    embedder: OnnxEmbedder
+    index: faiss.Index
+    items: ItemTable
+    manifest: dict
+    version: str
+    directory: Path
+
+    @property
+    def model_id(self) -> str:
+        return self.embedder.model_id
+
+    @property
+    def index_id(self) -> str:
+        return self.manifest["index_id"]
+
+    @property
+    def dim(self) -> int:
+        return self.embedder.dim
+
+
+def load_pair(
+    index_root: str | Path,
+    version: str | None = None,
+    model_dir: str | Path | None = None,
+    provider: str = "auto",
+    intra_op_threads: int | None = None,
+) -> ServingPair:
+    """Load an index version and its model, refusing a pair built with different models."""
+    directory = artifacts.version_dir(index_root, version)
+    manifest = read_manifest(directory)
+    model_dir = Path(model_dir or manifest.get("model_dir") or "")
+    if not (model_dir / artifacts.MANIFEST).is_file():
+        raise ArtifactError(f"model directory {model_dir} has no {artifacts.MANIFEST}")
+    embedder = OnnxEmbedder(model_dir, provider=provider, intra_op_threads=intra_op_threads)
+    check_model_index_pair(embedder.manifest, manifest)
+    index = load_index(directory / artifacts.INDEX_FILE)
+    if manifest.get("search_params"):
+        apply_search_params(index, manifest["search_params"])
+    items = ItemTable.read(directory / artifacts.ITEMS_FILE)
+    if len(items) != index.ntotal or index.d != embedder.dim:
+        raise ArtifactError(
+            f"{directory}: index has {index.ntotal} vectors of dim {index.d}, items table "
+            f"{len(items)} rows, model dim {embedder.dim}"
+        )
+    return ServingPair(embedder, index, items, manifest, directory.name, directory)
+
+
+@dataclass
+class Hit:
+    row: int
+    score: float
+
+
+@dataclass
+class Timings:
+    decode: float = 0.0
+    queue: float = 0.0
+    embed: float = 0.0
+    search: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class SearchEngine:
+    """Holds the live pair; decodes, embeds and searches against it."""
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self._pair: ServingPair | None = None
+        self._swap_lock = threading.Lock()
+
+    @property
+    def pair(self) -> ServingPair:
+        pair = self._pair
+        if pair is None:
+            raise Unavailable("no model and index are loaded yet")
+        return pair
+
+    @property
+    def loaded(self) -> bool:
+        return self._pair is not None
+
+    def swap(self, new: ServingPair) -> ServingPair | None:
+        with self._swap_lock:
+            old, self._pair = self._pair, new
+        return old
+
+    # -- stages -----------------------------------------------------------------------------
+
+    def check_k(self, k: int) -> None:
+        if k <= 0:
+            raise InvalidArgument(f"k must be at least 1, got {k}")
+        if k > self.limits.max_k:
+            raise InvalidArgument(f"k={k} exceeds the maximum of {self.limits.max_k}")
+
+    def decode(self, pair: ServingPair, image: bytes) -> np.ndarray:
+        try:
+            return load_image(image, pair.embedder.contract, self.limits.max_image_pixels)
+        except ImageDecodeError as exc:
+            if "over the limit" in str(exc):
+                raise ResourceExhausted(str(exc)) from exc
+            raise InvalidArgument(f"cannot decode image: {exc}") from exc
+
+    def embed(self, pair: ServingPair, arrays: list[np.ndarray]) -> np.ndarray:
+        return pair.embedder.embed(np.stack(arrays))
+
+    def check_embedding(self, pair: ServingPair, values: list[float] | np.ndarray) -> np.ndarray:
+        vector = np.asarray(values, dtype=np.float32)
+        if vector.ndim != 1 or len(vector) != pair.dim:
+            raise InvalidArgument(
+                f"embedding has dimension {vector.size}, the live model's is {pair.dim}"
+            )
+        if not np.isfinite(vector).all():
+            raise InvalidArgument("embedding contains NaN or infinity")
+        norm = float(np.linalg.norm(vector))
+        if norm == 0.0:
+            raise InvalidArgument("embedding is the zero vector")
+        return vector / norm
+
+    def item_vector(self, pair: ServingPair, item_id: str) -> tuple[np.ndarray, int]:
+        row = pair.items.row_of(item_id)
+        if row is None:
+            raise InvalidArgument(f"unknown item id {item_id!r}")
+        return pair.index.reconstruct(row), row
+
+    def search(
+        self, pair: ServingPair, vectors: np.ndarray, k: int, exclude: list[set[int]]
+    ) -> list[list[Hit]]:
+        """Top-k per query, leaving out excluded rows (searching deeper to make up for them)."""
+        depth = min(k + max((len(e) for e in exclude), default=0), pair.index.ntotal)
+        scores, rows = pair.index.search(np.ascontiguousarray(vectors, dtype=np.float32), depth)
+        results = []
+        for s_row, r_row, skip in zip(scores, rows, exclude, strict=True):
+            hits = [Hit(int(r), float(s)) for s, r in zip(s_row, r_row, strict=True) if r >= 0 and int(r) not in skip]
+            results.append(hits[:k])
+        return results
+
+    def exclude_rows(self, pair: ServingPair, ids: list[str]) -> set[int]:
+        return {row for row in (pair.items.row_of(i) for i in ids) if row is not None}
+
+
+def timed() -> float:
+    return time.perf_counter()

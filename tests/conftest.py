@@ -1,0 +1,45 @@
+"""Shared fixtures: one real chain (Ray Train → ONNX → faiss) on a slice of the glyph set."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# A slice big enough that training must beat the untrained network on unseen classes.
+SLICE = ["--max-classes", "40", "--max-per-class", "40", "--epochs", "4", "--classes-per-batch", "10"]
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> Path:
+    """Run scripts/demo.py (every stage as its own command, served over gRPC) on a slice."""
+    out = tmp_path_factory.mktemp("demo")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "demo.py"), "--out", str(out), *SLICE],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert json.loads((out / "report.json").read_text())
+    return out
+
+
+@pytest.fixture(scope="session")
+def served(demo_run):
+    """A real SearchServer on a loopback port over the demo's model and index."""
+    from serving.client import SearchClient
+    from serving.server import SearchServer, ServerConfig
+
+    server = SearchServer(
+        ServerConfig(index_root=str(demo_run / "index"), port=0, metrics_port=None, admin_token="s3cret",
+                     max_k=50, max_image_pixels=1_000_000, max_message_bytes=2 * 1024 * 1024)
+    )
+    server.start()
+    client = SearchClient(f"127.0.0.1:{server.port}", timeout=10.0, admin_token="s3cret")
+    client.wait_ready(30)
+    yield server, client
+    client.close()
+    server.stop(grace=1)

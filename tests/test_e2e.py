@@ -1,0 +1,60 @@
+"""The whole chain for real: Ray Train, ONNX Runtime, faiss, gRPC server on loopback."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from index.artifacts import read_manifest, version_dir
+from index.catalog import read_catalog
+from index.embedder import OnnxEmbedder
+from index.preprocess import load_batch
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_report_has_every_figure_and_training_helps(demo_run):
+    report = json.loads((demo_run / "report.json").read_text())
+    for key in ("untrained_recall_at_k", "trained_recall_at_k", "served_recall_at_k"):
+        assert set(report[key]) == {"1", "2", "4", "8"}
+        values = [report[key][k] for k in ("1", "2", "4", "8")]
+        assert values == sorted(values), f"{key} must not decrease with K"
+    # (b) training on the train classes helps on classes it never saw.
+    assert report["trained_recall_at_k"]["1"] > report["untrained_recall_at_k"]["1"] + 0.05
+    # The served figures come from the same model through ONNX and faiss: equal up to ties.
+    for k in ("1", "2", "4", "8"):
+        assert report["served_recall_at_k"][k] == pytest.approx(report["trained_recall_at_k"][k], abs=0.01)
+
+
+def test_artifacts_are_published_with_manifests(demo_run):
+    model = read_manifest(demo_run / "model")
+    assert model["parity"]["min_cosine"] >= 0.9999
+    index_dir = version_dir(demo_run / "index")
+    index = read_manifest(index_dir)
+    assert index["model_id"] == model["model_id"]
+    assert index["size"] == len(read_catalog(demo_run / "train" / "splits" / "test.csv"))
+    assert not [p for p in demo_run.iterdir() if ".staging" in p.name]
+
+
+def test_server_neighbours_equal_exact_search_over_onnx_embeddings(demo_run, served):
+    """(a) The server's answer for an image equals brute force over ONNX Runtime embeddings."""
+    _, client = served
+    catalog = read_catalog(demo_run / "train" / "splits" / "test.csv")
+    embedder = OnnxEmbedder(demo_run / "model", provider="cpu")
+    database = embedder.embed(load_batch(list(catalog.paths), embedder.contract))
+    k = 10
+    for row in range(0, len(catalog), 97):
+        query = database[row]
+        scores = database @ query
+        order = np.argsort(-scores, kind="stable")[:k]
+        response = client.search_image(catalog.paths[row], k=k)
+        got_ids = [n.id for n in response.neighbors]
+        expected_ids = [catalog.ids[i] for i in order]
+        got_scores = np.array([n.score for n in response.neighbors])
+        np.testing.assert_allclose(got_scores, scores[order], atol=1e-5)
+        # Ids may only differ where scores tie.
+        for g, e, s in zip(got_ids, expected_ids, scores[order], strict=True):
+            if g != e:
+                assert abs(scores[catalog.ids.index(g)] - s) < 1e-5

@@ -1,0 +1,148 @@
+"""The embedded default data set: font glyphs rendered from installed Debian font packages.
+
+Class = a character; image = that character rendered in one font face, 28×28 grey. About 116
+characters that every face covers (Latin letters and digits, Greek and Cyrillic letters with no
+Latin look-alike, a few symbols) over about 170 faces. Rendering is deterministic: a fixed
+character list, faces found by file in fixed order, faces that lack any character skipped.
+Images are cached as PNG files with a catalog (`id, path, label, font, codepoint`) and only
+re-rendered when missing or when the character/face list changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from fontTools.ttLib import TTFont, TTLibError
+from PIL import Image, ImageDraw, ImageFont
+
+from index.artifacts import staging_directory
+from index.catalog import Catalog, read_catalog
+
+log = logging.getLogger(__name__)
+
+LATIN = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+# Greek and Cyrillic letters that no Latin letter (nor each other) closely resembles.
+GREEK = "ΓΔΘΛΞΠΣΦΨΩαβγδεζηθλμξπσφψω"
+CYRILLIC = "БДЖЗИЙЦЧШЩЫЭЮЯбджилцчшыэюя"
+SYMBOLS = "&@"
+CHARACTERS = LATIN + GREEK + CYRILLIC + SYMBOLS
+
+FONT_DIRS = (
+    "/usr/share/fonts/truetype",
+    "/usr/share/fonts/opentype",
+    "/usr/share/texmf/fonts/opentype",
+)
+FONT_PACKAGES = (
+    "fonts-noto-core fonts-urw-base35 fonts-liberation fonts-liberation2 fonts-freefont-ttf "
+    "fonts-texgyre fonts-lato fonts-open-sans fonts-roboto-unhinted fonts-crosextra-carlito "
+    "fonts-crosextra-caladea fonts-linuxlibertine fonts-ebgaramond fonts-cantarell"
+).split()
+IMAGE_SIZE = 28
+DEFAULT_MAX_FACES = 170
+DEFAULT_DATA_DIR = Path(os.environ.get("SIMSEARCH_DATA", "data")) / "glyphs"
+CATALOG_NAME = "catalog.csv"
+
+
+@dataclass(frozen=True)
+class Face:
+    path: Path
+    name: str
+
+
+def discover_faces(
+    characters: str = CHARACTERS,
+    font_dirs: Sequence[str | Path] = FONT_DIRS,
+    max_faces: int | None = DEFAULT_MAX_FACES,
+) -> list[Face]:
+    """Font faces (one per file, deduplicated by full name) that cover every character."""
+    needed = {ord(c) for c in characters}
+    files = sorted(
+        p
+        for d in font_dirs
+        if Path(d).is_dir()
+        for p in Path(d).rglob("*")
+        if p.suffix.lower() in (".ttf", ".otf") and p.is_file()
+    )
+    faces: dict[str, Face] = {}
+    for path in files:
+        try:
+            font = TTFont(path, lazy=True, fontNumber=0)
+            cmap = font.getBestCmap() or {}
+            name = font["name"].getDebugName(4) or path.stem
+            font.close()
+        except (TTLibError, KeyError, OSError, AssertionError) as exc:
+            log.debug("skipping unreadable font %s: %s", path, exc)
+            continue
+        if needed <= cmap.keys() and name not in faces:
+            faces[name] = Face(path, name)
+    ordered = sorted(faces.values(), key=lambda f: f.name)
+    if max_faces is not None and len(ordered) > max_faces:
+        # Evenly spaced picks keep every family represented rather than the first alphabetically.
+        picks = np.linspace(0, len(ordered) - 1, max_faces).round().astype(int)
+        ordered = [ordered[i] for i in picks]
+    return ordered
+
+
+def render_glyph(face: ImageFont.FreeTypeFont, character: str, size: int = IMAGE_SIZE) -> Image.Image:
+    """White glyph on black, on a common baseline so case and position stay visible."""
+    image = Image.new("L", (size, size), 0)
+    ImageDraw.Draw(image).text(
+        (size / 2, size * 0.75), character, fill=255, font=face, anchor="ms"
+    )
+    return image
+
+
+def _fingerprint(characters: str, faces: Sequence[Face], size: int) -> str:
+    text = json.dumps([characters, [f.name for f in faces], size], ensure_ascii=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def build_glyph_dataset(
+    data_dir: str | Path = DEFAULT_DATA_DIR,
+    characters: str = CHARACTERS,
+    max_faces: int | None = DEFAULT_MAX_FACES,
+    font_dirs: Sequence[str | Path] = FONT_DIRS,
+    size: int = IMAGE_SIZE,
+) -> Path:
+    """Render (or reuse) the glyph set under `data_dir`; return the catalog path."""
+    data_dir = Path(data_dir)
+    faces = discover_faces(characters, font_dirs, max_faces)
+    if len(faces) < 2:
+        raise RuntimeError(
+            f"found {len(faces)} font faces covering all {len(characters)} characters under "
+            f"{', '.join(map(str, font_dirs))}; install the font packages: "
+            f"apt-get install {' '.join(FONT_PACKAGES)}"
+        )
+    fingerprint = _fingerprint(characters, faces, size)
+    catalog_path = data_dir / CATALOG_NAME
+    stamp = data_dir / "fingerprint"
+    if catalog_path.is_file() and stamp.is_file() and stamp.read_text().strip() == fingerprint:
+        if not read_catalog(catalog_path).check_files():
+            return catalog_path
+    log.info("rendering %d characters × %d faces into %s", len(characters), len(faces), data_dir)
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    with staging_directory(data_dir) as staging:
+        ids, paths, labels, metadata = [], [], [], []
+        for face_number, face in enumerate(faces):
+            font = ImageFont.truetype(str(face.path), size=int(size * 0.7))
+            for character in characters:
+                codepoint = f"U+{ord(character):04X}"
+                rel = Path("images") / codepoint / f"{face_number:03d}.png"
+                (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+                render_glyph(font, character, size).save(staging / rel, optimize=False)
+                ids.append(f"{codepoint}/{face_number:03d}")
+                paths.append(staging / rel)
+                labels.append(codepoint)
+                metadata.append({"font": face.name, "character": character})
+        Catalog(ids, paths, labels, metadata, source="glyphs").write(staging / CATALOG_NAME)
+        (staging / "fingerprint").write_text(fingerprint + "\n")
+    return catalog_path
+
+
