@@ -21,7 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--index-root", dest="index_root", help="index root (versions/ and CURRENT)")
     build.add_argument("--catalog", help="catalog to index (default: the model's test split)")
     build.add_argument("--factory", help="faiss factory string: Flat, IVF256,Flat, IVF256,PQ16, HNSW32, ...")
-    build.add_argument("--search-params", dest="search_params", type=json.loads, help='JSON, e.g. \'{"nprobe": 16}\'')
+    build.add_argument("--search-params", dest="search_params", type=json.loads, help="JSON, e.g. '{\"nprobe\": 16}'")
     build.add_argument("--train-size", dest="train_size", type=int, help="vectors sampled to train IVF/PQ")
     build.add_argument("--device", choices=["auto", "cpu", "gpu"], help="where faiss builds")
     build.add_argument("--provider", choices=["auto", "cpu", "cuda"], help="ONNX Runtime provider")
@@ -67,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
                 m = artifacts.read_manifest(artifacts.version_dir(args.index_root, version))
                 probe = m.get("quality", {}).get("probe_recall_at_k", {}).get("1")
                 mark = "*" if version == live else " "
-                print(f"{mark} {version}  size={m['size']}  factory={m['factory']}  model={m['model_id']}  probe_R@1={probe}")
+                print(
+                    f"{mark} {version}  size={m['size']}  factory={m['factory']}  "
+                    f"model={m['model_id']}  probe_R@1={probe}"
+                )
         elif args.command == "rollback":
             versions = artifacts.list_versions(args.index_root)
             live = artifacts.current_version(args.index_root)

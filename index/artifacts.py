@@ -145,9 +145,7 @@ def list_versions(root: str | Path) -> list[str]:
         return []
     # Hidden entries are staging directories of builds in progress (or killed mid-write).
     return sorted(
-        p.name
-        for p in versions.iterdir()
-        if not p.name.startswith(".") and p.is_dir() and (p / MANIFEST).is_file()
+        p.name for p in versions.iterdir() if not p.name.startswith(".") and p.is_dir() and (p / MANIFEST).is_file()
     )
 
 

@@ -93,9 +93,10 @@ def embed_catalog(
             return None
 
     parts, kept = [], []
-    with ThreadPoolExecutor(max_workers=threads) as pool, tqdm(
-        total=len(catalog), desc="embed", unit="img", disable=not progress
-    ) as bar:
+    with (
+        ThreadPoolExecutor(max_workers=threads) as pool,
+        tqdm(total=len(catalog), desc="embed", unit="img", disable=not progress) as bar,
+    ):
         for start in range(0, len(catalog), batch_size):
             rows = range(start, min(start + batch_size, len(catalog)))
             arrays = list(pool.map(decode, (catalog.paths[r] for r in rows)))
@@ -131,9 +132,9 @@ def quality_figures(index, embeddings: np.ndarray, labels: list[str], cfg: Build
             str(kk): v for kk, v in recall_from_neighbor_labels(neighbor_labels, label_array[sample], ks).items()
         }
     if n <= 20000:
-        figures["exact_recall_at_k"] = {
-            str(kk): v for kk, v in recall_at_k(embeddings, labels, ks).items()
-        } if ks else {}
+        figures["exact_recall_at_k"] = (
+            {str(kk): v for kk, v in recall_at_k(embeddings, labels, ks).items()} if ks else {}
+        )
     return figures
 
 

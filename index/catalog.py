@@ -85,9 +85,7 @@ class Catalog:
         with tmp.open("w", newline="", encoding="utf-8") as f:
             writer = csv.writer(f)
             writer.writerow([*REQUIRED_COLUMNS, *extra])
-            for item_id, p, label, meta in zip(
-                self.ids, self.paths, self.labels, self.metadata, strict=True
-            ):
+            for item_id, p, label, meta in zip(self.ids, self.paths, self.labels, self.metadata, strict=True):
                 try:
                     shown = p.resolve().relative_to(base)
                 except ValueError:
@@ -124,9 +122,7 @@ def read_catalog(path: str | Path) -> Catalog:
     elif suffix in (".parquet", ".pq"):
         rows = _read_parquet(path)
     else:
-        raise CatalogError(
-            f"{path}: unknown catalog format {suffix!r} (use .csv, .jsonl, .parquet or a folder)"
-        )
+        raise CatalogError(f"{path}: unknown catalog format {suffix!r} (use .csv, .jsonl, .parquet or a folder)")
     return _catalog_from_rows(rows, path)
 
 
@@ -188,9 +184,7 @@ def _catalog_from_rows(rows: list[dict], path: Path) -> Catalog:
         ids.append(str(values["id"]))
         paths.append(p if p.is_absolute() else base / p)
         labels.append(str(values["label"]))
-        metadata.append(
-            {k: str(v) for k, v in row.items() if k not in REQUIRED_COLUMNS and v is not None}
-        )
+        metadata.append({k: str(v) for k, v in row.items() if k not in REQUIRED_COLUMNS and v is not None})
     return Catalog(ids, paths, labels, metadata, source=str(path))
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
+import tomllib
 import yaml
 
 T = TypeVar("T")
@@ -101,9 +101,7 @@ def resolve_config(cls: type[T], *layers: dict[str, Any]) -> T:
     for layer in layers:
         unknown = sorted(set(layer) - fields)
         if unknown:
-            raise ConfigError(
-                f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}"
-            )
+            raise ConfigError(f"unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
         merged.update({k: v for k, v in layer.items()})
     values = {k: _coerce(k, v, hints[k]) for k, v in merged.items()}
     try:

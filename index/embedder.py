@@ -19,17 +19,14 @@ CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 
 
-def select_providers(
-    prefer: str = "auto", available: Sequence[str] | None = None
-) -> list[str]:
+def select_providers(prefer: str = "auto", available: Sequence[str] | None = None) -> list[str]:
     """Execution providers in priority order: CUDA first when present and allowed, CPU last."""
     if prefer not in ("auto", "cpu", "cuda"):
         raise ValueError(f"provider must be auto, cpu or cuda, got {prefer!r}")
     available = list(ort.get_available_providers() if available is None else available)
     if prefer == "cuda" and CUDA not in available:
         raise RuntimeError(
-            "CUDA provider requested but ONNX Runtime has no CUDAExecutionProvider "
-            "(install onnxruntime-gpu)"
+            "CUDA provider requested but ONNX Runtime has no CUDAExecutionProvider (install onnxruntime-gpu)"
         )
     if prefer != "cpu" and CUDA in available:
         return [CUDA, CPU]

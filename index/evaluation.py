@@ -31,9 +31,7 @@ def recall_from_neighbor_labels(
     return {int(k): float(np.mean(first_hit < k)) for k in ks}
 
 
-def _neighbors_without_self(
-    embeddings: np.ndarray, k: int
-) -> tuple[np.ndarray, np.ndarray]:
+def _neighbors_without_self(embeddings: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Exact k nearest other items of every item (self removed even among exact ties)."""
     n = len(embeddings)
     scores, rows = exact_search(embeddings, embeddings, min(k + 1, n))
@@ -45,9 +43,7 @@ def _neighbors_without_self(
     return scores[keep].reshape(n, width), rows[keep].reshape(n, width)
 
 
-def recall_at_k(
-    embeddings: np.ndarray, labels: Sequence, ks: Sequence[int] = (1, 2, 4, 8)
-) -> dict[int, float]:
+def recall_at_k(embeddings: np.ndarray, labels: Sequence, ks: Sequence[int] = (1, 2, 4, 8)) -> dict[int, float]:
     """Leave-one-out Recall@K: every item queries all the others by exact inner product."""
     labels = np.asarray(labels)
     if len(labels) < 2:
@@ -78,10 +74,8 @@ def map_at_r(embeddings: np.ndarray, labels: Sequence) -> float:
     return float(ap[r_per_query > 0].mean())
 
 
-def ann_recall(
-    index, database: np.ndarray, queries: np.ndarray, k: int
-) -> float:
+def ann_recall(index, database: np.ndarray, queries: np.ndarray, k: int) -> float:
     """Fraction of the exact top-k neighbours the ANN index returns (averaged over queries)."""
     _, exact_rows = exact_search(database, queries, k)
     _, ann_rows = search(index, queries, k)
-    return float(np.mean([len(set(a) & set(e)) / len(e) for a, e in zip(ann_rows, exact_rows)]))
+    return float(np.mean([len(set(a) & set(e)) / len(e) for a, e in zip(ann_rows, exact_rows, strict=False)]))

@@ -105,9 +105,7 @@ def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray,
     return index.search(q, min(k, max(index.ntotal, 1)))
 
 
-def exact_search(
-    database: np.ndarray, queries: np.ndarray, k: int
-) -> tuple[np.ndarray, np.ndarray]:
+def exact_search(database: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Brute-force inner-product search, the reference every ANN index is measured against."""
     data = l2_normalized(database)
     flat = faiss.IndexFlatIP(data.shape[1])
@@ -128,7 +126,18 @@ def load_index(path: str | Path) -> faiss.Index:
 
 def reconstruct_all(index: faiss.Index) -> np.ndarray | None:
     """Stored vectors when the index keeps them exactly (Flat/HNSW), else None."""
+    if not _stores_exact_vectors(index):
+        return None  # PQ/SQ codes only decode to approximations of the vectors
     try:
         return index.reconstruct_n(0, index.ntotal)
     except RuntimeError:
         return None
+
+
+def _stores_exact_vectors(index: faiss.Index) -> bool:
+    index = faiss.downcast_index(index)
+    if isinstance(index, (faiss.IndexFlat, faiss.IndexIVFFlat)):
+        return True
+    if isinstance(index, faiss.IndexHNSW):
+        return _stores_exact_vectors(index.storage)
+    return False

@@ -94,9 +94,7 @@ def open_image(source: bytes | str | Path, max_pixels: int = DEFAULT_MAX_PIXELS)
     if width <= 0 or height <= 0:
         raise ImageDecodeError(f"image has no pixels ({width}x{height})")
     if width * height > max_pixels:
-        raise ImageDecodeError(
-            f"image is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}"
-        )
+        raise ImageDecodeError(f"image is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}")
     try:
         image.load()
     except (OSError, Image.DecompressionBombError, ValueError) as exc:
@@ -110,9 +108,7 @@ def to_model_input(image: Image.Image, contract: InputContract) -> np.ndarray:
     if contract.resize is not None:
         w, h = image.size
         ratio = contract.resize / min(w, h)
-        image = image.resize(
-            (max(1, round(w * ratio)), max(1, round(h * ratio))), Image.Resampling.BILINEAR
-        )
+        image = image.resize((max(1, round(w * ratio)), max(1, round(h * ratio))), Image.Resampling.BILINEAR)
     image = _center_crop_or_resize(image, contract.height, contract.width)
     array = np.asarray(image, dtype=np.float32) * np.float32(contract.scale)
     array = array[None, :, :] if array.ndim == 2 else array.transpose(2, 0, 1)
@@ -133,9 +129,7 @@ def _center_crop_or_resize(image: Image.Image, height: int, width: int) -> Image
     return image.resize((width, height), Image.Resampling.BILINEAR)
 
 
-def load_image(
-    source: bytes | str | Path, contract: InputContract, max_pixels: int = DEFAULT_MAX_PIXELS
-) -> np.ndarray:
+def load_image(source: bytes | str | Path, contract: InputContract, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
     """Decode and preprocess one image: the whole inference contract in one call."""
     return to_model_input(open_image(source, max_pixels=max_pixels), contract)
 

@@ -55,7 +55,9 @@ def query_server(target: str, catalog_path: Path, ks=KS, threads: int = 8) -> di
             raise RuntimeError("server never became healthy")
 
         def ask(row: int) -> list[str]:
-            response = client.search_image(catalog.paths[row], k=k, exclude_ids=[catalog.ids[row]], label=catalog.labels[row])
+            response = client.search_image(
+                catalog.paths[row], k=k, exclude_ids=[catalog.ids[row]], label=catalog.labels[row]
+            )
             return [n.label for n in response.neighbors]
 
         with ThreadPoolExecutor(threads) as pool:
@@ -85,19 +87,54 @@ def main(argv: list[str] | None = None) -> int:
         slice_args += ["--max-per-class", str(args.max_per_class)]
     times = {}
     times["train"] = stage(
-        "train (Ray Train)", "-m", "training", "train", "--out", str(out / "train"), "--loss", args.loss,
-        "--epochs", str(args.epochs), "--classes-per-batch", str(args.classes_per_batch), *slice_args,
+        "train (Ray Train)",
+        "-m",
+        "training",
+        "train",
+        "--out",
+        str(out / "train"),
+        "--loss",
+        args.loss,
+        "--epochs",
+        str(args.epochs),
+        "--classes-per-batch",
+        str(args.classes_per_batch),
+        *slice_args,
     )
-    times["export"] = stage("export (ONNX)", "-m", "training", "export", "--run", str(out / "train"), "--out", str(out / "model"))
+    times["export"] = stage(
+        "export (ONNX)", "-m", "training", "export", "--run", str(out / "train"), "--out", str(out / "model")
+    )
     times["index"] = stage(
-        "index (faiss)", "-m", "index", "build", "--model", str(out / "model"), "--index-root", str(out / "index"),
+        "index (faiss)",
+        "-m",
+        "index",
+        "build",
+        "--model",
+        str(out / "model"),
+        "--index-root",
+        str(out / "index"),
         "--no-progress",
     )
 
     port, metrics_port = free_port(), free_port()
-    print(f"\n=== serve: python -m serving serve --index-root {out / 'index'} --port {port} --metrics-port {metrics_port}", flush=True)
+    print(
+        f"\n=== serve: python -m serving serve --index-root {out / 'index'} "
+        f"--port {port} --metrics-port {metrics_port}",
+        flush=True,
+    )
     server = subprocess.Popen(
-        [sys.executable, "-m", "serving", "serve", "--index-root", str(out / "index"), "--port", str(port), "--metrics-port", str(metrics_port)],
+        [
+            sys.executable,
+            "-m",
+            "serving",
+            "serve",
+            "--index-root",
+            str(out / "index"),
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+        ],
     )
     try:
         t = time.perf_counter()

@@ -28,7 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus HTTP port")
     serve.add_argument("--provider", choices=["auto", "cpu", "cuda"], help="ONNX Runtime provider")
     serve.add_argument("--workers", type=int, help="RPC worker threads")
-    serve.add_argument("--admin-token", dest="admin_token", help="bearer token for IndexAdmin (or SIMSEARCH_ADMIN_TOKEN)")
+    serve.add_argument(
+        "--admin-token", dest="admin_token", help="bearer token for IndexAdmin (or SIMSEARCH_ADMIN_TOKEN)"
+    )
     serve.add_argument("--max-k", dest="max_k", type=int)
     serve.add_argument("--max-message-bytes", dest="max_message_bytes", type=int)
     serve.add_argument("--max-image-pixels", dest="max_image_pixels", type=int)
@@ -88,7 +90,9 @@ def _query(args: argparse.Namespace) -> None:
         print(json.dumps([{"image": i, **MessageToDict(r)} for i, r in results], indent=2))
         return
     for image, response in results:
-        print(f"{image}  (index {response.index_version}, model {response.model_id}, {response.timings.total_ms:.1f} ms)")
+        print(
+            f"{image}  (index {response.index_version}, model {response.model_id}, {response.timings.total_ms:.1f} ms)"
+        )
         print(f"  {'rank':>4}  {'score':>7}  {'label':<12} id")
         for rank, n in enumerate(response.neighbors, 1):
             print(f"  {rank:>4}  {n.score:7.4f}  {n.label:<12} {n.id}")

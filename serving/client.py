@@ -98,7 +98,9 @@ class SearchClient:
     def search_item(self, item_id: str, k: int = 10, timeout: float | None = None) -> pb.SearchResponse:
         return self.search(pb.SearchRequest(item_id=item_id, k=k), timeout)
 
-    def search_batch(self, requests: Sequence[pb.SearchRequest], timeout: float | None = None) -> pb.SearchBatchResponse:
+    def search_batch(
+        self, requests: Sequence[pb.SearchRequest], timeout: float | None = None
+    ) -> pb.SearchBatchResponse:
         return self.stub.SearchBatch(pb.SearchBatchRequest(requests=list(requests)), timeout=timeout or self.timeout)
 
     def embed(self, image: bytes, timeout: float | None = None) -> pb.EmbedResponse:

@@ -148,9 +148,7 @@ class SearchEngine:
     def check_embedding(self, pair: ServingPair, values: list[float] | np.ndarray) -> np.ndarray:
         vector = np.asarray(values, dtype=np.float32)
         if vector.ndim != 1 or len(vector) != pair.dim:
-            raise InvalidArgument(
-                f"embedding has dimension {vector.size}, the live model's is {pair.dim}"
-            )
+            raise InvalidArgument(f"embedding has dimension {vector.size}, the live model's is {pair.dim}")
         if not np.isfinite(vector).all():
             raise InvalidArgument("embedding contains NaN or infinity")
         norm = float(np.linalg.norm(vector))
@@ -164,9 +162,7 @@ class SearchEngine:
             raise InvalidArgument(f"unknown item id {item_id!r}")
         return pair.index.reconstruct(row), row
 
-    def search(
-        self, pair: ServingPair, vectors: np.ndarray, k: int, exclude: list[set[int]]
-    ) -> list[list[Hit]]:
+    def search(self, pair: ServingPair, vectors: np.ndarray, k: int, exclude: list[set[int]]) -> list[list[Hit]]:
         """Top-k per query, leaving out excluded rows (searching deeper to make up for them)."""
         depth = min(k + max((len(e) for e in exclude), default=0), pair.index.ntotal)
         scores, rows = pair.index.search(np.ascontiguousarray(vectors, dtype=np.float32), depth)

@@ -8,7 +8,20 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
 )
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -18,34 +31,50 @@ class ServiceMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "simsearch_requests", "RPCs answered, by method and gRPC status code",
-            ["method", "code"], registry=r,
+            "simsearch_requests",
+            "RPCs answered, by method and gRPC status code",
+            ["method", "code"],
+            registry=r,
         )
         self.latency = Histogram(
-            "simsearch_request_latency_seconds", "RPC latency by method",
-            ["method"], buckets=LATENCY_BUCKETS, registry=r,
+            "simsearch_request_latency_seconds",
+            "RPC latency by method",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.stage_latency = Histogram(
-            "simsearch_stage_latency_seconds", "Time per request stage (decode, queue, embed, search)",
-            ["stage"], buckets=LATENCY_BUCKETS, registry=r,
+            "simsearch_stage_latency_seconds",
+            "Time per request stage (decode, queue, embed, search)",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.batch_size = Histogram(
-            "simsearch_batch_size", "Queries per embedding/search batch",
-            buckets=BATCH_BUCKETS, registry=r,
+            "simsearch_batch_size",
+            "Queries per embedding/search batch",
+            buckets=BATCH_BUCKETS,
+            registry=r,
         )
         self.queue_depth = Gauge("simsearch_queue_depth", "Queries waiting to be batched", registry=r)
         self.index_size = Gauge("simsearch_index_size", "Vectors in the live index", registry=r)
         self.index_info = Gauge(
-            "simsearch_index_info", "Live index and model versions (value 1)",
-            ["index_version", "index_id", "model_id", "factory"], registry=r,
+            "simsearch_index_info",
+            "Live index and model versions (value 1)",
+            ["index_version", "index_id", "model_id", "factory"],
+            registry=r,
         )
         self.recall_at_k = Gauge(
-            "simsearch_recall_at_k", "Online Recall@K by source (probe, traffic, feedback)",
-            ["k", "source"], registry=r,
+            "simsearch_recall_at_k",
+            "Online Recall@K by source (probe, traffic, feedback)",
+            ["k", "source"],
+            registry=r,
         )
         self.ann_recall_at_k = Gauge(
-            "simsearch_ann_recall_at_k", "Overlap of ANN top-K with exact top-K on sampled live queries",
-            ["k"], registry=r,
+            "simsearch_ann_recall_at_k",
+            "Overlap of ANN top-K with exact top-K on sampled live queries",
+            ["k"],
+            registry=r,
         )
         self.reloads = Counter("simsearch_reloads", "Successful model/index loads", registry=r)
         self.reload_failures = Counter("simsearch_reload_failures", "Failed model/index loads", registry=r)

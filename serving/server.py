@@ -119,13 +119,17 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
             index_id=pair.index_id,
             model_id=pair.model_id,
             neighbors=[
-                pb.Neighbor(id=items.ids[h.row], score=h.score, label=items.labels[h.row], metadata=items.metadata[h.row])
+                pb.Neighbor(
+                    id=items.ids[h.row], score=h.score, label=items.labels[h.row], metadata=items.metadata[h.row]
+                )
                 for h in hits
             ],
         )
         timings.total_ms = (time.perf_counter() - started) * 1e3
         response.timings.CopyFrom(timings)
-        self._remember(request_id, request.label if request.HasField("label") else None, [n.id for n in response.neighbors])
+        self._remember(
+            request_id, request.label if request.HasField("label") else None, [n.id for n in response.neighbors]
+        )
         return response
 
     def _remember(self, request_id: str, label: str | None, ids: list[str]) -> None:
@@ -228,7 +232,7 @@ class AdminAuthInterceptor(grpc.ServerInterceptor):
             return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata")
         import hmac
 
-        if not hmac.compare_digest(supplied[len("Bearer "):].encode(), self.token.encode()):
+        if not hmac.compare_digest(supplied[len("Bearer ") :].encode(), self.token.encode()):
             return _deny(grpc.StatusCode.PERMISSION_DENIED, "invalid admin token")
         return continuation(handler_call_details)
 
@@ -278,7 +282,9 @@ class SearchServer:
         for service in ("", SEARCH_SERVICE):
             self.health.set(service, status)
 
-    def reload(self, version: str | None = None, model_dir: str | None = None) -> tuple[ServingPair | None, ServingPair]:
+    def reload(
+        self, version: str | None = None, model_dir: str | None = None
+    ) -> tuple[ServingPair | None, ServingPair]:
         """Load a pair off the request path and swap it in; on failure the old pair keeps serving."""
         with self._reload_lock:
             try:
@@ -288,7 +294,9 @@ class SearchServer:
                 raise
             old = self.engine.swap(new)
         self.metrics.reloads.inc()
-        self.metrics.set_live(new.version, new.index_id, new.model_id, new.manifest.get("factory", ""), new.index.ntotal)
+        self.metrics.set_live(
+            new.version, new.index_id, new.model_id, new.manifest.get("factory", ""), new.index.ntotal
+        )
         self._set_health(True)
         log.info("serving index %s with model %s (%d items)", new.version, new.model_id, new.index.ntotal)
         return old, new

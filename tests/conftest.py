@@ -20,7 +20,10 @@ def demo_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "demo.py"), "--out", str(out), *SLICE],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert json.loads((out / "report.json").read_text())
@@ -34,8 +37,15 @@ def served(demo_run):
     from serving.server import SearchServer, ServerConfig
 
     server = SearchServer(
-        ServerConfig(index_root=str(demo_run / "index"), port=0, metrics_port=None, admin_token="s3cret",
-                     max_k=50, max_image_pixels=1_000_000, max_message_bytes=2 * 1024 * 1024)
+        ServerConfig(
+            index_root=str(demo_run / "index"),
+            port=0,
+            metrics_port=None,
+            admin_token="s3cret",
+            max_k=50,
+            max_image_pixels=1_000_000,
+            max_message_bytes=2 * 1024 * 1024,
+        )
     )
     server.start()
     client = SearchClient(f"127.0.0.1:{server.port}", timeout=10.0, admin_token="s3cret")

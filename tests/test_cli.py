@@ -49,6 +49,12 @@ def test_bad_config_file_is_reported(tmp_path):
 
 
 def test_every_command_has_help():
-    for args in (("training", "train"), ("training", "export"), ("index", "build"), ("serving", "serve"), ("serving", "query")):
+    for args in (
+        ("training", "train"),
+        ("training", "export"),
+        ("index", "build"),
+        ("serving", "serve"),
+        ("serving", "query"),
+    ):
         proc = run(*args, "--help")
         assert proc.returncode == 0 and "usage:" in proc.stdout

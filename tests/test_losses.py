@@ -47,9 +47,7 @@ def value_and_grads(
     params = [x, *(extra or [])]
     value = fn(x)
     grads = torch.autograd.grad(value, params, allow_unused=True)
-    return value.detach(), [
-        torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)
-    ]
+    return value.detach(), [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
 
 
 def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -137,9 +135,7 @@ def raw_vthm_cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     lab = [c for c, n in sizes.items() for _ in range(n)]
     cases["uneven_unsorted"] = _shuffle(*clustered(lab, seed=2), seed=3)
     cases["mostly_singletons"] = _shuffle(*clustered([0, 1, 2, 3, 4, 5, 6, 6, 7, 7, 7], 4), 5)
-    cases["random_labels"] = clustered(
-        torch.randint(0, 6, (24,), generator=torch.Generator().manual_seed(6)), seed=7
-    )
+    cases["random_labels"] = clustered(torch.randint(0, 6, (24,), generator=torch.Generator().manual_seed(6)), seed=7)
     cases["wide_spread"] = clustered([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3], seed=8, spread=3.0)
     # Duplicated embeddings: within a class (s=1 positive) and across classes (s=1 negative).
     x, y = clustered([0, 0, 0, 1, 1, 2, 2, 2], seed=9)
@@ -193,9 +189,7 @@ def test_raw_vthm_matches_pml(name: str, mining: bool) -> None:
     assert_close(g, g_ref)
     # Where pml's ≤1-pair shortcut does not fire, its public API agrees as well.
     if not (mining and pml_shortcut_fires(x, y)):
-        v_pub, (g_pub,) = value_and_grads(
-            lambda e: pml_raw_vthm(e, y, mining=mining, paper_semantics=False), x
-        )
+        v_pub, (g_pub,) = value_and_grads(lambda e: pml_raw_vthm(e, y, mining=mining, paper_semantics=False), x)
         assert_close(v, v_pub)
         assert_close(g, g_pub)
 
@@ -205,9 +199,7 @@ def test_raw_vthm_matches_pml(name: str, mining: bool) -> None:
     ("alpha", "beta", "gamma", "lam"),
     [(ALPHA, BETA, GAMMA, LAM), (1.0, 10.0, 0.3, 0.25), (5.0, 80.0, 0.7, 0.0)],
 )
-def test_raw_vthm_random_batches_and_hparams(
-    seed: int, alpha: float, beta: float, gamma: float, lam: float
-) -> None:
+def test_raw_vthm_random_batches_and_hparams(seed: int, alpha: float, beta: float, gamma: float, lam: float) -> None:
     g = torch.Generator().manual_seed(100 + seed)
     m = int(torch.randint(2, 40, (1,), generator=g))
     n_classes = int(torch.randint(1, max(2, m // 2), (1,), generator=g))
@@ -215,9 +207,7 @@ def test_raw_vthm_random_batches_and_hparams(
     x, y = clustered(y, seed=200 + seed, spread=float(torch.rand(1, generator=g)) * 3)
     ours = RawVthmLoss(alpha=alpha, beta=beta, gamma=gamma, margin=lam)
     v, (gr,) = value_and_grads(lambda e: ours(e, y), x)
-    v_ref, (g_ref,) = value_and_grads(
-        lambda e: pml_raw_vthm(e, y, alpha=alpha, beta=beta, gamma=gamma, lam=lam), x
-    )
+    v_ref, (g_ref,) = value_and_grads(lambda e: pml_raw_vthm(e, y, alpha=alpha, beta=beta, gamma=gamma, lam=lam), x)
     assert_close(v, v_ref)
     assert_close(gr, g_ref)
 
@@ -233,9 +223,7 @@ def test_cases_exercise_partial_mining() -> None:
         keep = loss.mine(sim, y)
         every = RawVthmLoss(mining=False).mine(sim, y)
         kept += int(keep.positive.sum() + keep.negative.sum())
-        dropped += int(
-            (every.positive & ~keep.positive).sum() + (every.negative & ~keep.negative).sum()
-        )
+        dropped += int((every.positive & ~keep.positive).sum() + (every.negative & ~keep.negative).sum())
     assert kept > 20 and dropped > 20
 
 
@@ -304,20 +292,12 @@ def eq17_reference(sim: torch.Tensor, y: torch.Tensor, loss: RawVthmLoss) -> flo
         n_star = max(float(sim[i, j]) for j in neg)
         kept_p = [j for j in pos if float(sim[i, j]) < n_star + loss.margin]
         kept_n = [j for j in neg if float(sim[i, j]) > p_star - loss.margin]
-        total += (
-            math.log1p(sum(math.exp(-loss.alpha * (float(sim[i, k]) - loss.gamma)) for k in kept_p))
-            / loss.alpha
-        )
-        total += (
-            math.log1p(sum(math.exp(loss.beta * (float(sim[i, k]) - loss.gamma)) for k in kept_n))
-            / loss.beta
-        )
+        total += math.log1p(sum(math.exp(-loss.alpha * (float(sim[i, k]) - loss.gamma)) for k in kept_p)) / loss.alpha
+        total += math.log1p(sum(math.exp(loss.beta * (float(sim[i, k]) - loss.gamma)) for k in kept_n)) / loss.beta
     return total / m
 
 
-@pytest.mark.parametrize(
-    "name", ["pk_8x4", "uneven_unsorted", "duplicates", "ties", "near_threshold_1e-07"]
-)
+@pytest.mark.parametrize("name", ["pk_8x4", "uneven_unsorted", "duplicates", "ties", "near_threshold_1e-07"])
 def test_raw_vthm_matches_paper_loop(name: str) -> None:
     x, y = RAW_CASES[name]
     loss = RawVthmLoss()
@@ -325,9 +305,7 @@ def test_raw_vthm_matches_paper_loop(name: str) -> None:
     assert loss(x, y).item() == pytest.approx(eq17_reference(sim, y, loss), rel=1e-12)
 
 
-@pytest.mark.parametrize(
-    "name", ["pk_8x4", "uneven_unsorted", "duplicates", "ties", "mostly_singletons"]
-)
+@pytest.mark.parametrize("name", ["pk_8x4", "uneven_unsorted", "duplicates", "ties", "mostly_singletons"])
 @pytest.mark.parametrize("mining", [True, False])
 def test_pair_weights_are_the_gradient(name: str, mining: bool) -> None:
     """∂L/∂s_ij = (w_neg_ij - w_pos_ij)/m: Eq. 17 is gradient-equivalent to Eq. 15-16."""
@@ -364,9 +342,7 @@ def test_pair_weights_match_eq_15_16_literally() -> None:
             assert w.negative[i, j].item() == pytest.approx(1 / denom, rel=1e-10)
 
 
-@pytest.mark.parametrize(
-    "labels", [[4] * 5, [4], list(range(6))], ids=["one_class", "one_sample", "all_distinct"]
-)
+@pytest.mark.parametrize("labels", [[4] * 5, [4], list(range(6))], ids=["one_class", "one_sample", "all_distinct"])
 def test_degenerate_batches_give_zero_with_usable_backward(labels: list[int]) -> None:
     x = torch.randn(len(labels), 8, requires_grad=True)
     y = torch.tensor(labels)

@@ -23,13 +23,17 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--out", help="run directory to publish (default runs/train)")
     train.add_argument("--catalog", help="catalog file or class-folder tree (default: embedded glyph set)")
     train.add_argument("--data-dir", dest="data_dir", help="glyph set cache directory")
-    train.add_argument("--backbone", help="small_cnn, resnet18, resnet50, googlenet, efficientnet_b0, mobilenet_v2, mobilenet_v3_large")
+    train.add_argument(
+        "--backbone", help="small_cnn, resnet18, resnet50, googlenet, efficientnet_b0, mobilenet_v2, mobilenet_v3_large"
+    )
     train.add_argument("--embedding-dim", dest="embedding_dim", type=int)
     train.add_argument("--pooling", choices=["gap", "gmp", "gap+gmp"])
     train.add_argument("--pretrained", help="local torchvision state-dict file (never downloaded)")
     train.add_argument("--image-size", dest="image_size", type=int)
     train.add_argument("--loss", help="loss name from the registry (raw_vthm, proxy_anchor, ...)")
-    train.add_argument("--loss-options", dest="loss_options", type=json.loads, help='JSON object, e.g. \'{"alpha": 2}\'')
+    train.add_argument(
+        "--loss-options", dest="loss_options", type=json.loads, help="JSON object, e.g. '{\"alpha\": 2}'"
+    )
     train.add_argument("--epochs", type=int)
     train.add_argument("--classes-per-batch", dest="classes_per_batch", type=int)
     train.add_argument("--samples-per-class", dest="samples_per_class", type=int)
@@ -80,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _summary(out) -> dict:
     results = json.loads((out / "results.json").read_text())
-    return {"untrained_test": results["untrained"], "trained_test": results["trained"], "best_epoch": results["best_epoch"]}
+    return {
+        "untrained_test": results["untrained"],
+        "trained_test": results["trained"],
+        "best_epoch": results["best_epoch"],
+    }
 
 
 if __name__ == "__main__":

@@ -113,6 +113,7 @@ def load_images(
     threads: int = 4,
 ) -> LoadedImages:
     """Decode a whole catalog into memory; unreadable images are skipped and counted."""
+
     def decode(path: Path) -> np.ndarray | None:
         try:
             return load_image(path, contract)

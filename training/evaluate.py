@@ -12,7 +12,9 @@ from index.evaluation import map_at_r, recall_at_k
 
 
 @torch.no_grad()
-def embed_images(model: nn.Module, images: np.ndarray, batch_size: int = 512, device: str | torch.device = "cpu") -> np.ndarray:
+def embed_images(
+    model: nn.Module, images: np.ndarray, batch_size: int = 512, device: str | torch.device = "cpu"
+) -> np.ndarray:
     """L2-normalised embeddings of preprocessed NCHW images, in eval mode."""
     was_training = model.training
     model.eval()

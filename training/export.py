@@ -83,9 +83,7 @@ def export_onnx(model: EmbeddingNet, contract: InputContract, path: Path, opset:
     onnx.checker.check_model(str(path), full_check=True)
 
 
-def parity_check(
-    model: EmbeddingNet, model_dir: Path, images: np.ndarray, min_cosine: float
-) -> dict[str, float]:
+def parity_check(model: EmbeddingNet, model_dir: Path, images: np.ndarray, min_cosine: float) -> dict[str, float]:
     """Cosine between ONNX Runtime and PyTorch embeddings for every image."""
     with torch.no_grad():
         reference = model(torch.from_numpy(images)).numpy()

@@ -4,8 +4,8 @@ Class = a character; image = that character rendered in one font face, 28×28 gr
 characters that every face covers (Latin letters and digits, Greek and Cyrillic letters with no
 Latin look-alike, a few symbols) over about 170 faces. Rendering is deterministic: a fixed
 character list, faces found by file in fixed order, faces that lack any character skipped.
-Images are cached as PNG files with a catalog (`id, path, label, font, codepoint`) and only
-re-rendered when missing or when the character/face list changes.
+Images are cached as PNG files with a catalog (`id, path, label, font, character`; the label is
+the code point, e.g. U+0041) and only re-rendered when missing or when the character/face list changes.
 """
 
 from __future__ import annotations
@@ -93,9 +93,7 @@ def discover_faces(
 def render_glyph(face: ImageFont.FreeTypeFont, character: str, size: int = IMAGE_SIZE) -> Image.Image:
     """White glyph on black, on a common baseline so case and position stay visible."""
     image = Image.new("L", (size, size), 0)
-    ImageDraw.Draw(image).text(
-        (size / 2, size * 0.75), character, fill=255, font=face, anchor="ms"
-    )
+    ImageDraw.Draw(image).text((size / 2, size * 0.75), character, fill=255, font=face, anchor="ms")
     return image
 
 
@@ -144,5 +142,3 @@ def build_glyph_dataset(
         Catalog(ids, paths, labels, metadata, source="glyphs").write(staging / CATALOG_NAME)
         (staging / "fingerprint").write_text(fingerprint + "\n")
     return catalog_path
-
-

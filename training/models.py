@@ -52,9 +52,7 @@ def backbone_spec(name: str) -> BackboneSpec:
     try:
         return _BACKBONES[name]
     except KeyError:
-        raise ValueError(
-            f"unknown backbone {name!r}; available: {', '.join(available_backbones())}"
-        ) from None
+        raise ValueError(f"unknown backbone {name!r}; available: {', '.join(available_backbones())}") from None
 
 
 class SmallCNN(nn.Module):
@@ -106,13 +104,14 @@ def _torchvision_trunk(name: str) -> Callable[[], tuple[nn.Module, int]]:
 def _torchvision_weights(name: str) -> Callable[[nn.Module, dict], None]:
     def load(trunk: nn.Module, state: dict) -> None:
         full = _classifier(name)
-        missing, unexpected = full.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = full.load_state_dict(state, strict=False)
+        except RuntimeError as exc:  # tensors of the wrong shape (another architecture)
+            raise ValueError(f"weights do not fit {name}: {exc}") from exc
         missing = [k for k in missing if not k.startswith(("fc.", "classifier."))]
         unexpected = [k for k in unexpected if not k.startswith("aux")]
         if missing or unexpected:
-            raise ValueError(
-                f"weights do not fit {name}: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
+            raise ValueError(f"weights do not fit {name}: missing {missing[:5]}, unexpected {unexpected[:5]}")
         trunk.load_state_dict(_trunk(full, name)[0].state_dict())
 
     return load

@@ -34,8 +34,7 @@ class ClassBalancedBatchSampler:
             raise ValueError("samples_per_class must be at least 2 (a batch needs positives)")
         if len(self.class_ids) < classes_per_batch:
             raise ValueError(
-                f"classes_per_batch={classes_per_batch} but the data has only "
-                f"{len(self.class_ids)} classes"
+                f"classes_per_batch={classes_per_batch} but the data has only {len(self.class_ids)} classes"
             )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of size {world_size}")

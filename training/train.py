@@ -123,7 +123,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     _set_threads(world)
     contract = input_contract(cfg.backbone, cfg.image_size)
     train = load_images(read_catalog(config["splits"]["train"]), contract, cfg.max_bad_fraction)
-    val = load_images(read_catalog(config["splits"]["val"]), contract, cfg.max_bad_fraction) if rank == 0 and "val" in config["splits"] else None
+    val = (
+        load_images(read_catalog(config["splits"]["val"]), contract, cfg.max_bad_fraction)
+        if rank == 0 and "val" in config["splits"]
+        else None
+    )
 
     device = ray.train.torch.get_device()
     model = ray.train.torch.prepare_model(build_model(cfg))
@@ -133,7 +137,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         groups.append({"params": list(loss_fn.parameters()), "lr": cfg.proxy_lr or cfg.lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
     sampler = ClassBalancedBatchSampler(
-        train.labels, cfg.classes_per_batch, cfg.samples_per_class, cfg.seed, rank, world,
+        train.labels,
+        cfg.classes_per_batch,
+        cfg.samples_per_class,
+        cfg.seed,
+        rank,
+        world,
         cfg.batches_per_epoch,
     )
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.epochs * len(sampler))
@@ -174,7 +183,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             ckpt = None
             if rank == 0:
                 if val is not None:
-                    scores = retrieval_metrics(embed_images(_unwrap(model), val.images, device=device), val.labels, cfg.ks)
+                    scores = retrieval_metrics(
+                        embed_images(_unwrap(model), val.images, device=device), val.labels, cfg.ks
+                    )
                     metrics.update({f"val_recall_at_{k}": v for k, v in scores["recall_at_k"].items()})
                     metrics["val_map_at_r"] = scores["map_at_r"]
                 else:  # no validation classes: the last epoch is kept
@@ -213,8 +224,14 @@ def run_training(cfg: TrainConfig) -> Path:
     out = Path(cfg.out).resolve()
     work = out.with_name(f".{out.name}.work")
     splits = prepare_splits(
-        cfg.catalog, work, cfg.data_dir, cfg.test_fraction, cfg.val_fraction, cfg.split_seed,
-        cfg.max_classes, cfg.max_per_class,
+        cfg.catalog,
+        work,
+        cfg.data_dir,
+        cfg.test_fraction,
+        cfg.val_fraction,
+        cfg.split_seed,
+        cfg.max_classes,
+        cfg.max_per_class,
     )
     train_classes = len(read_catalog(splits["train"]).classes)
     if train_classes < cfg.classes_per_batch:

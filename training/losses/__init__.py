@@ -55,9 +55,7 @@ def register_loss(name: str) -> Callable[[_LossT], _LossT]:
         # Re-registering the same class (e.g. importlib.reload) is harmless; two different
         # classes under one name would make configs silently ambiguous.
         if existing is not None and _qualified_name(existing) != _qualified_name(cls):
-            raise ValueError(
-                f"loss name {name!r} is already registered to {_qualified_name(existing)}"
-            )
+            raise ValueError(f"loss name {name!r} is already registered to {_qualified_name(existing)}")
         _REGISTRY[name] = cls
         return cls
 
@@ -110,12 +108,9 @@ def build_loss(name: str, **options: Any) -> nn.Module:
         if unknown:
             valid = ", ".join(named) or "(none)"
             raise TypeError(
-                f"loss {name!r} got unknown option(s) {', '.join(map(repr, unknown))}; "
-                f"valid options: {valid}"
+                f"loss {name!r} got unknown option(s) {', '.join(map(repr, unknown))}; valid options: {valid}"
             )
-    missing = [
-        n for n, p in named.items() if p.default is inspect.Parameter.empty and n not in options
-    ]
+    missing = [n for n, p in named.items() if p.default is inspect.Parameter.empty and n not in options]
     if missing:
         raise TypeError(f"loss {name!r} requires option(s) {', '.join(map(repr, missing))}")
     return cls(**options)

@@ -81,19 +81,14 @@ class ProxyAnchorLoss(nn.Module):
 
     def _check_inputs(self, embeddings: torch.Tensor, labels: torch.Tensor) -> None:
         if embeddings.ndim != 2 or embeddings.shape[1] != self.embedding_dim:
-            raise ValueError(
-                f"embeddings must have shape (batch, {self.embedding_dim}), "
-                f"got {tuple(embeddings.shape)}"
-            )
+            raise ValueError(f"embeddings must have shape (batch, {self.embedding_dim}), got {tuple(embeddings.shape)}")
         m = embeddings.shape[0]
         if m == 0:
             raise ValueError("ProxyAnchorLoss got an empty batch")
         if not isinstance(labels, torch.Tensor):
             raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
         if labels.ndim != 1 or labels.shape[0] != m:
-            raise ValueError(
-                f"labels must have shape ({m},) to match the batch, got {tuple(labels.shape)}"
-            )
+            raise ValueError(f"labels must have shape ({m},) to match the batch, got {tuple(labels.shape)}")
         if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
             raise ValueError(f"labels must be an integer tensor, got dtype {labels.dtype}")
         # One host sync per step; a label outside the proxy table would otherwise be a cryptic

@@ -93,9 +93,7 @@ def _check_labels(labels: torch.Tensor, m: int) -> None:
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
     if labels.ndim != 1 or labels.shape[0] != m:
-        raise ValueError(
-            f"labels must have shape ({m},) to match the batch, got {tuple(labels.shape)}"
-        )
+        raise ValueError(f"labels must have shape ({m},) to match the batch, got {tuple(labels.shape)}")
 
 
 @register_loss("raw_vthm")
@@ -185,9 +183,7 @@ class RawVthmLoss(nn.Module):
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if embeddings.ndim != 2:
-            raise ValueError(
-                f"embeddings must be (batch, dim), got shape {tuple(embeddings.shape)}"
-            )
+            raise ValueError(f"embeddings must be (batch, dim), got shape {tuple(embeddings.shape)}")
         _check_labels(labels, embeddings.shape[0])
         if embeddings.shape[0] == 0:
             raise ValueError("RawVthmLoss got an empty batch")
@@ -212,6 +208,4 @@ class RawVthmLoss(nn.Module):
         Row i holds anchor i's weights; pairs not kept are 0. The loss gradient satisfies
         ``∂L/∂s_ij = (w_neg_ij - w_pos_ij) / m``.
         """
-        return self.pair_weights_from_similarity(
-            cosine_similarity_matrix(embeddings.detach()), labels
-        )
+        return self.pair_weights_from_similarity(cosine_similarity_matrix(embeddings.detach()), labels)

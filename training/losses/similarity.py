@@ -31,9 +31,7 @@ def cosine_similarity_matrix(x: torch.Tensor, y: torch.Tensor | None = None) -> 
     if x.ndim != 2:
         raise ValueError(f"expected a 2-D (n, d) tensor, got shape {tuple(x.shape)}")
     if y is not None and (y.ndim != 2 or y.shape[1] != x.shape[1]):
-        raise ValueError(
-            f"y must be 2-D with the same width as x ({x.shape[1]}), got shape {tuple(y.shape)}"
-        )
+        raise ValueError(f"y must be 2-D with the same width as x ({x.shape[1]}), got shape {tuple(y.shape)}")
     with torch.autocast(device_type=x.device.type, enabled=False):
         if x.dtype in _LOW_PRECISION:
             x = x.float()

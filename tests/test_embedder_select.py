@@ -1,0 +1,46 @@
+"""index.embedder.select_providers: CUDA first when present and allowed, CPU always last."""
+
+from __future__ import annotations
+
+import onnxruntime as ort
+import pytest
+
+from index.embedder import CPU, CUDA, select_providers
+
+WITH_CUDA = ["TensorrtExecutionProvider", CUDA, CPU]
+WITHOUT_CUDA = ["AzureExecutionProvider", CPU]
+
+
+@pytest.mark.parametrize(
+    "prefer, available, expected",
+    [
+        ("auto", WITH_CUDA, [CUDA, CPU]),
+        ("auto", WITHOUT_CUDA, [CPU]),
+        ("cpu", WITH_CUDA, [CPU]),
+        ("cpu", WITHOUT_CUDA, [CPU]),
+        ("cuda", WITH_CUDA, [CUDA, CPU]),
+        ("auto", [CUDA, CPU], [CUDA, CPU]),
+        ("auto", (CPU,), [CPU]),
+    ],
+)
+def test_select_providers(prefer, available, expected):
+    assert select_providers(prefer, available) == expected
+
+
+def test_cuda_requested_without_cuda_is_an_error():
+    with pytest.raises(RuntimeError, match="CUDAExecutionProvider"):
+        select_providers("cuda", WITHOUT_CUDA)
+
+
+@pytest.mark.parametrize("prefer", ["gpu", "CUDA", "", "tensorrt"])
+def test_unknown_preference(prefer):
+    with pytest.raises(ValueError, match="auto, cpu or cuda"):
+        select_providers(prefer, WITH_CUDA)
+
+
+def test_defaults_to_what_this_onnxruntime_offers():
+    providers = select_providers()
+    assert providers[-1] == CPU
+    assert (CUDA in providers) == (CUDA in ort.get_available_providers())
+    # Every selected provider is one this build can actually create a session with.
+    assert set(providers) <= set(ort.get_available_providers())

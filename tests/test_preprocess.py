@@ -1,0 +1,253 @@
+"""index.preprocess: the one decode → model-input implementation every stage calls."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from index.preprocess import (
+    DEFAULT_MAX_PIXELS,
+    ImageDecodeError,
+    InputContract,
+    load_batch,
+    load_image,
+    open_image,
+)
+
+
+def encode(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def png_chunk(kind: bytes, payload: bytes) -> bytes:
+    crc = zlib.crc32(kind + payload) & 0xFFFFFFFF
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", crc)
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A valid PNG signature and IHDR claiming width×height, with (almost) no pixel data."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit grey
+    idat = zlib.compress(b"\x00" * 16)
+    return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", idat) + png_chunk(b"IEND", b"")
+
+
+def column_image(width: int, height: int) -> Image.Image:
+    """Grey image whose pixel value is its column index (exact, no resampling ambiguity)."""
+    array = np.tile(np.arange(width, dtype=np.uint8), (height, 1))
+    return Image.fromarray(array, mode="L")
+
+
+GREY = InputContract(height=8, width=8, channels=1)
+RGB = InputContract(height=8, width=8, channels=3)
+
+
+# --- InputContract -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"height": 0, "width": 8},
+        {"height": 8, "width": -1},
+        {"height": 8, "width": 8, "channels": 2},
+        {"height": 8, "width": 8, "channels": 3, "mean": (0.1, 0.2)},
+        {"height": 8, "width": 8, "std": (0.0,)},
+        {"height": 8, "width": 8, "layout": "NHWC"},
+        {"height": 8, "width": 8, "dtype": "float16"},
+    ],
+)
+def test_contract_rejects_invalid_values(kwargs):
+    with pytest.raises(ValueError):
+        InputContract(**kwargs)
+
+
+def test_contract_dict_round_trip_and_unknown_keys_ignored():
+    contract = InputContract(
+        height=224,
+        width=200,
+        channels=3,
+        resize=256,
+        mean=(0.485, 0.456, 0.406),
+        std=(0.229, 0.224, 0.225),
+        normalize_in_graph=False,
+    )
+    d = contract.to_dict()
+    assert d["mean"] == [0.485, 0.456, 0.406] and isinstance(d["std"], list)
+    assert InputContract.from_dict({**d, "future_field": 1}) == contract
+    assert contract.input_shape == (3, 224, 200)
+    assert contract.color_mode == "RGB"
+    assert GREY.color_mode == "L"
+
+
+# --- open_image: errors ----------------------------------------------------------------------
+
+
+def test_empty_bytes_are_rejected_clearly():
+    with pytest.raises(ImageDecodeError, match="empty"):
+        open_image(b"")
+
+
+def test_garbage_bytes_are_rejected_clearly():
+    with pytest.raises(ImageDecodeError, match="not a recognised image"):
+        open_image(b"this is not an image at all" * 10)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_truncated_image_is_rejected_clearly(fmt):
+    rng = np.random.default_rng(0)
+    noise = Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8), mode="RGB")
+    data = encode(noise, fmt)
+    with pytest.raises(ImageDecodeError, match="corrupt or truncated"):
+        open_image(data[: len(data) // 2])
+
+
+def test_missing_file_is_rejected(tmp_path):
+    with pytest.raises(ImageDecodeError, match="not found"):
+        open_image(tmp_path / "nope.png")
+    with pytest.raises(ImageDecodeError, match="not found"):
+        open_image(tmp_path)  # a directory is not an image file
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_decompression_bomb_rejected_from_header_before_decoding():
+    # 10000×10000 = 1e8 pixels > the default limit. The bytes hold no real pixel data, so the
+    # "over the limit" message (rather than "truncated") proves the header was checked first.
+    data = png_header_only(10_000, 10_000)
+    assert len(data) < 200
+    with pytest.raises(ImageDecodeError, match="over the limit"):
+        open_image(data)
+
+
+def test_huge_bomb_over_pillows_own_limit_is_an_image_decode_error():
+    # 400 million pixels: past Pillow's own DecompressionBombError threshold, which must still
+    # surface as the module's ImageDecodeError (a user error), not a foreign exception type.
+    with pytest.raises(ImageDecodeError, match="over the pixel limit"):
+        open_image(png_header_only(20_000, 20_000), max_pixels=10**12)
+
+
+def test_max_pixels_is_the_limit(tmp_path):
+    data = encode(Image.new("RGB", (100, 50), (1, 2, 3)))
+    with pytest.raises(ImageDecodeError, match="5000 pixels, over the limit of 4999"):
+        open_image(data, max_pixels=4999)
+    assert open_image(data, max_pixels=5000).size == (100, 50)
+    path = tmp_path / "x.png"
+    path.write_bytes(data)
+    with pytest.raises(ImageDecodeError, match="over the limit"):
+        load_image(path, RGB, max_pixels=4999)
+    assert DEFAULT_MAX_PIXELS >= 100 * 50
+
+
+# --- open_image / load_image: success ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("wrap", [bytes, bytearray, memoryview])
+def test_open_image_accepts_bytes_like(wrap):
+    data = encode(Image.new("RGB", (5, 7), (9, 9, 9)))
+    image = open_image(wrap(data))
+    assert image.size == (5, 7)
+
+
+def test_load_image_from_path_and_bytes_agree(tmp_path):
+    rng = np.random.default_rng(1)
+    image = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8), mode="RGB")
+    path = tmp_path / "img.png"
+    image.save(path)
+    from_path = load_image(path, RGB)
+    from_str = load_image(str(path), RGB)
+    from_bytes = load_image(path.read_bytes(), RGB)
+    np.testing.assert_array_equal(from_path, from_bytes)
+    np.testing.assert_array_equal(from_path, from_str)
+    # CHW layout, scaled to [0, 1], exact for a same-size PNG.
+    expected = np.asarray(image, dtype=np.float32).transpose(2, 0, 1) / 255.0
+    np.testing.assert_allclose(from_path, expected, rtol=0, atol=1e-7)
+    assert from_path.dtype == np.float32 and from_path.flags.c_contiguous
+
+
+def test_colour_modes_are_converted():
+    solid = Image.new("RGB", (8, 8), (10, 20, 30))
+    out = load_image(encode(solid), RGB)
+    assert out.shape == (3, 8, 8)
+    np.testing.assert_allclose(out[:, 0, 0], np.array([10, 20, 30]) / 255.0, atol=1e-7)
+    grey = load_image(encode(solid), GREY)
+    assert grey.shape == (1, 8, 8)
+    expected_l = np.asarray(solid.convert("L"), dtype=np.float32)[0, 0] / 255.0
+    assert grey[0, 0, 0] == pytest.approx(expected_l)
+    # RGBA and palette inputs become 3 channels; grey input is replicated into RGB.
+    for mode in ("RGBA", "P", "L", "1"):
+        assert load_image(encode(solid.convert(mode)), RGB).shape == (3, 8, 8)
+    grey_in = load_image(encode(Image.new("L", (8, 8), 77)), RGB)
+    np.testing.assert_allclose(grey_in, np.full((3, 8, 8), 77 / 255.0, np.float32), atol=1e-7)
+
+
+def test_centre_crop_takes_the_middle():
+    contract = InputContract(height=10, width=10, channels=1, scale=1.0)
+    out = load_image(encode(column_image(30, 14)), contract)
+    assert out.shape == (1, 10, 10)
+    # Columns 10..19 (left = (30-10)//2), every row the same.
+    np.testing.assert_array_equal(out[0], np.tile(np.arange(10, 20, dtype=np.float32), (10, 1)))
+
+
+def test_resize_shorter_side_then_crop():
+    contract = InputContract(height=10, width=10, channels=1, resize=10)
+    out = load_image(encode(Image.new("L", (60, 20), 200)), contract)
+    assert out.shape == (1, 10, 10)
+    np.testing.assert_allclose(out, 200 / 255.0, atol=1e-6)
+    # Shorter side 20 → 10 makes a 30×10 image; the crop keeps its middle third, which holds
+    # the middle third of the original's columns: the left/right bands must not appear.
+    array = np.zeros((20, 60), np.uint8)
+    array[:, 20:40] = 255
+    out = load_image(encode(Image.fromarray(array, mode="L")), contract)
+    assert out[0, :, 2:8].min() > 0.9
+    assert out.max() <= 1.0 and out.min() >= 0.0
+
+
+def test_small_image_is_resized_up_to_the_input_size():
+    out = load_image(encode(Image.new("RGB", (3, 5), (255, 0, 0))), RGB)
+    assert out.shape == (3, 8, 8)
+    np.testing.assert_allclose(out[0], 1.0, atol=1e-6)
+    np.testing.assert_allclose(out[1:], 0.0, atol=1e-6)
+
+
+def test_normalisation_outside_the_graph():
+    in_graph = InputContract(height=4, width=4, channels=3, mean=(0.5, 0.25, 0.0), std=(0.5, 0.25, 2.0))
+    outside = InputContract(
+        height=4,
+        width=4,
+        channels=3,
+        mean=(0.5, 0.25, 0.0),
+        std=(0.5, 0.25, 2.0),
+        normalize_in_graph=False,
+    )
+    data = encode(Image.new("RGB", (4, 4), (255, 51, 102)))
+    raw = load_image(data, in_graph)
+    normed = load_image(data, outside)
+    mean = np.array([0.5, 0.25, 0.0], np.float32).reshape(3, 1, 1)
+    std = np.array([0.5, 0.25, 2.0], np.float32).reshape(3, 1, 1)
+    np.testing.assert_allclose(normed, (raw - mean) / std, rtol=1e-6)
+    np.testing.assert_allclose(normed[:, 0, 0], [1.0, -0.2, 0.2], atol=1e-6)
+
+
+# --- load_batch --------------------------------------------------------------------------------
+
+
+def test_load_batch_stacks_in_order(tmp_path):
+    images = [Image.new("RGB", (8, 8), (v, v, v)) for v in (0, 100, 255)]
+    path = tmp_path / "b.png"
+    images[2].save(path)
+    batch = load_batch([encode(images[0]), encode(images[1]), path], RGB)
+    assert batch.shape == (3, 3, 8, 8) and batch.dtype == np.float32
+    np.testing.assert_allclose(batch[:, 0, 0, 0], [0.0, 100 / 255, 1.0], atol=1e-7)
+
+
+def test_load_batch_empty_and_bad():
+    empty = load_batch([], GREY)
+    assert empty.shape == (0, 1, 8, 8) and empty.dtype == np.float32
+    with pytest.raises(ImageDecodeError):
+        load_batch([encode(Image.new("L", (8, 8))), b""], GREY)
