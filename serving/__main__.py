@@ -34,7 +34,37 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-k", dest="max_k", type=int)
     serve.add_argument("--max-message-bytes", dest="max_message_bytes", type=int)
     serve.add_argument("--max-image-pixels", dest="max_image_pixels", type=int)
-    serve.add_argument("--max-batch-queries", dest="max_batch_queries", type=int)
+    serve.add_argument("--max-batch-queries", dest="max_batch_queries", type=int, help="queries per SearchBatch")
+    serve.add_argument(
+        "--batching", type=lambda v: v.lower() in ("1", "true", "on", "yes"), help="dynamic batching on/off"
+    )
+    serve.add_argument("--max-batch-size", dest="max_batch_size", type=int, help="queries per ORT/faiss batch")
+    serve.add_argument("--max-wait-ms", dest="max_wait_ms", type=float, help="longest wait to fill a batch")
+    serve.add_argument("--max-queue", dest="max_queue", type=int, help="queued queries before RESOURCE_EXHAUSTED")
+    serve.add_argument("--intra-op-threads", dest="intra_op_threads", type=int, help="ONNX Runtime threads")
+    serve.add_argument(
+        "--search-token", dest="search_token", help="bearer token required for search (or SIMSEARCH_SEARCH_TOKEN)"
+    )
+    serve.add_argument("--tls-cert", dest="tls_cert", help="PEM certificate chain (enables TLS)")
+    serve.add_argument("--tls-key", dest="tls_key", help="PEM private key")
+    serve.add_argument("--recall-ks", dest="recall_ks", help="comma-separated K for online Recall@K (default 1,5,10)")
+    serve.add_argument("--recall-window", dest="recall_window", type=int, help="labelled answers per sliding window")
+    serve.add_argument(
+        "--ann-sample-rate", dest="ann_sample_rate", type=float, help="fraction of queries re-run exactly"
+    )
+    serve.add_argument("--probe-interval-s", dest="probe_interval_s", type=float, help="seconds between probe rounds")
+    serve.add_argument("--probe-size", dest="probe_size", type=int, help="probe images per round")
+    serve.add_argument("--probe-catalog", dest="probe_catalog", help="labelled catalog of held-out probe images")
+    serve.add_argument(
+        "--watch-current",
+        dest="watch_current",
+        action="store_const",
+        const=True,
+        help="reload when the index root's CURRENT changes",
+    )
+    serve.add_argument("--watch-interval-s", dest="watch_interval_s", type=float)
+    serve.add_argument("--access-log", dest="access_log", action="store_const", const=True, help="log every RPC")
+    serve.add_argument("--log-format", dest="log_format", choices=["json", "text"], default="json")
 
     query = sub.add_parser("query", help="search with one or more image files")
     query.add_argument("images", nargs="+", help="image files")
@@ -42,20 +72,27 @@ def _parser() -> argparse.ArgumentParser:
     query.add_argument("--k", type=int, default=10, help="neighbours per image")
     query.add_argument("--timeout", type=float, default=10.0, help="deadline per call in seconds")
     query.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    query.add_argument("--tls-ca", help="PEM root certificate of a TLS server")
+    query.add_argument("--token", help="bearer token when the server requires one for search")
 
     info = sub.add_parser("info", help="print the server's live versions and limits")
     info.add_argument("--target", default="127.0.0.1:50051")
+    info.add_argument("--tls-ca", help="PEM root certificate of a TLS server")
+    info.add_argument("--token", help="bearer token when the server requires one for search")
     return parser
 
 
 def _serve(args: argparse.Namespace) -> None:
     import os
 
+    from serving import logs
     from serving.server import SearchServer, ServerConfig
 
+    logs.configure(args.log_format)
+    del args.log_format
     config = from_cli(ServerConfig, args)
-    if config.admin_token is None and os.environ.get("SIMSEARCH_ADMIN_TOKEN"):
-        config.admin_token = os.environ["SIMSEARCH_ADMIN_TOKEN"]
+    config.admin_token = config.admin_token or os.environ.get("SIMSEARCH_ADMIN_TOKEN") or None
+    config.search_token = config.search_token or os.environ.get("SIMSEARCH_SEARCH_TOKEN") or None
     server = SearchServer(config)
     server.start()
     print(json.dumps({"port": server.port, "metrics_port": config.metrics_port}), flush=True)
@@ -79,7 +116,7 @@ def _query(args: argparse.Namespace) -> None:
     if args.k <= 0:
         raise ValueError(f"--k must be at least 1, got {args.k}")
     results = []
-    with SearchClient(args.target, timeout=args.timeout) as client:
+    with SearchClient(args.target, timeout=args.timeout, tls_ca=args.tls_ca, token=args.token) as client:
         for image in args.images:
             try:
                 response = client.search_image(image, k=args.k)
@@ -103,7 +140,7 @@ def _info(args: argparse.Namespace) -> None:
 
     from serving.client import SearchClient
 
-    with SearchClient(args.target) as client:
+    with SearchClient(args.target, tls_ca=args.tls_ca, token=args.token) as client:
         print(json.dumps(MessageToDict(client.get_info()), indent=2))
 
 

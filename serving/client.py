@@ -39,18 +39,23 @@ class SearchClient:
         timeout: float = 10.0,
         admin_token: str | None = None,
         max_message_bytes: int = 16 * 1024 * 1024,
+        tls_ca: str | Path | None = None,
+        token: str | None = None,
     ) -> None:
         self.timeout = timeout
         self.admin_token = admin_token
-        self.channel = grpc.insecure_channel(
-            target,
-            options=[
-                ("grpc.service_config", _RETRY_SERVICE_CONFIG),
-                ("grpc.enable_retries", 1),
-                ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.max_receive_message_length", max_message_bytes),
-            ],
-        )
+        self.metadata = [("authorization", f"Bearer {token}")] if token else None
+        options = [
+            ("grpc.service_config", _RETRY_SERVICE_CONFIG),
+            ("grpc.enable_retries", 1),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        if tls_ca is not None:
+            credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+            self.channel = grpc.secure_channel(target, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(target, options=options)
         self.stub = pb_grpc.SimilaritySearchStub(self.channel)
         self.admin = pb_grpc.IndexAdminStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
@@ -75,7 +80,7 @@ class SearchClient:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def search(self, request: pb.SearchRequest, timeout: float | None = None) -> pb.SearchResponse:
-        return self.stub.Search(request, timeout=timeout or self.timeout)
+        return self.stub.Search(request, timeout=timeout or self.timeout, metadata=self.metadata)
 
     def search_image(
         self,
@@ -101,18 +106,22 @@ class SearchClient:
     def search_batch(
         self, requests: Sequence[pb.SearchRequest], timeout: float | None = None
     ) -> pb.SearchBatchResponse:
-        return self.stub.SearchBatch(pb.SearchBatchRequest(requests=list(requests)), timeout=timeout or self.timeout)
+        return self.stub.SearchBatch(
+            pb.SearchBatchRequest(requests=list(requests)), timeout=timeout or self.timeout, metadata=self.metadata
+        )
 
     def embed(self, image: bytes, timeout: float | None = None) -> pb.EmbedResponse:
-        return self.stub.Embed(pb.EmbedRequest(image=image), timeout=timeout or self.timeout)
+        return self.stub.Embed(pb.EmbedRequest(image=image), timeout=timeout or self.timeout, metadata=self.metadata)
 
     def feedback(self, request_id: str, relevant_ids: Sequence[str]) -> pb.FeedbackResponse:
         return self.stub.Feedback(
-            pb.FeedbackRequest(request_id=request_id, relevant_ids=list(relevant_ids)), timeout=self.timeout
+            pb.FeedbackRequest(request_id=request_id, relevant_ids=list(relevant_ids)),
+            timeout=self.timeout,
+            metadata=self.metadata,
         )
 
     def get_info(self, timeout: float | None = None) -> pb.GetInfoResponse:
-        return self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout or self.timeout)
+        return self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout or self.timeout, metadata=self.metadata)
 
     def reload(self, index_version: str = "", model_dir: str = "", timeout: float | None = None) -> pb.ReloadResponse:
         metadata = [("authorization", f"Bearer {self.admin_token}")] if self.admin_token else []

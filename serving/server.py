@@ -1,7 +1,12 @@
-"""gRPC server: thin servicers over `SearchEngine`, plus health, reflection, auth and metrics."""
+"""gRPC server: thin servicers over the search logic, plus health, reflection, auth and metrics.
+
+The servicers only translate: protobuf in, plain calls on `SearchEngine` / `DynamicBatcher` /
+`RecallMonitor`, protobuf or a status code out.
+"""
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -9,19 +14,25 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent import futures
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from index import artifacts
 from index.artifacts import ArtifactError
+from index.catalog import read_catalog
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
+from serving.batching import DynamicBatcher, Job
 from serving.engine import Limits, SearchEngine, ServingPair, load_pair
-from serving.errors import InvalidArgument, ServiceError
+from serving.errors import DeadlineExceeded, InvalidArgument, ServiceError
 from serving.metrics import ServiceMetrics
+from serving.monitor import MonitorConfig, RecallMonitor, probe_recall
 
 log = logging.getLogger(__name__)
 
@@ -37,33 +48,74 @@ class ServerConfig:
     port: int = 50051
     metrics_port: int | None = 9100
     provider: str = "auto"
-    workers: int = 16
+    workers: int = 32
+    intra_op_threads: int | None = None
     admin_token: str | None = None
+    search_token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
     max_k: int = 1000
     max_message_bytes: int = 16 * 1024 * 1024
     max_image_pixels: int = 40_000_000
     max_batch_queries: int = 256
+    batching: bool = True
+    max_batch_size: int = 32
+    max_wait_ms: float = 2.0
+    max_queue: int = 1024
     feedback_window: int = 10_000
+    recall_ks: list[int] | None = None
+    recall_window: int = 1000
+    ann_sample_rate: float = 0.05
+    probe_interval_s: float = 60.0
+    probe_size: int = 200
+    probe_catalog: str | None = None
+    watch_current: bool = False
+    watch_interval_s: float = 5.0
+    access_log: bool = False
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536 or (self.metrics_port is not None and not 0 <= self.metrics_port < 65536):
-            raise ValueError("ports must be within 0..65535")
-        for name in ("workers", "max_k", "max_message_bytes", "max_image_pixels", "max_batch_queries"):
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 65536:
+                raise ValueError(f"{name} must be within 0..65535, got {value}")
+        for name in (
+            "workers",
+            "max_k",
+            "max_message_bytes",
+            "max_image_pixels",
+            "max_batch_queries",
+            "max_batch_size",
+            "max_queue",
+            "recall_window",
+            "probe_size",
+        ):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_wait_ms < 0 or self.probe_interval_s <= 0 or self.watch_interval_s <= 0:
+            raise ValueError("max_wait_ms must be ≥ 0; probe_interval_s and watch_interval_s > 0")
         if not Path(self.index_root).is_dir():
             raise ValueError(f"index root not found: {self.index_root}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        for name in ("tls_cert", "tls_key", "probe_catalog"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name.replace('_', '-')} file not found: {path}")
+        MonitorConfig(ks=tuple(self.recall_ks or (1, 5, 10)), ann_sample_rate=self.ann_sample_rate)
 
 
 class SearchServicer(pb_grpc.SimilaritySearchServicer):
-    """Maps protobuf messages to engine calls and engine errors to status codes."""
+    """Maps protobuf messages to engine/batcher calls and service errors to status codes."""
 
-    def __init__(self, engine: SearchEngine, metrics: ServiceMetrics, feedback_window: int) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self._recent: OrderedDict[str, tuple[str | None, list[str]]] = OrderedDict()
+    def __init__(self, server: SearchServer) -> None:
+        self.engine = server.engine
+        self.batcher = server.batcher
+        self.metrics = server.metrics
+        self.monitor = server.monitor
+        self.access_log = server.config.access_log
+        self._recent: OrderedDict[str, list[str]] = OrderedDict()
         self._recent_lock = threading.Lock()
-        self._feedback_window = feedback_window
+        self._feedback_window = server.config.feedback_window
 
     def _rpc(self, method: str, context: grpc.ServicerContext, body: Callable[[], object]):
         started = time.perf_counter()
@@ -72,83 +124,109 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
             return body()
         except ServiceError as exc:
             code = exc.code
+            log.warning("%s: %s", method, exc.message, extra={"method": method, "code": code.name})
             context.abort(exc.code, exc.message)
         except Exception:
             code = grpc.StatusCode.INTERNAL
-            log.exception("%s failed", method)
+            log.exception("%s failed", method, extra={"method": method, "code": code.name})
             context.abort(grpc.StatusCode.INTERNAL, "internal error; see server logs")
         finally:
+            elapsed = time.perf_counter() - started
             self.metrics.requests.labels(method, code.name).inc()
-            self.metrics.latency.labels(method).observe(time.perf_counter() - started)
+            self.metrics.latency.labels(method).observe(elapsed)
+            if self.access_log:
+                log.info("rpc", extra={"method": method, "code": code.name, "ms": round(elapsed * 1e3, 3)})
 
-    def _search_one(self, request: pb.SearchRequest, pair: ServingPair) -> pb.SearchResponse:
+    # -- Search -----------------------------------------------------------------------------
+
+    def _prepare(self, request: pb.SearchRequest, pair: ServingPair, deadline: float | None) -> Job:
         engine = self.engine
-        started = time.perf_counter()
         engine.check_k(request.k)
-        request_id = request.request_id or uuid.uuid4().hex
-        timings = pb.StageTimings()
         exclude = engine.exclude_rows(pair, list(request.exclude_ids))
         kind = request.WhichOneof("query")
+        job = Job(pair=pair, k=request.k, exclude=exclude, deadline=deadline)
         if kind == "image":
             if len(request.image) == 0:
                 raise InvalidArgument("image bytes are empty")
-            t = time.perf_counter()
-            array = engine.decode(pair, request.image)
-            timings.decode_ms = (time.perf_counter() - t) * 1e3
-            t = time.perf_counter()
-            vector = engine.embed(pair, [array])[0]
-            timings.embed_ms = (time.perf_counter() - t) * 1e3
+            started = time.perf_counter()
+            job.array = engine.decode(pair, request.image)
+            job.decode_s = time.perf_counter() - started
         elif kind == "embedding":
-            vector = engine.check_embedding(pair, request.embedding.values)
+            job.vector = engine.check_embedding(pair, request.embedding.values)
         elif kind == "item_id":
-            vector, row = engine.item_vector(pair, request.item_id)
-            exclude.add(row)
+            job.vector, row = engine.item_vector(pair, request.item_id)
+            job.exclude.add(row)
         else:
             raise InvalidArgument("request has no query: set image, embedding or item_id")
-        t = time.perf_counter()
-        (hits,) = engine.search(pair, vector[None, :], request.k, [exclude])
-        timings.search_ms = (time.perf_counter() - t) * 1e3
-        for stage in ("decode", "embed", "search"):
-            value = getattr(timings, f"{stage}_ms")
-            if value:
-                self.metrics.stage_latency.labels(stage).observe(value / 1e3)
+        return job
+
+    def _finish(self, request: pb.SearchRequest, job: Job, timeout: float | None) -> pb.SearchResponse:
+        try:
+            hits = job.future.result(timeout=timeout)
+        except FutureTimeout:
+            job.future.cancel()
+            raise DeadlineExceeded("deadline exceeded while waiting for a batch") from None
+        pair = job.pair
         items = pair.items
-        response = pb.SearchResponse(
+        request_id = request.request_id or uuid.uuid4().hex
+        decode_s = job.decode_s
+        timings = pb.StageTimings(
+            decode_ms=decode_s * 1e3,
+            queue_ms=job.queue_s * 1e3,
+            embed_ms=job.embed_s * 1e3,
+            search_ms=job.search_s * 1e3,
+            total_ms=(time.perf_counter() - job.enqueued + decode_s) * 1e3,
+        )
+        for stage, seconds in (
+            ("decode", decode_s),
+            ("queue", job.queue_s),
+            ("embed", job.embed_s),
+            ("search", job.search_s),
+        ):
+            if seconds:
+                self.metrics.stage_latency.labels(stage).observe(seconds)
+        neighbors = [
+            pb.Neighbor(id=items.ids[h.row], score=h.score, label=items.labels[h.row], metadata=items.metadata[h.row])
+            for h in hits
+        ]
+        self._remember(request_id, [n.id for n in neighbors])
+        if request.HasField("label"):
+            self.monitor.record_labelled(request.label, [n.label for n in neighbors])
+        self.monitor.maybe_sample_ann(pair, job.vector, [h.row for h in hits], job.exclude)
+        return pb.SearchResponse(
+            neighbors=neighbors,
             request_id=request_id,
             index_version=pair.version,
             index_id=pair.index_id,
             model_id=pair.model_id,
-            neighbors=[
-                pb.Neighbor(
-                    id=items.ids[h.row], score=h.score, label=items.labels[h.row], metadata=items.metadata[h.row]
-                )
-                for h in hits
-            ],
+            timings=timings,
         )
-        timings.total_ms = (time.perf_counter() - started) * 1e3
-        response.timings.CopyFrom(timings)
-        self._remember(
-            request_id, request.label if request.HasField("label") else None, [n.id for n in response.neighbors]
-        )
-        return response
 
-    def _remember(self, request_id: str, label: str | None, ids: list[str]) -> None:
+    def search_many(self, requests: list[pb.SearchRequest], timeout: float | None) -> list[pb.SearchResponse]:
+        """Queries answered on one pair (the one live when they arrived), batched with others."""
+        pair = self.engine.pair
+        deadline = None if timeout is None else time.monotonic() + timeout
+        jobs = [self._prepare(r, pair, deadline) for r in requests]
+        for job in jobs:
+            self.batcher.submit(job)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return [self._finish(r, j, remaining) for r, j in zip(requests, jobs, strict=True)]
+
+    def _remember(self, request_id: str, ids: list[str]) -> None:
         with self._recent_lock:
-            self._recent[request_id] = (label, ids)
+            self._recent[request_id] = ids
             while len(self._recent) > self._feedback_window:
                 self._recent.popitem(last=False)
 
     def Search(self, request, context):
-        return self._rpc("Search", context, lambda: self._search_one(request, self.engine.pair))
+        return self._rpc("Search", context, lambda: self.search_many([request], context.time_remaining())[0])
 
     def SearchBatch(self, request, context):
         def body():
-            if len(request.requests) > self.engine.limits.max_batch_queries:
-                raise InvalidArgument(
-                    f"{len(request.requests)} queries exceed the batch limit of {self.engine.limits.max_batch_queries}"
-                )
-            pair = self.engine.pair
-            return pb.SearchBatchResponse(responses=[self._search_one(r, pair) for r in request.requests])
+            limit = self.engine.limits.max_batch_queries
+            if len(request.requests) > limit:
+                raise InvalidArgument(f"{len(request.requests)} queries exceed the batch limit of {limit}")
+            return pb.SearchBatchResponse(responses=self.search_many(list(request.requests), context.time_remaining()))
 
         return self._rpc("SearchBatch", context, body)
 
@@ -157,13 +235,13 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
             pair = self.engine.pair
             if len(request.image) == 0:
                 raise InvalidArgument("image bytes are empty")
-            t = time.perf_counter()
+            started = time.perf_counter()
             vector = self.engine.embed(pair, [self.engine.decode(pair, request.image)])[0]
             return pb.EmbedResponse(
                 embedding=vector.tolist(),
                 model_id=pair.model_id,
                 request_id=request.request_id or uuid.uuid4().hex,
-                timings=pb.StageTimings(total_ms=(time.perf_counter() - t) * 1e3),
+                timings=pb.StageTimings(total_ms=(time.perf_counter() - started) * 1e3),
             )
 
         return self._rpc("Embed", context, body)
@@ -171,9 +249,10 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
     def Feedback(self, request, context):
         def body():
             with self._recent_lock:
-                known = request.request_id in self._recent
-            if not known:
+                returned = self._recent.get(request.request_id)
+            if returned is None:
                 raise InvalidArgument(f"unknown or expired request_id {request.request_id!r}")
+            self.monitor.record_feedback(returned, list(request.relevant_ids))
             return pb.FeedbackResponse(accepted=True)
 
         return self._rpc("Feedback", context, body)
@@ -182,6 +261,12 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
         def body():
             pair = self.engine.pair
             limits = self.engine.limits
+            recall = [
+                pb.RecallFigure(source=source, k=k, value=v)
+                for source, values in self.monitor.figures().items()
+                for k, v in values.items()
+            ]
+            ann = [pb.RecallFigure(source="ann", k=k, value=v) for k, v in self.monitor.ann_values().items()]
             return pb.GetInfoResponse(
                 model_id=pair.model_id,
                 index_version=pair.version,
@@ -196,6 +281,8 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
                     max_image_pixels=limits.max_image_pixels,
                     max_batch_queries=limits.max_batch_queries,
                 ),
+                recall_at_k=recall,
+                ann_recall_at_k=ann,
             )
 
         return self._rpc("GetInfo", context, body)
@@ -215,25 +302,30 @@ class AdminServicer(pb_grpc.IndexAdminServicer):
         )
 
 
-class AdminAuthInterceptor(grpc.ServerInterceptor):
-    """Requires `authorization: Bearer <token>` on IndexAdmin methods."""
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Bearer tokens: always for IndexAdmin, for SimilaritySearch when a search token is set."""
 
-    def __init__(self, token: str | None) -> None:
-        self.token = token
+    def __init__(self, admin_token: str | None, search_token: str | None) -> None:
+        self.admin_token = admin_token
+        self.search_token = search_token
 
     def intercept_service(self, continuation, handler_call_details):
-        if not handler_call_details.method.startswith(f"/{ADMIN_SERVICE}/"):
+        method = handler_call_details.method
+        if method.startswith(f"/{ADMIN_SERVICE}/"):
+            if self.admin_token is None:
+                return _deny(
+                    grpc.StatusCode.PERMISSION_DENIED, "admin API disabled: start the server with --admin-token"
+                )
+            expected = self.admin_token
+        elif method.startswith(f"/{SEARCH_SERVICE}/") and self.search_token is not None:
+            expected = self.search_token
+        else:
             return continuation(handler_call_details)
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        supplied = metadata.get("authorization", "")
-        if self.token is None:
-            return _deny(grpc.StatusCode.PERMISSION_DENIED, "admin API disabled: start the server with --admin-token")
+        supplied = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
         if not supplied.startswith("Bearer "):
             return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata")
-        import hmac
-
-        if not hmac.compare_digest(supplied[len("Bearer ") :].encode(), self.token.encode()):
-            return _deny(grpc.StatusCode.PERMISSION_DENIED, "invalid admin token")
+        if not hmac.compare_digest(supplied[len("Bearer ") :].encode(), expected.encode()):
+            return _deny(grpc.StatusCode.PERMISSION_DENIED, "invalid token")
         return continuation(handler_call_details)
 
 
@@ -245,7 +337,7 @@ def _deny(code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
 
 
 class SearchServer:
-    """Owns the engine, the gRPC server, health status and the metrics endpoint."""
+    """Owns the engine, batcher, recall monitor, gRPC server, health status and metrics endpoint."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
@@ -253,29 +345,56 @@ class SearchServer:
         self.engine = SearchEngine(
             Limits(config.max_k, config.max_message_bytes, config.max_image_pixels, config.max_batch_queries)
         )
+        self.batcher = DynamicBatcher(
+            self.engine,
+            self.metrics,
+            config.max_batch_size,
+            config.max_wait_ms / 1e3,
+            config.max_queue,
+            enabled=config.batching,
+        )
+        self.monitor = RecallMonitor(
+            MonitorConfig(
+                ks=tuple(config.recall_ks or (1, 5, 10)),
+                window=config.recall_window,
+                ann_sample_rate=config.ann_sample_rate,
+                probe_interval_s=config.probe_interval_s,
+                probe_size=config.probe_size,
+            ),
+            self.metrics,
+        )
         self.health = health.HealthServicer()
         self._reload_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._watched_failure: str | None = None
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
         ]
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"),
-            interceptors=[AdminAuthInterceptor(config.admin_token)],
+            interceptors=[TokenAuthInterceptor(config.admin_token, config.search_token)],
             options=options,
+            maximum_concurrent_rpcs=config.max_queue + config.workers,
         )
-        pb_grpc.add_SimilaritySearchServicer_to_server(
-            SearchServicer(self.engine, self.metrics, config.feedback_window), self.grpc_server
-        )
+        self.servicer = SearchServicer(self)
+        pb_grpc.add_SimilaritySearchServicer_to_server(self.servicer, self.grpc_server)
         pb_grpc.add_IndexAdminServicer_to_server(AdminServicer(self), self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
             (SEARCH_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server
         )
         self._set_health(False)
-        self.port = self.grpc_server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        if config.tls_cert:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
+            )
+            self.port = self.grpc_server.add_secure_port(address, credentials)
+        else:
+            self.port = self.grpc_server.add_insecure_port(address)
         if self.port == 0:
-            raise OSError(f"cannot bind gRPC port {config.host}:{config.port}")
+            raise OSError(f"cannot bind gRPC port {address}")
 
     def _set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -288,7 +407,13 @@ class SearchServer:
         """Load a pair off the request path and swap it in; on failure the old pair keeps serving."""
         with self._reload_lock:
             try:
-                new = load_pair(self.config.index_root, version, model_dir or self.config.model, self.config.provider)
+                new = load_pair(
+                    self.config.index_root,
+                    version,
+                    model_dir or self.config.model,
+                    self.config.provider,
+                    self.config.intra_op_threads,
+                )
             except Exception:
                 self.metrics.reload_failures.inc()
                 raise
@@ -297,9 +422,70 @@ class SearchServer:
         self.metrics.set_live(
             new.version, new.index_id, new.model_id, new.manifest.get("factory", ""), new.index.ntotal
         )
+        self.monitor.reset()
         self._set_health(True)
-        log.info("serving index %s with model %s (%d items)", new.version, new.model_id, new.index.ntotal)
+        log.info(
+            "serving index %s with model %s (%d items)",
+            new.version,
+            new.model_id,
+            new.index.ntotal,
+            extra={"index_version": new.version, "model_id": new.model_id},
+        )
+        if old is not None:
+            threading.Thread(target=self._probe_now, name="probe-after-reload", daemon=True).start()
         return old, new
+
+    # -- probe set --------------------------------------------------------------------------
+
+    def probe_set(self, pair: ServingPair) -> tuple[list[Path], list[str], list[list[str]]]:
+        """(image paths, labels, ids to exclude): a held-out catalog, or a fixed sample of items."""
+        if self.config.probe_catalog:
+            catalog = read_catalog(self.config.probe_catalog)
+            rows = np.random.default_rng(0).permutation(len(catalog))[: self.config.probe_size]
+            return [catalog.paths[r] for r in rows], [catalog.labels[r] for r in rows], [[] for _ in rows]
+        items = pair.items
+        rows = np.random.default_rng(0).permutation(len(items))[: self.config.probe_size]
+        rows = [r for r in rows if Path(items.paths[r]).is_file()]
+        return [Path(items.paths[r]) for r in rows], [items.labels[r] for r in rows], [[items.ids[r]] for r in rows]
+
+    def run_probe(self) -> dict[int, float] | None:
+        """Probe images through decode → batcher → search, exactly as client queries go."""
+        if not self.engine.loaded:
+            return None
+        paths, labels, excludes = self.probe_set(self.engine.pair)
+        if not paths:
+            return None
+        k = max(self.monitor.config.ks)
+        requests = [
+            pb.SearchRequest(image=p.read_bytes(), k=k, exclude_ids=ex) for p, ex in zip(paths, excludes, strict=True)
+        ]
+        answers = []
+        for start in range(0, len(requests), self.config.max_batch_queries):
+            answers += self.servicer.search_many(requests[start : start + self.config.max_batch_queries], 60.0)
+        return probe_recall([[n.label for n in a.neighbors] for a in answers], labels, self.monitor.config.ks)
+
+    def _probe_now(self) -> None:
+        try:
+            self.monitor.run_probe(self.run_probe)
+        except Exception:
+            log.exception("probe after reload failed")
+
+    # -- CURRENT watcher --------------------------------------------------------------------
+
+    def _watch_current(self) -> None:
+        while not self._stopping.wait(self.config.watch_interval_s):
+            target = artifacts.current_version(self.config.index_root)
+            live = self.engine._pair.version if self.engine.loaded else None
+            if target is None or target == live or target == self._watched_failure:
+                continue
+            try:
+                self.reload(target)
+                self._watched_failure = None
+            except Exception as exc:
+                self._watched_failure = target  # retried only once CURRENT names something else
+                log.error("CURRENT names %s but it cannot be loaded: %s", target, exc)
+
+    # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:
         try:
@@ -309,11 +495,18 @@ class SearchServer:
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.metrics_port, self.config.host)
         self.grpc_server.start()
+        self.monitor.start(self.run_probe)
+        if self.config.watch_current:
+            threading.Thread(target=self._watch_current, name="watch-current", daemon=True).start()
         log.info("listening on %s:%d", self.config.host, self.port)
 
     def stop(self, grace: float | None = 5.0) -> None:
+        """Stop taking RPCs, let in-flight ones finish (up to `grace` seconds), then stop workers."""
+        self._stopping.set()
         self._set_health(False)
         self.grpc_server.stop(grace).wait()
+        self.batcher.stop()
+        self.monitor.stop()
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()

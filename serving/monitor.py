@@ -1,0 +1,214 @@
+"""Online Recall@K from the three sources of DESIGN.md, published as Prometheus gauges.
+
+1. probe: labelled images held with the index are queried through the full serving path (a gRPC
+   client to this very server) on a schedule; Recall@K as in offline evaluation, self excluded.
+2. traffic / feedback: queries that carry a `label`, and `Feedback` calls naming the relevant
+   results of an earlier request, give Recall@K over a sliding window.
+3. ANN fidelity: a sampled fraction of live queries is re-run with exact search over the
+   version's stored vectors in a background thread, off the request path; the figure is the
+   fraction of the exact top K that the index returned.
+
+Every buffer is bounded, so neither traffic nor feedback can grow the server's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from index.evaluation import recall_from_neighbor_labels
+from serving.engine import ServingPair
+from serving.metrics import ServiceMetrics
+
+log = logging.getLogger(__name__)
+
+EMBEDDINGS_FILE = "embeddings.npy"
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    ks: tuple[int, ...] = (1, 5, 10)
+    window: int = 1000
+    ann_sample_rate: float = 0.05
+    ann_queue: int = 256
+    probe_interval_s: float = 60.0
+    probe_size: int = 200
+    probe_k_extra: int = 1  # probes exclude themselves, so ask for one more
+
+    def __post_init__(self) -> None:
+        if not self.ks or min(self.ks) < 1:
+            raise ValueError("recall ks must be positive")
+        if not 0 <= self.ann_sample_rate <= 1:
+            raise ValueError("ann_sample_rate must be within [0, 1]")
+        if self.window < 1 or self.probe_size < 1 or self.probe_interval_s <= 0:
+            raise ValueError("window, probe_size and probe_interval_s must be positive")
+
+
+class SlidingRecall:
+    """Recall@K over the last `window` labelled answers (hit rank per answer)."""
+
+    def __init__(self, ks: Sequence[int], window: int) -> None:
+        self.ks = tuple(ks)
+        self._first_hit: deque[int] = deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def add(self, first_hit_rank: int | None) -> None:
+        with self._lock:
+            self._first_hit.append(first_hit_rank if first_hit_rank is not None else 1 << 30)
+
+    def values(self) -> dict[int, float] | None:
+        with self._lock:
+            if not self._first_hit:
+                return None
+            ranks = np.fromiter(self._first_hit, dtype=np.int64)
+        return {k: float(np.mean(ranks < k)) for k in self.ks}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._first_hit.clear()
+
+
+class RecallMonitor:
+    def __init__(self, config: MonitorConfig, metrics: ServiceMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.traffic = SlidingRecall(config.ks, config.window)
+        self.feedback = SlidingRecall(config.ks, config.window)
+        self.ann = {k: deque(maxlen=config.window) for k in config.ks}
+        self.probe: dict[int, float] | None = None
+        self._ann_jobs: queue.Queue = queue.Queue(maxsize=config.ann_queue)
+        self._exact_cache: dict[str, np.ndarray] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._rng = random.Random(0)
+
+    # -- live traffic -----------------------------------------------------------------------
+
+    def record_labelled(self, label: str, neighbor_labels: Sequence[str]) -> None:
+        rank = next((i for i, lab in enumerate(neighbor_labels) if lab == label), None)
+        self.traffic.add(rank)
+        self._publish("traffic", self.traffic.values())
+
+    def record_feedback(self, returned_ids: Sequence[str], relevant_ids: Sequence[str]) -> None:
+        relevant = set(relevant_ids)
+        rank = next((i for i, item in enumerate(returned_ids) if item in relevant), None)
+        self.feedback.add(rank)
+        self._publish("feedback", self.feedback.values())
+
+    def maybe_sample_ann(self, pair: ServingPair, vector: np.ndarray, rows: Sequence[int], exclude: set[int]) -> None:
+        """Queue a live query for an exact re-run; never blocks the request."""
+        if self.config.ann_sample_rate <= 0 or self._rng.random() >= self.config.ann_sample_rate:
+            return
+        try:
+            self._ann_jobs.put_nowait((pair, np.array(vector, dtype=np.float32), list(rows), set(exclude)))
+        except queue.Full:
+            pass  # the checker is behind; dropping a sample costs nothing but precision
+
+    def reset(self) -> None:
+        """A new model/index pair: figures of the old one no longer describe what is served."""
+        self.traffic.clear()
+        self.feedback.clear()
+        for window in self.ann.values():
+            window.clear()
+        self.probe = None
+        self._exact_cache.clear()
+        self.metrics.recall_at_k.clear()
+        self.metrics.ann_recall_at_k.clear()
+
+    # -- background work --------------------------------------------------------------------
+
+    def start(self, probe: Callable[[], dict[int, float] | None] | None) -> None:
+        checker = threading.Thread(target=self._ann_loop, name="ann-fidelity", daemon=True)
+        checker.start()
+        self._threads.append(checker)
+        if probe is not None:
+            prober = threading.Thread(target=self._probe_loop, args=(probe,), name="probe", daemon=True)
+            prober.start()
+            self._threads.append(prober)
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            self._ann_jobs.put_nowait(None)
+        except queue.Full:
+            pass
+
+    def run_probe(self, probe: Callable[[], dict[int, float] | None]) -> dict[int, float] | None:
+        values = probe()
+        if values is not None:
+            self.probe = values
+            self._publish("probe", values)
+        return values
+
+    def _probe_loop(self, probe: Callable[[], dict[int, float] | None]) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_probe(probe)
+            except Exception:  # a failed probe round is logged and retried next interval
+                log.exception("probe round failed")
+            self._stop.wait(self.config.probe_interval_s)
+
+    def _ann_loop(self) -> None:
+        while not self._stop.is_set():
+            job = self._ann_jobs.get()
+            if job is None:
+                return
+            try:
+                self.check_ann(*job)
+            except Exception:
+                log.exception("ANN fidelity check failed")
+
+    def _exact_vectors(self, pair: ServingPair) -> np.ndarray:
+        vectors = self._exact_cache.get(pair.version)
+        if vectors is None:
+            path = Path(pair.directory) / EMBEDDINGS_FILE
+            # Memory-mapped: exact search reads the stored vectors without loading them all.
+            vectors = np.load(path, mmap_mode="r") if path.is_file() else pair.index.reconstruct_n(0, pair.index.ntotal)
+            self._exact_cache = {pair.version: vectors}
+        return vectors
+
+    def check_ann(self, pair: ServingPair, vector: np.ndarray, rows: list[int], exclude: set[int]) -> None:
+        database = self._exact_vectors(pair)
+        scores = np.asarray(database @ vector, dtype=np.float32)
+        if exclude:
+            scores[list(exclude)] = -np.inf
+        for k in self.config.ks:
+            if len(rows) < k:
+                continue
+            exact = np.argpartition(-scores, k - 1)[:k]
+            self.ann[k].append(len(set(rows[:k]) & set(exact.tolist())) / k)
+            self.metrics.ann_recall_at_k.labels(str(k)).set(float(np.mean(self.ann[k])))
+
+    def ann_values(self) -> dict[int, float]:
+        return {k: float(np.mean(v)) for k, v in self.ann.items() if v}
+
+    def figures(self) -> dict[str, dict[int, float]]:
+        out = {}
+        for source, values in (
+            ("probe", self.probe),
+            ("traffic", self.traffic.values()),
+            ("feedback", self.feedback.values()),
+        ):
+            if values:
+                out[source] = values
+        return out
+
+    def _publish(self, source: str, values: dict[int, float] | None) -> None:
+        if values:
+            for k, v in values.items():
+                self.metrics.recall_at_k.labels(str(k), source).set(v)
+
+
+def probe_recall(neighbor_labels: list[list[str]], labels: list[str], ks: Sequence[int]) -> dict[int, float]:
+    """Recall@K of probe answers, with the evaluation stage's definition."""
+    width = max(ks)
+    padded = np.array([(row + [None] * width)[:width] for row in neighbor_labels], dtype=object)
+    return recall_from_neighbor_labels(padded, np.array(labels, dtype=object), ks)
