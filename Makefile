@@ -23,6 +23,9 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
+bench: $(STAMP)
+	@for script in benchmarks/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+
 protos: $(STAMP)
 	PATH=$(VENV)/bin:$$PATH bash scripts/gen_protos.sh
 

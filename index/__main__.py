@@ -36,6 +36,21 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--keep", type=int, help="versions to retain")
     build.add_argument("--no-progress", action="store_true", default=None)
 
+    add = sub.add_parser("add", help="publish live version + new catalog rows, embedding only the new ones")
+    add.add_argument("--config", help="YAML/TOML file with any of the options below")
+    add.add_argument("--model", help="model artifact directory (must be the live index's model)")
+    add.add_argument("--index-root", dest="index_root", help="index root (versions/ and CURRENT)")
+    add.add_argument("--catalog", help="catalog with the new rows (ids already indexed are skipped)")
+    add.add_argument("--provider", choices=["auto", "cpu", "cuda"])
+    add.add_argument("--batch-size", dest="batch_size", type=int)
+    add.add_argument("--max-bad-fraction", dest="max_bad_fraction", type=float)
+    add.add_argument("--min-ann-recall", dest="min_ann_recall", type=float)
+    add.add_argument("--min-probe-recall-at-1", dest="min_probe_recall_at_1", type=float)
+    add.add_argument("--max-recall-drop", dest="max_recall_drop", type=float)
+    add.add_argument("--force", action="store_const", const=True)
+    add.add_argument("--keep", type=int)
+    add.add_argument("--no-progress", action="store_true", default=None)
+
     listing = sub.add_parser("list", help="list index versions, marking the live one")
     listing.add_argument("--index-root", required=True)
 
@@ -55,12 +70,13 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.command in ("list", "rollback") and not Path(args.index_root).is_dir():
             raise ValueError(f"index root not found: {args.index_root}")
-        if args.command == "build":
-            from index.build import BuildConfig, run_build
+        if args.command in ("build", "add"):
+            from index.build import BuildConfig, run_add, run_build
 
             no_progress = args.no_progress
             del args.no_progress
-            print(run_build(from_cli(BuildConfig, args), progress=not no_progress))
+            run = run_build if args.command == "build" else run_add
+            print(run(from_cli(BuildConfig, args), progress=not no_progress))
         elif args.command == "list":
             live = artifacts.current_version(args.index_root)
             for version in artifacts.list_versions(args.index_root):

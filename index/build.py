@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -17,7 +19,15 @@ from index.catalog import Catalog, read_catalog
 from index.config import to_jsonable
 from index.embedder import OnnxEmbedder
 from index.evaluation import ann_recall, recall_at_k, recall_from_neighbor_labels
-from index.faiss_index import build_index, save_index, search, select_device
+from index.faiss_index import (
+    apply_search_params,
+    build_index,
+    l2_normalized,
+    load_index,
+    save_index,
+    search,
+    select_device,
+)
 from index.items import ItemTable
 from index.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, load_image
 
@@ -156,8 +166,17 @@ def check_quality(figures: dict, cfg: BuildConfig, live: dict | None) -> list[st
     return reasons
 
 
+def check_bad_rows(total: int, kept: int, skipped: dict[str, int], max_bad_fraction: float) -> None:
+    bad = total - kept
+    if total and bad / total > max_bad_fraction:
+        raise ValueError(
+            f"{bad} of {total} catalog rows could not be embedded ({skipped}), over the "
+            f"allowed fraction {max_bad_fraction}"
+        )
+
+
 def run_build(cfg: BuildConfig, progress: bool = True) -> Path:
-    """Build and publish a new index version; returns its directory."""
+    """Embed a catalog in this process, build a new index and publish it; returns its directory."""
     started = time.perf_counter()
     embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
     catalog_path = cfg.catalog or default_catalog(embedder.manifest)
@@ -165,22 +184,36 @@ def run_build(cfg: BuildConfig, progress: bool = True) -> Path:
     embeddings, kept, skipped = embed_catalog(
         catalog, embedder, cfg.batch_size, cfg.decode_threads, cfg.max_pixels, progress
     )
-    bad = len(catalog) - len(kept)
-    if bad / len(catalog) > cfg.max_bad_fraction:
-        raise ValueError(
-            f"{bad} of {len(catalog)} catalog rows could not be embedded ({skipped}), over the "
-            f"allowed fraction {cfg.max_bad_fraction}"
-        )
-    items = catalog.subset(kept)
-    embed_seconds = time.perf_counter() - started
+    check_bad_rows(len(catalog), len(kept), skipped, cfg.max_bad_fraction)
+    rows = {"catalog": len(catalog), "indexed": len(kept), "skipped": skipped}
+    return publish_index(
+        cfg, embedder.model_id, embeddings, catalog.subset(kept), catalog_path, rows, started,
+        embed_seconds=time.perf_counter() - started,
+    )
+
+
+def publish_index(
+    cfg: BuildConfig,
+    model_id: str,
+    embeddings: np.ndarray,
+    items: Catalog | ItemTable,
+    catalog_path: str | Path,
+    rows: dict,
+    started: float,
+    embed_seconds: float,
+    index=None,
+    extra: dict | None = None,
+) -> Path:
+    """Build the faiss index (unless given), gate it on quality, and publish a new version."""
     device = select_device(cfg.device)
-    index = build_index(embeddings, cfg.factory, cfg.search_params, cfg.train_size, device)
-    figures = quality_figures(index, embeddings, items.labels, cfg)
+    if index is None:
+        index = build_index(embeddings, cfg.factory, cfg.search_params, cfg.train_size, device)
+    figures = quality_figures(index, embeddings, list(items.labels), cfg)
     root = Path(cfg.index_root)
     live = None
     if artifacts.current_version(root):
         live = read_manifest(artifacts.version_dir(root))
-        if live.get("model_id") != embedder.model_id:
+        if live.get("model_id") != model_id:
             live = None  # a different model's recall is no baseline for this one
     reasons = check_quality(figures, cfg, live)
     if reasons and not cfg.force:
@@ -189,19 +222,19 @@ def run_build(cfg: BuildConfig, progress: bool = True) -> Path:
     staging = artifacts.index_staging_dir(root)
     try:
         save_index(index, staging / artifacts.INDEX_FILE)
-        np.save(staging / EMBEDDINGS_FILE, embeddings)
+        np.save(staging / EMBEDDINGS_FILE, np.ascontiguousarray(embeddings, dtype=np.float32))
         ItemTable(
-            ids=items.ids,
-            labels=items.labels,
-            paths=[str(p.resolve()) for p in items.paths],
-            metadata=items.metadata,
+            ids=list(items.ids),
+            labels=list(items.labels),
+            paths=[str(Path(p).resolve()) for p in items.paths],
+            metadata=list(items.metadata),
         ).write(staging / artifacts.ITEMS_FILE)
         index_id = artifacts.file_sha256(staging / artifacts.INDEX_FILE)[:16]
         version = artifacts.new_version_name(index_id)
         manifest = {
             "index_id": index_id,
             "version": version,
-            "model_id": embedder.model_id,
+            "model_id": model_id,
             "model_dir": str(Path(cfg.model).resolve()),
             "factory": cfg.factory,
             "metric": "inner_product",
@@ -214,21 +247,67 @@ def run_build(cfg: BuildConfig, progress: bool = True) -> Path:
             "embed_seconds": embed_seconds,
             "created": utc_now(),
             "catalog": str(Path(catalog_path).resolve()),
-            "rows": {"catalog": len(catalog), "indexed": len(kept), "skipped": skipped},
+            "rows": rows,
             "quality": figures,
             "quality_gate": {"passed": not reasons, "forced": bool(reasons), "reasons": reasons},
             "config": to_jsonable(cfg),
+            **(extra or {}),
         }
         write_json_atomic(staging / artifacts.MANIFEST, manifest)
         target = artifacts.publish_version(root, staging, version)
     except BaseException:
-        import shutil
-
         shutil.rmtree(staging, ignore_errors=True)
         raise
     artifacts.prune_versions(root, cfg.keep)
     log.info("published index %s (%d items) at %s", version, index.ntotal, target)
     return target
+
+
+def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
+    """Publish a new version = the live one + the catalog rows it lacks, embedding only those.
+
+    Existing vectors are reused byte for byte (from the live version's embeddings.npy) and the
+    live faiss index is extended in place of a rebuild, so IVF/PQ keep their trained quantisers.
+    Rows whose id is already indexed are skipped and counted, not re-embedded.
+    """
+    started = time.perf_counter()
+    if cfg.catalog is None:
+        raise ValueError("index add needs --catalog with the new rows")
+    root = Path(cfg.index_root)
+    live_dir = artifacts.version_dir(root)
+    live = read_manifest(live_dir)
+    embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
+    check_model_index_pair(embedder.manifest, live)
+    old_items = ItemTable.read(live_dir / artifacts.ITEMS_FILE)
+    old_vectors = np.load(live_dir / EMBEDDINGS_FILE)
+    catalog = read_catalog(cfg.catalog)
+    new_rows = [r for r, item_id in enumerate(catalog.ids) if old_items.row_of(item_id) is None]
+    already = len(catalog) - len(new_rows)
+    if not new_rows:
+        raise ValueError(f"all {len(catalog)} rows of {cfg.catalog} are already in version {live['version']}")
+    fresh = catalog.subset(new_rows)
+    vectors, kept, skipped = embed_catalog(
+        fresh, embedder, cfg.batch_size, cfg.decode_threads, cfg.max_pixels, progress
+    )
+    check_bad_rows(len(fresh), len(kept), skipped, cfg.max_bad_fraction)
+    added = fresh.subset(kept)
+    index = load_index(live_dir / artifacts.INDEX_FILE)
+    index.add(l2_normalized(vectors))
+    if live.get("search_params"):
+        apply_search_params(index, live["search_params"])
+    items = ItemTable(
+        ids=old_items.ids + added.ids,
+        labels=old_items.labels + added.labels,
+        paths=old_items.paths + [str(p.resolve()) for p in added.paths],
+        metadata=old_items.metadata + added.metadata,
+    )
+    cfg = dataclasses.replace(cfg, factory=live["factory"], search_params=live.get("search_params", {}))
+    rows = {"catalog": len(catalog), "indexed": len(items), "added": len(kept), "already_indexed": already,
+            "skipped": skipped}
+    return publish_index(
+        cfg, embedder.model_id, np.concatenate([old_vectors, vectors]), items, cfg.catalog, rows, started,
+        embed_seconds=time.perf_counter() - started, index=index, extra={"parent_version": live["version"]},
+    )
 
 
 def check_model_index_pair(model_manifest: dict, index_manifest: dict) -> None:

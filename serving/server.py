@@ -60,7 +60,7 @@ class ServerConfig:
     max_batch_queries: int = 256
     batching: bool = True
     max_batch_size: int = 32
-    max_wait_ms: float = 2.0
+    max_wait_ms: float = 0.0  # greedy: a batch is whatever queued while the last one ran
     max_queue: int = 1024
     feedback_window: int = 10_000
     recall_ks: list[int] | None = None
