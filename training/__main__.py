@@ -58,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--opset", type=int)
     export.add_argument("--parity-images", dest="parity_images", type=int)
     export.add_argument("--min-cosine", dest="min_cosine", type=float)
+    export.add_argument("--variants", help="reduced-precision copies to publish beside it: fp16,int8")
     return parser
 
 

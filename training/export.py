@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +39,22 @@ DEFAULT_OPSET = 18
 MIN_PARITY_COSINE = 0.9999
 
 
+def _fp16(source: Path, target: Path) -> None:
+    from onnxconverter_common.float16 import convert_float_to_float16
+
+    # Inputs and outputs stay float32 so callers and the input contract do not change.
+    onnx.save(convert_float_to_float16(onnx.load(str(source)), keep_io_types=True), str(target))
+
+
+def _int8(source: Path, target: Path) -> None:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(str(source), str(target), weight_type=QuantType.QInt8)
+
+
+VARIANTS = {"fp16": _fp16, "int8": _int8}
+
+
 class ExportError(RuntimeError):
     """The exported model is invalid or does not match PyTorch."""
 
@@ -50,8 +66,12 @@ class ExportConfig:
     opset: int = DEFAULT_OPSET
     parity_images: int = 256
     min_cosine: float = MIN_PARITY_COSINE
+    variants: list[str] = field(default_factory=list)  # reduced precision: fp16, int8
 
     def __post_init__(self) -> None:
+        unknown = sorted(set(self.variants) - set(VARIANTS))
+        if unknown:
+            raise ValueError(f"unknown variant(s) {', '.join(unknown)}; available: {', '.join(VARIANTS)}")
         if not (Path(self.run) / CHECKPOINT_FILE).is_file():
             raise ValueError(f"{self.run}: no {CHECKPOINT_FILE}; pass a training run directory")
         if self.parity_images <= 0:
@@ -147,7 +167,46 @@ def run_export(cfg: ExportConfig) -> Path:
         manifest["parity"] = parity_check(model, staging, images, cfg.min_cosine)
         write_json_atomic(staging / MANIFEST, manifest)
     log.info("exported model %s to %s (parity %s)", model_id, out, manifest["parity"])
+    for name in cfg.variants:
+        export_variant(out, name, parity_catalog, train_cfg.get("ks", [1, 2, 4, 8]))
     return out
+
+
+def export_variant(base: Path, name: str, test_catalog: Path, ks: list[int]) -> Path:
+    """Publish `<base>-<name>`: a reduced-precision copy with its Recall@K drop measured."""
+    from index.artifacts import read_manifest
+    from index.evaluation import recall_at_k
+
+    manifest = read_manifest(base)
+    target = base.with_name(f"{base.name}-{name}")
+    if not test_catalog.is_file():
+        raise ExportError(f"variant {name}: no test split at {test_catalog} to measure its recall on")
+    contract = InputContract.from_dict(manifest["input"])
+    test = load_images(read_catalog(test_catalog), contract, max_bad_fraction=1.0)
+    base_recall = recall_at_k(OnnxEmbedder(base, provider="cpu").embed(test.images), test.labels, ks)
+    with staging_directory(target) as staging:
+        VARIANTS[name](base / MODEL_FILE, staging / MODEL_FILE)
+        onnx.checker.check_model(str(staging / MODEL_FILE))
+        variant_id = file_sha256(staging / MODEL_FILE)[:16]
+        variant_manifest = {
+            **manifest,
+            "model_id": variant_id,
+            "variant": {"name": name, "base_model_id": manifest["model_id"]},
+            "created": utc_now(),
+        }
+        write_json_atomic(staging / MANIFEST, variant_manifest)
+        recall = recall_at_k(OnnxEmbedder(staging, provider="cpu").embed(test.images), test.labels, ks)
+        variant_manifest["variant"].update(
+            test_images=len(test.ids),
+            recall_at_k={str(k): v for k, v in recall.items()},
+            base_recall_at_k={str(k): v for k, v in base_recall.items()},
+            recall_drop={str(k): base_recall[k] - recall[k] for k in ks},
+            size_bytes=(staging / MODEL_FILE).stat().st_size,
+            base_size_bytes=(base / MODEL_FILE).stat().st_size,
+        )
+        write_json_atomic(staging / MANIFEST, variant_manifest)
+    log.info("variant %s: Recall@K drop %s", name, variant_manifest["variant"]["recall_drop"])
+    return target
 
 
 def _read_json(path: Path) -> dict:
