@@ -43,8 +43,11 @@ def ensure_artifacts(run: Path, quick: bool) -> None:
     if (run / "model" / "manifest.json").is_file() and artifacts.current_version(run / "index"):
         return
     slice_args = ["--max-classes", "40", "--max-per-class", "40", "--epochs", "2", "--classes-per-batch", "10"]
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--out", str(run), *(slice_args if quick else [])],
-                   check=True, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "demo.py"), "--out", str(run), *(slice_args if quick else [])],
+        check=True,
+        cwd=ROOT,
+    )
 
 
 def ceiling(run: Path, catalog_path: Path, batch_sizes: list[int], repeats: int) -> dict[int, dict]:
@@ -69,8 +72,12 @@ def ceiling(run: Path, catalog_path: Path, batch_sizes: list[int], repeats: int)
                 load_image(blob, embedder.contract)
             decode_times.append(time.perf_counter() - t)
         med, dec = statistics.median(times), statistics.median(decode_times)
-        out[b] = {"qps": b / med, "qps_with_decode": b / (med + dec), "latency_ms": med * 1e3,
-                  "latency_with_decode_ms": (med + dec) * 1e3}
+        out[b] = {
+            "qps": b / med,
+            "qps_with_decode": b / (med + dec),
+            "latency_ms": med * 1e3,
+            "latency_with_decode_ms": (med + dec) * 1e3,
+        }
     return out
 
 
@@ -80,10 +87,34 @@ def serve_and_load(
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     server = subprocess.Popen(
-        [sys.executable, "-m", "serving", "serve", "--index-root", str(run / "index"), "--port", str(port),
-         "--metrics-port", str(free_port()), "--batching", str(batching).lower(), "--max-batch-size", "32",
-         "--max-wait-ms", str(max_wait_ms), "--probe-interval-s", "3600", "--ann-sample-rate", "0", "--log-format", "text"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "serving",
+            "serve",
+            "--index-root",
+            str(run / "index"),
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(free_port()),
+            "--batching",
+            str(batching).lower(),
+            "--max-batch-size",
+            "32",
+            "--max-wait-ms",
+            str(max_wait_ms),
+            "--probe-interval-s",
+            "3600",
+            "--ann-sample-rate",
+            "0",
+            "--log-format",
+            "text",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         with SearchClient(f"127.0.0.1:{port}") as client:
@@ -94,9 +125,24 @@ def serve_and_load(
         results = []
         for c in concurrencies:
             proc = subprocess.run(
-                [sys.executable, str(ROOT / "benchmarks" / "loadgen.py"), "--target", f"127.0.0.1:{port}",
-                 "--catalog", str(catalog), "--concurrency", str(c), "--seconds", str(seconds)],
-                cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=300,
+                [
+                    sys.executable,
+                    str(ROOT / "benchmarks" / "loadgen.py"),
+                    "--target",
+                    f"127.0.0.1:{port}",
+                    "--catalog",
+                    str(catalog),
+                    "--concurrency",
+                    str(c),
+                    "--seconds",
+                    str(seconds),
+                ],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=300,
             )
             results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         return results
@@ -107,7 +153,9 @@ def serve_and_load(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--run", default="runs/demo", help="directory with model/ and index/ (built by the demo if missing)")
+    parser.add_argument(
+        "--run", default="runs/demo", help="directory with model/ and index/ (built by the demo if missing)"
+    )
     parser.add_argument("--quick", action="store_true", help="short runs, a glyph slice if artifacts must be built")
     parser.add_argument("--seconds", type=float, help="load duration per concurrency level")
     args = parser.parse_args()
@@ -120,8 +168,10 @@ def main() -> None:
     ceil = ceiling(run, catalog, [1, 8, 32, 64], repeats=5 if args.quick else 30)
     runs = {mode: serve_and_load(run, catalog, mode == "on", concurrencies, seconds) for mode in ("on", "off")}
 
-    print(f"\nServing benchmark on {os.cpu_count()} CPUs, index {artifacts.current_version(run / 'index')}, "
-          f"{seconds:.0f} s per level\n")
+    print(
+        f"\nServing benchmark on {os.cpu_count()} CPUs, index {artifacts.current_version(run / 'index')}, "
+        f"{seconds:.0f} s per level\n"
+    )
     print("In-process ceiling (same ORT session + faiss index, called directly):")
     print(f"{'batch':>6} {'q/s':>9} {'q/s +decode':>12} {'ms/batch':>9}")
     for b, c in ceil.items():
@@ -131,8 +181,10 @@ def main() -> None:
     for mode, levels in runs.items():
         for r in levels:
             ref = ceil[r["concurrency"]]["qps"]
-            print(f"{mode:>8} {r['concurrency']:>5} {r['qps']:8.0f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} "
-                  f"{r['errors']:>6} {r['qps'] / ref:10.0%}")
+            print(
+                f"{mode:>8} {r['concurrency']:>5} {r['qps']:8.0f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} "
+                f"{r['errors']:>6} {r['qps'] / ref:10.0%}"
+            )
     on = {r["concurrency"]: r for r in runs["on"]}
     added_p50 = on[1]["p50_ms"] - ceil[1]["latency_with_decode_ms"]
     summary = {

@@ -27,6 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--provider", choices=["auto", "cpu", "cuda"], help="ONNX Runtime provider")
     build.add_argument("--batch-size", dest="batch_size", type=int)
     build.add_argument("--decode-threads", dest="decode_threads", type=int)
+    build.add_argument("--max-pixels", dest="max_pixels", type=int, help="larger images are skipped as oversized")
     build.add_argument("--max-bad-fraction", dest="max_bad_fraction", type=float)
     build.add_argument("--ks", help="comma-separated K values for probe Recall@K")
     build.add_argument("--min-ann-recall", dest="min_ann_recall", type=float)
@@ -35,6 +36,31 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--force", action="store_const", const=True, help="publish even if the quality gate fails")
     build.add_argument("--keep", type=int, help="versions to retain")
     build.add_argument("--no-progress", action="store_true", default=None)
+
+    rebuild = sub.add_parser("rebuild", help="batch rebuild on Ray Data (RAY_ADDRESS for a cluster), then publish")
+    for flag, kwargs in (
+        ("--config", {}),
+        ("--model", {}),
+        ("--index-root", {"dest": "index_root"}),
+        ("--catalog", {}),
+        ("--factory", {}),
+        ("--search-params", {"dest": "search_params", "type": json.loads}),
+        ("--train-size", {"dest": "train_size", "type": int}),
+        ("--device", {"choices": ["auto", "cpu", "gpu"]}),
+        ("--provider", {"choices": ["auto", "cpu", "cuda"]}),
+        ("--batch-size", {"dest": "batch_size", "type": int}),
+        ("--max-bad-fraction", {"dest": "max_bad_fraction", "type": float}),
+        ("--max-pixels", {"dest": "max_pixels", "type": int}),
+        ("--min-ann-recall", {"dest": "min_ann_recall", "type": float}),
+        ("--min-probe-recall-at-1", {"dest": "min_probe_recall_at_1", "type": float}),
+        ("--max-recall-drop", {"dest": "max_recall_drop", "type": float}),
+        ("--keep", {"type": int}),
+    ):
+        rebuild.add_argument(flag, **kwargs)
+    rebuild.add_argument("--force", action="store_const", const=True)
+    rebuild.add_argument("--workers", type=int, default=2, help="embedding actors (and decode tasks)")
+    rebuild.add_argument("--work-dir", help="where embedding shards go (default INDEX_ROOT/.rebuild)")
+    rebuild.add_argument("--no-progress", action="store_true", default=None)
 
     add = sub.add_parser("add", help="publish live version + new catalog rows, embedding only the new ones")
     add.add_argument("--config", help="YAML/TOML file with any of the options below")
@@ -77,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
             del args.no_progress
             run = run_build if args.command == "build" else run_add
             print(run(from_cli(BuildConfig, args), progress=not no_progress))
+        elif args.command == "rebuild":
+            from index.build import BuildConfig
+            from index.rebuild import run_rebuild
+
+            options = {"workers": args.workers, "work_dir": args.work_dir, "progress": not args.no_progress}
+            del args.workers, args.work_dir, args.no_progress
+            print(run_rebuild(from_cli(BuildConfig, args), **options))
         elif args.command == "list":
             live = artifacts.current_version(args.index_root)
             for version in artifacts.list_versions(args.index_root):

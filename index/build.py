@@ -187,7 +187,13 @@ def run_build(cfg: BuildConfig, progress: bool = True) -> Path:
     check_bad_rows(len(catalog), len(kept), skipped, cfg.max_bad_fraction)
     rows = {"catalog": len(catalog), "indexed": len(kept), "skipped": skipped}
     return publish_index(
-        cfg, embedder.model_id, embeddings, catalog.subset(kept), catalog_path, rows, started,
+        cfg,
+        embedder.model_id,
+        embeddings,
+        catalog.subset(kept),
+        catalog_path,
+        rows,
+        started,
         embed_seconds=time.perf_counter() - started,
     )
 
@@ -302,11 +308,24 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
         metadata=old_items.metadata + added.metadata,
     )
     cfg = dataclasses.replace(cfg, factory=live["factory"], search_params=live.get("search_params", {}))
-    rows = {"catalog": len(catalog), "indexed": len(items), "added": len(kept), "already_indexed": already,
-            "skipped": skipped}
+    rows = {
+        "catalog": len(catalog),
+        "indexed": len(items),
+        "added": len(kept),
+        "already_indexed": already,
+        "skipped": skipped,
+    }
     return publish_index(
-        cfg, embedder.model_id, np.concatenate([old_vectors, vectors]), items, cfg.catalog, rows, started,
-        embed_seconds=time.perf_counter() - started, index=index, extra={"parent_version": live["version"]},
+        cfg,
+        embedder.model_id,
+        np.concatenate([old_vectors, vectors]),
+        items,
+        cfg.catalog,
+        rows,
+        started,
+        embed_seconds=time.perf_counter() - started,
+        index=index,
+        extra={"parent_version": live["version"]},
     )
 
 

@@ -32,8 +32,20 @@ def test_add_embeds_only_new_rows_and_keeps_existing_vectors(demo_run, tmp_path)
     full = catalog.write(tmp_path / "full.csv")
     root = tmp_path / "index"
     model = str(demo_run / "model")
-    built = index_cli("build", "--model", model, "--index-root", str(root), "--catalog", str(first_half),
-                      "--factory", "IVF8,Flat", "--search-params", '{"nprobe": 8}', "--no-progress")
+    built = index_cli(
+        "build",
+        "--model",
+        model,
+        "--index-root",
+        str(root),
+        "--catalog",
+        str(first_half),
+        "--factory",
+        "IVF8,Flat",
+        "--search-params",
+        '{"nprobe": 8}',
+        "--no-progress",
+    )
     assert built.returncode == 0, built.stderr
     parent = artifacts.current_version(root)
     parent_dir = artifacts.version_dir(root, parent)
@@ -76,9 +88,27 @@ def test_build_killed_at_random_moments_leaves_previous_version_live(demo_run, t
     kills = 0
     for delay in [rng.uniform(0.3, 3.0) for _ in range(5)]:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "index", "build", "--model", str(demo_run / "model"), "--index-root", str(root),
-             "--catalog", str(big), "--batch-size", "8", "--decode-threads", "1", "--no-progress", "--force"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "index",
+                "build",
+                "--model",
+                str(demo_run / "model"),
+                "--index-root",
+                str(root),
+                "--catalog",
+                str(big),
+                "--batch-size",
+                "8",
+                "--decode-threads",
+                "1",
+                "--no-progress",
+                "--force",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         time.sleep(delay)
         if proc.poll() is None:

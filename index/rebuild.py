@@ -1,0 +1,191 @@
+"""Batch index rebuild on Ray Data: read the catalog, decode and embed on the cluster, publish.
+
+The catalog becomes a Ray Dataset; `map_batches` decodes and preprocesses with the one
+preprocessing implementation (`index.preprocess`), an actor pool embeds with ONNX Runtime
+(one GPU per actor when the cluster has GPUs, CPU actors otherwise), and the embeddings are
+written as Parquet shards to a work directory keyed by catalog and model. The driver then
+builds the faiss index and publishes it through the same quality gate and atomic publish as
+`index build`. Unreadable rows are marked, skipped and counted, never fatal below the allowed
+fraction. A crashed run is safe to re-run: shards without a completion marker are discarded and
+rewritten, completed shards are reused, and nothing is published until the end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from index.artifacts import read_manifest, utc_now, write_json_atomic
+from index.build import BuildConfig, check_bad_rows, default_catalog, publish_index
+from index.catalog import read_catalog
+from index.preprocess import ImageDecodeError, InputContract, load_image
+
+log = logging.getLogger(__name__)
+
+DONE = "DONE"
+
+
+def embed_actor_resources(cluster_gpus: float, provider: str = "auto") -> dict[str, float]:
+    """One GPU per embedding actor when the cluster has GPUs (and CUDA is allowed), else a CPU."""
+    if provider == "cuda" and cluster_gpus < 1:
+        raise RuntimeError("provider 'cuda' requested but the Ray cluster reports no GPUs")
+    if provider != "cpu" and cluster_gpus >= 1:
+        return {"num_gpus": 1, "num_cpus": 1}
+    return {"num_gpus": 0, "num_cpus": 1}
+
+
+class DecodeImages:
+    """Ray Data UDF: paths → preprocessed pixels, with bad rows flagged instead of raised."""
+
+    def __init__(self, contract: dict, max_pixels: int) -> None:
+        self.contract = InputContract.from_dict(contract)
+        self.max_pixels = max_pixels
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        n = len(batch["row"])
+        pixels = np.zeros((n, *self.contract.input_shape), dtype=np.float32)
+        reasons = np.empty(n, dtype=object)
+        for i, path in enumerate(batch["path"]):
+            try:
+                pixels[i] = load_image(str(path), self.contract, self.max_pixels)
+                reasons[i] = ""
+            except ImageDecodeError as exc:
+                reasons[i] = (
+                    "missing"
+                    if "not found" in str(exc)
+                    else ("oversized" if "over the limit" in str(exc) else "unreadable")
+                )
+        return {"row": batch["row"], "reason": reasons.astype(str), "pixels": pixels}
+
+
+class EmbedImages:
+    """Ray Data actor: one ONNX Runtime session per actor, reused across batches."""
+
+    def __init__(self, model_dir: str, provider: str, threads: int) -> None:
+        from index.embedder import OnnxEmbedder
+
+        self.embedder = OnnxEmbedder(model_dir, provider=provider, intra_op_threads=threads)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        ok = batch["reason"] == ""
+        embeddings = np.zeros((len(ok), self.embedder.dim), dtype=np.float32)
+        if ok.any():
+            embeddings[ok] = self.embedder.embed(batch["pixels"][ok])
+        return {"row": batch["row"], "reason": batch["reason"], "embedding": embeddings}
+
+
+def work_key(catalog_path: Path, model_id: str) -> str:
+    digest = hashlib.sha256(Path(catalog_path).read_bytes())
+    digest.update(model_id.encode())
+    return digest.hexdigest()[:16]
+
+
+def embed_with_ray_data(
+    catalog_path: Path,
+    model_dir: Path,
+    work: Path,
+    workers: int,
+    batch_size: int,
+    provider: str,
+    max_pixels: int,
+    progress: bool,
+) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = progress
+    manifest = read_manifest(model_dir)
+    catalog = read_catalog(catalog_path)
+    resources = embed_actor_resources(ray.cluster_resources().get("GPU", 0), provider)
+    threads = max(1, (os.cpu_count() or 1) // max(workers, 1))
+    rows = [{"row": i, "path": str(p)} for i, p in enumerate(catalog.paths)]
+    ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows) // batch_size + 1, workers * 8)))
+    ds = ds.map_batches(
+        DecodeImages,
+        fn_constructor_kwargs={"contract": manifest["input"], "max_pixels": max_pixels},
+        batch_size=batch_size,
+        batch_format="numpy",
+        concurrency=workers,
+        num_cpus=1,
+    )
+    ds = ds.map_batches(
+        EmbedImages,
+        fn_constructor_kwargs={
+            "model_dir": str(model_dir.resolve()),
+            "provider": provider if resources["num_gpus"] else "cpu",
+            "threads": threads,
+        },
+        batch_size=batch_size,
+        batch_format="numpy",
+        concurrency=workers,
+        **resources,
+    )
+    shards = work / "shards"
+    ds.write_parquet(str(shards))
+    write_json_atomic(work / DONE, {"rows": len(rows), "created": utc_now()})
+
+
+def read_shards(work: Path, n_rows: int) -> tuple[np.ndarray, list[int], dict[str, int]]:
+    import pyarrow.dataset as pads
+
+    table = pads.dataset(str(work / "shards"), format="parquet").to_table()
+    rows = table.column("row").to_numpy()
+    order = np.argsort(rows, kind="stable")
+    rows = rows[order]
+    if len(rows) != n_rows or not np.array_equal(rows, np.arange(n_rows)):
+        raise RuntimeError(f"{work}: shards hold {len(rows)} rows, the catalog {n_rows}; delete the work dir")
+    reasons = np.asarray(table.column("reason").to_pylist(), dtype=object)[order]
+    # Parquet gives the fixed-size embedding column back as one array per row.
+    parts = [chunk.to_numpy(zero_copy_only=False) for chunk in table.column("embedding").chunks]
+    vectors = np.concatenate([np.stack(p) if p.dtype == object else p for p in parts]).astype(np.float32)
+    vectors = vectors.reshape(n_rows, -1)[order]
+    kept = [int(r) for r in np.flatnonzero(reasons == "")]
+    skipped: dict[str, int] = {}
+    for reason in reasons[reasons != ""]:
+        skipped[reason] = skipped.get(reason, 0) + 1
+    return vectors[kept], kept, skipped
+
+
+def run_rebuild(cfg: BuildConfig, workers: int = 2, work_dir: str | None = None, progress: bool = True) -> Path:
+    """Embed the catalog with Ray Data, then build, gate and publish like `index build`."""
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    started = time.perf_counter()
+    model_dir = Path(cfg.model)
+    model = read_manifest(model_dir)
+    catalog_path = Path(cfg.catalog or default_catalog(model))
+    catalog = read_catalog(catalog_path)
+    work = Path(work_dir or Path(cfg.index_root) / ".rebuild") / work_key(catalog_path, model["model_id"])
+    if (work / DONE).is_file():
+        log.info("reusing completed embedding shards in %s", work)
+    else:
+        shutil.rmtree(work, ignore_errors=True)  # a crashed run's partial shards are not trusted
+        work.mkdir(parents=True)
+        embed_with_ray_data(
+            catalog_path, model_dir, work, workers, cfg.batch_size, cfg.provider, cfg.max_pixels, progress
+        )
+    embed_seconds = time.perf_counter() - started
+    embeddings, kept, skipped = read_shards(work, len(catalog))
+    check_bad_rows(len(catalog), len(kept), skipped, cfg.max_bad_fraction)
+    rows = {"catalog": len(catalog), "indexed": len(kept), "skipped": skipped}
+    target = publish_index(
+        cfg,
+        model["model_id"],
+        embeddings,
+        catalog.subset(kept),
+        catalog_path,
+        rows,
+        started,
+        embed_seconds,
+        extra={"engine": {"name": "ray_data", "workers": workers}},
+    )
+    shutil.rmtree(work, ignore_errors=True)
+    return target
