@@ -20,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--model", help="model artifact directory (model.onnx + manifest.json)")
     build.add_argument("--index-root", dest="index_root", help="index root (versions/ and CURRENT)")
     build.add_argument("--catalog", help="catalog to index (default: the model's test split)")
+    build.add_argument("--probe-catalog", dest="probe_catalog", help="held-out labelled images for probe Recall@K")
     build.add_argument("--factory", help="faiss factory string: Flat, IVF256,Flat, IVF256,PQ16, HNSW32, ...")
     build.add_argument("--search-params", dest="search_params", type=json.loads, help="JSON, e.g. '{\"nprobe\": 16}'")
     build.add_argument("--train-size", dest="train_size", type=int, help="vectors sampled to train IVF/PQ")
