@@ -68,6 +68,16 @@ def test_add_embeds_only_new_rows_and_keeps_existing_vectors(demo_run, tmp_path)
     again = index_cli("add", "--model", model, "--index-root", str(root), "--catalog", str(first_half))
     assert again.returncode == 2 and "already in version" in again.stderr
 
+    listing = index_cli("list", "--index-root", str(root))
+    assert listing.returncode == 0
+    assert f"* {child}" in listing.stdout and f"  {parent}" in listing.stdout
+    assert index_cli("rollback", "--index-root", str(root)).returncode == 0
+    assert artifacts.current_version(root) == parent
+    assert index_cli("rollback", "--index-root", str(root), "--to", child).returncode == 0
+    assert artifacts.current_version(root) == child
+    bad = index_cli("rollback", "--index-root", str(root), "--to", "no-such-version")
+    assert bad.returncode == 2 and "does not exist" in bad.stderr
+
 
 def test_build_killed_at_random_moments_leaves_previous_version_live(demo_run, tmp_path):
     root = tmp_path / "index"

@@ -16,15 +16,30 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def build(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "index", "build", "--no-progress", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "index", "build", "--no-progress", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
-@pytest.mark.parametrize("factory, params", [("Flat", "{}"), ("IVF16,Flat", '{"nprobe": 4}'),
-                                             ("IVF16,PQ8np", '{"nprobe": 4}'), ("HNSW16", '{"efSearch": 32}')])
+@pytest.mark.parametrize(
+    "factory, params",
+    [("Flat", "{}"), ("IVF16,Flat", '{"nprobe": 4}'), ("IVF16,PQ8np", '{"nprobe": 4}'), ("HNSW16", '{"efSearch": 32}')],
+)
 def test_every_factory_builds_and_records_its_quality(demo_run, tmp_path, factory, params):
-    done = build("--model", str(demo_run / "model"), "--index-root", str(tmp_path), "--factory", factory,
-                 "--search-params", params)
+    done = build(
+        "--model",
+        str(demo_run / "model"),
+        "--index-root",
+        str(tmp_path),
+        "--factory",
+        factory,
+        "--search-params",
+        params,
+    )
     assert done.returncode == 0, done.stderr
     manifest = artifacts.read_manifest(artifacts.version_dir(tmp_path))
     assert manifest["factory"] == factory and manifest["search_params"] == __import__("json").loads(params)
@@ -40,11 +55,31 @@ def test_gate_refuses_below_floors_and_below_live_unless_forced(demo_run, tmp_pa
     live = artifacts.current_version(tmp_path)
     floor = build("--model", model, "--index-root", str(tmp_path), "--min-probe-recall-at-1", "0.9999")
     assert floor.returncode == 2 and "probe Recall@1" in floor.stderr and "< floor 0.9999" in floor.stderr
-    ann = build("--model", model, "--index-root", str(tmp_path), "--factory", "IVF64,Flat",
-                "--search-params", '{"nprobe": 1}', "--min-ann-recall", "0.99")
+    ann = build(
+        "--model",
+        model,
+        "--index-root",
+        str(tmp_path),
+        "--factory",
+        "IVF64,Flat",
+        "--search-params",
+        '{"nprobe": 1}',
+        "--min-ann-recall",
+        "0.99",
+    )
     assert ann.returncode == 2 and "ANN recall" in ann.stderr
-    drop = build("--model", model, "--index-root", str(tmp_path), "--factory", "IVF64,Flat",
-                 "--search-params", '{"nprobe": 1}', "--max-recall-drop", "0.0")
+    drop = build(
+        "--model",
+        model,
+        "--index-root",
+        str(tmp_path),
+        "--factory",
+        "IVF64,Flat",
+        "--search-params",
+        '{"nprobe": 1}',
+        "--max-recall-drop",
+        "0.0",
+    )
     assert drop.returncode == 2 and "below the live version" in drop.stderr
     assert artifacts.current_version(tmp_path) == live and artifacts.list_versions(tmp_path) == [live]
     forced = build("--model", model, "--index-root", str(tmp_path), "--min-probe-recall-at-1", "0.9999", "--force")
@@ -60,8 +95,16 @@ def test_probe_catalog_of_held_out_images(demo_run, tmp_path):
     odd = sorted(set(range(len(catalog))) - set(even))
     indexed = catalog.subset(even).write(tmp_path / "indexed.csv")
     held_out = catalog.subset(odd).write(tmp_path / "probe.csv")
-    done = build("--model", str(demo_run / "model"), "--index-root", str(tmp_path / "index"), "--catalog", str(indexed),
-                 "--probe-catalog", str(held_out))
+    done = build(
+        "--model",
+        str(demo_run / "model"),
+        "--index-root",
+        str(tmp_path / "index"),
+        "--catalog",
+        str(indexed),
+        "--probe-catalog",
+        str(held_out),
+    )
     assert done.returncode == 0, done.stderr
     quality = artifacts.read_manifest(artifacts.version_dir(tmp_path / "index"))["quality"]
     assert quality["probe_source"].endswith("probe.csv")
