@@ -52,14 +52,16 @@ def main() -> None:
     dim, per_class = 512, 4
     print(f"CPU forward+backward, embedding {dim}, K={per_class}, median of {repeats} (ms); ratio = pml / ours")
     print(
-        f"{'batch':>6} {'raw_vthm':>9} {'pml MS+miner':>13} {'ratio':>6} {'proxy_anchor':>13} {'pml PA':>8} {'ratio':>6}"
+        f"{'batch':>6} {'raw_vthm':>9} {'pml MS+miner':>13} {'ratio':>6} "
+        f"{'proxy_anchor':>13} {'pml PA':>8} {'ratio':>6}"
     )
     for batch in (128, 256, 512, 1024):
         classes = batch // per_class
         labels = torch.arange(classes).repeat_interleave(per_class)
         base = torch.randn(batch, dim)
         ours_ms = build_loss("raw_vthm")
-        miner, pml_ms = pml_miners.MultiSimilarityMiner(epsilon=0.1), pml_losses.MultiSimilarityLoss(2, 50, 0.5)
+        miner = pml_miners.MultiSimilarityMiner(epsilon=0.1)
+        pml_ms = pml_losses.MultiSimilarityLoss(alpha=2, beta=50, base=0.5)
         ours_pa = build_loss("proxy_anchor", num_classes=classes, embedding_dim=dim)
         pml_pa = pml_losses.ProxyAnchorLoss(classes, dim, margin=0.1, alpha=32)
         pml_pa.proxies.data.copy_(ours_pa.proxies.data)
