@@ -142,6 +142,7 @@ def test_request_past_its_deadline_is_cancelled(index_root):
     (request,) = image_requests(index_root, 1)
     server, client = start(index_root, max_batch_size=64, max_wait_ms=1500)
     try:
+        _wait_for(lambda: server.monitor.probe)  # the start-up probe round must not fill the batch
         started = time.perf_counter()
         with pytest.raises(grpc.RpcError) as err:
             client.search(request, timeout=0.2)
