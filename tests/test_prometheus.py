@@ -1,0 +1,108 @@
+"""Alert and recording rules checked by promtool and evaluated by a real Prometheus scraping a
+real search server under a little traffic."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from index import artifacts
+from index.items import ItemTable
+from serving.client import SearchClient
+from serving.server import SearchServer, ServerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+PROM = ROOT / "deploy" / "prometheus"
+needs_prometheus = pytest.mark.skipif(shutil.which("promtool") is None, reason="Debian package prometheus not installed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_prometheus
+@pytest.mark.parametrize("args", [["check", "config", "prometheus.yml"], ["check", "rules", "rules.yml"],
+                                  ["test", "rules", "rules_test.yml"]])
+def test_promtool_accepts_the_shipped_files(args):
+    proc = subprocess.run(["promtool", *args], cwd=PROM, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def rule_expressions() -> list[tuple[str, str]]:
+    groups = yaml.safe_load((PROM / "rules.yml").read_text())["groups"]
+    return [(rule.get("record") or rule["alert"], rule["expr"]) for group in groups for rule in group["rules"]]
+
+
+def query(port: int, expr: str) -> dict:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    return json.loads(urllib.request.urlopen(url, timeout=10).read())
+
+
+@needs_prometheus
+@pytest.mark.slow
+def test_every_rule_runs_against_real_metrics(demo_run, tmp_path):
+    metrics_port, prom_port = free_port(), free_port()
+    server = SearchServer(ServerConfig(index_root=str(demo_run / "index"), port=0, metrics_port=metrics_port,
+                                       ann_sample_rate=1.0, probe_size=50))
+    server.start()
+    config = tmp_path / "prometheus.yml"
+    shutil.copy(PROM / "rules.yml", tmp_path / "rules.yml")
+    config.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": ["rules.yml"],
+        "scrape_configs": [{"job_name": "simsearch", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}],
+    }))
+    prometheus = subprocess.Popen(
+        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{prom_port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        items = ItemTable.read(artifacts.version_dir(demo_run / "index") / "items.parquet")
+        with SearchClient(f"127.0.0.1:{server.port}") as client:
+            client.wait_ready(30)
+            for round_ in range(8):  # traffic spread over several scrapes, so rate() has points
+                for i in range(round_ * 10, round_ * 10 + 10):
+                    r = client.search_image(Path(items.paths[i]).read_bytes(), k=10, exclude_ids=[items.ids[i]],
+                                            label=items.labels[i])
+                    client.feedback(r.request_id, [n.id for n in r.neighbors if n.label == items.labels[i]])
+                try:
+                    client.search_item("no-such-item", k=3)
+                except Exception:  # noqa: BLE001 - an error on purpose, for the error-ratio rule
+                    pass
+                time.sleep(1.0)
+        deadline = time.time() + 60
+        names = set()
+        for _, expr in rule_expressions():
+            names |= set(re.findall(r"\b(simsearch_[a-z_]+)", expr))
+        while time.time() < deadline:
+            missing = [n for n in names if not query(prom_port, n)["data"]["result"]]
+            if not missing:
+                break
+            time.sleep(1)
+        assert not missing, f"metrics named in the rules but never scraped: {missing}"
+        for name, expr in rule_expressions():
+            answer = query(prom_port, expr)
+            assert answer["status"] == "success", (name, answer)
+        for name, _ in rule_expressions():
+            if ":" in name:  # recording rules must produce series from the real metrics
+                deadline = time.time() + 30
+                while not query(prom_port, name)["data"]["result"] and time.time() < deadline:
+                    time.sleep(1)
+                assert query(prom_port, name)["data"]["result"], f"recording rule {name} produced nothing"
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=30)
+        server.stop(0)
