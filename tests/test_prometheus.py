@@ -23,7 +23,9 @@ from serving.server import SearchServer, ServerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM = ROOT / "deploy" / "prometheus"
-needs_prometheus = pytest.mark.skipif(shutil.which("promtool") is None, reason="Debian package prometheus not installed")
+needs_prometheus = pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="Debian package prometheus not installed"
+)
 
 
 def free_port() -> int:
@@ -33,8 +35,10 @@ def free_port() -> int:
 
 
 @needs_prometheus
-@pytest.mark.parametrize("args", [["check", "config", "prometheus.yml"], ["check", "rules", "rules.yml"],
-                                  ["test", "rules", "rules_test.yml"]])
+@pytest.mark.parametrize(
+    "args",
+    [["check", "config", "prometheus.yml"], ["check", "rules", "rules.yml"], ["test", "rules", "rules_test.yml"]],
+)
 def test_promtool_accepts_the_shipped_files(args):
     proc = subprocess.run(["promtool", *args], cwd=PROM, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -54,20 +58,34 @@ def query(port: int, expr: str) -> dict:
 @pytest.mark.slow
 def test_every_rule_runs_against_real_metrics(demo_run, tmp_path):
     metrics_port, prom_port = free_port(), free_port()
-    server = SearchServer(ServerConfig(index_root=str(demo_run / "index"), port=0, metrics_port=metrics_port,
-                                       ann_sample_rate=1.0, probe_size=50))
+    server = SearchServer(
+        ServerConfig(
+            index_root=str(demo_run / "index"), port=0, metrics_port=metrics_port, ann_sample_rate=1.0, probe_size=50
+        )
+    )
     server.start()
     config = tmp_path / "prometheus.yml"
     shutil.copy(PROM / "rules.yml", tmp_path / "rules.yml")
-    config.write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": ["rules.yml"],
-        "scrape_configs": [{"job_name": "simsearch", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}],
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "rule_files": ["rules.yml"],
+                "scrape_configs": [
+                    {"job_name": "simsearch", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}
+                ],
+            }
+        )
+    )
     prometheus = subprocess.Popen(
-        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{prom_port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{prom_port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         items = ItemTable.read(artifacts.version_dir(demo_run / "index") / "items.parquet")
@@ -75,8 +93,9 @@ def test_every_rule_runs_against_real_metrics(demo_run, tmp_path):
             client.wait_ready(30)
             for round_ in range(8):  # traffic spread over several scrapes, so rate() has points
                 for i in range(round_ * 10, round_ * 10 + 10):
-                    r = client.search_image(Path(items.paths[i]).read_bytes(), k=10, exclude_ids=[items.ids[i]],
-                                            label=items.labels[i])
+                    r = client.search_image(
+                        Path(items.paths[i]).read_bytes(), k=10, exclude_ids=[items.ids[i]], label=items.labels[i]
+                    )
                     client.feedback(r.request_id, [n.id for n in r.neighbors if n.label == items.labels[i]])
                 try:
                     client.search_item("no-such-item", k=3)
@@ -96,6 +115,14 @@ def test_every_rule_runs_against_real_metrics(demo_run, tmp_path):
         for name, expr in rule_expressions():
             answer = query(prom_port, expr)
             assert answer["status"] == "success", (name, answer)
+        from tests.test_dashboards import dashboard_expressions
+
+        for title, expr in dashboard_expressions():  # every panel must show data, not a typo'd name
+            concrete = expr.replace("$instance", ".+").replace("$k", "1")
+            deadline = time.time() + 30
+            while not query(prom_port, concrete)["data"]["result"] and time.time() < deadline:
+                time.sleep(1)
+            assert query(prom_port, concrete)["data"]["result"], f"panel {title!r} is empty: {concrete}"
         for name, _ in rule_expressions():
             if ":" in name:  # recording rules must produce series from the real metrics
                 deadline = time.time() + 30

@@ -1,0 +1,192 @@
+"""Grafana dashboards as code (grafanalib): `python deploy/grafana/generate.py` rewrites
+deploy/grafana/dashboards/*.json; a test fails when the committed JSON differs from this."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from grafanalib._gen import DashboardEncoder
+from grafanalib.core import Dashboard, GridPos, Stat, Target, Template, Templating, TimeSeries
+
+DATASOURCE = {"type": "prometheus", "uid": "prometheus"}  # defined in provisioning/datasources
+OUT = Path(__file__).resolve().parent / "dashboards"
+SEL = 'instance=~"$instance"'
+
+
+def panel(
+    kind,
+    panel_id: int,
+    title: str,
+    exprs: list[tuple[str, str]],
+    x: int,
+    y: int,
+    w: int = 12,
+    h: int = 8,
+    unit: str = "",
+):
+    targets = [
+        Target(expr=expr, legendFormat=legend, refId=chr(65 + i), datasource=DATASOURCE)
+        for i, (expr, legend) in enumerate(exprs)
+    ]
+    extra = {"unit": unit} if unit else {}
+    return kind(
+        id=panel_id, title=title, dataSource=DATASOURCE, targets=targets, gridPos=GridPos(h=h, w=w, x=x, y=y), **extra
+    )
+
+
+def search_service() -> Dashboard:
+    def stage_quantile(q: float) -> str:
+        return (
+            f"histogram_quantile({q}, sum by (stage, le) (rate(simsearch_stage_latency_seconds_bucket{{{SEL}}}[5m])))"
+        )
+
+    panels = [
+        panel(
+            TimeSeries,
+            1,
+            "Queries/s by method",
+            [(f"sum by (method) (rate(simsearch_requests_total{{{SEL}}}[5m]))", "{{method}}")],
+            0,
+            0,
+            unit="reqps",
+        ),
+        panel(
+            TimeSeries,
+            2,
+            "Error ratio by status code",
+            [
+                (
+                    f'sum by (code) (rate(simsearch_requests_total{{{SEL}, code!="OK"}}[5m])) / ignoring(code) group_left '
+                    f"sum(rate(simsearch_requests_total{{{SEL}}}[5m]))",
+                    "{{code}}",
+                )
+            ],
+            12,
+            0,
+            unit="percentunit",
+        ),
+        panel(
+            TimeSeries,
+            3,
+            "Latency per stage p50 / p95 / p99",
+            [(stage_quantile(q), f"{{{{stage}}}} p{int(q * 100)}") for q in (0.5, 0.95, 0.99)],
+            0,
+            8,
+            unit="s",
+        ),
+        panel(
+            TimeSeries,
+            4,
+            "Search latency p50 / p95 / p99",
+            [
+                (
+                    f"histogram_quantile({q}, sum by (le) (rate(simsearch_request_latency_seconds_bucket{{{SEL}, "
+                    f'method="Search"}}[5m])))',
+                    f"p{int(q * 100)}",
+                )
+                for q in (0.5, 0.95, 0.99)
+            ],
+            12,
+            8,
+            unit="s",
+        ),
+        panel(
+            TimeSeries,
+            5,
+            "Batch size (mean) and queue depth",
+            [
+                (
+                    f"sum(rate(simsearch_batch_size_sum{{{SEL}}}[5m])) / sum(rate(simsearch_batch_size_count{{{SEL}}}[5m]))",
+                    "mean batch",
+                ),
+                (f"sum(simsearch_queue_depth{{{SEL}}})", "queued"),
+            ],
+            0,
+            16,
+        ),
+        panel(
+            TimeSeries,
+            6,
+            "Online Recall@$k by source",
+            [(f'simsearch_recall_at_k{{{SEL}, k="$k"}}', "{{source}} {{instance}}")],
+            12,
+            16,
+            unit="percentunit",
+        ),
+        panel(
+            TimeSeries,
+            7,
+            "ANN recall@$k (vs exact search)",
+            [(f'simsearch_ann_recall_at_k{{{SEL}, k="$k"}}', "{{instance}}")],
+            0,
+            24,
+            unit="percentunit",
+        ),
+        panel(
+            TimeSeries,
+            8,
+            "Reloads",
+            [
+                (f"increase(simsearch_reloads_total{{{SEL}}}[1h])", "reloads {{instance}}"),
+                (f"increase(simsearch_reload_failures_total{{{SEL}}}[1h])", "failures {{instance}}"),
+            ],
+            12,
+            24,
+        ),
+        panel(
+            Stat,
+            9,
+            "Live index / model",
+            [(f"simsearch_index_info{{{SEL}}}", "{{index_version}} · model {{model_id}} · {{factory}}")],
+            0,
+            32,
+            w=16,
+            h=4,
+        ),
+        panel(Stat, 10, "Index size", [(f"sum(simsearch_index_size{{{SEL}}})", "vectors")], 16, 32, w=8, h=4),
+    ]
+    templating = Templating(
+        list=[
+            Template(
+                name="instance",
+                label="instance",
+                query="label_values(simsearch_index_loaded, instance)",
+                dataSource=DATASOURCE,
+                includeAll=True,
+                multi=True,
+                default="$__all",
+            ),
+            Template(
+                name="k", label="K", query="label_values(simsearch_recall_at_k, k)", dataSource=DATASOURCE, default="1"
+            ),
+        ]
+    )
+    return Dashboard(
+        title="simsearch · Search service",
+        uid="simsearch-search",
+        panels=panels,
+        templating=templating,
+        refresh="30s",
+        tags=["simsearch"],
+    )
+
+
+DASHBOARDS = {"search-service.json": search_service}
+
+
+def render(factory) -> str:
+    return json.dumps(factory().to_json_data(), cls=DashboardEncoder, indent=2, sort_keys=True) + "\n"
+
+
+def main() -> int:
+    OUT.mkdir(exist_ok=True)
+    for name, factory in DASHBOARDS.items():
+        (OUT / name).write_text(render(factory))
+        print(OUT / name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
