@@ -58,7 +58,8 @@ def search_service() -> Dashboard:
             "Error ratio by status code",
             [
                 (
-                    f'sum by (code) (rate(simsearch_requests_total{{{SEL}, code!="OK"}}[5m])) / ignoring(code) group_left '
+                    f'sum by (code) (rate(simsearch_requests_total{{{SEL}, code!="OK"}}[5m]))'
+                    " / ignoring(code) group_left "
                     f"sum(rate(simsearch_requests_total{{{SEL}}}[5m]))",
                     "{{code}}",
                 )
@@ -98,7 +99,8 @@ def search_service() -> Dashboard:
             "Batch size (mean) and queue depth",
             [
                 (
-                    f"sum(rate(simsearch_batch_size_sum{{{SEL}}}[5m])) / sum(rate(simsearch_batch_size_count{{{SEL}}}[5m]))",
+                    f"sum(rate(simsearch_batch_size_sum{{{SEL}}}[5m]))"
+                    f" / sum(rate(simsearch_batch_size_count{{{SEL}}}[5m]))",
                     "mean batch",
                 ),
                 (f"sum(simsearch_queue_depth{{{SEL}}})", "queued"),
