@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 DEB_PACKAGES=(fonts-noto-core fonts-urw-base35 fonts-liberation fonts-liberation2 fonts-freefont-ttf
   fonts-texgyre fonts-lato fonts-open-sans fonts-roboto-unhinted fonts-crosextra-carlito
   fonts-crosextra-caladea fonts-linuxlibertine fonts-ebgaramond fonts-cantarell
-  prometheus)  # promtool and a real Prometheus for the metrics tests
+  prometheus docker-compose)  # promtool + a real Prometheus; compose file validation
 
 missing=()
 for pkg in "${DEB_PACKAGES[@]}"; do
