@@ -5,6 +5,8 @@ Each server owns its registry, so several servers (tests, benchmarks) can live i
 
 from __future__ import annotations
 
+import datetime as _dt
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (
@@ -79,12 +81,49 @@ class ServiceMetrics:
         self.reloads = Counter("simsearch_reloads", "Successful model/index loads", registry=r)
         self.reload_failures = Counter("simsearch_reload_failures", "Failed model/index loads", registry=r)
         self.loaded = Gauge("simsearch_index_loaded", "1 when a model and index are loaded", registry=r)
+        # Figures of the live version's build, read from its manifest: the "Index builds" dashboard.
+        self.build_seconds = Gauge("simsearch_index_build_duration_seconds", "Build time of the live index", registry=r)
+        self.build_rows = Gauge(
+            "simsearch_index_build_rows",
+            "Catalog rows of the live index's build by state (indexed, skipped)",
+            ["state"],
+            registry=r,
+        )
+        self.build_ann_recall = Gauge(
+            "simsearch_index_build_ann_recall", "ANN recall vs exact search measured at build time", registry=r
+        )
+        self.build_probe_recall = Gauge(
+            "simsearch_index_build_probe_recall_at_k", "Probe Recall@K measured at build time", ["k"], registry=r
+        )
+        self.build_gate_forced = Gauge(
+            "simsearch_index_build_gate_forced",
+            "1 when the live index was published past a failed quality gate",
+            registry=r,
+        )
+        self.build_created = Gauge(
+            "simsearch_index_build_created_timestamp_seconds", "When the live index version was built", registry=r
+        )
 
     def set_live(self, index_version: str, index_id: str, model_id: str, factory: str, size: int) -> None:
         self.index_info.clear()
         self.index_info.labels(index_version, index_id, model_id, factory).set(1)
         self.index_size.set(size)
         self.loaded.set(1)
+
+    def set_build_figures(self, manifest: dict) -> None:
+        quality = manifest.get("quality", {})
+        rows = manifest.get("rows", {})
+        self.build_seconds.set(float(manifest.get("build_seconds", 0.0)))
+        self.build_rows.labels("indexed").set(float(rows.get("indexed", manifest.get("size", 0))))
+        self.build_rows.labels("skipped").set(float(sum(rows.get("skipped", {}).values())))
+        self.build_ann_recall.set(float(quality.get("ann_recall_at_k", 0.0)))
+        self.build_probe_recall.clear()
+        for k, value in quality.get("probe_recall_at_k", {}).items():
+            self.build_probe_recall.labels(str(k)).set(float(value))
+        self.build_gate_forced.set(1.0 if manifest.get("quality_gate", {}).get("forced") else 0.0)
+        created = manifest.get("created")
+        if created:
+            self.build_created.set(_dt.datetime.fromisoformat(created).timestamp())
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

@@ -422,6 +422,7 @@ class SearchServer:
         self.metrics.set_live(
             new.version, new.index_id, new.model_id, new.manifest.get("factory", ""), new.index.ntotal
         )
+        self.metrics.set_build_figures(new.manifest)
         self.monitor.reset()
         self._set_health(True)
         log.info(

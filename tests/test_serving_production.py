@@ -289,6 +289,10 @@ def test_watch_current_reloads_and_metrics_endpoint_serves_stages(index_root, tm
         assert 'simsearch_requests_total{code="OK",method="Search"}' in text
         assert f'index_version="{other}"' in text
         assert "simsearch_reloads_total 2.0" in text
+        # The Index builds dashboard follows the live version's manifest.
+        built = artifacts.read_manifest(artifacts.version_dir(index_root, other))
+        assert f'simsearch_index_build_rows{{state="indexed"}} {float(built["rows"]["indexed"])}' in text
+        assert f"simsearch_index_build_duration_seconds {float(built['build_seconds'])}" in text
     finally:
         client.close()
         server.stop(0)
