@@ -50,6 +50,23 @@ def ensure_artifacts(run: Path, quick: bool) -> None:
     )
 
 
+def ensure_backbone_artifacts(run: Path, backbone: str, pretrained: str | None, image_size: int) -> None:
+    """A production-size model for the same benchmark: `backbone` at `image_size`, briefly
+    fine-tuned on the glyph slice (its quality is beside the point here), exported and indexed."""
+    if (run / "model" / "manifest.json").is_file() and artifacts.current_version(run / "index"):
+        return
+    train = ["--backbone", backbone, "--image-size", str(image_size), "--embedding-dim", "128"]
+    train += ["--pretrained", pretrained] if pretrained else []
+    train += ["--max-classes", "40", "--max-per-class", "20", "--classes-per-batch", "8", "--samples-per-class", "4"]
+    train += ["--epochs", "1", "--batches-per-epoch", "2", "--no-plots", "--out", str(run / "train")]
+    for args in (
+        ["-m", "training", "train", *train],
+        ["-m", "training", "export", "--run", str(run / "train"), "--out", str(run / "model"), "--parity-images", "16"],
+        ["-m", "index", "build", "--model", str(run / "model"), "--index-root", str(run / "index")],
+    ):
+        subprocess.run([sys.executable, *args], check=True, cwd=ROOT)
+
+
 def ceiling(run: Path, catalog_path: Path, batch_sizes: list[int], repeats: int) -> dict[int, dict]:
     """Queries/s of embed+search called directly, per batch size (median of repeats)."""
     embedder = OnnxEmbedder(run / "model", provider="cpu")
@@ -158,14 +175,24 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="short runs, a glyph slice if artifacts must be built")
     parser.add_argument("--seconds", type=float, help="load duration per concurrency level")
+    parser.add_argument(
+        "--backbone", help="benchmark a production-size model instead of the demo's (e.g. mobilenet_v2)"
+    )
+    parser.add_argument("--pretrained", help="its weights (local file or pkg:<package>/<file>)")
+    parser.add_argument("--image-size", type=int, default=224)
     args = parser.parse_args()
+    if args.backbone and args.run == "runs/demo":
+        args.run = f"runs/bench-{args.backbone}-{args.image_size}"
     run = (ROOT / args.run).resolve() if not Path(args.run).is_absolute() else Path(args.run)
-    ensure_artifacts(run, args.quick)
+    if args.backbone:
+        ensure_backbone_artifacts(run, args.backbone, args.pretrained, args.image_size)
+    else:
+        ensure_artifacts(run, args.quick)
     catalog = run / "train" / "splits" / "test.csv"
     seconds = args.seconds or (2.0 if args.quick else 8.0)
     concurrencies = [1, 8, 32, 64]
 
-    ceil = ceiling(run, catalog, [1, 8, 32, 64], repeats=5 if args.quick else 30)
+    ceil = ceiling(run, catalog, [1, 8, 32, 64], repeats=5 if args.quick or args.backbone else 30)
     runs = {mode: serve_and_load(run, catalog, mode == "on", concurrencies, seconds) for mode in ("on", "off")}
 
     print(

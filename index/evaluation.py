@@ -57,6 +57,26 @@ def recall_at_k(embeddings: np.ndarray, labels: Sequence, ks: Sequence[int] = (1
     return recall_from_neighbor_labels(neighbor_labels, labels, ks)
 
 
+def query_gallery_recall_at_k(
+    queries: np.ndarray,
+    query_labels: Sequence,
+    gallery: np.ndarray,
+    gallery_labels: Sequence,
+    ks: Sequence[int] = (1, 10, 20, 30, 40, 50),
+) -> dict[int, float]:
+    """Recall@K of queries against a separate gallery (In-shop's protocol): no self to remove."""
+    gallery_labels = np.asarray(gallery_labels)
+    if len(gallery_labels) == 0:
+        raise ValueError("Recall@K needs a non-empty gallery")
+    k = min(max(ks), len(gallery_labels))
+    _, rows = exact_search(gallery, queries, k)
+    neighbor_labels = gallery_labels[rows].astype(object)
+    if neighbor_labels.shape[1] < max(ks):  # a gallery smaller than K: pad with a label no query has
+        pad = np.full((len(rows), max(ks) - neighbor_labels.shape[1]), object(), dtype=object)
+        neighbor_labels = np.concatenate([neighbor_labels, pad], axis=1)
+    return recall_from_neighbor_labels(neighbor_labels, np.asarray(query_labels, dtype=object), ks)
+
+
 def map_at_r(embeddings: np.ndarray, labels: Sequence) -> float:
     """MAP@R (Musgrave et al.): R = number of other items of the query's class."""
     labels = np.asarray(labels)

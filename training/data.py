@@ -6,12 +6,13 @@ Evaluation images go through the one preprocessing implementation in `index.prep
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from index.catalog import Catalog, read_catalog
 from index.preprocess import ImageDecodeError, InputContract, load_image
@@ -64,37 +65,62 @@ def prepare_splits(
     split_seed: int | None = 0,
     max_classes: int | None = None,
     max_per_class: int | None = None,
+    dataset: str | None = None,
+    data_root: str | Path | None = None,
 ) -> dict[str, Path]:
-    """Write train/val/test catalogs under out_dir/splits and return their paths.
+    """Write the split catalogs under out_dir/splits and return their paths.
 
-    No catalog means the embedded glyph set (rendered on first use). `max_classes` and
-    `max_per_class` take a deterministic slice, for tests and quick runs.
+    A benchmark `dataset` keeps its published split (train/test, In-shop train/query/gallery)
+    and carves validation classes out of its training classes. Otherwise the classes of
+    `catalog` — or of the embedded glyph set when there is none — are split by
+    `class_disjoint_split`. `max_classes` and `max_per_class` take a deterministic slice (of
+    the whole set before splitting, or of each published split), for tests and quick runs.
     """
-    if catalog is None:
-        source = read_catalog(build_glyph_dataset(data_dir))
-        shuffle_seed = split_seed
+    if dataset is not None:
+        from training.datasets import load_benchmark
+
+        if data_root is None:
+            raise ValueError(f"dataset {dataset} needs data_root")
+        published = load_benchmark(dataset, data_root)
+        train_classes = published["train"].classes
+        n_val = max(1, round(len(train_classes) * val_fraction)) if val_fraction > 0 else 0
+        val_positions = (
+            set(np.linspace(0, len(train_classes) - 1, n_val).round().astype(int).tolist()) if n_val else set()
+        )
+        catalogs = {
+            "train": published["train"].with_classes(c for i, c in enumerate(train_classes) if i not in val_positions),
+            "val": published["train"].with_classes(c for i, c in enumerate(train_classes) if i in val_positions),
+            **{name: cat for name, cat in published.items() if name != "train"},
+        }
+        catalogs = {name: _slice(cat, max_classes, max_per_class) for name, cat in catalogs.items()}
     else:
-        source = read_catalog(catalog)
-        shuffle_seed = None
-    classes = source.classes
+        if catalog is None:
+            source = read_catalog(build_glyph_dataset(data_dir))
+            shuffle_seed = split_seed
+        else:
+            source = read_catalog(catalog)
+            shuffle_seed = None
+        source = _slice(source, max_classes, max_per_class)
+        split = class_disjoint_split(source.classes, test_fraction, val_fraction, shuffle_seed)
+        catalogs = {name: source.with_classes(split[name]) for name in SPLITS}
+    out = Path(out_dir) / "splits"
+    return {name: cat.write(out / f"{name}.csv") for name, cat in catalogs.items() if len(cat)}
+
+
+def _slice(catalog: Catalog, max_classes: int | None, max_per_class: int | None) -> Catalog:
+    """A deterministic slice: classes spread over the class list, the first images of each."""
     if max_classes is not None:
-        classes = classes[:: max(1, len(classes) // max_classes)][:max_classes]
-        source = source.with_classes(classes)
+        classes = catalog.classes
+        catalog = catalog.with_classes(classes[:: max(1, len(classes) // max_classes)][:max_classes])
     if max_per_class is not None:
         counts: dict[str, int] = {}
         keep = []
-        for row, label in enumerate(source.labels):
+        for row, label in enumerate(catalog.labels):
             if counts.get(label, 0) < max_per_class:
                 counts[label] = counts.get(label, 0) + 1
                 keep.append(row)
-        source = source.subset(keep)
-    split = class_disjoint_split(classes, test_fraction, val_fraction, shuffle_seed)
-    out = Path(out_dir) / "splits"
-    paths = {}
-    for name in SPLITS:
-        if split[name]:
-            paths[name] = source.with_classes(split[name]).write(out / f"{name}.csv")
-    return paths
+        catalog = catalog.subset(keep)
+    return catalog
 
 
 @dataclass
@@ -140,3 +166,103 @@ def load_images(
         ids=kept.ids,
         skipped=skipped,
     )
+
+
+# -- training batches ---------------------------------------------------------------------
+
+AUGMENTATIONS = ("none", "flip", "crop", "crop+flip")
+
+
+def build_augmentation(name: str, contract: InputContract) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The papers' training augmentation (random resized crop + horizontal flip), or parts of it.
+
+    It works on one CHW tensor at the contract's size, so the same transform serves images
+    held in memory and images decoded lazily.
+    """
+    from torchvision.transforms import v2
+
+    if name not in AUGMENTATIONS:
+        raise ValueError(f"augment must be one of {', '.join(AUGMENTATIONS)}, got {name!r}")
+    steps: list[Callable] = []
+    if "crop" in name:
+        steps.append(v2.RandomResizedCrop((contract.height, contract.width), scale=(0.16, 1.0), antialias=True))
+    if "flip" in name:
+        steps.append(v2.RandomHorizontalFlip())
+    return v2.Compose(steps) if steps else None
+
+
+class MemoryImages(torch.utils.data.Dataset):
+    """Images already decoded into one array (small sets such as the glyphs)."""
+
+    def __init__(self, images: np.ndarray, labels: np.ndarray, augment: Callable | None = None) -> None:
+        self.images, self.labels, self.augment = torch.from_numpy(images), torch.from_numpy(labels), augment
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x = self.images[i]
+        return (self.augment(x) if self.augment else x), int(self.labels[i])
+
+
+class LazyImages(torch.utils.data.Dataset):
+    """Images decoded when a batch asks for them (sets too large for memory: CUB, SOP, ...).
+
+    An unreadable image yields None; the collate function drops it and counts it.
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[Path],
+        labels: np.ndarray,
+        contract: InputContract,
+        augment: Callable | None = None,
+    ) -> None:
+        self.paths, self.labels, self.contract, self.augment = list(paths), labels, contract, augment
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor | None, int]:
+        try:
+            x = torch.from_numpy(load_image(self.paths[i], self.contract))
+        except ImageDecodeError as exc:
+            log.warning("skipping %s: %s", self.paths[i], exc)
+            return None, int(self.labels[i])
+        return (self.augment(x) if self.augment else x), int(self.labels[i])
+
+
+def collate_skipping_unreadable(batch: list[tuple[torch.Tensor | None, int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Stack a batch, leaving out images that could not be decoded; returns (x, y, skipped)."""
+    kept = [(x, y) for x, y in batch if x is not None]
+    if not kept:
+        raise ValueError(f"every image of a batch of {len(batch)} was unreadable")
+    return torch.stack([x for x, _ in kept]), torch.tensor([y for _, y in kept]), len(batch) - len(kept)
+
+
+def fits_in_memory(count: int, contract: InputContract, budget_bytes: int = 1 << 30) -> bool:
+    return count * int(np.prod(contract.input_shape)) * 4 <= budget_bytes
+
+
+def train_dataset(
+    catalog: Catalog,
+    contract: InputContract,
+    augment: Callable | None,
+    mode: str = "auto",
+    max_bad_fraction: float = 0.01,
+) -> tuple[torch.utils.data.Dataset, np.ndarray, int]:
+    """The training images as a Dataset, their label codes (0..C-1) and the count skipped so far.
+
+    mode 'memory' decodes everything up front (bad images skipped and counted once), 'lazy'
+    decodes per batch (bad images are skipped per batch by `collate_skipping_unreadable`),
+    'auto' picks memory when the decoded set fits in 1 GiB.
+    """
+    if mode not in ("auto", "memory", "lazy"):
+        raise ValueError(f"data mode must be auto, memory or lazy, got {mode!r}")
+    if mode == "auto":
+        mode = "memory" if fits_in_memory(len(catalog), contract) else "lazy"
+    if mode == "memory":
+        loaded = load_images(catalog, contract, max_bad_fraction)
+        return MemoryImages(loaded.images, loaded.labels, augment), loaded.labels, loaded.skipped
+    labels = np.asarray(catalog.label_codes(), dtype=np.int64)
+    return LazyImages(catalog.paths, labels, contract, augment), labels, 0

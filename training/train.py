@@ -8,11 +8,13 @@ evaluates it — and the untrained network — on the test classes. It publishes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -25,11 +27,27 @@ import torch
 from index.artifacts import staging_directory, utc_now, write_json_atomic
 from index.catalog import read_catalog
 from index.config import to_jsonable
-from training.data import load_images, prepare_splits
-from training.evaluate import embed_images, retrieval_metrics
+from training.data import (
+    AUGMENTATIONS,
+    LazyImages,
+    LoadedImages,
+    build_augmentation,
+    collate_skipping_unreadable,
+    load_images,
+    prepare_splits,
+    train_dataset,
+)
+from training.evaluate import (
+    embed_images,
+    histogram_overlap,
+    pair_similarities,
+    query_gallery_metrics,
+    retrieval_metrics,
+)
 from training.losses import build_loss, get_loss_class, loss_requires_num_classes
-from training.models import EmbeddingNet, backbone_spec, input_contract
+from training.models import EmbeddingNet, backbone_spec, input_contract, resolve_weights
 from training.samplers import ClassBalancedBatchSampler
+from training.telemetry import EpochClock, TrainingMetrics, epoch_line, epoch_logger, progress
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +59,8 @@ RESULTS_FILE = "results.json"
 class TrainConfig:
     out: str = "runs/train"
     catalog: str | None = None  # None: the embedded glyph set
+    dataset: str | None = None  # a benchmark layout (cub, cars196, sop, inshop) under data_root
+    data_root: str | None = None
     data_dir: str = "data/glyphs"
     backbone: str = "small_cnn"
     embedding_dim: int = 128
@@ -53,9 +73,15 @@ class TrainConfig:
     classes_per_batch: int = 20
     samples_per_class: int = 5
     batches_per_epoch: int | None = None
-    lr: float = 1e-3
-    proxy_lr: float | None = None
+    lr: float = 1e-3  # the embedding head's rate
+    backbone_lr: float | None = None  # None: same as lr
+    proxy_lr: float | None = None  # None: same as lr (the authors use 100× the backbone's)
     weight_decay: float = 1e-4
+    warmup_epochs: int = 0  # epochs with the backbone frozen (lr 0, BatchNorm statistics kept)
+    freeze_bn: bool = False
+    augment: str | None = None  # None: crop+flip for photos, none for the glyph set
+    data_mode: str = "auto"  # memory, lazy (decode per batch), auto (memory when it fits 1 GiB)
+    loader_workers: int = 2  # decoding processes per Ray worker in lazy mode
     seed: int = 0
     split_seed: int = 0
     test_fraction: float = 0.5
@@ -66,6 +92,11 @@ class TrainConfig:
     num_workers: int = 1
     use_gpu: str = "auto"
     max_bad_fraction: float = 0.01
+    max_failures: int = 2  # worker failures Ray Train recovers from (from the last checkpoint)
+    resume: bool = False  # continue the stopped run that left its work directory beside `out`
+    progress: bool | None = None  # None: a progress bar when stderr is a terminal
+    metrics_export_port: int | None = None  # local Ray: export its (and training's) metrics here
+    plots: bool = True
 
     def __post_init__(self) -> None:
         positive = ("embedding_dim", "epochs", "classes_per_batch", "samples_per_class", "num_workers")
@@ -84,8 +115,39 @@ class TrainConfig:
             raise ValueError(f"pooling must be gap, gmp or gap+gmp, got {self.pooling!r}")
         if self.catalog is not None and not Path(self.catalog).exists():
             raise ValueError(f"catalog not found: {self.catalog}")
-        if self.pretrained is not None and not Path(self.pretrained).is_file():
-            raise ValueError(f"pretrained weights file not found: {self.pretrained}")
+        if self.catalog is not None and self.dataset is not None:
+            raise ValueError("give either catalog or dataset, not both")
+        if self.dataset is not None:
+            from training.datasets import available_datasets
+
+            if self.dataset not in available_datasets():
+                raise ValueError(f"unknown dataset {self.dataset!r}; available: {', '.join(available_datasets())}")
+            if self.data_root is None or not Path(self.data_root).is_dir():
+                raise ValueError(f"dataset {self.dataset} needs data_root, an existing folder; got {self.data_root}")
+        for name in ("warmup_epochs", "loader_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.warmup_epochs >= self.epochs:
+            raise ValueError(f"warmup_epochs ({self.warmup_epochs}) must be fewer than epochs ({self.epochs})")
+        for name in ("backbone_lr", "proxy_lr"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.augment is not None and self.augment not in AUGMENTATIONS:
+            raise ValueError(f"augment must be one of {', '.join(AUGMENTATIONS)}, got {self.augment!r}")
+        if self.data_mode not in ("auto", "memory", "lazy"):
+            raise ValueError(f"data_mode must be auto, memory or lazy, got {self.data_mode!r}")
+        if self.pretrained is not None:
+            try:
+                resolve_weights(self.pretrained)
+            except FileNotFoundError as exc:
+                raise ValueError(str(exc)) from None
+
+    @property
+    def augmentation(self) -> str:
+        # Mirrored characters are other characters (b/d, p/q): the glyph set is not flipped.
+        if self.augment is not None:
+            return self.augment
+        return "none" if self.catalog is None and self.dataset is None else "crop+flip"
 
 
 def resolve_use_gpu(setting: str, cluster_gpus: float) -> bool:
@@ -97,7 +159,7 @@ def resolve_use_gpu(setting: str, cluster_gpus: float) -> bool:
 
 def build_model(cfg: TrainConfig) -> EmbeddingNet:
     torch.manual_seed(cfg.seed)
-    return EmbeddingNet(cfg.backbone, cfg.embedding_dim, cfg.pooling, cfg.pretrained)
+    return EmbeddingNet(cfg.backbone, cfg.embedding_dim, cfg.pooling, cfg.pretrained, cfg.freeze_bn)
 
 
 def build_loss_for(cfg: TrainConfig, num_classes: int) -> torch.nn.Module:
@@ -107,9 +169,44 @@ def build_loss_for(cfg: TrainConfig, num_classes: int) -> torch.nn.Module:
     return build_loss(cfg.loss, **options)
 
 
+def build_optimizer(
+    cfg: TrainConfig, model: EmbeddingNet, loss_fn: torch.nn.Module, steps_per_epoch: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW with a learning rate per group (backbone, head, proxies) and a cosine schedule.
+
+    During the warm-up epochs the backbone's factor is 0: only the head (and proxies) learn
+    while the pretrained features stay put, then the backbone follows its own cosine.
+    """
+    rates = {"backbone": cfg.backbone_lr or cfg.lr, "head": cfg.lr, "proxies": cfg.proxy_lr or cfg.lr}
+    params = {**model.parameter_groups(), "proxies": [p for p in loss_fn.parameters() if p.requires_grad]}
+    groups = [{"params": ps, "lr": rates[name], "name": name} for name, ps in params.items() if ps]
+    optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+    total = max(1, cfg.epochs * steps_per_epoch)
+    warmup = cfg.warmup_epochs * steps_per_epoch
+
+    def cosine(step: int) -> float:
+        return 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))
+
+    def backbone(step: int) -> float:
+        if step < warmup:
+            return 0.0
+        return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+
+    factors = [backbone if g["name"] == "backbone" else cosine for g in groups]
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
+
+
+def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    return {group["name"]: group["lr"] for group in optimizer.param_groups}
+
+
 def _set_threads(num_workers: int) -> None:
     # Workers share the machine's cores; oversubscription makes every worker slower.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_workers))
+
+
+def _load_eval(splits: dict[str, str], name: str, cfg: TrainConfig, contract) -> LoadedImages | None:
+    return load_images(read_catalog(splits[name]), contract, cfg.max_bad_fraction) if name in splits else None
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -118,36 +215,35 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train.torch
 
     cfg = TrainConfig(**config["train"])
+    splits = config["splits"]
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     _set_threads(world)
     contract = input_contract(cfg.backbone, cfg.image_size)
-    train = load_images(read_catalog(config["splits"]["train"]), contract, cfg.max_bad_fraction)
-    val = (
-        load_images(read_catalog(config["splits"]["val"]), contract, cfg.max_bad_fraction)
-        if rank == 0 and "val" in config["splits"]
-        else None
+    train_catalog = read_catalog(splits["train"])
+    augment = build_augmentation(cfg.augmentation, contract)
+    dataset, labels, skipped_up_front = train_dataset(
+        train_catalog, contract, augment, cfg.data_mode, cfg.max_bad_fraction
     )
+    val = _load_eval(splits, "val", cfg, contract) if rank == 0 else None
 
     device = ray.train.torch.get_device()
-    model = ray.train.torch.prepare_model(build_model(cfg))
-    loss_fn = build_loss_for(cfg, len(train.classes)).to(device)
-    groups = [{"params": list(model.parameters()), "lr": cfg.lr}]
-    if any(True for _ in loss_fn.parameters()):
-        groups.append({"params": list(loss_fn.parameters()), "lr": cfg.proxy_lr or cfg.lr})
-    optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+    net = build_model(cfg)
+    loss_fn = build_loss_for(cfg, len(train_catalog.classes)).to(device)
     sampler = ClassBalancedBatchSampler(
-        train.labels,
-        cfg.classes_per_batch,
-        cfg.samples_per_class,
-        cfg.seed,
-        rank,
-        world,
-        cfg.batches_per_epoch,
+        labels, cfg.classes_per_batch, cfg.samples_per_class, cfg.seed, rank, world, cfg.batches_per_epoch
     )
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.epochs * len(sampler))
+    optimizer, scheduler = build_optimizer(cfg, net, loss_fn, len(sampler))
+    model = ray.train.torch.prepare_model(net)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=cfg.loader_workers if isinstance(dataset, LazyImages) else 0,
+        collate_fn=collate_skipping_unreadable,
+    )
     start_epoch, best = 0, {"epoch": -1, "val_recall_at_1": -1.0}
     history: list[dict[str, Any]] = []
+    resumed: list[dict[str, Any]] = []
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
@@ -157,27 +253,37 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, best, history = state["epoch"] + 1, state["best"], state["history"]
+        resumed = [*state.get("resumed", []), {"at_epoch": start_epoch, "time": utc_now()}]
+        log.info("resuming at epoch %d from the last checkpoint", start_epoch)
 
-    images = torch.from_numpy(train.images)
-    labels = torch.from_numpy(train.labels)
+    telemetry = TrainingMetrics(Path(cfg.out).name) if rank == 0 else None
+    clock = EpochClock(cfg.epochs, start_epoch)
     for epoch in range(start_epoch, cfg.epochs):
         sampler.set_epoch(epoch)
         model.train()
-        started, losses = time.perf_counter(), []
-        for batch in sampler:
-            x, y = images[batch].to(device), labels[batch].to(device)
-            loss = loss_fn(model(x), y)
+        if epoch < cfg.warmup_epochs:
+            _unwrap(model).backbone.eval()  # frozen: no BatchNorm statistics drift either
+        started, losses, seen, skipped = time.perf_counter(), [], 0, 0
+        for x, y, bad in progress(loader, len(sampler), epoch, cfg.epochs, bool(cfg.progress) and rank == 0):
+            loss = loss_fn(model(x.to(device)), y.to(device))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             scheduler.step()
             losses.append(loss.item())
+            seen, skipped = seen + len(y) + bad, skipped + bad
+        if seen and skipped / seen > cfg.max_bad_fraction:
+            raise ValueError(
+                f"{skipped} of {seen} training images were unreadable in epoch {epoch}, over the allowed "
+                f"fraction {cfg.max_bad_fraction}"
+            )
         seconds = time.perf_counter() - started
         metrics: dict[str, Any] = {
             "epoch": epoch,
             "loss": float(np.mean(losses)) if losses else math.nan,
-            "lr": scheduler.get_last_lr()[0],
-            "images_per_s": len(losses) * sampler.batch_size * world / max(seconds, 1e-9),
+            **{f"lr_{group}": lr for group, lr in learning_rates(optimizer).items()},
+            "images_per_s": (seen - skipped) * world / max(seconds, 1e-9),
+            "skipped_images": skipped_up_front + skipped,
         }
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = None
@@ -203,16 +309,44 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                         "epoch": epoch,
                         "best": best,
                         "history": history,
+                        "resumed": resumed,
                     },
                     Path(tmp) / CHECKPOINT_FILE,
                 )
                 ckpt = ray.train.Checkpoint.from_directory(tmp)
-                log.info("epoch %d: %s", epoch, json.dumps(metrics))
+                rates = learning_rates(optimizer)
+                telemetry.report_epoch(metrics, rates)
+                epoch_logger().info(epoch_line(metrics, rates, clock.eta_seconds(epoch), cfg.epochs))
             ray.train.report(metrics, checkpoint=ckpt)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if hasattr(model, "module") else model
+
+
+# Options that may differ between a stopped run and its --resume (they change no result).
+RESUMABLE_CHANGES = {"resume", "progress", "metrics_export_port", "max_failures", "plots", "out"}
+
+
+def _work_directory(cfg: TrainConfig, out: Path) -> Path:
+    """The run's work directory (splits, Ray storage): kept for --resume, fresh otherwise."""
+    work = out.with_name(f".{out.name}.work")
+    saved = work / "config.json"
+    wanted = to_jsonable(cfg)
+    if cfg.resume:
+        if not saved.is_file():
+            raise ValueError(f"nothing to resume: no stopped run at {work} (it is removed when a run finishes)")
+        before = json.loads(saved.read_text())
+        changed = sorted(k for k in wanted if k not in RESUMABLE_CHANGES and before.get(k) != wanted[k])
+        if changed:
+            raise ValueError(f"--resume with different options than the stopped run: {', '.join(changed)}")
+        return work
+    if work.exists():
+        log.warning("removing the work directory of an earlier, unfinished run: %s (use --resume)", work)
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    write_json_atomic(saved, wanted)
+    return work
 
 
 def run_training(cfg: TrainConfig) -> Path:
@@ -221,8 +355,10 @@ def run_training(cfg: TrainConfig) -> Path:
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    if cfg.progress is None:
+        cfg = dataclasses.replace(cfg, progress=sys.stderr.isatty())
     out = Path(cfg.out).resolve()
-    work = out.with_name(f".{out.name}.work")
+    work = _work_directory(cfg, out)
     splits = prepare_splits(
         cfg.catalog,
         work,
@@ -232,6 +368,8 @@ def run_training(cfg: TrainConfig) -> Path:
         cfg.split_seed,
         cfg.max_classes,
         cfg.max_per_class,
+        dataset=cfg.dataset,
+        data_root=cfg.data_root,
     )
     train_classes = len(read_catalog(splits["train"]).classes)
     if train_classes < cfg.classes_per_batch:
@@ -240,7 +378,9 @@ def run_training(cfg: TrainConfig) -> Path:
             f"{train_classes} classes; lower --classes-per-batch or use more classes"
         )
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True, include_dashboard=False)
+        address = os.environ.get("RAY_ADDRESS")
+        extra = {"_metrics_export_port": cfg.metrics_export_port} if cfg.metrics_export_port and not address else {}
+        ray.init(address=address, log_to_driver=True, include_dashboard=False, **extra)
     use_gpu = resolve_use_gpu(cfg.use_gpu, ray.cluster_resources().get("GPU", 0))
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -251,12 +391,12 @@ def run_training(cfg: TrainConfig) -> Path:
             resources_per_worker=None if use_gpu else {"CPU": 1},
         ),
         run_config=ray.train.RunConfig(
-            name="train",
+            name="train",  # the same (storage_path, name) is what lets --resume pick the run up
             storage_path=str(work / "ray"),
             checkpoint_config=ray.train.CheckpointConfig(
                 num_to_keep=2, checkpoint_score_attribute="val_recall_at_1", checkpoint_score_order="max"
             ),
-            failure_config=ray.train.FailureConfig(max_failures=2),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
         ),
     )
     started = time.perf_counter()
@@ -267,15 +407,13 @@ def run_training(cfg: TrainConfig) -> Path:
         raise RuntimeError("training finished without a checkpoint")
     with best_ckpt.as_directory() as d:
         state = torch.load(Path(d) / CHECKPOINT_FILE, map_location="cpu", weights_only=False)
+    with result.checkpoint.as_directory() as d:
+        last = torch.load(Path(d) / CHECKPOINT_FILE, map_location="cpu", weights_only=False)
 
-    contract = input_contract(cfg.backbone, cfg.image_size)
-    test = load_images(read_catalog(splits["test"]), contract, cfg.max_bad_fraction)
-    untrained = retrieval_metrics(embed_images(build_model(cfg), test.images), test.labels, cfg.ks)
     model = build_model(cfg)
     model.load_state_dict(state["model"])
-    trained = retrieval_metrics(embed_images(model, test.images), test.labels, cfg.ks)
-    with result.checkpoint.as_directory() as d:
-        history = torch.load(Path(d) / CHECKPOINT_FILE, map_location="cpu", weights_only=False)["history"]
+    contract = input_contract(cfg.backbone, cfg.image_size)
+    evaluation = evaluate_test_classes(cfg, splits, contract, model)
 
     with staging_directory(out) as staging:
         torch.save(
@@ -286,22 +424,77 @@ def run_training(cfg: TrainConfig) -> Path:
             (staging / "splits").mkdir(exist_ok=True)
             read_catalog(path).write(staging / "splits" / f"{name}.csv")
         write_json_atomic(staging / "config.json", to_jsonable(cfg))
+        if cfg.plots:
+            write_plots(staging, last["history"], evaluation.pop("similarities"))
+        else:
+            evaluation.pop("similarities")
         write_json_atomic(
             staging / RESULTS_FILE,
             {
                 "created": utc_now(),
                 "best_epoch": state["best"]["epoch"],
                 "val_recall_at_1": state["best"]["val_recall_at_1"],
-                "untrained": untrained,
-                "trained": trained,
-                "history": history,
+                **evaluation,
+                "history": last["history"],
+                "resumed": last.get("resumed", []),
                 "train_seconds": train_seconds,
                 "num_workers": cfg.num_workers,
                 "use_gpu": use_gpu,
-                "test_images": len(test.ids),
-                "test_classes": len(test.classes),
-                "skipped_test_images": test.skipped,
             },
         )
     shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def evaluate_test_classes(
+    cfg: TrainConfig, splits: dict[str, Path], contract, model: torch.nn.Module
+) -> dict[str, Any]:
+    """Recall@K, MAP@R and NMI on the test classes, for the trained and the untrained network.
+
+    In-shop has no single test set: its queries are searched in its gallery.
+    """
+    untrained_model = build_model(cfg)
+    if "query" in splits:
+        query = _load_eval(splits, "query", cfg, contract)
+        gallery = _load_eval(splits, "gallery", cfg, contract)
+
+        def score(net):
+            q, g = embed_images(net, query.images), embed_images(net, gallery.images)
+            qlabels = np.asarray(query.classes, dtype=object)[query.labels]
+            glabels = np.asarray(gallery.classes, dtype=object)[gallery.labels]
+            return query_gallery_metrics(q, qlabels, g, glabels, cfg.ks), g, gallery.labels
+
+        test_images, test_classes = len(query.ids) + len(gallery.ids), len(gallery.classes)
+        skipped = query.skipped + gallery.skipped
+    else:
+        test = _load_eval(splits, "test", cfg, contract)
+
+        def score(net):
+            embeddings = embed_images(net, test.images)
+            return retrieval_metrics(embeddings, test.labels, cfg.ks, with_nmi=True), embeddings, test.labels
+
+        test_images, test_classes, skipped = len(test.ids), len(test.classes), test.skipped
+    untrained, untrained_embeddings, labels = score(untrained_model)
+    trained, trained_embeddings, _ = score(model)
+    similarities = {
+        "untrained": pair_similarities(untrained_embeddings, labels),
+        "trained": pair_similarities(trained_embeddings, labels),
+    }
+    overlap = {name: histogram_overlap(*pairs) for name, pairs in similarities.items()}
+    return {
+        "untrained": {**untrained, "histogram_overlap": overlap["untrained"]},
+        "trained": {**trained, "histogram_overlap": overlap["trained"]},
+        "test_images": test_images,
+        "test_classes": test_classes,
+        "skipped_test_images": skipped,
+        "similarities": similarities,
+    }
+
+
+def write_plots(directory: Path, history: list[dict[str, Any]], similarities: dict) -> None:
+    from training.plots import plot_recall_per_epoch, plot_similarity_histograms
+
+    if any("val_recall_at_2" in row or "val_map_at_r" in row for row in history):
+        plot_recall_per_epoch(history, directory / "recall_per_epoch.png")
+    overlaps = {name: histogram_overlap(*pairs) for name, pairs in similarities.items()}
+    plot_similarity_histograms(similarities, directory / "similarity_histograms.png", overlaps)

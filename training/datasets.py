@@ -1,0 +1,786 @@
+"""Readers for the four deep-metric-learning benchmarks, in their layouts exactly as published.
+
+Nothing is downloaded: point a reader at a local copy and it returns the dataset's standard
+class-disjoint split as project catalogs (`index.catalog.Catalog`), one per split::
+
+    from training.datasets import load_benchmark
+
+    splits = load_benchmark("cub", "/data")  # {"train": Catalog, "test": Catalog}
+
+Every reader accepts either the folder the archive was unpacked into or the dataset's own folder.
+Labels are the dataset's class id as a string (``"1"`` .. ``"200"``; In-shop: the item id,
+``"id_00000002"``). Ids are the image path exactly as the annotation file writes it, so they are
+unique across all splits of a dataset and catalogs of different splits can be concatenated.
+Image files are not checked here (``Catalog.check_files`` lists missing ones; training counts
+unreadable images), only the annotations.
+
+``cub`` - CUB-200-2011 (``CUB_200_2011.tgz``)::
+
+    CUB_200_2011/images.txt              <image_id> <path under images/>
+    CUB_200_2011/image_class_labels.txt  <image_id> <class_id>
+    CUB_200_2011/classes.txt             <class_id> <class name>, e.g. "1 001.Black_footed_Albatross"
+    CUB_200_2011/bounding_boxes.txt      <image_id> <x> <y> <width> <height>   (optional; metadata)
+    CUB_200_2011/images/<class name>/<file>.jpg
+
+  Splits: ``train`` = classes 1-100 (5,864 images), ``test`` = classes 101-200 (5,924).
+  ``train_test_split.txt`` is the per-image classification split and is not used.
+
+``cars196`` - Stanford Cars, as distributed with ``car_ims.tgz`` and ``cars_annos.mat``::
+
+    cars_annos.mat   MATLAB struct array ``annotations`` (relative_im_path, bbox_x1, bbox_y1,
+                     bbox_x2, bbox_y2, class, test) and cell array ``class_names``
+    car_ims/000001.jpg .. car_ims/016185.jpg
+
+  Splits: ``train`` = classes 1-98 (8,054 images), ``test`` = classes 99-196 (8,131). The
+  ``test`` flag is the classification split and is ignored (kept as metadata). Needs scipy.
+
+``sop`` - Stanford Online Products (``Stanford_Online_Products.zip``)::
+
+    Stanford_Online_Products/Ebay_train.txt   header "image_id class_id super_class_id path",
+    Stanford_Online_Products/Ebay_test.txt    rows like "1 1 1 bicycle_final/111085122871_0.JPG"
+    Stanford_Online_Products/<super class>_final/<listing id>_<n>.JPG
+
+  Splits: ``train`` = Ebay_train.txt (59,551 images, classes 1-11,318), ``test`` = Ebay_test.txt
+  (60,502 images, classes 11,319-22,634).
+
+``inshop`` - DeepFashion In-shop Clothes Retrieval Benchmark::
+
+    Eval/list_eval_partition.txt   "52712", then "image_name item_id evaluation_status", then rows
+                                   like "img/WOMEN/Dresses/id_00000002/02_1_front.jpg id_00000002 train"
+    Img/img/<MEN|WOMEN>/<category>/<item id>/<file>.jpg    (Img/img.zip unpacked in place)
+
+  The flat layout many DML code bases use (``list_eval_partition.txt`` beside ``img/``) is
+  accepted too. Splits: ``train`` (25,882 images of 3,997 items), ``query`` (14,218) and
+  ``gallery`` (12,612), both over the other 3,985 items.
+
+For CUB and Cars the split point is the first half of the class list (``classes.txt``,
+``class_names``): exactly classes 1-100 and 1-98 on the published data, and the same rule on a
+smaller copy. ``write_replica`` writes a miniature copy of any of the four in its published
+layout (tiny solid-colour images, real annotation files), so the readers can be tried and tested
+without the real data.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+from PIL import Image
+
+from index.catalog import Catalog, CatalogError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BenchmarkDataset",
+    "available_datasets",
+    "get_dataset",
+    "load_benchmark",
+    "register_dataset",
+    "write_replica",
+]
+
+
+class BenchmarkDataset:
+    """A benchmark reader: where its annotation files live, how to read them, how to fake them.
+
+    Subclasses set the class attributes and implement `load` and `_write_replica`; they are
+    stateless, so the registry holds classes and instantiates one per call.
+    """
+
+    name: ClassVar[str] = ""  # set by @register_dataset
+    title: ClassVar[str] = ""
+    splits: ClassVar[tuple[str, ...]] = ()
+    # Folders under the root, in order, where the annotation files may be ("" = the root itself).
+    subdirs: ClassVar[tuple[str, ...]] = ("",)
+    annotation_files: ClassVar[tuple[str, ...]] = ()
+    default_classes: ClassVar[int] = 2
+    default_images_per_class: ClassVar[int] = 2
+    min_images_per_class: ClassVar[int] = 1
+
+    def load(self, root: Path) -> dict[str, Catalog]:
+        raise NotImplementedError
+
+    def replica_marker(self, root: Path) -> Path:
+        """The path whose existence means a copy of the dataset is already in `root`."""
+        raise NotImplementedError
+
+    def _write_replica(
+        self, root: Path, classes: int, images_per_class: int, rng: np.random.Generator, image_size: int
+    ) -> None:
+        raise NotImplementedError
+
+    def locate(self, root: Path) -> Path:
+        """The folder under `root` holding every annotation file, or a CatalogError saying which is missing."""
+        return _locate(self.title, root, self.subdirs, self.annotation_files)
+
+
+# (split, id, image path, label, metadata): one image as every reader produces it.
+_Row = tuple[str, str, Path, str, dict[str, str]]
+
+_DatasetT = TypeVar("_DatasetT", bound=type[BenchmarkDataset])
+
+_REGISTRY: dict[str, type[BenchmarkDataset]] = {}
+
+
+def _qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def register_dataset(name: str) -> Callable[[_DatasetT], _DatasetT]:
+    """Class decorator adding a `BenchmarkDataset` subclass to the registry under `name`."""
+    if not name or name != name.strip():
+        raise ValueError(f"invalid dataset name {name!r}")
+
+    def decorator(cls: _DatasetT) -> _DatasetT:
+        if not (isinstance(cls, type) and issubclass(cls, BenchmarkDataset)):
+            raise TypeError(f"register_dataset({name!r}) expects a BenchmarkDataset subclass, got {cls!r}")
+        existing = _REGISTRY.get(name)
+        # Same rule as the loss registry: re-registering one class (a reload) is harmless, two
+        # classes under one name would make configurations ambiguous.
+        if existing is not None and _qualified_name(existing) != _qualified_name(cls):
+            raise ValueError(f"dataset name {name!r} is already registered to {_qualified_name(existing)}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorator
+
+
+def available_datasets() -> list[str]:
+    """Sorted names of every registered benchmark reader."""
+    return sorted(_REGISTRY)
+
+
+def get_dataset(name: str) -> type[BenchmarkDataset]:
+    """The reader class registered under `name`; ValueError listing the known names otherwise."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(available_datasets()) or "(none)"
+        raise ValueError(f"unknown dataset {name!r}; known datasets: {known}") from None
+
+
+def load_benchmark(name: str, root: str | Path) -> dict[str, Catalog]:
+    """Read the benchmark `name` from the local folder `root`: split name -> Catalog.
+
+    Raises ValueError for an unknown name and CatalogError (a ValueError) for a missing root,
+    a missing annotation file, a malformed line or inconsistent annotations.
+    """
+    return get_dataset(name)().load(Path(root))
+
+
+def write_replica(
+    name: str,
+    root: str | Path,
+    classes: int | None = None,
+    images_per_class: int | None = None,
+    seed: int = 0,
+    image_size: int = 8,
+) -> Path:
+    """Write a miniature copy of benchmark `name` in its published layout under `root`.
+
+    Annotation files are real (same names, format and, for Cars196, the same MATLAB struct
+    layout), images are `image_size`-pixel solid random colours. `classes` defaults to the real
+    class count for CUB (200) and Cars196 (196) so the standard class ranges hold, and to a
+    small number for SOP and In-shop (items). Returns `root`, the folder to pass to
+    `load_benchmark`. Refuses (FileExistsError) to write over a dataset already in `root`.
+    """
+    dataset = get_dataset(name)()
+    classes = dataset.default_classes if classes is None else classes
+    images_per_class = dataset.default_images_per_class if images_per_class is None else images_per_class
+    if classes < 2:
+        raise ValueError(f"a {dataset.title} replica needs at least 2 classes (one per side of the split)")
+    if images_per_class < dataset.min_images_per_class:
+        raise ValueError(f"a {dataset.title} replica needs at least {dataset.min_images_per_class} images per class")
+    if image_size < 1:
+        raise ValueError("image_size must be at least 1")
+    root = Path(root)
+    marker = dataset.replica_marker(root)
+    if marker.exists():
+        # The root may hold the real dataset; a replica must never overwrite it.
+        raise FileExistsError(f"{marker} already exists; write the {dataset.title} replica to an empty folder")
+    root.mkdir(parents=True, exist_ok=True)
+    dataset._write_replica(root, classes, images_per_class, np.random.default_rng(seed), image_size)
+    return root
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared parsing helpers
+
+
+def _check_root(title: str, root: Path) -> Path:
+    if not root.exists():
+        raise CatalogError(f"{title}: dataset root not found: {root}")
+    if not root.is_dir():
+        raise CatalogError(f"{title}: dataset root is not a folder: {root}")
+    return root
+
+
+def _locate(title: str, root: Path, subdirs: Sequence[str], required: Sequence[str]) -> Path:
+    _check_root(title, root)
+    candidates = [root / sub if sub else root for sub in subdirs]
+    best: Path | None = None
+    best_found = 0
+    for folder in candidates:
+        found = sum((folder / f).is_file() for f in required)
+        if found == len(required):
+            return folder
+        if found > best_found:
+            best, best_found = folder, found
+    if best is not None:
+        # Some of the files are there: name exactly the ones that are not.
+        missing = [f for f in required if not (best / f).is_file()]
+        raise CatalogError(
+            f"{title}: annotation file(s) {', '.join(missing)} not found in {best} "
+            f"(which has the dataset's other annotation files)"
+        )
+    looked = ", ".join(str(c) for c in candidates)
+    raise CatalogError(f"{title}: annotation file(s) {', '.join(required)} not found; looked in {looked}")
+
+
+def _read_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise CatalogError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from exc
+    except OSError as exc:
+        raise CatalogError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+
+
+def _rows(
+    path: Path, columns: Sequence[str], lines: list[str] | None = None, start: int = 0
+) -> Iterator[tuple[int, list[str]]]:
+    """(line number, fields) of every non-blank line from `start`, each with exactly len(columns) fields.
+
+    The published files never have spaces inside a field, so a line with more fields is
+    malformed rather than a name with a space in it.
+    """
+    lines = _read_lines(path) if lines is None else lines
+    for index in range(start, len(lines)):
+        fields = lines[index].split()
+        if not fields:
+            continue
+        if len(fields) != len(columns):
+            raise CatalogError(
+                f"{path}:{index + 1}: expected {len(columns)} fields ({' '.join(columns)}), "
+                f"got {len(fields)}: {lines[index].strip()!r}"
+            )
+        yield index + 1, fields
+
+
+def _int(path: Path, lineno: int, column: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise CatalogError(f"{path}:{lineno}: {column} {value!r} is not an integer") from None
+
+
+def _keyed(path: Path, columns: Sequence[str]) -> dict[int, tuple[int, list[str]]]:
+    """Rows keyed by their integer first column: key -> (line number, other fields)."""
+    table: dict[int, tuple[int, list[str]]] = {}
+    for lineno, fields in _rows(path, columns):
+        key = _int(path, lineno, columns[0], fields[0])
+        if key in table:
+            raise CatalogError(f"{path}:{lineno}: {columns[0]} {key} already on line {table[key][0]}")
+        table[key] = (lineno, fields[1:])
+    return table
+
+
+def _catalogs(
+    title: str,
+    splits: Sequence[str],
+    rows: list[_Row],
+    source: Path | dict[str, Path],
+) -> dict[str, Catalog]:
+    """Group (split, id, path, label, metadata) rows into one Catalog per split.
+
+    `source` is the annotation file the rows came from, or one per split.
+    """
+    sources = source if isinstance(source, dict) else dict.fromkeys(splits, source)
+    columns: dict[str, tuple[list, list, list, list]] = {s: ([], [], [], []) for s in splits}
+    for split, item_id, path, label, meta in rows:
+        ids, paths, labels, metadata = columns[split]
+        ids.append(item_id)
+        paths.append(path)
+        labels.append(label)
+        metadata.append(meta)
+    empty = [s for s in splits if not columns[s][0]]
+    if empty:
+        # An empty split makes every later stage fail obscurely; say here which one and why.
+        files = ", ".join(sorted({str(sources[s]) for s in empty}))
+        raise CatalogError(f"{title}: {files} gives no images to split(s) {', '.join(empty)}")
+    return {s: Catalog(*columns[s], source=f"{sources[s]} [{s}]") for s in splits}
+
+
+def _save_image(path: Path, rng: np.random.Generator, size: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    colour = tuple(int(v) for v in rng.integers(0, 256, size=3))
+    fmt = "PNG" if path.suffix.lower() == ".png" else "JPEG"
+    Image.new("RGB", (size, size), colour).save(path, format=fmt)
+
+
+def _write_text(path: Path, lines: Sequence[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# CUB-200-2011
+
+
+@register_dataset("cub")
+class CUB200(BenchmarkDataset):
+    title = "CUB-200-2011"
+    splits = ("train", "test")
+    subdirs = ("", "CUB_200_2011")
+    annotation_files = ("images.txt", "image_class_labels.txt", "classes.txt")
+    default_classes = 200
+    default_images_per_class = 2
+
+    def load(self, root: Path) -> dict[str, Catalog]:
+        folder = self.locate(root)
+        images_file, labels_file, classes_file = (folder / f for f in self.annotation_files)
+        class_names = {key: fields[0] for key, (_, fields) in _keyed(classes_file, ("class_id", "class_name")).items()}
+        images = _keyed(images_file, ("image_id", "path"))
+        labels = _keyed(labels_file, ("image_id", "class_id"))
+
+        unlabelled = sorted(images.keys() - labels.keys())
+        orphans = sorted(labels.keys() - images.keys())
+        if unlabelled or orphans:
+            parts = []
+            if unlabelled:
+                parts.append(f"image_id(s) {_preview(unlabelled)} of {images_file.name} have no class in {labels_file}")
+            if orphans:
+                parts.append(f"image_id(s) {_preview(orphans)} of {labels_file.name} are not in {images_file}")
+            raise CatalogError(f"{self.title}: " + "; ".join(parts))
+
+        boxes: dict[int, tuple[int, list[str]]] = {}
+        boxes_file = folder / "bounding_boxes.txt"
+        if boxes_file.is_file():
+            boxes = _keyed(boxes_file, ("image_id", "x", "y", "width", "height"))
+
+        # First half of the class list trains: classes 1-100 of the published 200.
+        ordered = sorted(class_names)
+        train_classes = set(ordered[: len(ordered) // 2])
+        rows: list[_Row] = []
+        for image_id, (lineno, (relative,)) in images.items():
+            label_line, (class_text,) = labels[image_id]
+            class_id = _int(labels_file, label_line, "class_id", class_text)
+            if class_id not in class_names:
+                raise CatalogError(f"{labels_file}:{label_line}: class_id {class_id} is not in {classes_file}")
+            # The class folder is a second statement of the label; disagreement means the
+            # annotation files do not belong together.
+            folder_name = Path(relative).parts[0]
+            if folder_name != class_names[class_id]:
+                raise CatalogError(
+                    f"{images_file}:{lineno}: {relative!r} is not in class folder {class_names[class_id]!r} "
+                    f"although {labels_file.name}:{label_line} gives it class {class_id}"
+                )
+            meta = {"image_id": str(image_id), "class_name": class_names[class_id]}
+            if image_id in boxes:
+                meta["bbox"] = " ".join(boxes[image_id][1])
+            split = "train" if class_id in train_classes else "test"
+            rows.append((split, relative, folder / "images" / relative, str(class_id), meta))
+        return _catalogs(self.title, self.splits, rows, images_file)
+
+    def replica_marker(self, root: Path) -> Path:
+        return root / "CUB_200_2011"
+
+    def _write_replica(
+        self, root: Path, classes: int, images_per_class: int, rng: np.random.Generator, image_size: int
+    ) -> None:
+        folder = root / "CUB_200_2011"
+        class_lines, image_lines, label_lines, split_lines, box_lines = [], [], [], [], []
+        image_id = 0
+        for class_id in range(1, classes + 1):
+            species = f"Species_{class_id:03d}"
+            class_name = f"{class_id:03d}.{species}"
+            class_lines.append(f"{class_id} {class_name}")
+            for k in range(images_per_class):
+                image_id += 1
+                relative = f"{class_name}/{species}_{k + 1:04d}_{image_id}.jpg"
+                _save_image(folder / "images" / relative, rng, image_size)
+                image_lines.append(f"{image_id} {relative}")
+                label_lines.append(f"{image_id} {class_id}")
+                split_lines.append(f"{image_id} {1 - k % 2}")
+                x, y = rng.integers(0, image_size, size=2)
+                box_lines.append(f"{image_id} {float(x)} {float(y)} {float(image_size - x)} {float(image_size - y)}")
+        _write_text(folder / "classes.txt", class_lines)
+        _write_text(folder / "images.txt", image_lines)
+        _write_text(folder / "image_class_labels.txt", label_lines)
+        _write_text(folder / "train_test_split.txt", split_lines)
+        _write_text(folder / "bounding_boxes.txt", box_lines)
+
+
+def _preview(values: Sequence[Any], limit: int = 5) -> str:
+    shown = ", ".join(str(v) for v in values[:limit])
+    return shown + (f" (+{len(values) - limit} more)" if len(values) > limit else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Cars196
+
+_CARS_FIELDS = ("relative_im_path", "bbox_x1", "bbox_y1", "bbox_x2", "bbox_y2", "class", "test")
+_CARS_BBOX = ("bbox_x1", "bbox_y1", "bbox_x2", "bbox_y2")
+
+
+def _loadmat(path: Path) -> dict[str, Any]:
+    try:
+        from scipy.io import loadmat
+    except ImportError as exc:
+        raise ImportError(
+            f"reading Cars196's {path.name} needs scipy (pip install scipy); it is not installed"
+        ) from exc
+    try:
+        return loadmat(str(path))
+    except NotImplementedError as exc:  # MATLAB v7.3 (HDF5) files
+        raise CatalogError(f"{path}: unsupported MATLAB file version ({exc}); expected the published v5 file") from exc
+    except Exception as exc:  # noqa: BLE001 - scipy raises several types for a damaged file
+        raise CatalogError(f"{path}: not a readable MATLAB file: {exc}") from exc
+
+
+def _mat_text(value: Any) -> str | None:
+    array = np.asarray(value)
+    if array.dtype.kind not in "US":
+        return None
+    return "".join(str(v) for v in array.ravel())
+
+
+def _mat_int(value: Any) -> int | None:
+    array = np.asarray(value)
+    if array.size != 1 or array.dtype.kind not in "iuf":
+        return None
+    number = array.item()
+    if isinstance(number, float) and not number.is_integer():  # also rejects NaN and inf
+        return None
+    return int(number)
+
+
+@register_dataset("cars196")
+class Cars196(BenchmarkDataset):
+    title = "Cars196"
+    splits = ("train", "test")
+    subdirs = ("",)
+    annotation_files = ("cars_annos.mat",)
+    default_classes = 196
+    default_images_per_class = 2
+
+    def load(self, root: Path) -> dict[str, Catalog]:
+        folder = self.locate(root)
+        mat_file = folder / "cars_annos.mat"
+        mat = _loadmat(mat_file)
+        annotations = mat.get("annotations")
+        if not isinstance(annotations, np.ndarray) or annotations.dtype.names is None:
+            found = ", ".join(k for k in mat if not k.startswith("__")) or "none"
+            raise CatalogError(f"{mat_file}: no struct array 'annotations' (variables found: {found})")
+        missing = [f for f in ("relative_im_path", "class") if f not in annotations.dtype.names]
+        if missing:
+            raise CatalogError(
+                f"{mat_file}: 'annotations' lacks field(s) {', '.join(missing)} "
+                f"(has {', '.join(annotations.dtype.names)})"
+            )
+        class_names = self._class_names(mat_file, mat.get("class_names"))
+        records = annotations.ravel()
+
+        parsed: list[tuple[int, str, int, dict[str, str]]] = []
+        for number, record in enumerate(records, 1):
+            relative = _mat_text(record["relative_im_path"])
+            if not relative:
+                raise CatalogError(f"{mat_file}: annotations({number}).relative_im_path is not a non-empty string")
+            class_id = _mat_int(record["class"])
+            if class_id is None or class_id < 1:
+                raise CatalogError(f"{mat_file}: annotations({number}).class is not a positive integer")
+            meta = {}
+            if all(f in annotations.dtype.names for f in _CARS_BBOX):
+                box = [_mat_int(record[f]) for f in _CARS_BBOX]
+                if any(v is None for v in box):
+                    raise CatalogError(f"{mat_file}: annotations({number}) has a non-integer bbox field")
+                meta["bbox"] = " ".join(str(v) for v in box)
+            if "test" in annotations.dtype.names:
+                flag = _mat_int(record["test"])
+                if flag is not None:
+                    meta["test_flag"] = str(flag)
+            parsed.append((number, relative, class_id, meta))
+
+        if class_names is not None:
+            n_classes = len(class_names)
+            for number, relative, class_id, meta in parsed:
+                if class_id > n_classes:
+                    raise CatalogError(
+                        f"{mat_file}: annotations({number}) ({relative}) has class {class_id} "
+                        f"but class_names lists only {n_classes} classes"
+                    )
+                meta["class_name"] = class_names[class_id - 1]
+        else:
+            n_classes = max((c for _, _, c, _ in parsed), default=0)
+        # First half of the classes trains: 1-98 of the published 196 (the `test` flag is the
+        # classification split and is deliberately not used).
+        n_train = n_classes // 2
+        rows: list[_Row] = []
+        for _, relative, class_id, meta in parsed:
+            split = "train" if class_id <= n_train else "test"
+            rows.append((split, relative, folder / relative, str(class_id), meta))
+        return _catalogs(self.title, self.splits, rows, mat_file)
+
+    @staticmethod
+    def _class_names(mat_file: Path, value: Any) -> list[str] | None:
+        if value is None:
+            return None
+        names = []
+        for number, cell in enumerate(np.asarray(value, dtype=object).ravel(), 1):
+            text = _mat_text(cell)
+            if text is None:
+                raise CatalogError(f"{mat_file}: class_names{{{number}}} is not a string")
+            names.append(text)
+        return names
+
+    def replica_marker(self, root: Path) -> Path:
+        return root / "cars_annos.mat"
+
+    def _write_replica(
+        self, root: Path, classes: int, images_per_class: int, rng: np.random.Generator, image_size: int
+    ) -> None:
+        try:
+            from scipy.io import savemat
+        except ImportError as exc:
+            raise ImportError("writing a Cars196 replica (cars_annos.mat) needs scipy (pip install scipy)") from exc
+        # The published file numbers images in one sequence across classes; assigning classes
+        # in random order makes sure the reader relies on the `class` field, not on order.
+        class_of = rng.permutation(np.repeat(np.arange(1, classes + 1), images_per_class))
+        class_dtype = np.uint8 if classes <= np.iinfo(np.uint8).max else np.uint16
+        records = np.zeros((1, len(class_of)), dtype=[(f, object) for f in _CARS_FIELDS])
+        for index, class_id in enumerate(class_of):
+            relative = f"car_ims/{index + 1:06d}.jpg"
+            _save_image(root / relative, rng, image_size)
+            x1, y1 = (int(v) for v in rng.integers(0, image_size, size=2))
+            record = records[0, index]
+            record["relative_im_path"] = np.array([relative])
+            for field, v in zip(_CARS_BBOX, (x1, y1, image_size - 1, image_size - 1), strict=True):
+                record[field] = np.array([[v]], dtype=np.uint16)
+            record["class"] = np.array([[class_id]], dtype=class_dtype)
+            record["test"] = np.array([[rng.integers(0, 2)]], dtype=np.uint8)
+        class_names = np.empty((1, classes), dtype=object)
+        for c in range(classes):
+            class_names[0, c] = f"Make{c + 1} Model{c + 1} {2000 + c % 13}"
+        savemat(str(root / "cars_annos.mat"), {"annotations": records, "class_names": class_names})
+
+
+# ---------------------------------------------------------------------------------------------
+# Stanford Online Products
+
+_SOP_HEADER = ("image_id", "class_id", "super_class_id", "path")
+_SOP_SUPER_CLASSES = (
+    "bicycle",
+    "cabinet",
+    "chair",
+    "coffee_maker",
+    "fan",
+    "kettle",
+    "lamp",
+    "mug",
+    "sofa",
+    "stapler",
+    "table",
+    "toaster",
+)
+
+
+@register_dataset("sop")
+class StanfordOnlineProducts(BenchmarkDataset):
+    title = "Stanford Online Products"
+    splits = ("train", "test")
+    subdirs = ("", "Stanford_Online_Products")
+    annotation_files = ("Ebay_train.txt", "Ebay_test.txt")
+    default_classes = 24
+    default_images_per_class = 2
+
+    def load(self, root: Path) -> dict[str, Catalog]:
+        folder = self.locate(root)
+        files = {split: folder / name for split, name in zip(self.splits, self.annotation_files, strict=True)}
+        rows: list[_Row] = []
+        class_lines: dict[str, dict[int, int]] = {split: {} for split in self.splits}
+        for split, path in files.items():
+            rows.extend(self._read_split(path, split, folder, class_lines[split]))
+        shared = sorted(class_lines["train"].keys() & class_lines["test"].keys())
+        if shared:
+            c = shared[0]
+            raise CatalogError(
+                f"{self.title}: class_id(s) {_preview(shared)} appear in both splits, e.g. {c} on "
+                f"{files['train']}:{class_lines['train'][c]} and {files['test']}:{class_lines['test'][c]}; "
+                "the splits must be class-disjoint"
+            )
+        return _catalogs(self.title, self.splits, rows, files)
+
+    @staticmethod
+    def _read_split(path: Path, split: str, folder: Path, first_line_of_class: dict[int, int]) -> list[_Row]:
+        lines = _read_lines(path)
+        header_index = next((i for i, line in enumerate(lines) if line.strip()), None)
+        if header_index is None or tuple(lines[header_index].split()) != _SOP_HEADER:
+            raise CatalogError(f"{path}:{(header_index or 0) + 1}: expected the header line {' '.join(_SOP_HEADER)!r}")
+        super_of_class: dict[int, int] = {}
+        seen: dict[str, int] = {}
+        rows: list[_Row] = []
+        for lineno, (image_text, class_text, super_text, relative) in _rows(path, _SOP_HEADER, lines, header_index + 1):
+            image_id = _int(path, lineno, "image_id", image_text)
+            class_id = _int(path, lineno, "class_id", class_text)
+            super_id = _int(path, lineno, "super_class_id", super_text)
+            if relative in seen:
+                raise CatalogError(f"{path}:{lineno}: path {relative!r} already on line {seen[relative]}")
+            seen[relative] = lineno
+            # A product belongs to one category; two means the line's ids are shifted or wrong.
+            if super_of_class.setdefault(class_id, super_id) != super_id:
+                raise CatalogError(
+                    f"{path}:{lineno}: class_id {class_id} has super_class_id {super_id} here but "
+                    f"{super_of_class[class_id]} on line {first_line_of_class[class_id]}"
+                )
+            first_line_of_class.setdefault(class_id, lineno)
+            category = Path(relative).parts[0]
+            meta = {
+                "image_id": str(image_id),
+                "super_class_id": str(super_id),
+                "super_class_name": category.removesuffix("_final"),
+            }
+            rows.append((split, relative, folder / relative, str(class_id), meta))
+        return rows
+
+    def replica_marker(self, root: Path) -> Path:
+        return root / "Stanford_Online_Products"
+
+    def _write_replica(
+        self, root: Path, classes: int, images_per_class: int, rng: np.random.Generator, image_size: int
+    ) -> None:
+        folder = root / "Stanford_Online_Products"
+        n_train = classes - classes // 2
+        listings = 100_000_000_000 + rng.choice(300_000_000_000, size=classes, replace=False)
+        header = " ".join(_SOP_HEADER)
+        files: dict[str, list[str]] = {"Ebay_train.txt": [header], "Ebay_test.txt": [header]}
+        info = [header]
+        image_id = 0
+        for index in range(classes):
+            train = index < n_train
+            position, size = (index, n_train) if train else (index - n_train, classes - n_train)
+            # Within a split the published files run through the super classes in blocks.
+            super_index = position * len(_SOP_SUPER_CLASSES) // size
+            category = f"{_SOP_SUPER_CLASSES[super_index]}_final"
+            for k in range(images_per_class):
+                image_id += 1
+                relative = f"{category}/{listings[index]}_{k}.JPG"
+                _save_image(folder / relative, rng, image_size)
+                line = f"{image_id} {index + 1} {super_index + 1} {relative}"
+                files["Ebay_train.txt" if train else "Ebay_test.txt"].append(line)
+                info.append(line)
+        for name, lines in files.items():
+            _write_text(folder / name, lines)
+        _write_text(folder / "Ebay_info.txt", info)
+
+
+# ---------------------------------------------------------------------------------------------
+# In-shop Clothes Retrieval
+
+_INSHOP_HEADER = ("image_name", "item_id", "evaluation_status")
+_INSHOP_CATEGORIES = (
+    "MEN/Denim",
+    "MEN/Jackets_Vests",
+    "MEN/Shirts_Polos",
+    "MEN/Tees_Tanks",
+    "WOMEN/Blouses_Shirts",
+    "WOMEN/Dresses",
+    "WOMEN/Skirts",
+    "WOMEN/Tees_Tanks",
+)
+_INSHOP_VIEWS = ("1_front", "2_side", "3_back", "4_full", "7_additional")
+_INSHOP_BUNDLE = "In-shop Clothes Retrieval Benchmark"
+
+
+@register_dataset("inshop")
+class InShop(BenchmarkDataset):
+    title = "In-shop Clothes Retrieval"
+    splits = ("train", "query", "gallery")
+    subdirs = ("Eval", "", f"{_INSHOP_BUNDLE}/Eval", _INSHOP_BUNDLE)
+    annotation_files = ("list_eval_partition.txt",)
+    default_classes = 20
+    default_images_per_class = 4
+    min_images_per_class = 2  # a test item needs a query and a gallery image
+
+    def load(self, root: Path) -> dict[str, Catalog]:
+        eval_folder = self.locate(root)
+        path = eval_folder / "list_eval_partition.txt"
+        dataset_folder = eval_folder.parent if eval_folder.name == "Eval" else eval_folder
+        # Paths in the file start with img/; the published download keeps img/ inside Img/.
+        image_base = next(
+            (b for b in (dataset_folder / "Img", dataset_folder) if (b / "img").is_dir()),
+            dataset_folder / "Img" if eval_folder.name == "Eval" else dataset_folder,
+        )
+
+        lines = _read_lines(path)
+        content = [(i, line) for i, line in enumerate(lines) if line.strip()]
+        if len(content) < 2:
+            raise CatalogError(f"{path}: expected an image count line and a header line, the file is too short")
+        (count_index, count_line), (header_index, header_line) = content[0], content[1]
+        declared = _int(path, count_index + 1, "image count", count_line.strip())
+        if tuple(header_line.split()) != _INSHOP_HEADER:
+            raise CatalogError(f"{path}:{header_index + 1}: expected the header line {' '.join(_INSHOP_HEADER)!r}")
+
+        rows: list[_Row] = []
+        seen: dict[str, int] = {}
+        item_lines: dict[str, dict[str, int]] = {"train": {}, "test": {}}
+        for lineno, (relative, item_id, status) in _rows(path, _INSHOP_HEADER, lines, header_index + 1):
+            if status not in self.splits:
+                raise CatalogError(
+                    f"{path}:{lineno}: evaluation_status {status!r} is not one of {', '.join(self.splits)}"
+                )
+            if relative in seen:
+                raise CatalogError(f"{path}:{lineno}: image {relative!r} already on line {seen[relative]}")
+            seen[relative] = lineno
+            item_lines["train" if status == "train" else "test"].setdefault(item_id, lineno)
+            parts = Path(relative).parts
+            meta = {"category": "/".join(parts[1:3])} if len(parts) >= 5 and parts[0] == "img" else {}
+            rows.append((status, relative, image_base / relative, item_id, meta))
+        if len(rows) != declared:
+            raise CatalogError(f"{path}:{count_index + 1}: the file says {declared} images but lists {len(rows)}")
+
+        shared = sorted(item_lines["train"].keys() & item_lines["test"].keys())
+        if shared:
+            item = shared[0]
+            raise CatalogError(
+                f"{path}: item_id(s) {_preview(shared)} are in train and in query/gallery, e.g. {item} on lines "
+                f"{item_lines['train'][item]} and {item_lines['test'][item]}; the split must be item-disjoint"
+            )
+        catalogs = _catalogs(self.title, self.splits, rows, path)
+        # Not an error: the evaluation simply has no right answer for such a query.
+        lonely = set(catalogs["query"].labels) - set(catalogs["gallery"].labels)
+        if lonely:
+            log.warning("%s: %d query item(s) have no gallery image, e.g. %s", path, len(lonely), min(lonely))
+        return catalogs
+
+    def replica_marker(self, root: Path) -> Path:
+        return root / "Eval" / "list_eval_partition.txt"
+
+    def _write_replica(
+        self, root: Path, classes: int, images_per_class: int, rng: np.random.Generator, image_size: int
+    ) -> None:
+        # Published item ids are sparse 8-digit numbers, and train and test items interleave.
+        numbers = np.sort(1 + rng.choice(10 * classes, size=classes, replace=False))
+        test_items = set(rng.permutation(classes)[: classes // 2].tolist())
+        entries = []
+        for index, number in enumerate(numbers):
+            item_id = f"id_{number:08d}"
+            category = _INSHOP_CATEGORIES[int(rng.integers(len(_INSHOP_CATEGORIES)))]
+            for k in range(images_per_class):
+                clothes, view = divmod(k, len(_INSHOP_VIEWS))
+                relative = f"img/{category}/{item_id}/{clothes + 1:02d}_{_INSHOP_VIEWS[view]}.jpg"
+                _save_image(root / "Img" / relative, rng, image_size)
+                if index in test_items:
+                    status = "query" if k % 2 == 0 else "gallery"
+                else:
+                    status = "train"
+                entries.append((relative, item_id, status))
+        width = max(len(r) for r, _, _ in entries) + 8
+        # Column-aligned with runs of spaces, as the published file is.
+        lines = [str(len(entries)), " ".join(_INSHOP_HEADER)]
+        lines += [f"{relative.ljust(width)}{item_id} {status}" for relative, item_id, status in entries]
+        _write_text(root / "Eval" / "list_eval_partition.txt", lines)

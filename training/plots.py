@@ -1,0 +1,68 @@
+"""PNG plots of a training run: validation Recall@K per epoch, and pair-similarity histograms."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from training.evaluate import similarity_bins
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_recall_per_epoch(history: Sequence[Mapping], path: str | Path) -> Path:
+    """Validation Recall@K of every epoch (one line per K), the best epoch marked."""
+    plt = _pyplot()
+    keys = sorted(
+        {k for row in history for k in row if k.startswith("val_recall_at_")},
+        key=lambda k: int(k.removeprefix("val_recall_at_")),
+    )
+    if not keys:
+        raise ValueError("the history has no validation Recall@K to plot")
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    epochs = [row["epoch"] + 1 for row in history]
+    for key in keys:
+        ax.plot(epochs, [100 * row.get(key, np.nan) for row in history], marker="o", label=f"R@{key[14:]}")
+    best = history[-1].get("best_epoch")
+    if best is not None and best >= 0:
+        ax.axvline(best + 1, color="grey", linestyle=":", label="best (val R@1)")
+    ax.set(xlabel="epoch", ylabel="validation Recall@K (%)", title="Validation classes, per epoch")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_similarity_histograms(
+    panels: Mapping[str, tuple[np.ndarray, np.ndarray]], path: str | Path, overlaps: Mapping[str, float]
+) -> Path:
+    """Positive vs negative pair similarities, one panel per model (e.g. untrained, trained)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), dpi=100, squeeze=False)
+    for ax, (name, (positive, negative)) in zip(axes[0], panels.items(), strict=True):
+        bins = similarity_bins(positive, negative)
+        ax.hist(negative, bins=bins, density=True, alpha=0.55, label=f"negative ({len(negative)})")
+        ax.hist(positive, bins=bins, density=True, alpha=0.55, label=f"positive ({len(positive)})")
+        ax.set(xlabel="cosine similarity", title=f"{name}: overlap {overlaps[name]:.3f}")
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("density")
+    fig.suptitle("Test classes: pair similarities")
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+    _pyplot().close(fig)
+    return path
