@@ -23,6 +23,7 @@ from serving.server import SearchServer, ServerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM = ROOT / "deploy" / "prometheus"
+SERVER_DASHBOARDS = ("search-service.json", "index-builds.json")  # the search server's metrics
 needs_prometheus = pytest.mark.skipif(
     shutil.which("promtool") is None, reason="Debian package prometheus not installed"
 )
@@ -54,6 +55,38 @@ def query(port: int, expr: str) -> dict:
     return json.loads(urllib.request.urlopen(url, timeout=10).read())
 
 
+def start_prometheus(tmp_path: Path, port: int, target_port: int, rules: bool = False) -> subprocess.Popen:
+    """A real Prometheus on loopback scraping one target every second (with the shipped rules)."""
+    config = tmp_path / "prometheus.yml"
+    settings: dict = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "target", "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}],
+    }
+    if rules:
+        shutil.copy(PROM / "rules.yml", tmp_path / "rules.yml")
+        settings["rule_files"] = ["rules.yml"]
+    config.write_text(yaml.safe_dump(settings))
+    process = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=2)
+            return process
+        except OSError:
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("Prometheus did not become ready in 30 s")
+
+
 @needs_prometheus
 @pytest.mark.slow
 def test_every_rule_runs_against_real_metrics(demo_run, tmp_path):
@@ -64,29 +97,7 @@ def test_every_rule_runs_against_real_metrics(demo_run, tmp_path):
         )
     )
     server.start()
-    config = tmp_path / "prometheus.yml"
-    shutil.copy(PROM / "rules.yml", tmp_path / "rules.yml")
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                "rule_files": ["rules.yml"],
-                "scrape_configs": [
-                    {"job_name": "simsearch", "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}
-                ],
-            }
-        )
-    )
-    prometheus = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={config}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{prom_port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    prometheus = start_prometheus(tmp_path, prom_port, metrics_port, rules=True)
     try:
         items = ItemTable.read(artifacts.version_dir(demo_run / "index") / "items.parquet")
         with SearchClient(f"127.0.0.1:{server.port}") as client:
@@ -117,7 +128,7 @@ def test_every_rule_runs_against_real_metrics(demo_run, tmp_path):
             assert answer["status"] == "success", (name, answer)
         from tests.test_dashboards import dashboard_expressions
 
-        for title, expr in dashboard_expressions():  # every panel must show data, not a typo'd name
+        for title, expr in dashboard_expressions(SERVER_DASHBOARDS):  # every panel shows data, no typo'd name
             concrete = expr.replace("$instance", ".+").replace("$k", "1")
             deadline = time.time() + 30
             while not query(prom_port, concrete)["data"]["result"] and time.time() < deadline:
@@ -133,3 +144,46 @@ def test_every_rule_runs_against_real_metrics(demo_run, tmp_path):
         prometheus.terminate()
         prometheus.wait(timeout=30)
         server.stop(0)
+
+
+@needs_prometheus
+@pytest.mark.slow
+def test_training_dashboard_shows_a_real_ray_training_run(tmp_path):
+    """Ray Train's loop exports its gauges through Ray's metrics agent; every Training panel
+    must show data from a real run scraped by a real Prometheus."""
+    import os
+
+    ray_port, prom_port = free_port(), free_port()
+    prometheus = start_prometheus(tmp_path, prom_port, ray_port)
+    env = {**os.environ, "RAY_metrics_report_interval_ms": "1000"}  # export every second, not every 10
+    from tests.test_training_runs import TINY, output_of, start_training
+
+    # Eight epochs of the tiny run: long enough for several scrapes after the first epoch.
+    training = start_training(
+        tmp_path / "run", "--epochs", "8", "--metrics-export-port", str(ray_port), base=TINY, env=env
+    )
+    from tests.test_dashboards import dashboard_expressions
+
+    panels = dashboard_expressions(("training.json",))
+    assert panels
+    shown: set[str] = set()
+    runs: set[str] = set()
+    try:
+        while training.poll() is None and len(shown) < len(panels):
+            for title, expr in panels:
+                concrete = expr.replace("$instance", ".+").replace("$k", "1")
+                result = query(prom_port, concrete)["data"]["result"]
+                if result:
+                    shown.add(title)
+                    runs |= {r["metric"].get("run") for r in result}
+            time.sleep(0.5)
+        missing = sorted({title for title, _ in panels} - shown)
+        assert not missing, f"Training panels that never showed data: {missing}"
+        training.wait(timeout=300)
+        assert training.returncode == 0, output_of(training)
+        assert runs == {"run"}  # every series labelled with the run's name
+    finally:
+        if training.poll() is None:
+            training.kill()
+        prometheus.terminate()
+        prometheus.wait(timeout=30)

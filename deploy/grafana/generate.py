@@ -30,9 +30,28 @@ def panel(
         Target(expr=expr, legendFormat=legend, refId=chr(65 + i), datasource=DATASOURCE)
         for i, (expr, legend) in enumerate(exprs)
     ]
-    extra = {"unit": unit} if unit else {}
+    # grafanalib names the unit `format` on Stat panels and `unit` on time series.
+    extra = {("format" if kind is Stat else "unit"): unit} if unit else {}
     return kind(
         id=panel_id, title=title, dataSource=DATASOURCE, targets=targets, gridPos=GridPos(h=h, w=w, x=x, y=y), **extra
+    )
+
+
+def variables(instance_from: str, k_from: str) -> Templating:
+    """The `instance` (multi) and `k` variables every dashboard offers, read from two metrics."""
+    return Templating(
+        list=[
+            Template(
+                name="instance",
+                label="instance",
+                query=f"label_values({instance_from}, instance)",
+                dataSource=DATASOURCE,
+                includeAll=True,
+                multi=True,
+                default="$__all",
+            ),
+            Template(name="k", label="K", query=f"label_values({k_from}, k)", dataSource=DATASOURCE, default="1"),
+        ]
     )
 
 
@@ -149,22 +168,7 @@ def search_service() -> Dashboard:
         ),
         panel(Stat, 10, "Index size", [(f"sum(simsearch_index_size{{{SEL}}})", "vectors")], 16, 32, w=8, h=4),
     ]
-    templating = Templating(
-        list=[
-            Template(
-                name="instance",
-                label="instance",
-                query="label_values(simsearch_index_loaded, instance)",
-                dataSource=DATASOURCE,
-                includeAll=True,
-                multi=True,
-                default="$__all",
-            ),
-            Template(
-                name="k", label="K", query="label_values(simsearch_recall_at_k, k)", dataSource=DATASOURCE, default="1"
-            ),
-        ]
-    )
+    templating = variables("simsearch_index_loaded", "simsearch_recall_at_k")
     return Dashboard(
         title="simsearch · Search service",
         uid="simsearch-search",
@@ -175,7 +179,144 @@ def search_service() -> Dashboard:
     )
 
 
-DASHBOARDS = {"search-service.json": search_service}
+def index_builds() -> Dashboard:
+    panels = [
+        panel(
+            TimeSeries,
+            1,
+            "Build duration of the live index",
+            [(f"simsearch_index_build_duration_seconds{{{SEL}}}", "{{instance}}")],
+            0,
+            0,
+            unit="s",
+        ),
+        panel(
+            TimeSeries,
+            2,
+            "Index size and skipped rows",
+            [
+                (f'simsearch_index_build_rows{{{SEL}, state="indexed"}}', "indexed {{instance}}"),
+                (f'simsearch_index_build_rows{{{SEL}, state="skipped"}}', "skipped {{instance}}"),
+            ],
+            12,
+            0,
+        ),
+        panel(
+            TimeSeries,
+            3,
+            "Quality gate: ANN recall vs exact (build time)",
+            [(f"simsearch_index_build_ann_recall{{{SEL}}}", "{{instance}}")],
+            0,
+            8,
+            unit="percentunit",
+        ),
+        panel(
+            TimeSeries,
+            4,
+            "Quality gate: probe Recall@$k (build time)",
+            [(f'simsearch_index_build_probe_recall_at_k{{{SEL}, k="$k"}}', "{{instance}}")],
+            12,
+            8,
+            unit="percentunit",
+        ),
+        panel(
+            Stat,
+            5,
+            "Published past a failed gate",
+            [(f"max(simsearch_index_build_gate_forced{{{SEL}}})", "forced")],
+            0,
+            16,
+            w=8,
+            h=4,
+        ),
+        panel(
+            Stat,
+            6,
+            "Age of the live index",
+            [(f"time() - max(simsearch_index_build_created_timestamp_seconds{{{SEL}}})", "age")],
+            8,
+            16,
+            w=8,
+            h=4,
+            unit="s",
+        ),
+        panel(
+            Stat,
+            7,
+            "Live version",
+            [(f"simsearch_index_info{{{SEL}}}", "{{index_version}} · {{factory}}")],
+            16,
+            16,
+            w=8,
+            h=4,
+        ),
+    ]
+    templating = variables("simsearch_index_loaded", "simsearch_index_build_probe_recall_at_k")
+    return Dashboard(
+        title="simsearch · Index builds",
+        uid="simsearch-index-builds",
+        panels=panels,
+        templating=templating,
+        refresh="1m",
+        tags=["simsearch"],
+    )
+
+
+def training() -> Dashboard:
+    """Training runs as Ray exports them: the loop's gauges carry a `run` label."""
+    panels = [
+        panel(TimeSeries, 1, "Training loss (epoch mean)", [(f"ray_simsearch_train_loss{{{SEL}}}", "{{run}}")], 0, 0),
+        panel(
+            TimeSeries,
+            2,
+            "Learning rate by parameter group",
+            [(f"ray_simsearch_train_learning_rate{{{SEL}}}", "{{run}} {{group}}")],
+            12,
+            0,
+        ),
+        panel(
+            TimeSeries,
+            3,
+            "Validation Recall@$k",
+            [(f'ray_simsearch_train_val_recall_at_k{{{SEL}, k="$k"}}', "{{run}}")],
+            0,
+            8,
+            unit="percentunit",
+        ),
+        panel(
+            TimeSeries,
+            4,
+            "Training images/s (all workers)",
+            [(f"ray_simsearch_train_images_per_second{{{SEL}}}", "{{run}}")],
+            12,
+            8,
+        ),
+        panel(
+            Stat,
+            5,
+            "Epochs finished",
+            [(f"max by (run) (ray_simsearch_train_epoch{{{SEL}}}) + 1", "{{run}}")],
+            0,
+            16,
+            w=24,
+            h=4,
+        ),
+    ]
+    return Dashboard(
+        title="simsearch · Training",
+        uid="simsearch-training",
+        panels=panels,
+        templating=variables("ray_simsearch_train_epoch", "ray_simsearch_train_val_recall_at_k"),
+        refresh="30s",
+        tags=["simsearch"],
+    )
+
+
+DASHBOARDS = {
+    "search-service.json": search_service,
+    "index-builds.json": index_builds,
+    "training.json": training,
+}
 
 
 def render(factory) -> str:
