@@ -1,4 +1,4 @@
-"""`python -m training {data,train,export}`: the training stage's commands."""
+"""`python -m training {data,train,benchmark,export}`: the training stage's commands."""
 
 from __future__ import annotations
 
@@ -21,54 +21,23 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train an embedding model with Ray Train")
     train.add_argument("--config", help="YAML/TOML file with any of the options below")
     train.add_argument("--out", help="run directory to publish (default runs/train)")
-    train.add_argument("--catalog", help="catalog file or class-folder tree (default: embedded glyph set)")
-    train.add_argument("--dataset", help="a benchmark in its published layout: cub, cars196, sop, inshop")
-    train.add_argument("--data-root", dest="data_root", help="folder holding the --dataset (never downloaded)")
-    train.add_argument("--data-dir", dest="data_dir", help="glyph set cache directory")
-    train.add_argument(
-        "--backbone", help="small_cnn, resnet18, resnet50, googlenet, efficientnet_b0, mobilenet_v2, mobilenet_v3_large"
+    add_training_arguments(train)
+
+    bench = sub.add_parser(
+        "benchmark", help="train several losses × seeds under one protocol and tabulate test Recall@K"
     )
-    train.add_argument("--embedding-dim", dest="embedding_dim", type=int)
-    train.add_argument("--pooling", choices=["gap", "gmp", "gap+gmp"])
-    train.add_argument(
-        "--pretrained", help="torchvision state dict: a local file or pkg:<package>/<file> (never downloaded)"
+    bench.add_argument("--config", help="YAML/TOML file with any of the options below")
+    bench.add_argument("--out", help="benchmark directory (default runs/loss-benchmark); re-run to resume")
+    bench.add_argument("--losses", help="comma-separated registry names, or 'all' (the papers' losses)")
+    bench.add_argument("--seeds", type=int, help="runs per loss, seeds 0..N-1 (default 3)")
+    bench.add_argument(
+        "--per-loss-options",
+        dest="per_loss_options",
+        type=json.loads,
+        help='JSON {"loss": {"option": value}} for options of one loss (defaults: the papers\')',
     )
-    train.add_argument("--image-size", dest="image_size", type=int)
-    train.add_argument("--loss", help="loss name from the registry (raw_vthm, proxy_anchor, ...)")
-    train.add_argument(
-        "--loss-options", dest="loss_options", type=json.loads, help="JSON object, e.g. '{\"alpha\": 2}'"
-    )
-    train.add_argument("--epochs", type=int)
-    train.add_argument("--classes-per-batch", dest="classes_per_batch", type=int)
-    train.add_argument("--samples-per-class", dest="samples_per_class", type=int)
-    train.add_argument("--batches-per-epoch", dest="batches_per_epoch", type=int)
-    train.add_argument("--lr", type=float)
-    train.add_argument("--backbone-lr", dest="backbone_lr", type=float, help="backbone rate (default: --lr)")
-    train.add_argument("--proxy-lr", dest="proxy_lr", type=float, help="proxies' rate (default: --lr)")
-    train.add_argument("--warmup-epochs", dest="warmup_epochs", type=int, help="epochs with the backbone frozen")
-    train.add_argument("--freeze-bn", dest="freeze_bn", action=argparse.BooleanOptionalAction, default=None)
-    train.add_argument("--augment", choices=["none", "flip", "crop", "crop+flip"], help="default: photos crop+flip")
-    train.add_argument("--data-mode", dest="data_mode", choices=["auto", "memory", "lazy"])
-    train.add_argument("--loader-workers", dest="loader_workers", type=int, help="decoding processes (lazy mode)")
-    train.add_argument("--weight-decay", dest="weight_decay", type=float)
-    train.add_argument("--seed", type=int)
-    train.add_argument("--split-seed", dest="split_seed", type=int)
-    train.add_argument("--test-fraction", dest="test_fraction", type=float)
-    train.add_argument("--val-fraction", dest="val_fraction", type=float)
-    train.add_argument("--max-classes", dest="max_classes", type=int, help="use a slice of the classes (quick runs)")
-    train.add_argument("--max-per-class", dest="max_per_class", type=int, help="use at most N images per class")
-    train.add_argument("--ks", help="comma-separated K values for Recall@K")
-    train.add_argument("--num-workers", dest="num_workers", type=int, help="Ray Train workers")
-    train.add_argument("--use-gpu", dest="use_gpu", choices=["auto", "true", "false"])
-    train.add_argument("--max-failures", dest="max_failures", type=int, help="worker failures to recover from")
-    train.add_argument(
-        "--resume", action=argparse.BooleanOptionalAction, default=None, help="continue the stopped run at --out"
-    )
-    train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="default: on a tty")
-    train.add_argument(
-        "--metrics-export-port", dest="metrics_export_port", type=int, help="local Ray's Prometheus metrics port"
-    )
-    train.add_argument("--plots", action=argparse.BooleanOptionalAction, default=None, help="write PNG plots")
+    bench.add_argument("--parallel", type=int, help="training jobs at once (default: as Ray's CPUs allow)")
+    add_training_arguments(bench, protocol_only=True)
 
     export = sub.add_parser("export", help="export a training run to a verified ONNX model artifact")
     export.add_argument("--config", help="YAML/TOML file with any of the options below")
@@ -79,6 +48,65 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--min-cosine", dest="min_cosine", type=float)
     export.add_argument("--variants", help="reduced-precision copies to publish beside it: fp16,int8")
     return parser
+
+
+# Options of one training run. `benchmark` takes the protocol part: everything but what a
+# benchmark varies itself (loss, seed) or manages per run (output, resume, progress, ...).
+PER_RUN_OPTIONS = ("--loss", "--loss-options", "--seed", "--resume", "--progress", "--metrics-export-port", "--plots")
+
+
+def _option(*flags: str, **kwargs) -> tuple[tuple[str, ...], dict]:
+    return flags, kwargs
+
+
+TRAINING_OPTIONS = [
+    _option("--catalog", help="catalog file or class-folder tree (default: embedded glyph set)"),
+    _option("--dataset", help="a benchmark in its published layout: cub, cars196, sop, inshop"),
+    _option("--data-root", dest="data_root", help="folder holding the --dataset (never downloaded)"),
+    _option("--data-dir", dest="data_dir", help="glyph set cache directory"),
+    _option(
+        "--backbone", help="small_cnn, resnet18, resnet50, googlenet, efficientnet_b0, mobilenet_v2, mobilenet_v3_large"
+    ),
+    _option("--embedding-dim", dest="embedding_dim", type=int),
+    _option("--pooling", choices=["gap", "gmp", "gap+gmp"]),
+    _option("--pretrained", help="torchvision state dict: a local file or pkg:<package>/<file> (never downloaded)"),
+    _option("--image-size", dest="image_size", type=int),
+    _option("--loss", help="loss name from the registry (raw_vthm, proxy_anchor, ...)"),
+    _option("--loss-options", dest="loss_options", type=json.loads, help="JSON object, e.g. '{\"alpha\": 2}'"),
+    _option("--epochs", type=int),
+    _option("--classes-per-batch", dest="classes_per_batch", type=int),
+    _option("--samples-per-class", dest="samples_per_class", type=int),
+    _option("--batches-per-epoch", dest="batches_per_epoch", type=int),
+    _option("--lr", type=float),
+    _option("--backbone-lr", dest="backbone_lr", type=float, help="backbone rate (default: --lr)"),
+    _option("--proxy-lr", dest="proxy_lr", type=float, help="proxies' rate (default: --lr)"),
+    _option("--warmup-epochs", dest="warmup_epochs", type=int, help="epochs with the backbone frozen"),
+    _option("--freeze-bn", dest="freeze_bn", action=argparse.BooleanOptionalAction, default=None),
+    _option("--augment", choices=["none", "flip", "crop", "crop+flip"], help="default: photos crop+flip"),
+    _option("--data-mode", dest="data_mode", choices=["auto", "memory", "lazy"]),
+    _option("--loader-workers", dest="loader_workers", type=int, help="decoding processes (lazy mode)"),
+    _option("--weight-decay", dest="weight_decay", type=float),
+    _option("--seed", type=int),
+    _option("--split-seed", dest="split_seed", type=int),
+    _option("--test-fraction", dest="test_fraction", type=float),
+    _option("--val-fraction", dest="val_fraction", type=float),
+    _option("--max-classes", dest="max_classes", type=int, help="use a slice of the classes (quick runs)"),
+    _option("--max-per-class", dest="max_per_class", type=int, help="use at most N images per class"),
+    _option("--ks", help="comma-separated K values for Recall@K"),
+    _option("--num-workers", dest="num_workers", type=int, help="Ray Train workers"),
+    _option("--use-gpu", dest="use_gpu", choices=["auto", "true", "false"]),
+    _option("--max-failures", dest="max_failures", type=int, help="worker failures to recover from"),
+    _option("--resume", action=argparse.BooleanOptionalAction, default=None, help="continue the stopped run at --out"),
+    _option("--progress", action=argparse.BooleanOptionalAction, default=None, help="default: on a tty"),
+    _option("--metrics-export-port", dest="metrics_export_port", type=int, help="local Ray's Prometheus metrics port"),
+    _option("--plots", action=argparse.BooleanOptionalAction, default=None, help="write PNG plots"),
+]
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, protocol_only: bool = False) -> None:
+    for flags, kwargs in TRAINING_OPTIONS:
+        if not (protocol_only and flags[0] in PER_RUN_OPTIONS):
+            parser.add_argument(*flags, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
 
             out = run_training(from_cli(TrainConfig, args))
             print(json.dumps({"run": str(out), **_summary(out)}, indent=2))
+        elif args.command == "benchmark":
+            from index.config import explicit_args, load_config_file
+            from training.benchmark import BenchmarkConfig, run_benchmark
+
+            values = {**(load_config_file(args.config) if args.config else {}), **explicit_args(args)}
+            out = run_benchmark(BenchmarkConfig.from_values(values))
+            print((out / "table.md").read_text())
         elif args.command == "export":
             from training.export import ExportConfig, run_export
 

@@ -66,3 +66,28 @@ def _save(fig, path: str | Path) -> Path:
     fig.savefig(path)
     _pyplot().close(fig)
     return path
+
+
+def plot_bars(
+    names: list[str],
+    series: dict[str, list[tuple[float, float]]],
+    path: str | Path,
+    title: str,
+    reference: tuple[str, float] | None = None,
+) -> Path:
+    """Grouped bars (mean with ± std error bars) per name, one group member per series, in %."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(names) + 2), 4), dpi=100)
+    width = 0.8 / max(1, len(series))
+    positions = np.arange(len(names))
+    for i, (label, values) in enumerate(series.items()):
+        means = [100 * m for m, _ in values]
+        stds = [100 * s for _, s in values]
+        ax.bar(positions + i * width, means, width, yerr=stds, capsize=3, label=label)
+    if reference is not None:
+        ax.axhline(100 * reference[1], color="grey", linestyle=":", label=reference[0])
+    ax.set_xticks(positions + width * (len(series) - 1) / 2, names, rotation=30, ha="right")
+    ax.set(ylabel="%", title=title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
