@@ -89,3 +89,20 @@ def test_no_usable_fonts_is_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match="apt-get install fonts-"):
         build_glyph_dataset(tmp_path / "set", characters="AB", font_dirs=[tmp_path / "fonts"])
     assert not (tmp_path / "set").exists()
+
+
+def test_grown_glyphs_repeat_pairs_with_jitter():
+    from training.glyphs import ACCENTED_LATIN, CHARACTERS, discover_faces, render_grown_glyphs
+
+    faces = discover_faces(max_faces=2)
+    chars = "Aé"
+    first = list(render_grown_glyphs(4, characters=chars, faces=faces, chunk=3))
+    assert [len(labels) for _, labels in first] == [3, 1]  # chunked
+    images = np.concatenate([x for x, _ in first])
+    labels = sum((labels for _, labels in first), [])
+    assert images.shape == (4, 1, 28, 28) and images.dtype == np.float32 and images.max() <= 1.0
+    assert labels == ["U+0041", "U+00E9", "U+0041", "U+00E9"]  # every (face, character), face by face
+    more = np.concatenate([x for x, _ in render_grown_glyphs(8, characters=chars, faces=faces)])
+    assert np.array_equal(more[:4], images)  # the first pass is the plain rendering
+    assert not np.array_equal(more[4:], images)  # later passes are jittered
+    assert not set(ACCENTED_LATIN) & set(CHARACTERS) and "é" in ACCENTED_LATIN
