@@ -207,3 +207,11 @@ def test_query_gallery_recall_matches_brute_force():
         expected = np.mean([(g_labels[order[i, :k]] == q_labels[i]).any() for i in range(20)])
         assert query_gallery_recall_at_k(queries, q_labels, gallery, g_labels, (k,))[k] == pytest.approx(expected)
     assert query_gallery_recall_at_k(queries, q_labels, gallery[:3], g_labels[:3], (1, 10))[10] <= 1.0
+
+
+def test_recall_ks_follow_the_dataset(tmp_path):
+    assert TrainConfig().ks == [1, 2, 4, 8]
+    assert TrainConfig(dataset="cub", data_root=str(tmp_path)).ks == [1, 2, 4, 8, 16, 32]
+    assert TrainConfig(dataset="sop", data_root=str(tmp_path)).ks == [1, 10, 100, 1000]
+    assert TrainConfig(dataset="inshop", data_root=str(tmp_path)).ks == [1, 10, 20, 30, 40, 50]
+    assert TrainConfig(dataset="inshop", data_root=str(tmp_path), ks=[1, 5]).ks == [1, 5]

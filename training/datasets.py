@@ -100,6 +100,8 @@ class BenchmarkDataset:
     default_classes: ClassVar[int] = 2
     default_images_per_class: ClassVar[int] = 2
     min_images_per_class: ClassVar[int] = 1
+    # The Ks the literature reports Recall@K at on this dataset (DESIGN.md, evaluation protocol).
+    recall_ks: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32)
 
     def load(self, root: Path) -> dict[str, Catalog]:
         raise NotImplementedError
@@ -592,6 +594,7 @@ _SOP_SUPER_CLASSES = (
 @register_dataset("sop")
 class StanfordOnlineProducts(BenchmarkDataset):
     title = "Stanford Online Products"
+    recall_ks = (1, 10, 100, 1000)
     splits = ("train", "test")
     subdirs = ("", "Stanford_Online_Products")
     annotation_files = ("Ebay_train.txt", "Ebay_test.txt")
@@ -699,6 +702,7 @@ _INSHOP_BUNDLE = "In-shop Clothes Retrieval Benchmark"
 @register_dataset("inshop")
 class InShop(BenchmarkDataset):
     title = "In-shop Clothes Retrieval"
+    recall_ks = (1, 10, 20, 30, 40, 50)
     splits = ("train", "query", "gallery")
     subdirs = ("Eval", "", f"{_INSHOP_BUNDLE}/Eval", _INSHOP_BUNDLE)
     annotation_files = ("list_eval_partition.txt",)

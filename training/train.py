@@ -88,7 +88,7 @@ class TrainConfig:
     val_fraction: float = 0.1
     max_classes: int | None = None
     max_per_class: int | None = None
-    ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    ks: list[int] | None = None  # None: the dataset's usual Ks (glyphs and catalogs: 1,2,4,8)
     num_workers: int = 1
     use_gpu: str = "auto"
     max_bad_fraction: float = 0.01
@@ -105,8 +105,6 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
-        if not self.ks or min(self.ks) <= 0:
-            raise ValueError(f"ks must be positive integers, got {self.ks}")
         if self.use_gpu not in ("auto", "true", "false"):
             raise ValueError(f"use_gpu must be auto, true or false, got {self.use_gpu!r}")
         backbone_spec(self.backbone)  # unknown names fail here, before any data is touched
@@ -124,6 +122,12 @@ class TrainConfig:
                 raise ValueError(f"unknown dataset {self.dataset!r}; available: {', '.join(available_datasets())}")
             if self.data_root is None or not Path(self.data_root).is_dir():
                 raise ValueError(f"dataset {self.dataset} needs data_root, an existing folder; got {self.data_root}")
+        if self.ks is None:
+            from training.datasets import get_dataset
+
+            self.ks = list(get_dataset(self.dataset).recall_ks) if self.dataset else [1, 2, 4, 8]
+        if not self.ks or min(self.ks) <= 0:
+            raise ValueError(f"ks must be positive integers, got {self.ks}")
         for name in ("warmup_epochs", "loader_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
