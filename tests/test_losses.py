@@ -11,6 +11,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
+# pytorch-metric-learning is a dev dependency (setup installs it): a missing library fails, never skips.
+from pytorch_metric_learning import losses as pml_losses  # noqa: E402
+from pytorch_metric_learning import miners as pml_miners  # noqa: E402
+
 import training.losses as losses_pkg
 from training.losses import (
     available_losses,
@@ -22,9 +26,6 @@ from training.losses import (
 )
 from training.losses.proxy_anchor import ProxyAnchorLoss
 from training.losses.raw_vthm import RawVthmLoss
-
-pml_losses = pytest.importorskip("pytorch_metric_learning.losses")
-pml_miners = pytest.importorskip("pytorch_metric_learning.miners")
 
 F64 = torch.float64
 RTOL = 1e-5

@@ -118,4 +118,4 @@ def build_loss(name: str, **options: Any) -> nn.Module:
 
 # The loss modules import register_loss from this package, so they are imported only after the
 # registry above exists; importing them here is what populates the registry.
-from . import proxy_anchor, raw_vthm, reference  # noqa: E402, F401
+from . import direct_gradient, histogram, pair_based, proxy_anchor, proxy_based, raw_vthm, reference  # noqa: E402, F401
