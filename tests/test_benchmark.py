@@ -84,3 +84,22 @@ def test_benchmark_trains_tabulates_and_resumes(tmp_path):
     assert kept.stat().st_mtime_ns == before  # finished runs are not trained again
     assert (redo / "results.json").is_file()
     assert "1 runs finished earlier, 1 to train" in proc.stderr
+
+
+def test_table_from_runs_with_a_failed_seed():
+    from training.benchmark import summarize
+
+    cfg = BenchmarkConfig.from_values({"losses": ["raw_vthm", "proxy_anchor"], "seeds": 2})
+
+    def result(r1: float) -> dict:
+        figures = {"recall_at_k": {k: r1 for k in ("1", "2", "4", "8")}, "map_at_r": r1 / 2}
+        return {"trained": figures, "untrained": figures, "train_seconds": 10.0, "best_epoch": 1}
+
+    done = {("raw_vthm", 0): result(0.9), ("raw_vthm", 1): result(0.8), ("proxy_anchor", 0): result(0.95)}
+    table = summarize(cfg, done)
+    table["failed"] = {"proxy_anchor-seed1": "loss became NaN"}
+    assert table["rows"]["raw_vthm"]["R@1"] == pytest.approx({"mean": 0.85, "std": 0.0707107}, rel=1e-5)
+    assert table["rows"]["proxy_anchor"]["seeds_finished"] == 1
+    text = markdown_table(table)
+    assert text.index("| proxy_anchor (some seeds failed)") < text.index("| raw_vthm |")  # best R@1 first
+    assert "Failed: proxy_anchor-seed1: loss became NaN" in text

@@ -113,6 +113,7 @@ def run_benchmark(cfg: BenchmarkConfig) -> Path:
     write_json_atomic(out / "config.json", to_jsonable(cfg))
     jobs = [(loss, seed) for loss in cfg.losses for seed in range(cfg.seeds)]
     done: dict[tuple[str, int], dict] = {}
+    failed: dict[tuple[str, int], str] = {}
     pending = []
     for loss, seed in jobs:
         run_cfg = cfg.train_config(loss, seed)
@@ -138,9 +139,15 @@ def run_benchmark(cfg: BenchmarkConfig) -> Path:
                 in_flight[remote.remote(options)] = key
             ready, _ = ray.wait(list(in_flight), num_returns=1)
             key = in_flight.pop(ready[0])
-            done[key] = ray.get(ready[0])
+            try:
+                done[key] = ray.get(ready[0])
+            except Exception as exc:  # noqa: BLE001 - one diverging loss must not sink the table
+                failed[key] = str(exc).strip().splitlines()[-1][:300]
+                log.error("%s seed %d failed: %s", *key, failed[key])
+                continue
             log.info("finished %s seed %d: test R@1 %.4f", *key, done[key]["trained"]["recall_at_k"]["1"])
     table = summarize(cfg, done)
+    table["failed"] = {f"{k[0]}-seed{k[1]}": v for k, v in failed.items()}
     write_json_atomic(out / "results.json", {"config": to_jsonable(cfg), **table})
     (out / "table.md").write_text(markdown_table(table))
     plot_summary(table, out / "recall.png")
@@ -165,11 +172,14 @@ def summarize(cfg: BenchmarkConfig, done: dict[tuple[str, int], dict]) -> dict[s
     everything = list(done.values())
     rows["untrained"] = row(everything, "untrained")
     for loss in cfg.losses:
-        results = [done[(loss, s)] for s in range(cfg.seeds)]
+        results = [done[(loss, s)] for s in range(cfg.seeds) if (loss, s) in done]
+        if not results:  # every seed failed: listed under "failed", no row
+            continue
         rows[loss] = {
             **row(results, "trained"),
             "train_seconds": _mean_std([r["train_seconds"] for r in results]),
             "best_epochs": [r["best_epoch"] for r in results],
+            "seeds_finished": len(results),
         }
     return {"seeds": cfg.seeds, "ks": ks, "rows": rows, "runs": {f"{k[0]}-seed{k[1]}": v for k, v in done.items()}}
 
@@ -187,8 +197,10 @@ def markdown_table(table: dict[str, Any]) -> str:
             f"{100 * figures[c]['mean']:.2f} ± {100 * figures[c]['std']:.2f}" if c in figures else "–" for c in columns
         ]
         seconds = f"{figures['train_seconds']['mean']:.0f}" if "train_seconds" in figures else "–"
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {seconds} |\n")
-    return header + "".join(lines)
+        partial = "" if figures.get("seeds_finished", table["seeds"]) == table["seeds"] else " (some seeds failed)"
+        lines.append(f"| {name}{partial} | " + " | ".join(cells) + f" | {seconds} |\n")
+    failures = "".join(f"\nFailed: {run}: {why}\n" for run, why in table.get("failed", {}).items())
+    return header + "".join(lines) + failures
 
 
 def plot_summary(table: dict[str, Any], path: Path) -> Path:
