@@ -99,7 +99,13 @@ def ceiling(run: Path, catalog_path: Path, batch_sizes: list[int], repeats: int)
 
 
 def serve_and_load(
-    run: Path, catalog: Path, batching: bool, concurrencies: list[int], seconds: float, max_wait_ms: float = 0.0
+    run: Path,
+    catalog: Path,
+    batching: bool,
+    concurrencies: list[int],
+    seconds: float,
+    max_wait_ms: float = 0.0,
+    server_flags: tuple[str, ...] = (),
 ) -> list[dict]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -127,6 +133,7 @@ def serve_and_load(
             "0",
             "--log-format",
             "text",
+            *server_flags,
         ],
         cwd=ROOT,
         env=env,
@@ -180,6 +187,9 @@ def main() -> None:
     )
     parser.add_argument("--pretrained", help="its weights (local file or pkg:<package>/<file>)")
     parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument(
+        "--ort-spinning", action=argparse.BooleanOptionalAction, default=None, help="the server's setting (default off)"
+    )
     args = parser.parse_args()
     if args.backbone and args.run == "runs/demo":
         args.run = f"runs/bench-{args.backbone}-{args.image_size}"
@@ -193,7 +203,11 @@ def main() -> None:
     concurrencies = [1, 8, 32, 64]
 
     ceil = ceiling(run, catalog, [1, 8, 32, 64], repeats=5 if args.quick or args.backbone else 30)
-    runs = {mode: serve_and_load(run, catalog, mode == "on", concurrencies, seconds) for mode in ("on", "off")}
+    flags = () if args.ort_spinning is None else ("--ort-spinning" if args.ort_spinning else "--no-ort-spinning",)
+    runs = {
+        mode: serve_and_load(run, catalog, mode == "on", concurrencies, seconds, server_flags=flags)
+        for mode in ("on", "off")
+    }
 
     print(
         f"\nServing benchmark on {os.cpu_count()} CPUs, index {artifacts.current_version(run / 'index')}, "

@@ -33,13 +33,18 @@ def select_providers(prefer: str = "auto", available: Sequence[str] | None = Non
     return [CPU]
 
 
-def session_options(intra_op_threads: int | None = None) -> ort.SessionOptions:
+def session_options(intra_op_threads: int | None = None, spinning: bool = True) -> ort.SessionOptions:
+    """Full graph optimisation, bounded threads. `spinning=False` stops idle intra-op threads
+    from busy-waiting for the next run: right for a server whose gRPC and decode threads need
+    the same cores between batches, wrong for a batch job that runs back to back."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = intra_op_threads or min(os.cpu_count() or 1, 8)
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.log_severity_level = 3
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
 
 
@@ -51,6 +56,7 @@ class OnnxEmbedder:
         model_dir: str | Path,
         provider: str = "auto",
         intra_op_threads: int | None = None,
+        spinning: bool = True,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.manifest = read_manifest(self.model_dir)
@@ -62,7 +68,7 @@ class OnnxEmbedder:
         self.dim: int = int(self.manifest["embedding_dim"])
         self.providers = select_providers(provider)
         self.session = ort.InferenceSession(
-            str(model_path), sess_options=session_options(intra_op_threads), providers=self.providers
+            str(model_path), sess_options=session_options(intra_op_threads, spinning), providers=self.providers
         )
         self.input_name = self.session.get_inputs()[0].name
         log.info("loaded model %s with providers %s", self.model_id, self.session.get_providers())

@@ -43,6 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", dest="max_queue", type=int, help="queued queries before RESOURCE_EXHAUSTED")
     serve.add_argument("--intra-op-threads", dest="intra_op_threads", type=int, help="ONNX Runtime threads")
     serve.add_argument(
+        "--ort-spinning",
+        dest="ort_spinning",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let idle ONNX Runtime threads busy-wait (default off: they would steal gRPC's cores)",
+    )
+    serve.add_argument(
         "--search-token", dest="search_token", help="bearer token required for search (or SIMSEARCH_SEARCH_TOKEN)"
     )
     serve.add_argument("--tls-cert", dest="tls_cert", help="PEM certificate chain (enables TLS)")

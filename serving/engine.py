@@ -66,6 +66,7 @@ def load_pair(
     model_dir: str | Path | None = None,
     provider: str = "auto",
     intra_op_threads: int | None = None,
+    ort_spinning: bool = False,
 ) -> ServingPair:
     """Load an index version and its model, refusing a pair built with different models."""
     directory = artifacts.version_dir(index_root, version)
@@ -73,7 +74,7 @@ def load_pair(
     model_dir = Path(model_dir or manifest.get("model_dir") or "")
     if not (model_dir / artifacts.MANIFEST).is_file():
         raise ArtifactError(f"model directory {model_dir} has no {artifacts.MANIFEST}")
-    embedder = OnnxEmbedder(model_dir, provider=provider, intra_op_threads=intra_op_threads)
+    embedder = OnnxEmbedder(model_dir, provider=provider, intra_op_threads=intra_op_threads, spinning=ort_spinning)
     check_model_index_pair(embedder.manifest, manifest)
     index = load_index(directory / artifacts.INDEX_FILE)
     if manifest.get("search_params"):

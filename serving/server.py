@@ -50,6 +50,7 @@ class ServerConfig:
     provider: str = "auto"
     workers: int = 32
     intra_op_threads: int | None = None
+    ort_spinning: bool = False  # busy-waiting ORT threads steal the cores gRPC and decoding need
     admin_token: str | None = None
     search_token: str | None = None
     tls_cert: str | None = None
@@ -413,6 +414,7 @@ class SearchServer:
                     model_dir or self.config.model,
                     self.config.provider,
                     self.config.intra_op_threads,
+                    self.config.ort_spinning,
                 )
             except Exception:
                 self.metrics.reload_failures.inc()

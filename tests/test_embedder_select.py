@@ -44,3 +44,14 @@ def test_defaults_to_what_this_onnxruntime_offers():
     assert (CUDA in providers) == (CUDA in ort.get_available_providers())
     # Every selected provider is one this build can actually create a session with.
     assert set(providers) <= set(ort.get_available_providers())
+
+
+def test_server_sessions_do_not_spin_but_batch_jobs_do(tmp_path):
+    from index.embedder import session_options
+
+    assert session_options(2, spinning=False).get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    with pytest.raises(Exception, match="allow_spinning"):  # unset: ORT's default, spinning
+        session_options(2).get_session_config_entry("session.intra_op.allow_spinning")
+    from serving.server import ServerConfig
+
+    assert ServerConfig(index_root=str(tmp_path)).ort_spinning is False
