@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import signal
-import sys
-import threading
+import os
 
-import grpc
+# Before faiss loads OpenMP: idle OpenMP threads that busy-wait between searches take the cores
+# gRPC and decoding need (measured: 970 → 1,230 q/s at concurrency 32 on 2 cores). Set
+# OMP_WAIT_POLICY yourself to override.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from index.cli import run_cli
-from index.config import from_cli
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+
+import grpc  # noqa: E402
+
+from index.cli import run_cli  # noqa: E402
+from index.config import from_cli  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -55,3 +55,17 @@ def test_server_sessions_do_not_spin_but_batch_jobs_do(tmp_path):
     from serving.server import ServerConfig
 
     assert ServerConfig(index_root=str(tmp_path)).ort_spinning is False
+
+
+def test_serve_command_makes_openmp_threads_wait_passively():
+    import os
+    import subprocess
+    import sys
+
+    code = "import serving.__main__, os; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "PASSIVE"
+    env["OMP_WAIT_POLICY"] = "ACTIVE"  # an operator's choice wins
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ACTIVE"
