@@ -215,3 +215,13 @@ def test_recall_ks_follow_the_dataset(tmp_path):
     assert TrainConfig(dataset="sop", data_root=str(tmp_path)).ks == [1, 10, 100, 1000]
     assert TrainConfig(dataset="inshop", data_root=str(tmp_path)).ks == [1, 10, 20, 30, 40, 50]
     assert TrainConfig(dataset="inshop", data_root=str(tmp_path), ks=[1, 5]).ks == [1, 5]
+
+
+def test_checkpoint_selection_uses_validation_recall_or_else_the_last_epoch():
+    from training.telemetry import epoch_line
+    from training.train import selection_score
+
+    assert selection_score({"val_recall_at_1": 0.9}, epoch=3) == 0.9
+    assert selection_score({}, epoch=3) == 3.0  # no validation classes: the latest epoch wins
+    line = epoch_line({"epoch": 3, "loss": 0.5, "images_per_s": 100.0}, {"head": 1e-3}, 0.0, 5)
+    assert "val_R@" not in line  # no invented validation figure

@@ -171,6 +171,7 @@ def load_images(
 # -- training batches ---------------------------------------------------------------------
 
 AUGMENTATIONS = ("none", "flip", "crop", "crop+flip")
+DATA_MODES = ("auto", "memory", "lazy")
 
 
 def build_augmentation(name: str, contract: InputContract) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -257,8 +258,8 @@ def train_dataset(
     decodes per batch (bad images are skipped per batch by `collate_skipping_unreadable`),
     'auto' picks memory when the decoded set fits in 1 GiB.
     """
-    if mode not in ("auto", "memory", "lazy"):
-        raise ValueError(f"data mode must be auto, memory or lazy, got {mode!r}")
+    if mode not in DATA_MODES:
+        raise ValueError(f"data mode must be one of {', '.join(DATA_MODES)}, got {mode!r}")
     if mode == "auto":
         mode = "memory" if fits_in_memory(len(catalog), contract) else "lazy"
     if mode == "memory":

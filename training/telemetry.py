@@ -14,8 +14,6 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
-log = logging.getLogger(__name__)
-
 
 def epoch_logger() -> logging.Logger:
     """The per-epoch progress lines: INFO to stderr even where the root logger is quieter
@@ -31,15 +29,6 @@ def epoch_logger() -> logging.Logger:
 
 
 T = TypeVar("T")
-
-# Names as exported by Ray (it adds the `ray_` prefix); the dashboard and tests use these.
-EXPORTED = {
-    "loss": "ray_simsearch_train_loss",
-    "learning_rate": "ray_simsearch_train_learning_rate",
-    "images_per_second": "ray_simsearch_train_images_per_second",
-    "epoch": "ray_simsearch_train_epoch",
-    "val_recall_at_k": "ray_simsearch_train_val_recall_at_k",
-}
 
 
 class TrainingMetrics:
@@ -71,7 +60,7 @@ class TrainingMetrics:
 
 
 def progress(batches: Iterable[T], total: int, epoch: int, epochs: int, enabled: bool) -> Iterator[T]:
-    """Batches, shown as a bar (loss, learning rates, images/s, ETA) when enabled.
+    """Batches, shown as a bar with rate and ETA when enabled (the epoch line carries the figures).
 
     Ray forwards worker output line by line, so inside a Ray worker the bar is Ray's own
     `tqdm_ray`, which the driver redraws properly; elsewhere plain tqdm.

@@ -29,6 +29,7 @@ from index.catalog import read_catalog
 from index.config import to_jsonable
 from training.data import (
     AUGMENTATIONS,
+    DATA_MODES,
     LazyImages,
     LoadedImages,
     build_augmentation,
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.pt"
 RESULTS_FILE = "results.json"
+SELECTION_SCORE = "selection_score"  # the metric Ray Train keeps checkpoints by
 
 
 @dataclass
@@ -138,8 +140,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.augment is not None and self.augment not in AUGMENTATIONS:
             raise ValueError(f"augment must be one of {', '.join(AUGMENTATIONS)}, got {self.augment!r}")
-        if self.data_mode not in ("auto", "memory", "lazy"):
-            raise ValueError(f"data_mode must be auto, memory or lazy, got {self.data_mode!r}")
+        if self.data_mode not in DATA_MODES:
+            raise ValueError(f"data_mode must be one of {', '.join(DATA_MODES)}, got {self.data_mode!r}")
         if self.pretrained is not None:
             try:
                 resolve_weights(self.pretrained)
@@ -186,22 +188,25 @@ def build_optimizer(
     groups = [{"params": ps, "lr": rates[name], "name": name} for name, ps in params.items() if ps]
     optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
     total = max(1, cfg.epochs * steps_per_epoch)
+
+    def cosine_from(start: int):
+        """0 before `start`, then a cosine from 1 down to 0 at the last step."""
+        span = max(1, total - start)
+        return lambda step: 0.0 if step < start else 0.5 * (1.0 + math.cos(math.pi * min(step - start, span) / span))
+
     warmup = cfg.warmup_epochs * steps_per_epoch
-
-    def cosine(step: int) -> float:
-        return 0.5 * (1.0 + math.cos(math.pi * min(step, total) / total))
-
-    def backbone(step: int) -> float:
-        if step < warmup:
-            return 0.0
-        return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
-    factors = [backbone if g["name"] == "backbone" else cosine for g in groups]
+    factors = [cosine_from(warmup if g["name"] == "backbone" else 0) for g in groups]
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
 
 
 def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     return {group["name"]: group["lr"] for group in optimizer.param_groups}
+
+
+def selection_score(metrics: dict[str, Any], epoch: int) -> float:
+    """What picks the published checkpoint: validation Recall@1 — never a test figure — or,
+    with no validation classes, the epoch itself, so the last one wins."""
+    return float(metrics.get("val_recall_at_1", epoch))
 
 
 def _set_threads(num_workers: int) -> None:
@@ -245,7 +250,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         num_workers=cfg.loader_workers if isinstance(dataset, LazyImages) else 0,
         collate_fn=collate_skipping_unreadable,
     )
-    start_epoch, best = 0, {"epoch": -1, "val_recall_at_1": -1.0}
+    start_epoch, best = 0, {"epoch": -1, SELECTION_SCORE: -1.0, "val_recall_at_1": None}
     history: list[dict[str, Any]] = []
     resumed: list[dict[str, Any]] = []
     checkpoint = ray.train.get_checkpoint()
@@ -282,10 +287,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                 f"fraction {cfg.max_bad_fraction}"
             )
         seconds = time.perf_counter() - started
+        rates = learning_rates(optimizer)
         metrics: dict[str, Any] = {
             "epoch": epoch,
             "loss": float(np.mean(losses)) if losses else math.nan,
-            **{f"lr_{group}": lr for group, lr in learning_rates(optimizer).items()},
+            **{f"lr_{group}": lr for group, lr in rates.items()},
             "images_per_s": (seen - skipped) * world / max(seconds, 1e-9),
             "skipped_images": skipped_up_front + skipped,
         }
@@ -298,10 +304,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     )
                     metrics.update({f"val_recall_at_{k}": v for k, v in scores["recall_at_k"].items()})
                     metrics["val_map_at_r"] = scores["map_at_r"]
-                else:  # no validation classes: the last epoch is kept
-                    metrics["val_recall_at_1"] = float(epoch)
-                if metrics["val_recall_at_1"] > best["val_recall_at_1"]:
-                    best = {"epoch": epoch, "val_recall_at_1": metrics["val_recall_at_1"]}
+                metrics[SELECTION_SCORE] = selection_score(metrics, epoch)
+                if metrics[SELECTION_SCORE] > best[SELECTION_SCORE]:
+                    best = {"epoch": epoch, SELECTION_SCORE: metrics[SELECTION_SCORE]}
+                    best["val_recall_at_1"] = metrics.get("val_recall_at_1")
                 metrics["best_epoch"] = best["epoch"]
                 history.append(metrics)
                 torch.save(
@@ -318,7 +324,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
                     Path(tmp) / CHECKPOINT_FILE,
                 )
                 ckpt = ray.train.Checkpoint.from_directory(tmp)
-                rates = learning_rates(optimizer)
                 telemetry.report_epoch(metrics, rates)
                 epoch_logger().info(epoch_line(metrics, rates, clock.eta_seconds(epoch), cfg.epochs))
             ray.train.report(metrics, checkpoint=ckpt)
@@ -398,7 +403,7 @@ def run_training(cfg: TrainConfig) -> Path:
             name="train",  # the same (storage_path, name) is what lets --resume pick the run up
             storage_path=str(work / "ray"),
             checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=2, checkpoint_score_attribute="val_recall_at_1", checkpoint_score_order="max"
+                num_to_keep=2, checkpoint_score_attribute=SELECTION_SCORE, checkpoint_score_order="max"
             ),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
         ),
@@ -406,7 +411,7 @@ def run_training(cfg: TrainConfig) -> Path:
     started = time.perf_counter()
     result = trainer.fit()
     train_seconds = time.perf_counter() - started
-    best_ckpt = result.get_best_checkpoint("val_recall_at_1", "max") or result.checkpoint
+    best_ckpt = result.get_best_checkpoint(SELECTION_SCORE, "max") or result.checkpoint
     if best_ckpt is None:
         raise RuntimeError("training finished without a checkpoint")
     with best_ckpt.as_directory() as d:
@@ -417,7 +422,7 @@ def run_training(cfg: TrainConfig) -> Path:
     model = build_model(cfg)
     model.load_state_dict(state["model"])
     contract = input_contract(cfg.backbone, cfg.image_size)
-    evaluation = evaluate_test_classes(cfg, splits, contract, model)
+    evaluation, similarities = evaluate_test_classes(cfg, splits, contract, model)
 
     with staging_directory(out) as staging:
         torch.save(
@@ -429,9 +434,8 @@ def run_training(cfg: TrainConfig) -> Path:
             read_catalog(path).write(staging / "splits" / f"{name}.csv")
         write_json_atomic(staging / "config.json", to_jsonable(cfg))
         if cfg.plots:
-            write_plots(staging, last["history"], evaluation.pop("similarities"))
-        else:
-            evaluation.pop("similarities")
+            overlaps = {name: evaluation[name]["histogram_overlap"] for name in similarities}
+            write_plots(staging, last["history"], similarities, overlaps)
         write_json_atomic(
             staging / RESULTS_FILE,
             {
@@ -452,8 +456,9 @@ def run_training(cfg: TrainConfig) -> Path:
 
 def evaluate_test_classes(
     cfg: TrainConfig, splits: dict[str, Path], contract, model: torch.nn.Module
-) -> dict[str, Any]:
-    """Recall@K, MAP@R and NMI on the test classes, for the trained and the untrained network.
+) -> tuple[dict[str, Any], dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Recall@K, MAP@R and NMI on the test classes, for the trained and the untrained network,
+    and each one's positive and negative pair similarities (for the histogram plot).
 
     In-shop has no single test set: its queries are searched in its gallery.
     """
@@ -491,14 +496,12 @@ def evaluate_test_classes(
         "test_images": test_images,
         "test_classes": test_classes,
         "skipped_test_images": skipped,
-        "similarities": similarities,
-    }
+    }, similarities
 
 
-def write_plots(directory: Path, history: list[dict[str, Any]], similarities: dict) -> None:
+def write_plots(directory: Path, history: list[dict[str, Any]], similarities: dict, overlaps: dict[str, float]) -> None:
     from training.plots import plot_recall_per_epoch, plot_similarity_histograms
 
-    if any("val_recall_at_2" in row or "val_map_at_r" in row for row in history):
+    if any("val_recall_at_1" in row for row in history):  # only runs with validation classes have them
         plot_recall_per_epoch(history, directory / "recall_per_epoch.png")
-    overlaps = {name: histogram_overlap(*pairs) for name, pairs in similarities.items()}
     plot_similarity_histograms(similarities, directory / "similarity_histograms.png", overlaps)
