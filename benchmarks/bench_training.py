@@ -21,20 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.train import TrainConfig, run_training  # noqa: E402
+from training.benchmark import BenchmarkConfig, markdown_table, run_benchmark  # noqa: E402
+from training.train import RESULTS_FILE, TrainConfig, run_training  # noqa: E402
 
-KS = ("1", "2", "4", "8")
-LOSSES = ("raw_vthm", "pml_multi_similarity", "proxy_anchor", "pml_proxy_anchor")
-
-
-def train(work: Path, name: str, **options) -> dict:
-    out = run_training(TrainConfig(out=str(work / name), progress=False, plots=False, **options))
-    return json.loads((out / "results.json").read_text())
-
-
-def mean_std(values: list[float]) -> str:
-    spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{100 * statistics.mean(values):6.2f} ± {100 * spread:4.2f}"
+LOSSES = ["raw_vthm", "pml_multi_similarity", "proxy_anchor", "pml_proxy_anchor"]
 
 
 def main() -> None:
@@ -45,32 +35,27 @@ def main() -> None:
     parser.add_argument("--proxy-lr", type=float, default=1e-2, help="proxies' rate for both proxy losses")
     parser.add_argument("--json", help="also write every run's figures here")
     args = parser.parse_args()
-    seeds = range(1 if args.quick else args.seeds)
-    common = {"epochs": 2 if args.quick else args.epochs}
+    protocol = {"epochs": 2 if args.quick else args.epochs, "proxy_lr": args.proxy_lr}
     if args.quick:
-        common.update(max_classes=40, max_per_class=40, classes_per_batch=10)
-    runs: dict[str, list[dict]] = {}
+        protocol.update(max_classes=40, max_per_class=40, classes_per_batch=10)
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        for loss in LOSSES:
-            extra = {"proxy_lr": args.proxy_lr} if "proxy" in loss else {}
-            for seed in seeds:
-                runs.setdefault(loss, []).append(train(work, f"{loss}-{seed}", loss=loss, seed=seed, **common, **extra))
-                print(f"  {loss} seed {seed}: R@1 {runs[loss][-1]['trained']['recall_at_k']['1']:.4f}", flush=True)
-        workers = {n: train(work, f"workers-{n}", loss="raw_vthm", seed=0, num_workers=n, **common) for n in (1, 2)}
+        # The losses go through the loss benchmark itself: one protocol, seeds 0..N-1.
+        cfg = BenchmarkConfig.from_values(
+            {"out": tmp, "losses": LOSSES, "seeds": 1 if args.quick else args.seeds, **protocol}
+        )
+        table = json.loads((run_benchmark(cfg) / "results.json").read_text())
+        workers = {}
+        for n in (1, 2):
+            run = TrainConfig(out=f"{tmp}/workers-{n}", num_workers=n, progress=False, plots=False, **protocol)
+            workers[n] = json.loads((run_training(run) / RESULTS_FILE).read_text())
 
-    first = next(iter(runs.values()))
-    print(f"\nTest-class Recall@K (%), mean ± std over {len(first)} seed(s), {common['epochs']} epochs, glyph set")
-    print(f"{'':22}" + "".join(f"{'R@' + k:>16}" for k in KS))
-    untrained = [r["untrained"]["recall_at_k"] for r in first]
-    print(f"{'untrained':22}" + "".join(f"{mean_std([u[k] for u in untrained]):>16}" for k in KS))
-    for loss, results in runs.items():
-        row = "".join(f"{mean_std([r['trained']['recall_at_k'][k] for r in results]):>16}" for k in KS)
-        print(f"{loss:22}{row}")
+    print(
+        f"\nTest-class Recall@K (%), mean ± std over {table['seeds']} seed(s), {protocol['epochs']} epochs, glyph set"
+    )
+    print(markdown_table(table))
     for ours, theirs in (("raw_vthm", "pml_multi_similarity"), ("proxy_anchor", "pml_proxy_anchor")):
-        a = [r["trained"]["recall_at_k"]["1"] for r in runs[ours]]
-        b = [r["trained"]["recall_at_k"]["1"] for r in runs[theirs]]
-        print(f"R@1 {ours} − {theirs}: {100 * (statistics.mean(a) - statistics.mean(b)):+.2f} points")
+        difference = table["rows"][ours]["R@1"]["mean"] - table["rows"][theirs]["R@1"]["mean"]
+        print(f"R@1 {ours} − {theirs}: {100 * difference:+.2f} points")
 
     print("\nRay Train workers (raw_vthm, seed 0): test R@1, training images/s (median over epochs)")
     base = None
@@ -82,7 +67,7 @@ def main() -> None:
             f"{speed:,.0f} img/s  ({speed / base:.2f}× one worker)  {result['train_seconds']:.0f} s"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps({"losses": runs, "workers": workers}, indent=1))
+        Path(args.json).write_text(json.dumps({"losses": table, "workers": workers}, indent=1))
 
 
 if __name__ == "__main__":
