@@ -43,6 +43,14 @@ def _neighbors_without_self(embeddings: np.ndarray, k: int) -> tuple[np.ndarray,
     return scores[keep].reshape(n, width), rows[keep].reshape(n, width)
 
 
+def _pad_to(neighbor_labels: np.ndarray, width: int) -> np.ndarray:
+    """Neighbour labels widened to `width` columns with a label no query has (sets smaller than K)."""
+    if neighbor_labels.shape[1] >= width:
+        return neighbor_labels
+    pad = np.full((len(neighbor_labels), width - neighbor_labels.shape[1]), object(), dtype=object)
+    return np.concatenate([neighbor_labels.astype(object), pad], axis=1)
+
+
 def recall_at_k(embeddings: np.ndarray, labels: Sequence, ks: Sequence[int] = (1, 2, 4, 8)) -> dict[int, float]:
     """Leave-one-out Recall@K: every item queries all the others by exact inner product."""
     labels = np.asarray(labels)
@@ -51,10 +59,7 @@ def recall_at_k(embeddings: np.ndarray, labels: Sequence, ks: Sequence[int] = (1
     k = min(max(ks), len(labels) - 1)
     _, rows = _neighbors_without_self(embeddings, k)
     neighbor_labels = labels[rows]
-    if neighbor_labels.shape[1] < max(ks):  # tiny sets: pad with a label no query has
-        pad = np.full((len(labels), max(ks) - neighbor_labels.shape[1]), object(), dtype=object)
-        neighbor_labels = np.concatenate([neighbor_labels.astype(object), pad], axis=1)
-    return recall_from_neighbor_labels(neighbor_labels, labels, ks)
+    return recall_from_neighbor_labels(_pad_to(neighbor_labels, max(ks)), labels, ks)
 
 
 def query_gallery_recall_at_k(
@@ -70,10 +75,7 @@ def query_gallery_recall_at_k(
         raise ValueError("Recall@K needs a non-empty gallery")
     k = min(max(ks), len(gallery_labels))
     _, rows = exact_search(gallery, queries, k)
-    neighbor_labels = gallery_labels[rows].astype(object)
-    if neighbor_labels.shape[1] < max(ks):  # a gallery smaller than K: pad with a label no query has
-        pad = np.full((len(rows), max(ks) - neighbor_labels.shape[1]), object(), dtype=object)
-        neighbor_labels = np.concatenate([neighbor_labels, pad], axis=1)
+    neighbor_labels = _pad_to(gallery_labels[rows], max(ks))
     return recall_from_neighbor_labels(neighbor_labels, np.asarray(query_labels, dtype=object), ks)
 
 
