@@ -36,6 +36,9 @@ from serving.monitor import MonitorConfig, RecallMonitor, probe_recall
 
 log = logging.getLogger(__name__)
 
+# gRPC reports a call without a deadline as ~2**63 ns remaining, which no wait accepts.
+_NO_DEADLINE_S = 365 * 24 * 3600.0
+
 SEARCH_SERVICE = pb.DESCRIPTOR.services_by_name["SimilaritySearch"].full_name
 ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["IndexAdmin"].full_name
 
@@ -103,6 +106,12 @@ class ServerConfig:
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name.replace('_', '-')} file not found: {path}")
         MonitorConfig(ks=tuple(self.recall_ks or (1, 5, 10)), ann_sample_rate=self.ann_sample_rate)
+
+
+def time_left(context: grpc.ServicerContext) -> float | None:
+    """Seconds until the call's deadline, or None when the client set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > _NO_DEADLINE_S else max(0.0, remaining)
 
 
 class SearchServicer(pb_grpc.SimilaritySearchServicer):
@@ -220,14 +229,14 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
                 self._recent.popitem(last=False)
 
     def Search(self, request, context):
-        return self._rpc("Search", context, lambda: self.search_many([request], context.time_remaining())[0])
+        return self._rpc("Search", context, lambda: self.search_many([request], time_left(context))[0])
 
     def SearchBatch(self, request, context):
         def body():
             limit = self.engine.limits.max_batch_queries
             if len(request.requests) > limit:
                 raise InvalidArgument(f"{len(request.requests)} queries exceed the batch limit of {limit}")
-            return pb.SearchBatchResponse(responses=self.search_many(list(request.requests), context.time_remaining()))
+            return pb.SearchBatchResponse(responses=self.search_many(list(request.requests), time_left(context)))
 
         return self._rpc("SearchBatch", context, body)
 

@@ -11,6 +11,7 @@ from PIL import Image
 
 from index.catalog import read_catalog
 from protos.simsearch.v1 import search_pb2 as pb
+from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -38,6 +39,17 @@ def test_search_by_image_item_and_embedding_agree(served, test_catalog):
     assert by_vector.neighbors[0].id == item_id
     assert by_image.model_id and by_image.index_version
     assert by_image.timings.total_ms > 0
+
+
+def test_calls_without_a_deadline_are_answered(served, test_catalog):
+    """grpcurl, h2load and bare stubs send no grpc-timeout: the server must not read that as an error."""
+    server, _ = served
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.SimilaritySearchStub(channel)
+        image = test_catalog.paths[0].read_bytes()
+        assert len(stub.Search(pb.SearchRequest(image=image, k=3)).neighbors) == 3
+        batch = stub.SearchBatch(pb.SearchBatchRequest(requests=[pb.SearchRequest(image=image, k=2)] * 3))
+        assert [len(r.neighbors) for r in batch.responses] == [2, 2, 2]
 
 
 def test_request_id_is_echoed_and_feedback_accepted(served, test_catalog):
