@@ -22,6 +22,10 @@ class ImageDecodeError(ValueError):
     """The bytes are not a decodable image, or the image breaks a limit."""
 
 
+class ImageTooLarge(ImageDecodeError):
+    """The header declares more pixels than the limit allows (nothing was decoded)."""
+
+
 @dataclass(frozen=True)
 class InputContract:
     """What a model expects as input; written to and read from the model manifest."""
@@ -87,14 +91,14 @@ def open_image(source: bytes | str | Path, max_pixels: int = DEFAULT_MAX_PIXELS)
     except UnidentifiedImageError as exc:
         raise ImageDecodeError("bytes are not a recognised image format") from exc
     except Image.DecompressionBombError as exc:  # Pillow's own header check, past ~179M pixels
-        raise ImageDecodeError(f"image is over the pixel limit: {exc}") from exc
+        raise ImageTooLarge(f"image is over the pixel limit: {exc}") from exc
     except OSError as exc:
         raise ImageDecodeError(f"cannot read image: {exc}") from exc
     width, height = image.size
     if width <= 0 or height <= 0:
         raise ImageDecodeError(f"image has no pixels ({width}x{height})")
     if width * height > max_pixels:
-        raise ImageDecodeError(f"image is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}")
+        raise ImageTooLarge(f"image is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}")
     try:
         image.load()
     except (OSError, Image.DecompressionBombError, ValueError) as exc:

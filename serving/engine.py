@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import faiss
@@ -22,7 +21,7 @@ from index.build import check_model_index_pair
 from index.embedder import OnnxEmbedder
 from index.faiss_index import apply_search_params, load_index
 from index.items import ItemTable
-from index.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, load_image
+from index.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, ImageTooLarge, load_image
 from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
@@ -94,15 +93,6 @@ class Hit:
     score: float
 
 
-@dataclass
-class Timings:
-    decode: float = 0.0
-    queue: float = 0.0
-    embed: float = 0.0
-    search: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-
 class SearchEngine:
     """Holds the live pair; decodes, embeds and searches against it."""
 
@@ -138,9 +128,9 @@ class SearchEngine:
     def decode(self, pair: ServingPair, image: bytes) -> np.ndarray:
         try:
             return load_image(image, pair.embedder.contract, self.limits.max_image_pixels)
+        except ImageTooLarge as exc:
+            raise ResourceExhausted(str(exc)) from exc
         except ImageDecodeError as exc:
-            if "over the limit" in str(exc):
-                raise ResourceExhausted(str(exc)) from exc
             raise InvalidArgument(f"cannot decode image: {exc}") from exc
 
     def embed(self, pair: ServingPair, arrays: list[np.ndarray]) -> np.ndarray:
@@ -175,7 +165,3 @@ class SearchEngine:
 
     def exclude_rows(self, pair: ServingPair, ids: list[str]) -> set[int]:
         return {row for row in (pair.items.row_of(i) for i in ids) if row is not None}
-
-
-def timed() -> float:
-    return time.perf_counter()

@@ -13,6 +13,7 @@ from PIL import Image
 from index.preprocess import (
     DEFAULT_MAX_PIXELS,
     ImageDecodeError,
+    ImageTooLarge,
     InputContract,
     load_batch,
     load_image,
@@ -121,20 +122,20 @@ def test_decompression_bomb_rejected_from_header_before_decoding():
     # "over the limit" message (rather than "truncated") proves the header was checked first.
     data = png_header_only(10_000, 10_000)
     assert len(data) < 200
-    with pytest.raises(ImageDecodeError, match="over the limit"):
+    with pytest.raises(ImageTooLarge, match="over the limit"):
         open_image(data)
 
 
 def test_huge_bomb_over_pillows_own_limit_is_an_image_decode_error():
     # 400 million pixels: past Pillow's own DecompressionBombError threshold, which must still
     # surface as the module's ImageDecodeError (a user error), not a foreign exception type.
-    with pytest.raises(ImageDecodeError, match="over the pixel limit"):
+    with pytest.raises(ImageTooLarge, match="over the pixel limit"):
         open_image(png_header_only(20_000, 20_000), max_pixels=10**12)
 
 
 def test_max_pixels_is_the_limit(tmp_path):
     data = encode(Image.new("RGB", (100, 50), (1, 2, 3)))
-    with pytest.raises(ImageDecodeError, match="5000 pixels, over the limit of 4999"):
+    with pytest.raises(ImageTooLarge, match="5000 pixels, over the limit of 4999"):
         open_image(data, max_pixels=4999)
     assert open_image(data, max_pixels=5000).size == (100, 50)
     path = tmp_path / "x.png"

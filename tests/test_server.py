@@ -12,6 +12,7 @@ from PIL import Image
 from index.catalog import read_catalog
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
+from tests.test_preprocess import png_header_only
 
 pytestmark = pytest.mark.slow
 
@@ -91,6 +92,10 @@ def test_pixel_bomb_and_oversized_message_are_resource_exhausted(served):
         client.search(pb.SearchRequest(image=_png(2000, 2000), k=3))  # 4 Mpx > 1 Mpx limit
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "pixels" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:  # past Pillow's own bomb threshold: still a size refusal
+        client.search(pb.SearchRequest(image=png_header_only(20_000, 20_000), k=3))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "pixel limit" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
         client.search(pb.SearchRequest(image=b"\0" * (3 * 1024 * 1024), k=3))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
