@@ -33,7 +33,7 @@ class ArtifactError(RuntimeError):
 
 
 def utc_now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
 def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
@@ -135,7 +135,7 @@ def staging_directory(target: str | Path) -> Iterator[Path]:
 
 
 def new_version_name(content_id: str) -> str:
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%dT%H%M%S%f")
     return f"{stamp}-{content_id[:8]}"
 
 

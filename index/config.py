@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
-import tomllib
 import yaml
 
 T = TypeVar("T")

@@ -76,8 +76,11 @@ class InputContract:
         return cls(**known)
 
 
-def open_image(source: bytes | str | Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
-    """Open an image from bytes or a path, checking its size from the header first."""
+def open_image(source: bytes | str | Path, max_pixels: int = DEFAULT_MAX_PIXELS, load: bool = True) -> Image.Image:
+    """Open an image from bytes or a path, checking its size from the header first.
+
+    With `load=False` only the header is read: the size is known and checked, and
+    `load_pixels` decodes the pixels later (on whichever thread should pay for it)."""
     try:
         if isinstance(source, (bytes, bytearray, memoryview)):
             if len(source) == 0:
@@ -99,6 +102,11 @@ def open_image(source: bytes | str | Path, max_pixels: int = DEFAULT_MAX_PIXELS)
         raise ImageDecodeError(f"image has no pixels ({width}x{height})")
     if width * height > max_pixels:
         raise ImageTooLarge(f"image is {width}x{height} = {width * height} pixels, over the limit of {max_pixels}")
+    return load_pixels(image) if load else image
+
+
+def load_pixels(image: Image.Image) -> Image.Image:
+    """Decode the pixels of an image opened with `open_image(..., load=False)`."""
     try:
         image.load()
     except (OSError, Image.DecompressionBombError, ValueError) as exc:

@@ -34,9 +34,21 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="gRPC port (0 picks a free one)")
     serve.add_argument("--metrics-port", dest="metrics_port", type=int, help="Prometheus HTTP port")
     serve.add_argument("--provider", choices=["auto", "cpu", "cuda"], help="ONNX Runtime provider")
-    serve.add_argument("--workers", type=int, help="RPC worker threads")
+    serve.add_argument(
+        "--workers", type=int, help="decode threads, and inference threads with batching off (default: CPU count)"
+    )
     serve.add_argument(
         "--admin-token", dest="admin_token", help="bearer token for IndexAdmin (or SIMSEARCH_ADMIN_TOKEN)"
+    )
+    serve.add_argument(
+        "--event-loop", dest="event_loop", choices=["uvloop", "asyncio"], help="the gRPC event loop (default uvloop)"
+    )
+    serve.add_argument(
+        "--inline-decode-pixels",
+        dest="inline_decode_pixels",
+        type=int,
+        help="decode on the event loop when image and model input have at most this many pixels "
+        "(default 4096; 0: always in the pool)",
     )
     serve.add_argument("--max-k", dest="max_k", type=int)
     serve.add_argument("--max-message-bytes", dest="max_message_bytes", type=int)

@@ -1,25 +1,29 @@
 """Dynamic batching: concurrent queries coalesced into one ONNX Runtime batch and one faiss search.
 
-RPC threads decode their images (in the gRPC thread pool, off the batching thread) and submit
-jobs; one batching thread takes the oldest job, waits at most `max_wait_s` for more (up to
-`max_batch_size`), embeds every image of the batch in one ORT call and searches every vector in
-one faiss call. The queue is bounded: when full, `submit` fails at once with RESOURCE_EXHAUSTED
-instead of queueing forever. A batch never mixes model/index pairs, so each answer comes from
-exactly the pair its request started on. Jobs whose deadline passed while queued are dropped.
+The batcher lives on the server's asyncio loop. RPC handlers decode their images (in the decode
+pool, off the loop) and `await batcher.run(job)`; one task takes the oldest job, waits at most
+`max_wait_s` for more (up to `max_batch_size`), and hands the whole batch to one inference thread
+that embeds every image in one ORT call and searches every vector in one faiss call. A batch
+costs one thread hop, not one per query, and the loop stays free to take RPCs while it runs.
+
+The queue is bounded: when full, `run` fails at once with RESOURCE_EXHAUSTED instead of queueing
+forever. A batch never mixes model/index pairs, so each answer comes from exactly the pair its
+request started on. Jobs whose deadline passed while queued are answered DEADLINE_EXCEEDED, and
+jobs whose caller went away (cancelled, deadline) are dropped before they cost any work.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import time
 from collections import deque
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
-from serving.engine import SearchEngine, ServingPair
+from serving.engine import Hit, SearchEngine, ServingPair
 from serving.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from serving.metrics import ServiceMetrics
 
@@ -36,14 +40,13 @@ class Job:
     array: np.ndarray | None = None
     vector: np.ndarray | None = None
     deadline: float | None = None  # time.monotonic() value
-    future: Future = field(default_factory=Future)
-    enqueued: float = field(default_factory=time.perf_counter)
+    future: asyncio.Future | None = None
+    enqueued: float = 0.0
     decode_s: float = 0.0
     queue_s: float = 0.0
     embed_s: float = 0.0
     search_s: float = 0.0
     batch_size: int = 1
-    embedding: np.ndarray | None = None
 
 
 class DynamicBatcher:
@@ -55,114 +58,163 @@ class DynamicBatcher:
         max_wait_s: float = 0.002,
         max_queue: int = 1024,
         enabled: bool = True,
+        workers: int = 1,
     ) -> None:
-        if max_batch_size < 1 or max_queue < 1 or max_wait_s < 0:
-            raise ValueError("max_batch_size and max_queue must be ≥ 1, max_wait_s ≥ 0")
+        if max_batch_size < 1 or max_queue < 1 or max_wait_s < 0 or workers < 1:
+            raise ValueError("max_batch_size, max_queue and workers must be ≥ 1, max_wait_s ≥ 0")
         self.engine = engine
         self.metrics = metrics
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
         self.enabled = enabled
+        # Batched: one thread runs one batch at a time (ORT and faiss use the cores themselves).
+        # Unbatched: each query runs alone, `workers` of them at once.
+        self._inference = ThreadPoolExecutor(1 if enabled else workers, thread_name_prefix="inference")
         self._queue: deque[Job] = deque()
-        self._cond = threading.Condition()
+        self._in_flight = 0  # unbatched queries submitted and not yet answered
+        self._arrived = asyncio.Event()  # binds to a loop on first use, not here
+        self._task: asyncio.Task | None = None
         self._stopped = False
-        self._thread: threading.Thread | None = None
-        if enabled:
-            self._thread = threading.Thread(target=self._loop, name="batcher", daemon=True)
-            self._thread.start()
 
-    # -- submission -------------------------------------------------------------------------
+    # -- lifecycle (on the loop) ------------------------------------------------------------
 
-    def submit(self, job: Job) -> Future:
-        if not self.enabled:  # batching off: run the job alone, in the caller's thread
-            self._run([job])
-            return job.future
-        with self._cond:
-            if self._stopped:
-                raise Unavailable("server is shutting down")
-            if len(self._queue) >= self.max_queue:
-                raise ResourceExhausted(f"server overloaded: {self.max_queue} queries already queued")
-            self._queue.append(job)
-            self.metrics.queue_depth.set(len(self._queue))
-            self._cond.notify()
-        return job.future
+    def start(self) -> None:
+        """Start the batching task on the running loop."""
+        if self.enabled and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._batches(), name="batcher")
 
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+    async def stop(self) -> None:
+        """Refuse new jobs, fail queued ones with UNAVAILABLE, and stop the inference thread."""
+        self._stopped = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        while self._queue:
+            job = self._queue.popleft()
+            if not job.future.done():
+                job.future.set_exception(Unavailable("server is shutting down"))
+        self._inference.shutdown(wait=False, cancel_futures=True)
 
-    # -- batching thread --------------------------------------------------------------------
+    # -- submission (on the loop) -----------------------------------------------------------
 
-    def _take_batch(self) -> list[Job]:
-        with self._cond:
-            while not self._queue and not self._stopped:
-                self._cond.wait()
-            if not self._queue:
-                return []
-            first = self._queue.popleft()
-            batch = [first]
-            until = time.perf_counter() + self.max_wait_s
-            while len(batch) < self.max_batch_size:
-                same_pair = next((j for j in self._queue if j.pair is first.pair), None)
-                if same_pair is not None:
-                    self._queue.remove(same_pair)
-                    batch.append(same_pair)
-                    continue
-                remaining = until - time.perf_counter()
-                if remaining <= 0 or self._stopped:
-                    break
-                self._cond.wait(remaining)
-            self.metrics.queue_depth.set(len(self._queue))
-            return batch
-
-    def _loop(self) -> None:
-        while True:
-            batch = self._take_batch()
-            if not batch:
-                return
+    async def run(self, job: Job) -> list[Hit]:
+        """The job's top-k hits, computed in a batch with whatever else is queued."""
+        if self._stopped:
+            raise Unavailable("server is shutting down")
+        loop = asyncio.get_running_loop()
+        job.enqueued = time.perf_counter()
+        if not self.enabled:
+            if self._in_flight >= self.max_queue:
+                raise ResourceExhausted(f"server overloaded: {self.max_queue} queries already in flight")
+            self._in_flight += 1
             try:
-                self._run(batch)
-            except Exception as exc:  # a bug must fail the batch's requests, not the thread
+                return await loop.run_in_executor(self._inference, self._compute_one, job)
+            finally:
+                self._in_flight -= 1
+        if len(self._queue) >= self.max_queue:
+            raise ResourceExhausted(f"server overloaded: {self.max_queue} queries already queued")
+        job.future = loop.create_future()
+        self._queue.append(job)
+        self.metrics.queue_depth.set(len(self._queue))
+        self._arrived.set()
+        return await job.future  # cancelled with the RPC; the batcher then skips the job
+
+    # -- batching task ----------------------------------------------------------------------
+
+    def _take_ready(self, batch: list[Job]) -> None:
+        """Move queued jobs of the batch's pair into it (up to the size limit), oldest first."""
+        now = time.monotonic()
+        kept: deque[Job] = deque()
+        while self._queue and len(batch) < self.max_batch_size:
+            job = self._queue.popleft()
+            if job.future.done():  # its caller went away
+                continue
+            if job.deadline is not None and now > job.deadline:
+                job.future.set_exception(DeadlineExceeded("deadline passed while the query was queued"))
+                continue
+            if batch and job.pair is not batch[0].pair:
+                kept.append(job)
+                continue
+            batch.append(job)
+        self._queue.extendleft(reversed(kept))
+
+    async def _take_batch(self) -> list[Job]:
+        loop = asyncio.get_running_loop()
+        batch: list[Job] = []
+        until: float | None = None
+        while True:
+            self._take_ready(batch)
+            if len(batch) >= self.max_batch_size:
+                break
+            if batch:
+                until = until if until is not None else loop.time() + self.max_wait_s
+                remaining = until - loop.time()
+                if remaining <= 0:
+                    break
+            self._arrived.clear()
+            try:
+                if not batch:
+                    await self._arrived.wait()
+                    continue
+                async with asyncio.timeout(remaining):
+                    await self._arrived.wait()
+            except TimeoutError:
+                self._take_ready(batch)
+                break
+            except asyncio.CancelledError:  # stopping: the jobs go back, to be failed by stop()
+                self._queue.extendleft(reversed(batch))
+                raise
+        self.metrics.queue_depth.set(len(self._queue))
+        return batch
+
+    async def _batches(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._take_batch()
+            try:
+                results = await loop.run_in_executor(self._inference, self._compute, batch)
+            except asyncio.CancelledError:
+                for job in batch:
+                    if not job.future.done():
+                        job.future.set_exception(Unavailable("server is shutting down"))
+                raise
+            except Exception as exc:  # a bug must fail the batch's requests, not the task
                 log.exception("batch of %d failed", len(batch))
                 for job in batch:
                     if not job.future.done():
                         job.future.set_exception(exc)
+                continue
+            for job, hits in zip(batch, results, strict=True):
+                if not job.future.done():
+                    job.future.set_result(hits)
 
-    def _run(self, batch: list[Job]) -> None:
-        now_mono, now = time.monotonic(), time.perf_counter()
-        live = []
-        for job in batch:
-            job.queue_s = now - job.enqueued
-            if job.future.cancelled():
-                continue
-            if job.deadline is not None and now_mono > job.deadline:
-                job.future.set_exception(DeadlineExceeded("deadline passed while the query was queued"))
-                continue
-            live.append(job)
-        if not live:
-            return
-        pair = live[0].pair
-        to_embed = [j for j in live if j.vector is None]
+    # -- inference thread -------------------------------------------------------------------
+
+    def _compute_one(self, job: Job) -> list[Hit]:
+        if job.deadline is not None and time.monotonic() > job.deadline:
+            raise DeadlineExceeded("deadline passed while the query was queued")
+        return self._compute([job])[0]
+
+    def _compute(self, batch: list[Job]) -> list[list[Hit]]:
+        """Embed the batch's images in one ORT call and search every vector in one faiss call."""
         started = time.perf_counter()
+        for job in batch:
+            job.queue_s = started - job.enqueued
+        pair = batch[0].pair
+        to_embed = [j for j in batch if j.vector is None]
+        embedding = {id(j) for j in to_embed}
         if to_embed:
             vectors = self.engine.embed(pair, [j.array for j in to_embed])
             for job, vector in zip(to_embed, vectors, strict=True):
                 job.vector = vector
-                job.embedding = vector
-        embed_s = time.perf_counter() - started
-        embedded = {id(j) for j in to_embed}
-        started = time.perf_counter()
-        k = max(j.k for j in live)
-        hits = self.engine.search(pair, np.stack([j.vector for j in live]), k, [j.exclude for j in live])
-        search_s = time.perf_counter() - started
-        self.metrics.batch_size.observe(len(live))
-        for job, job_hits in zip(live, hits, strict=True):
-            job.embed_s = embed_s if id(job) in embedded else 0.0
-            job.search_s = search_s
-            job.batch_size = len(live)
-            if not job.future.cancelled():
-                job.future.set_result(job_hits[: job.k])
+        embedded = time.perf_counter()
+        k = max(j.k for j in batch)
+        hits = self.engine.search(pair, np.stack([j.vector for j in batch]), k, [j.exclude for j in batch])
+        searched = time.perf_counter()
+        self.metrics.batch_size.observe(len(batch))
+        for job in batch:
+            job.embed_s = embedded - started if id(job) in embedding else 0.0
+            job.search_s = searched - embedded
+            job.batch_size = len(batch)
+        return [job_hits[: job.k] for job, job_hits in zip(batch, hits, strict=True)]

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import faiss
 import numpy as np
+from PIL import Image
 
 from index import artifacts
 from index.artifacts import ArtifactError, read_manifest
@@ -21,7 +24,14 @@ from index.build import check_model_index_pair
 from index.embedder import OnnxEmbedder
 from index.faiss_index import apply_search_params, load_index
 from index.items import ItemTable
-from index.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, ImageTooLarge, load_image
+from index.preprocess import (
+    DEFAULT_MAX_PIXELS,
+    ImageDecodeError,
+    ImageTooLarge,
+    load_pixels,
+    open_image,
+    to_model_input,
+)
 from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
@@ -125,13 +135,20 @@ class SearchEngine:
         if k > self.limits.max_k:
             raise InvalidArgument(f"k={k} exceeds the maximum of {self.limits.max_k}")
 
-    def decode(self, pair: ServingPair, image: bytes) -> np.ndarray:
-        try:
-            return load_image(image, pair.embedder.contract, self.limits.max_image_pixels)
-        except ImageTooLarge as exc:
-            raise ResourceExhausted(str(exc)) from exc
-        except ImageDecodeError as exc:
-            raise InvalidArgument(f"cannot decode image: {exc}") from exc
+    def open_image(self, data: bytes) -> Image.Image:
+        """Read the header only: the size is checked against the pixel limit, nothing decoded."""
+        if len(data) == 0:
+            raise InvalidArgument("image bytes are empty")
+        with _image_errors():
+            return open_image(data, self.limits.max_image_pixels, load=False)
+
+    def model_input(self, pair: ServingPair, image: Image.Image) -> np.ndarray:
+        """Decode the pixels of an opened image and apply the model's input contract."""
+        with _image_errors():
+            return to_model_input(load_pixels(image), pair.embedder.contract)
+
+    def decode(self, pair: ServingPair, data: bytes) -> np.ndarray:
+        return self.model_input(pair, self.open_image(data))
 
     def embed(self, pair: ServingPair, arrays: list[np.ndarray]) -> np.ndarray:
         return pair.embedder.embed(np.stack(arrays))
@@ -165,3 +182,14 @@ class SearchEngine:
 
     def exclude_rows(self, pair: ServingPair, ids: list[str]) -> set[int]:
         return {row for row in (pair.items.row_of(i) for i in ids) if row is not None}
+
+
+@contextmanager
+def _image_errors() -> Iterator[None]:
+    """Image errors as service errors: a size refusal is RESOURCE_EXHAUSTED, the rest INVALID_ARGUMENT."""
+    try:
+        yield
+    except ImageTooLarge as exc:
+        raise ResourceExhausted(str(exc)) from exc
+    except ImageDecodeError as exc:
+        raise InvalidArgument(f"cannot decode image: {exc}") from exc

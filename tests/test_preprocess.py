@@ -17,6 +17,7 @@ from index.preprocess import (
     InputContract,
     load_batch,
     load_image,
+    load_pixels,
     open_image,
 )
 
@@ -107,6 +108,20 @@ def test_truncated_image_is_rejected_clearly(fmt):
     data = encode(noise, fmt)
     with pytest.raises(ImageDecodeError, match="corrupt or truncated"):
         open_image(data[: len(data) // 2])
+
+
+def test_header_only_open_defers_decoding_to_load_pixels():
+    rng = np.random.default_rng(0)
+    noise = Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8), mode="RGB")
+    truncated = encode(noise)[:300]
+    image = open_image(truncated, load=False)  # the header is intact: size known, nothing decoded
+    assert image.size == (64, 64)
+    with pytest.raises(ImageDecodeError, match="corrupt or truncated"):
+        load_pixels(image)
+    with pytest.raises(ImageTooLarge):
+        open_image(encode(noise), max_pixels=64 * 64 - 1, load=False)
+    whole = load_pixels(open_image(encode(noise), load=False))
+    np.testing.assert_array_equal(np.asarray(whole), np.asarray(noise))
 
 
 def test_missing_file_is_rejected(tmp_path):

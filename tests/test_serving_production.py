@@ -374,6 +374,8 @@ def test_sigterm_drains_in_flight_requests(index_root):
             "800",
             "--max-batch-size",
             "64",
+            "--event-loop",
+            "asyncio",  # the in-process tests run on uvloop, the default
         ],
         cwd=ROOT,
         stdout=subprocess.PIPE,

@@ -1,0 +1,152 @@
+"""DynamicBatcher on its own asyncio loop, over the real model and index of the demo chain."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from index.catalog import read_catalog
+from serving.batching import DynamicBatcher, Job
+from serving.engine import SearchEngine, load_pair
+from serving.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from serving.metrics import ServiceMetrics
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def engine_and_pairs(demo_run):
+    """An engine and two distinct loaded pairs (same version, different objects)."""
+    engine = SearchEngine()
+    first, second = load_pair(demo_run / "index"), load_pair(demo_run / "index")
+    engine.swap(first)
+    return engine, first, second
+
+
+@pytest.fixture(scope="module")
+def arrays(demo_run, engine_and_pairs):
+    engine, pair, _ = engine_and_pairs
+    catalog = read_catalog(demo_run / "train" / "splits" / "test.csv")
+    return [engine.decode(pair, p.read_bytes()) for p in catalog.paths[:12]]
+
+
+def batcher(engine: SearchEngine, **kwargs) -> DynamicBatcher:
+    defaults = dict(max_batch_size=32, max_wait_s=0.0, max_queue=64)
+    return DynamicBatcher(engine, ServiceMetrics(), **{**defaults, **kwargs})
+
+
+def job(pair, array, k: int = 5, deadline: float | None = None) -> Job:
+    return Job(pair=pair, k=k, exclude=set(), array=array, deadline=deadline)
+
+
+def exact(engine: SearchEngine, pair, array, k: int = 5) -> list[int]:
+    vector = engine.embed(pair, [array])
+    return [h.row for h in engine.search(pair, vector, k, [set()])[0]]
+
+
+def test_batched_answers_equal_one_at_a_time_and_pairs_never_mix(engine_and_pairs, arrays):
+    engine, first, second = engine_and_pairs
+    pairs = [first if i % 3 else second for i in range(len(arrays))]  # interleaved
+    jobs = [job(p, a) for p, a in zip(pairs, arrays, strict=True)]
+
+    async def main():
+        b = batcher(engine)
+        b.start()
+        try:
+            return await asyncio.gather(*(b.run(j) for j in jobs))
+        finally:
+            await b.stop()
+
+    answers = asyncio.run(main())
+    for j, hits in zip(jobs, answers, strict=True):
+        assert [h.row for h in hits] == exact(engine, j.pair, j.array)
+    # All were queued before the first batch was taken: one batch per pair, never mixed.
+    assert {j.batch_size for j in jobs if j.pair is first} == {sum(p is first for p in pairs)}
+    assert {j.batch_size for j in jobs if j.pair is second} == {sum(p is second for p in pairs)}
+
+
+def test_wait_window_coalesces_staggered_queries_and_zero_wait_does_not(engine_and_pairs, arrays):
+    engine, pair, _ = engine_and_pairs
+
+    async def staggered(max_wait_s: float) -> list[Job]:
+        b = batcher(engine, max_wait_s=max_wait_s)
+        b.start()
+        jobs = [job(pair, a) for a in arrays[:4]]
+        tasks = []
+        try:
+            for j in jobs:
+                tasks.append(asyncio.ensure_future(b.run(j)))
+                await asyncio.sleep(0.01)
+            await asyncio.gather(*tasks)
+        finally:
+            await b.stop()
+        return jobs
+
+    assert {j.batch_size for j in asyncio.run(staggered(0.5))} == {4}
+    assert max(j.batch_size for j in asyncio.run(staggered(0.0))) < 4
+
+
+def test_full_queue_is_refused_at_once_and_stop_fails_what_is_queued(engine_and_pairs, arrays):
+    engine, pair, _ = engine_and_pairs
+
+    async def main():
+        b = batcher(engine, max_queue=2)  # not started: nothing drains the queue
+        waiting = [asyncio.ensure_future(b.run(job(pair, a))) for a in arrays[:2]]
+        await asyncio.sleep(0)
+        started = time.perf_counter()
+        with pytest.raises(ResourceExhausted, match="2 queries already queued"):
+            await b.run(job(pair, arrays[2]))
+        assert time.perf_counter() - started < 0.05
+        await b.stop()
+        for task in waiting:
+            with pytest.raises(Unavailable):
+                await task
+        with pytest.raises(Unavailable):
+            await b.run(job(pair, arrays[3]))
+
+    asyncio.run(main())
+
+
+def test_cancelled_and_expired_jobs_cost_no_work(engine_and_pairs, arrays):
+    engine, pair, _ = engine_and_pairs
+
+    async def main():
+        b = batcher(engine)
+        gone = asyncio.ensure_future(b.run(job(pair, arrays[0])))
+        expired = asyncio.ensure_future(b.run(job(pair, arrays[1], deadline=time.monotonic() - 1)))
+        live = job(pair, arrays[2])
+        answer = asyncio.ensure_future(b.run(live))
+        await asyncio.sleep(0)
+        gone.cancel()  # the caller went away while its query was queued
+        b.start()
+        try:
+            with pytest.raises(DeadlineExceeded, match="queued"):
+                await expired
+            assert [h.row for h in await answer] == exact(engine, pair, arrays[2])
+        finally:
+            await b.stop()
+        return live, b
+
+    live, b = asyncio.run(main())
+    assert live.batch_size == 1  # neither the cancelled nor the expired query was embedded
+    samples = {s.name: s.value for s in b.metrics.batch_size.collect()[0].samples}
+    assert samples["simsearch_batch_size_sum"] == 1
+
+
+def test_unbatched_mode_answers_each_query_alone(engine_and_pairs, arrays):
+    engine, pair, _ = engine_and_pairs
+    jobs = [job(pair, a) for a in arrays[:6]]
+
+    async def main():
+        b = batcher(engine, enabled=False, workers=3)
+        try:
+            return await asyncio.gather(*(b.run(j) for j in jobs))
+        finally:
+            await b.stop()
+
+    answers = asyncio.run(main())
+    assert all(j.batch_size == 1 for j in jobs)
+    for j, hits in zip(jobs, answers, strict=True):
+        assert [h.row for h in hits] == exact(engine, pair, j.array)
