@@ -1,10 +1,19 @@
 """Serving benchmark: queries/s and p50/p99 at concurrency 1/8/32/64, dynamic batching on and off,
-against the in-process ceiling (the same ONNX Runtime session and faiss index called directly
-with the same batch sizes), measured in the same run.
+against two baselines measured in the same run:
 
-The server runs as `python -m serving serve` in its own process and the load comes from
-benchmarks/loadgen.py (grpc.aio) in another; on a 2-core machine the three share the cores, so
-the ratios are the figures to compare across machines, not the absolute numbers.
+- the in-process ceiling: the same ONNX Runtime session and faiss index called directly, at
+  batch 1/8/32/64 and at the mean batch size the server actually formed;
+- the gRPC floor: a bare grpc.aio server answering with a canned response (no decode, model or
+  index) under the same load — what Python gRPC alone allows on this machine.
+
+The server runs as `python -m serving serve` in its own process. Load comes from h2load (C,
+nghttp2's HTTP/2 benchmark, ~35 µs of CPU a query) sending one gRPC-framed SearchRequest, so the
+load generator takes little of the cores it shares with the server; `--loadgen python` uses
+benchmarks/loadgen.py (grpc.aio, a different image per query, ~0.3 ms of CPU a query) instead.
+Errors are read from the server's own `simsearch_requests_total` (h2load sees HTTP, not gRPC
+status). Each figure is the median of `--repeats` rounds, the modes interleaved, because the
+figures of a shared virtual machine drift by 2× from minute to minute; server CPU ms/query (from
+/proc) is reported beside them as the steadier measure of cost.
 """
 
 from __future__ import annotations
@@ -12,12 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +45,11 @@ from index.catalog import read_catalog  # noqa: E402
 from index.embedder import OnnxEmbedder  # noqa: E402
 from index.faiss_index import load_index  # noqa: E402
 from index.preprocess import load_image  # noqa: E402
-from serving.client import SearchClient  # noqa: E402
+from protos.simsearch.v1 import search_pb2 as pb  # noqa: E402
+
+LEVELS = [1, 8, 32, 64]
+Load = Callable[[int, int], dict]  # (port, concurrency) → figures of one closed-loop run
+SEARCH_PATH = "/simsearch.v1.SimilaritySearch/Search"
 
 
 def free_port() -> int:
@@ -67,130 +86,234 @@ def ensure_backbone_artifacts(run: Path, backbone: str, pretrained: str | None, 
         subprocess.run([sys.executable, *args], check=True, cwd=ROOT)
 
 
-def ceiling(run: Path, catalog_path: Path, batch_sizes: list[int], repeats: int) -> dict[int, dict]:
-    """Queries/s of embed+search called directly, per batch size (median of repeats)."""
-    embedder = OnnxEmbedder(run / "model", provider="cpu")
-    index = load_index(artifacts.version_dir(run / "index") / artifacts.INDEX_FILE)
-    catalog = read_catalog(catalog_path)
-    blobs = [p.read_bytes() for p in catalog.paths[:512]]
-    arrays = np.stack([load_image(b, embedder.contract) for b in blobs])
-    out = {}
-    for b in batch_sizes:
-        batch = arrays[:b]
+# -- the in-process ceiling ------------------------------------------------------------------
+
+
+class Ceiling:
+    """Queries/s of embed+search called directly (median of repeats), per batch size, cached."""
+
+    def __init__(self, run: Path, catalog: Path, repeats: int) -> None:
+        self.embedder = OnnxEmbedder(run / "model", provider="cpu")
+        self.index = load_index(artifacts.version_dir(run / "index") / artifacts.INDEX_FILE)
+        self.blobs = [p.read_bytes() for p in read_catalog(catalog).paths[:512]]
+        self.arrays = np.stack([load_image(b, self.embedder.contract) for b in self.blobs])
+        self.repeats = repeats
+        self.measured: dict[int, dict] = {}
+
+    def at(self, batch: int) -> dict:
+        if batch not in self.measured:
+            self.measured[batch] = self._measure(batch)
+        return self.measured[batch]
+
+    def _measure(self, b: int) -> dict:
+        batch = self.arrays[:b]
         for _ in range(3):
-            index.search(embedder.embed(batch), 10)
-        times, decode_times = [], []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            index.search(embedder.embed(batch), 10)
+            self.index.search(self.embedder.embed(batch), 10)
+        times, decode_times, cpu_times = [], [], []
+        for _ in range(self.repeats):
+            t, cpu = time.perf_counter(), time.process_time()  # process CPU: ORT's threads too
+            self.index.search(self.embedder.embed(batch), 10)
             times.append(time.perf_counter() - t)
+            cpu_times.append(time.process_time() - cpu)
             t = time.perf_counter()
-            for blob in blobs[:b]:
-                load_image(blob, embedder.contract)
+            for blob in self.blobs[:b]:
+                load_image(blob, self.embedder.contract)
             decode_times.append(time.perf_counter() - t)
         med, dec = statistics.median(times), statistics.median(decode_times)
-        out[b] = {
+        return {
+            "batch": b,
             "qps": b / med,
             "qps_with_decode": b / (med + dec),
             "latency_ms": med * 1e3,
             "latency_with_decode_ms": (med + dec) * 1e3,
+            "cpu_ms_per_query": statistics.median(cpu_times) * 1e3 / b,
         }
+
+
+# -- load generators ---------------------------------------------------------------------------
+
+
+def grpc_body(image: bytes, k: int = 10) -> bytes:
+    """One gRPC length-prefixed message: what h2load sends as the request body."""
+    message = pb.SearchRequest(image=image, k=k).SerializeToString()
+    return b"\0" + struct.pack(">I", len(message)) + message
+
+
+def h2load(port: int, body: Path, concurrency: int, seconds: float, log: Path) -> dict:
+    """Closed loop: `concurrency` streams on one connection (as one gRPC channel), for `seconds`."""
+    duration = f"{max(1, round(seconds))}"  # h2load takes whole seconds (or a unit: 500ms)
+    command = ["h2load", "-c", "1", "-m", str(concurrency), "-t", "1", "-D", duration]
+    command += ["--warm-up-time", "1", "-d", str(body), "--log-file", str(log)]
+    command += ["-H", "content-type: application/grpc", "-H", "te: trailers"]
+    out = subprocess.run(
+        [*command, f"http://127.0.0.1:{port}{SEARCH_PATH}"], capture_output=True, text=True, check=True
+    ).stdout
+    done = int(re.search(r"(\d+) succeeded", out).group(1))
+    # The log holds every request, warm-up included: keep those that started after it.
+    rows = np.loadtxt(log, ndmin=2, dtype=np.float64)  # start µs since epoch, HTTP status, duration µs
+    started = rows[:, 0]
+    measured = rows[started >= started.min() + 1e6]
+    lat_ms = measured[:, 2] / 1e3
+    return {
+        "concurrency": concurrency,
+        "queries": int(len(measured)),
+        "sent": int(len(rows)),  # warm-up included: what the server's CPU time was spent on
+        "qps": float(re.search(r"([\d.]+) req/s", out).group(1)),
+        "p50_ms": float(np.percentile(lat_ms, 50)),
+        "p99_ms": float(np.percentile(lat_ms, 99)),
+        "http_ok": done,
+    }
+
+
+def python_loadgen(port: int, catalog: Path, concurrency: int, seconds: float) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "loadgen.py"), "--target", f"127.0.0.1:{port}"]
+        + ["--catalog", str(catalog), "--concurrency", str(concurrency), "--seconds", str(seconds)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# -- a server under load -----------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def scrape(metrics_port: int) -> dict[str, float]:
+    """The server's non-OK answers (CANCELLED aside: the load generator hangs up at the end) and
+    its batch-size totals."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    out = {"errors": 0.0, "batch_sum": 0.0, "batch_count": 0.0}
+    for line in text.splitlines():
+        if line.startswith("simsearch_requests_total{") and 'code="OK"' not in line and "CANCELLED" not in line:
+            out["errors"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("simsearch_batch_size_sum "):
+            out["batch_sum"] = float(line.split()[1])
+        elif line.startswith("simsearch_batch_size_count "):
+            out["batch_count"] = float(line.split()[1])
     return out
 
 
-def serve_and_load(
-    run: Path,
-    catalog: Path,
-    batching: bool,
-    concurrencies: list[int],
-    seconds: float,
-    max_wait_ms: float = 0.0,
-    server_flags: tuple[str, ...] = (),
-) -> list[dict]:
-    port = free_port()
+def start(command: list[str], ready: Callable[[], bool]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "serving",
-            "serve",
-            "--index-root",
-            str(run / "index"),
-            "--port",
-            str(port),
-            "--metrics-port",
-            str(free_port()),
-            "--batching",
-            str(batching).lower(),
-            "--max-batch-size",
-            "32",
-            "--max-wait-ms",
-            str(max_wait_ms),
-            "--probe-interval-s",
-            "3600",
-            "--ann-sample-rate",
-            "0",
-            "--log-format",
-            "text",
-            *server_flags,
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{command[2]} exited with {proc.returncode} before it was ready")
+        if ready():
+            return proc
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"{command} not ready within 180 s")
+
+
+def healthy(metrics_port: int) -> bool:
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2).read().decode()
+    except OSError:
+        return False
+    return "simsearch_index_loaded 1.0" in text
+
+
+def measure(proc: subprocess.Popen, port: int, load: Load, levels: list[int], metrics_port: int | None) -> list[dict]:
+    results = []
+    for c in levels:
+        before = scrape(metrics_port) if metrics_port else None
+        cpu0 = cpu_seconds(proc.pid)
+        result = load(port, c)
+        cpu = cpu_seconds(proc.pid) - cpu0
+        result["server_cpu_ms_per_query"] = 1e3 * cpu / max(result.get("sent", result["queries"]), 1)
+        if before is not None:
+            after = scrape(metrics_port)
+            result["errors"] = int(after["errors"] - before["errors"])
+            batches = after["batch_count"] - before["batch_count"]
+            result["mean_batch"] = (after["batch_sum"] - before["batch_sum"]) / batches if batches else 0.0
+        results.append(result)
+    return results
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def serve_and_load(run: Path, batching: bool, load: Load, server_flags: tuple[str, ...]) -> list[dict]:
+    port, metrics_port = free_port(), free_port()
+    command = [sys.executable, "-m", "serving", "serve", "--index-root", str(run / "index")]
+    command += ["--port", str(port), "--metrics-port", str(metrics_port), "--batching", str(batching).lower()]
+    command += ["--max-batch-size", "32", "--probe-interval-s", "3600", "--probe-size", "1"]
+    command += ["--ann-sample-rate", "0", "--log-format", "text", *server_flags]
+    proc = start(command, lambda: healthy(metrics_port))
+    try:
+        return measure(proc, port, load, LEVELS, metrics_port)
+    finally:
+        stop(proc)
+
+
+def floor_and_load(load: Load, levels: list[int]) -> list[dict]:
+    port = free_port()
+    proc = start(
+        [sys.executable, str(ROOT / "benchmarks" / "grpc_floor.py"), "--port", str(port)],
+        lambda: _accepts(port),
     )
     try:
-        with SearchClient(f"127.0.0.1:{port}") as client:
-            client.wait_ready(120)
-            deadline = time.time() + 120
-            while not client.healthy() and time.time() < deadline:
-                time.sleep(0.2)
-        results = []
-        for c in concurrencies:
-            proc = subprocess.run(
-                [
-                    sys.executable,
-                    str(ROOT / "benchmarks" / "loadgen.py"),
-                    "--target",
-                    f"127.0.0.1:{port}",
-                    "--catalog",
-                    str(catalog),
-                    "--concurrency",
-                    str(c),
-                    "--seconds",
-                    str(seconds),
-                ],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                check=True,
-                timeout=300,
-            )
-            results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        return results
+        return measure(proc, port, load, levels, None)
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=30)
+        stop(proc)
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def median_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """Per concurrency level, the median of every numeric figure across rounds."""
+    out = []
+    for per_level in zip(*rounds, strict=True):
+        merged = {"concurrency": per_level[0]["concurrency"], "rounds": len(per_level)}
+        for key in per_level[0]:
+            if key != "concurrency" and isinstance(per_level[0][key], (int, float)):
+                merged[key] = statistics.median(r[key] for r in per_level)
+        merged["qps_rounds"] = [round(r["qps"]) for r in per_level]
+        out.append(merged)
+    return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--run", default="runs/demo", help="directory with model/ and index/ (built by the demo if missing)"
     )
-    parser.add_argument("--quick", action="store_true", help="short runs, a glyph slice if artifacts must be built")
-    parser.add_argument("--seconds", type=float, help="load duration per concurrency level")
+    parser.add_argument("--quick", action="store_true", help="one short round; a glyph slice if artifacts are built")
+    parser.add_argument("--seconds", type=float, help="load duration per concurrency level (default 5, quick 2)")
+    parser.add_argument("--repeats", type=int, help="interleaved rounds per mode; medians reported (default 3)")
+    parser.add_argument("--loadgen", choices=["h2load", "python"], default="h2load", help="load generator")
     parser.add_argument(
         "--backbone", help="benchmark a production-size model instead of the demo's (e.g. mobilenet_v2)"
     )
     parser.add_argument("--pretrained", help="its weights (local file or pkg:<package>/<file>)")
     parser.add_argument("--image-size", type=int, default=224)
-    parser.add_argument(
-        "--ort-spinning", action=argparse.BooleanOptionalAction, default=None, help="the server's setting (default off)"
-    )
+    parser.add_argument("--server-flag", action="append", default=[], help="extra `serve` flag (repeatable)")
     args = parser.parse_args()
+    if args.loadgen == "h2load" and shutil.which("h2load") is None:
+        parser.error("h2load not found: install Debian's nghttp2-client (setup.sh does), or use --loadgen python")
+    repeats = args.repeats or (1 if args.quick else 3)
+    seconds = args.seconds or (2.0 if args.quick else 5.0)
+    if repeats < 1 or seconds <= 0:
+        parser.error("--repeats must be ≥ 1 and --seconds > 0")
     if args.backbone and args.run == "runs/demo":
         args.run = f"runs/bench-{args.backbone}-{args.image_size}"
     run = (ROOT / args.run).resolve() if not Path(args.run).is_absolute() else Path(args.run)
@@ -199,47 +322,91 @@ def main() -> None:
     else:
         ensure_artifacts(run, args.quick)
     catalog = run / "train" / "splits" / "test.csv"
-    seconds = args.seconds or (2.0 if args.quick else 8.0)
-    concurrencies = [1, 8, 32, 64]
+    server_flags = tuple(f for flag in args.server_flag for f in flag.split())
 
-    ceil = ceiling(run, catalog, [1, 8, 32, 64], repeats=5 if args.quick or args.backbone else 30)
-    flags = () if args.ort_spinning is None else ("--ort-spinning" if args.ort_spinning else "--no-ort-spinning",)
-    runs = {
-        mode: serve_and_load(run, catalog, mode == "on", concurrencies, seconds, server_flags=flags)
-        for mode in ("on", "off")
-    }
+    workdir = Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    body = workdir / "search.grpc"
+    body.write_bytes(grpc_body(read_catalog(catalog).paths[0].read_bytes()))
+
+    def load(port: int, c: int) -> dict:
+        if args.loadgen == "python":
+            return python_loadgen(port, catalog, c, seconds)
+        return h2load(port, body, c, seconds, workdir / f"h2load-{port}-{c}.log")
+
+    ceiling = Ceiling(run, catalog, repeats=5 if args.quick or args.backbone else 30)
+    for b in LEVELS:
+        ceiling.at(b)
+    rounds: dict[str, list[list[dict]]] = {"on": [], "off": [], "floor": []}
+    for i in range(repeats):
+        print(f"round {i + 1}/{repeats}", file=sys.stderr, flush=True)
+        rounds["on"].append(serve_and_load(run, True, load, server_flags))
+        rounds["off"].append(serve_and_load(run, False, load, server_flags))
+        rounds["floor"].append(floor_and_load(load, LEVELS))
+    server = {mode: median_rounds(rounds[mode]) for mode in ("on", "off")}
+    floor = {r["concurrency"]: r for r in median_rounds(rounds["floor"])}
+    same_batch = {r["concurrency"]: ceiling.at(max(1, round(r["mean_batch"]))) for r in server["on"]}
 
     print(
         f"\nServing benchmark on {os.cpu_count()} CPUs, index {artifacts.current_version(run / 'index')}, "
-        f"{seconds:.0f} s per level\n"
+        f"{args.loadgen}, {seconds:g} s per level, median of {repeats} round(s)\n"
     )
     print("In-process ceiling (same ORT session + faiss index, called directly):")
-    print(f"{'batch':>6} {'q/s':>9} {'q/s +decode':>12} {'ms/batch':>9}")
-    for b, c in ceil.items():
-        print(f"{b:>6} {c['qps']:9.0f} {c['qps_with_decode']:12.0f} {c['latency_ms']:9.2f}")
-    print("\nServer over gRPC (closed loop, grpc.aio load generator in its own process):")
-    print(f"{'batching':>8} {'conc':>5} {'q/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} {'vs ceiling':>11}")
-    for mode, levels in runs.items():
+    print(f"{'batch':>6} {'q/s':>9} {'q/s +decode':>12} {'ms/batch':>9} {'CPU ms/q':>9}")
+    for b, c in sorted(ceiling.measured.items()):
+        print(
+            f"{b:>6} {c['qps']:9.0f} {c['qps_with_decode']:12.0f} {c['latency_ms']:9.2f} {c['cpu_ms_per_query']:9.3f}"
+        )
+    print("\ngRPC floor (bare grpc.aio server, canned response, same load):")
+    for c, r in floor.items():
+        cpu = r["server_cpu_ms_per_query"]
+        print(f"  concurrency {c:>3}: {r['qps']:7.0f} q/s, p50 {r['p50_ms']:.2f} ms, {cpu:.3f} ms CPU/q")
+    print("\nServer over gRPC (closed loop):")
+    header = f"{'batching':>8} {'conc':>5} {'q/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/q':>9} {'batch':>6}"
+    print(header + f" {'errors':>6} {'vs b=32':>8} {'vs same b':>9} {'vs floor':>9}  rounds q/s")
+    for mode, levels in server.items():
         for r in levels:
-            ref = ceil[r["concurrency"]]["qps"]
+            c = r["concurrency"]
+            same = same_batch[c]["qps"] if mode == "on" else ceiling.at(1)["qps"]
+            floor_qps = floor[c]["qps"]
             print(
-                f"{mode:>8} {r['concurrency']:>5} {r['qps']:8.0f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} "
-                f"{r['errors']:>6} {r['qps'] / ref:10.0%}"
+                f"{mode:>8} {c:>5} {r['qps']:8.0f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} "
+                f"{r['server_cpu_ms_per_query']:9.3f} {r.get('mean_batch', 0):6.1f} {r.get('errors', 0):>6.0f} "
+                f"{r['qps'] / ceiling.at(32)['qps']:8.0%} {r['qps'] / same:9.0%} {r['qps'] / floor_qps:9.0%}  "
+                f"{r['qps_rounds']}"
             )
-    on = {r["concurrency"]: r for r in runs["on"]}
-    added_p50 = on[1]["p50_ms"] - ceil[1]["latency_with_decode_ms"]
+    on = {r["concurrency"]: r for r in server["on"]}
+    off = {r["concurrency"]: r for r in server["off"]}
     summary = {
-        "throughput_ratio_c32_vs_ceiling_b32": on[32]["qps"] / ceil[32]["qps"],
-        "throughput_ratio_c32_vs_ceiling_b32_with_decode": on[32]["qps"] / ceil[32]["qps_with_decode"],
-        "added_p50_ms_c1": added_p50,
-        "batching_speedup_c32": on[32]["qps"] / {r["concurrency"]: r for r in runs["off"]}[32]["qps"],
+        "throughput_ratio_c32_vs_ceiling_b32": on[32]["qps"] / ceiling.at(32)["qps"],
+        "throughput_ratio_c32_vs_ceiling_b32_with_decode": on[32]["qps"] / ceiling.at(32)["qps_with_decode"],
+        "throughput_ratio_c32_vs_ceiling_same_batch": on[32]["qps"] / same_batch[32]["qps"],
+        "throughput_ratio_c32_vs_grpc_floor": on[32]["qps"] / floor[32]["qps"],
+        "added_p50_ms_c1": on[1]["p50_ms"] - ceiling.at(1)["latency_with_decode_ms"],
+        "batching_speedup_c32": on[32]["qps"] / off[32]["qps"],
+        "ceiling_cpu_ms_per_query_b32": ceiling.at(32)["cpu_ms_per_query"],
+        "server_cpu_ms_per_query_c32": on[32]["server_cpu_ms_per_query"],
     }
     print("\nGoals: ≥ 90% of the ceiling at concurrency 32; ≤ 2 ms added to p50 at concurrency 1")
     for key, value in summary.items():
         print(f"  {key}: {value:.3f}")
     out = run / "bench_serving.json"
-    out.write_text(json.dumps({"ceiling": ceil, "server": runs, "summary": summary}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "loadgen": args.loadgen,
+                "seconds": seconds,
+                "repeats": repeats,
+                "ceiling": ceiling.measured,
+                "grpc_floor": rounds["floor"],
+                "server_rounds": {m: rounds[m] for m in ("on", "off")},
+                "server": server,
+                "summary": summary,
+            },
+            indent=2,
+        )
+    )
     print(f"\nwrote {out}")
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

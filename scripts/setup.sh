@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 DEB_PACKAGES=(fonts-noto-core fonts-urw-base35 fonts-liberation fonts-liberation2 fonts-freefont-ttf
   fonts-texgyre fonts-lato fonts-open-sans fonts-roboto-unhinted fonts-crosextra-carlito
   fonts-crosextra-caladea fonts-linuxlibertine fonts-ebgaramond fonts-cantarell
-  prometheus docker-compose)  # promtool + a real Prometheus; compose file validation
+  prometheus docker-compose nghttp2-client)  # promtool + a real Prometheus; compose validation; h2load
 
 missing=()
 for pkg in "${DEB_PACKAGES[@]}"; do

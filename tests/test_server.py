@@ -150,3 +150,22 @@ def test_server_without_index_is_unavailable_and_not_healthy(tmp_path):
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(grace=0)
+
+
+def test_benchmark_load_generator_is_answered_ok(served, test_catalog, tmp_path):
+    """bench_serving's load: gRPC-framed SearchRequests over raw HTTP/2 (h2load), no deadline."""
+    from benchmarks.bench_serving import grpc_body, h2load
+
+    server, _ = served
+
+    def answered(code: str) -> float:
+        samples = server.metrics.requests.collect()[0].samples
+        return sum(s.value for s in samples if s.labels == {"method": "Search", "code": code})
+
+    body = tmp_path / "search.grpc"
+    body.write_bytes(grpc_body(test_catalog.paths[0].read_bytes()))
+    ok_before, bad_before = answered("OK"), answered("INVALID_ARGUMENT") + answered("INTERNAL")
+    result = h2load(server.port, body, concurrency=4, seconds=1, log=tmp_path / "h2load.log")
+    assert result["queries"] > 0 and result["p50_ms"] > 0
+    assert answered("OK") - ok_before >= result["sent"] - 4  # all but those cut off at the end
+    assert answered("INVALID_ARGUMENT") + answered("INTERNAL") == bad_before
