@@ -48,7 +48,7 @@ from index.preprocess import load_image  # noqa: E402
 from protos.simsearch.v1 import search_pb2 as pb  # noqa: E402
 
 LEVELS = [1, 8, 32, 64]
-Load = Callable[[int, int], dict]  # (port, concurrency) → figures of one closed-loop run
+Load = Callable[[int, int, float], dict]  # (port, concurrency, seconds) → one closed-loop run's figures
 SEARCH_PATH = "/simsearch.v1.SimilaritySearch/Search"
 
 
@@ -93,7 +93,7 @@ class Ceiling:
     """Queries/s of embed+search called directly (median of repeats), per batch size, cached."""
 
     def __init__(self, run: Path, catalog: Path, repeats: int) -> None:
-        self.embedder = OnnxEmbedder(run / "model", provider="cpu")
+        self.embedder = OnnxEmbedder(run / "model", provider="cpu", spinning=False)  # as the server runs it
         self.index = load_index(artifacts.version_dir(run / "index") / artifacts.INDEX_FILE)
         self.blobs = [p.read_bytes() for p in read_catalog(catalog).paths[:512]]
         self.arrays = np.stack([load_image(b, self.embedder.contract) for b in self.blobs])
@@ -143,21 +143,17 @@ def h2load(port: int, body: Path, concurrency: int, seconds: float, log: Path) -
     """Closed loop: `concurrency` streams on one connection (as one gRPC channel), for `seconds`."""
     duration = f"{max(1, round(seconds))}"  # h2load takes whole seconds (or a unit: 500ms)
     command = ["h2load", "-c", "1", "-m", str(concurrency), "-t", "1", "-D", duration]
-    command += ["--warm-up-time", "1", "-d", str(body), "--log-file", str(log)]
+    command += ["-d", str(body), "--log-file", str(log)]
     command += ["-H", "content-type: application/grpc", "-H", "te: trailers"]
     out = subprocess.run(
         [*command, f"http://127.0.0.1:{port}{SEARCH_PATH}"], capture_output=True, text=True, check=True
     ).stdout
     done = int(re.search(r"(\d+) succeeded", out).group(1))
-    # The log holds every request, warm-up included: keep those that started after it.
     rows = np.loadtxt(log, ndmin=2, dtype=np.float64)  # start µs since epoch, HTTP status, duration µs
-    started = rows[:, 0]
-    measured = rows[started >= started.min() + 1e6]
-    lat_ms = measured[:, 2] / 1e3
+    lat_ms = rows[:, 2] / 1e3
     return {
         "concurrency": concurrency,
-        "queries": int(len(measured)),
-        "sent": int(len(rows)),  # warm-up included: what the server's CPU time was spent on
+        "queries": int(len(rows)),
         "qps": float(re.search(r"([\d.]+) req/s", out).group(1)),
         "p50_ms": float(np.percentile(lat_ms, 50)),
         "p99_ms": float(np.percentile(lat_ms, 99)),
@@ -224,14 +220,17 @@ def healthy(metrics_port: int) -> bool:
     return "simsearch_index_loaded 1.0" in text
 
 
-def measure(proc: subprocess.Popen, port: int, load: Load, levels: list[int], metrics_port: int | None) -> list[dict]:
+def measure(
+    proc: subprocess.Popen, port: int, load: Load, levels: list[int], seconds: float, metrics_port: int | None
+) -> list[dict]:
     results = []
     for c in levels:
+        load(port, c, 1.0)  # warm-up, not counted: connections, pools and caches at this level
         before = scrape(metrics_port) if metrics_port else None
         cpu0 = cpu_seconds(proc.pid)
-        result = load(port, c)
+        result = load(port, c, seconds)
         cpu = cpu_seconds(proc.pid) - cpu0
-        result["server_cpu_ms_per_query"] = 1e3 * cpu / max(result.get("sent", result["queries"]), 1)
+        result["server_cpu_ms_per_query"] = 1e3 * cpu / max(result["queries"], 1)
         if before is not None:
             after = scrape(metrics_port)
             result["errors"] = int(after["errors"] - before["errors"])
@@ -249,7 +248,7 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def serve_and_load(run: Path, batching: bool, load: Load, server_flags: tuple[str, ...]) -> list[dict]:
+def serve_and_load(run: Path, batching: bool, load: Load, seconds: float, server_flags: tuple[str, ...]) -> list[dict]:
     port, metrics_port = free_port(), free_port()
     command = [sys.executable, "-m", "serving", "serve", "--index-root", str(run / "index")]
     command += ["--port", str(port), "--metrics-port", str(metrics_port), "--batching", str(batching).lower()]
@@ -257,19 +256,19 @@ def serve_and_load(run: Path, batching: bool, load: Load, server_flags: tuple[st
     command += ["--ann-sample-rate", "0", "--log-format", "text", *server_flags]
     proc = start(command, lambda: healthy(metrics_port))
     try:
-        return measure(proc, port, load, LEVELS, metrics_port)
+        return measure(proc, port, load, LEVELS, seconds, metrics_port)
     finally:
         stop(proc)
 
 
-def floor_and_load(load: Load, levels: list[int]) -> list[dict]:
+def floor_and_load(load: Load, levels: list[int], seconds: float) -> list[dict]:
     port = free_port()
     proc = start(
         [sys.executable, str(ROOT / "benchmarks" / "grpc_floor.py"), "--port", str(port)],
         lambda: _accepts(port),
     )
     try:
-        return measure(proc, port, load, levels, None)
+        return measure(proc, port, load, levels, seconds, None)
     finally:
         stop(proc)
 
@@ -328,10 +327,10 @@ def main() -> None:
     body = workdir / "search.grpc"
     body.write_bytes(grpc_body(read_catalog(catalog).paths[0].read_bytes()))
 
-    def load(port: int, c: int) -> dict:
+    def load(port: int, c: int, duration: float) -> dict:
         if args.loadgen == "python":
-            return python_loadgen(port, catalog, c, seconds)
-        return h2load(port, body, c, seconds, workdir / f"h2load-{port}-{c}.log")
+            return python_loadgen(port, catalog, c, duration)
+        return h2load(port, body, c, duration, workdir / f"h2load-{port}-{c}.log")
 
     ceiling = Ceiling(run, catalog, repeats=5 if args.quick or args.backbone else 30)
     for b in LEVELS:
@@ -339,9 +338,9 @@ def main() -> None:
     rounds: dict[str, list[list[dict]]] = {"on": [], "off": [], "floor": []}
     for i in range(repeats):
         print(f"round {i + 1}/{repeats}", file=sys.stderr, flush=True)
-        rounds["on"].append(serve_and_load(run, True, load, server_flags))
-        rounds["off"].append(serve_and_load(run, False, load, server_flags))
-        rounds["floor"].append(floor_and_load(load, LEVELS))
+        rounds["on"].append(serve_and_load(run, True, load, seconds, server_flags))
+        rounds["off"].append(serve_and_load(run, False, load, seconds, server_flags))
+        rounds["floor"].append(floor_and_load(load, LEVELS, seconds))
     server = {mode: median_rounds(rounds[mode]) for mode in ("on", "off")}
     floor = {r["concurrency"]: r for r in median_rounds(rounds["floor"])}
     same_batch = {r["concurrency"]: ceiling.at(max(1, round(r["mean_batch"]))) for r in server["on"]}
