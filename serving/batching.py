@@ -1,7 +1,7 @@
 """Dynamic batching: concurrent queries coalesced into one ONNX Runtime batch and one faiss search.
 
-The batcher lives on the server's asyncio loop. RPC handlers decode their images (in the decode
-pool, off the loop) and `await batcher.run(job)`; one task takes the oldest job, waits at most
+The batcher lives on the server's asyncio loop. RPC handlers decode their images (small ones on
+the loop, larger ones in the decode pool) and `await batcher.run(job)`; one task takes the oldest job, waits at most
 `max_wait_s` for more (up to `max_batch_size`), and hands the whole batch to one inference thread
 that embeds every image in one ORT call and searches every vector in one faiss call. A batch
 costs one thread hop, not one per query, and the loop stays free to take RPCs while it runs.

@@ -147,9 +147,6 @@ class SearchEngine:
         with _image_errors():
             return to_model_input(load_pixels(image), pair.embedder.contract)
 
-    def decode(self, pair: ServingPair, data: bytes) -> np.ndarray:
-        return self.model_input(pair, self.open_image(data))
-
     def embed(self, pair: ServingPair, arrays: list[np.ndarray]) -> np.ndarray:
         return pair.embedder.embed(np.stack(arrays))
 

@@ -1,9 +1,9 @@
 """gRPC server on grpc.aio: thin servicers over the search logic, plus health, reflection, auth
 and metrics.
 
-One asyncio event loop takes every RPC; nothing on it blocks. Images are decoded in a worker pool,
-embedding and search run in the batcher's inference thread, reloads in the loop's default
-executor. The servicers only translate: protobuf in, plain calls on `SearchEngine` /
+One asyncio event loop takes every RPC; nothing on it blocks. Small images are decoded on the
+loop, larger ones in a worker pool; embedding and search run in the batcher's inference thread,
+reloads in the loop's default executor. The servicers only translate: protobuf in, plain calls on `SearchEngine` /
 `DynamicBatcher` / `RecallMonitor`, protobuf or a status code out. `SearchServer` keeps a
 blocking API (start, stop, reload, run_probe) for the CLI, tests and background threads.
 """

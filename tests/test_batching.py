@@ -29,7 +29,7 @@ def engine_and_pairs(demo_run):
 def arrays(demo_run, engine_and_pairs):
     engine, pair, _ = engine_and_pairs
     catalog = read_catalog(demo_run / "train" / "splits" / "test.csv")
-    return [engine.decode(pair, p.read_bytes()) for p in catalog.paths[:12]]
+    return [engine.model_input(pair, engine.open_image(p.read_bytes())) for p in catalog.paths[:12]]
 
 
 def batcher(engine: SearchEngine, **kwargs) -> DynamicBatcher:
