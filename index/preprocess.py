@@ -116,19 +116,25 @@ def load_pixels(image: Image.Image) -> Image.Image:
 
 def to_model_input(image: Image.Image, contract: InputContract) -> np.ndarray:
     """Convert a decoded image to one CHW float32 array following the contract."""
-    image = image.convert(contract.color_mode)
+    # A grey image feeding an RGB model is resized as its one channel and replicated at the
+    # end: the same numbers as converting first (each channel is resized alike), a third of
+    # the resampling work, which dominates when small images are upscaled.
+    replicate = image.mode == "L" and contract.channels == 3
+    if not replicate:
+        image = image.convert(contract.color_mode)
     if contract.resize is not None:
         w, h = image.size
         ratio = contract.resize / min(w, h)
         image = image.resize((max(1, round(w * ratio)), max(1, round(h * ratio))), Image.Resampling.BILINEAR)
     image = _center_crop_or_resize(image, contract.height, contract.width)
-    array = np.asarray(image, dtype=np.float32) * np.float32(contract.scale)
-    array = array[None, :, :] if array.ndim == 2 else array.transpose(2, 0, 1)
+    pixels = np.asarray(image)
+    pixels = pixels[None, :, :] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
+    array = np.empty(contract.input_shape, dtype=np.float32)
+    np.multiply(pixels, np.float32(contract.scale), out=array)  # casts, scales and broadcasts in one pass
     if not contract.normalize_in_graph:
-        mean = np.asarray(contract.mean, dtype=np.float32).reshape(-1, 1, 1)
-        std = np.asarray(contract.std, dtype=np.float32).reshape(-1, 1, 1)
-        array = (array - mean) / std
-    return np.ascontiguousarray(array, dtype=np.float32)
+        array -= np.asarray(contract.mean, dtype=np.float32).reshape(-1, 1, 1)
+        array /= np.asarray(contract.std, dtype=np.float32).reshape(-1, 1, 1)
+    return array
 
 
 def _center_crop_or_resize(image: Image.Image, height: int, width: int) -> Image.Image:

@@ -202,6 +202,25 @@ def test_colour_modes_are_converted():
     np.testing.assert_allclose(grey_in, np.full((3, 8, 8), 77 / 255.0, np.float32), atol=1e-7)
 
 
+@pytest.mark.parametrize("size", [(28, 28), (300, 200), (17, 90)])
+def test_grey_image_for_rgb_model_equals_converting_first(size):
+    # Grey sources are resized as one channel and replicated: the numbers must be exactly
+    # those of converting to RGB before resizing, upscaled or downscaled, cropped or not.
+    from index.preprocess import to_model_input
+
+    grey = Image.fromarray(np.random.default_rng(0).integers(0, 256, size[::-1], dtype=np.uint8), mode="L")
+    contract = InputContract(height=24, width=24, channels=3, resize=32)
+    out = to_model_input(grey, contract)
+    rgb = grey.convert("RGB")
+    w, h = rgb.size
+    ratio = 32 / min(w, h)
+    rgb = rgb.resize((max(1, round(w * ratio)), max(1, round(h * ratio))), Image.Resampling.BILINEAR)
+    left, top = (rgb.width - 24) // 2, (rgb.height - 24) // 2
+    pixels = np.asarray(rgb.crop((left, top, left + 24, top + 24)), np.float32).transpose(2, 0, 1)
+    assert out.dtype == np.float32 and out.flags.c_contiguous
+    np.testing.assert_array_equal(out, pixels * np.float32(contract.scale))
+
+
 def test_centre_crop_takes_the_middle():
     contract = InputContract(height=10, width=10, channels=1, scale=1.0)
     out = load_image(encode(column_image(30, 14)), contract)
