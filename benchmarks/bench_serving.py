@@ -2,7 +2,9 @@
 against two baselines measured in the same run:
 
 - the in-process ceiling: the same ONNX Runtime session and faiss index called directly, at
-  batch 1/8/32/64 and at the mean batch size the server actually formed;
+  batch 1/8/32/64 and at the mean batch size the server actually formed, measured again in
+  every round right after its servers; each ratio is one round's server figure over the same
+  round's ceiling, and the median of those ratios is reported;
 - the gRPC floor: a bare grpc.aio server answering with a canned response (no decode, model or
   index) under the same load — what Python gRPC alone allows on this machine.
 
@@ -90,7 +92,11 @@ def ensure_backbone_artifacts(run: Path, backbone: str, pretrained: str | None, 
 
 
 class Ceiling:
-    """Queries/s of embed+search called directly (median of repeats), per batch size, cached."""
+    """Queries/s of embed+search called directly, per batch size (median of `repeats` calls).
+
+    Measured afresh in every round, right after that round's servers, so each ratio compares
+    figures taken minutes apart at most: this machine's speed drifts more than that between
+    the start and the end of a run."""
 
     def __init__(self, run: Path, catalog: Path, repeats: int) -> None:
         self.embedder = OnnxEmbedder(run / "model", provider="cpu", spinning=False)  # as the server runs it
@@ -98,12 +104,9 @@ class Ceiling:
         self.blobs = [p.read_bytes() for p in read_catalog(catalog).paths[:512]]
         self.arrays = np.stack([load_image(b, self.embedder.contract) for b in self.blobs])
         self.repeats = repeats
-        self.measured: dict[int, dict] = {}
 
-    def at(self, batch: int) -> dict:
-        if batch not in self.measured:
-            self.measured[batch] = self._measure(batch)
-        return self.measured[batch]
+    def measure(self, batches: set[int]) -> dict[int, dict]:
+        return {b: self._measure(b) for b in sorted(batches)}
 
     def _measure(self, b: int) -> dict:
         batch = self.arrays[:b]
@@ -291,6 +294,29 @@ def median_rounds(rounds: list[list[dict]]) -> list[dict]:
     return out
 
 
+def paired_ratios(rounds: dict[str, list[list[dict]]], ceiling_rounds: list[dict[int, dict]]) -> dict:
+    """Per mode and concurrency, each round's server figures over the ceiling of the same round:
+    against batch 32, against the batch size the server formed (1 with batching off), and the
+    p50 the server adds to the ceiling's batch-1 latency with decoding."""
+    out: dict[str, dict[int, dict[str, list[float]]]] = {}
+    for mode in ("on", "off"):
+        per_level: dict[int, dict[str, list[float]]] = {}
+        for server_round, ceiling_round in zip(rounds[mode], ceiling_rounds, strict=True):
+            for r in server_round:
+                formed = max(1, round(r["mean_batch"])) if mode == "on" else 1
+                figures = {
+                    "vs_b32": r["qps"] / ceiling_round[32]["qps"],
+                    "vs_b32_with_decode": r["qps"] / ceiling_round[32]["qps_with_decode"],
+                    "vs_same_batch": r["qps"] / ceiling_round[formed]["qps"],
+                    "added_p50_ms": r["p50_ms"] - ceiling_round[1]["latency_with_decode_ms"],
+                }
+                level = per_level.setdefault(r["concurrency"], {key: [] for key in figures})
+                for key, value in figures.items():
+                    level[key].append(value)
+        out[mode] = per_level
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -333,25 +359,29 @@ def main() -> None:
         return h2load(port, body, c, duration, workdir / f"h2load-{port}-{c}.log")
 
     ceiling = Ceiling(run, catalog, repeats=5 if args.quick or args.backbone else 30)
-    for b in LEVELS:
-        ceiling.at(b)
     rounds: dict[str, list[list[dict]]] = {"on": [], "off": [], "floor": []}
+    ceiling_rounds: list[dict[int, dict]] = []
     for i in range(repeats):
         print(f"round {i + 1}/{repeats}", file=sys.stderr, flush=True)
         rounds["on"].append(serve_and_load(run, True, load, seconds, server_flags))
         rounds["off"].append(serve_and_load(run, False, load, seconds, server_flags))
         rounds["floor"].append(floor_and_load(load, LEVELS, seconds))
+        formed = {max(1, round(r["mean_batch"])) for r in rounds["on"][-1]}
+        ceiling_rounds.append(ceiling.measure(set(LEVELS) | formed))
     server = {mode: median_rounds(rounds[mode]) for mode in ("on", "off")}
     floor = {r["concurrency"]: r for r in median_rounds(rounds["floor"])}
-    same_batch = {r["concurrency"]: ceiling.at(max(1, round(r["mean_batch"]))) for r in server["on"]}
+    ratios = paired_ratios(rounds, ceiling_rounds)
+    ceiling_median = {
+        b: {key: statistics.median(c[b][key] for c in ceiling_rounds) for key in ceiling_rounds[0][b]} for b in LEVELS
+    }
 
     print(
         f"\nServing benchmark on {os.cpu_count()} CPUs, index {artifacts.current_version(run / 'index')}, "
         f"{args.loadgen}, {seconds:g} s per level, median of {repeats} round(s)\n"
     )
-    print("In-process ceiling (same ORT session + faiss index, called directly):")
+    print("In-process ceiling (same ORT session + faiss index, called directly; median of the rounds):")
     print(f"{'batch':>6} {'q/s':>9} {'q/s +decode':>12} {'ms/batch':>9} {'CPU ms/q':>9}")
-    for b, c in sorted(ceiling.measured.items()):
+    for b, c in ceiling_median.items():
         print(
             f"{b:>6} {c['qps']:9.0f} {c['qps_with_decode']:12.0f} {c['latency_ms']:9.2f} {c['cpu_ms_per_query']:9.3f}"
         )
@@ -359,35 +389,39 @@ def main() -> None:
     for c, r in floor.items():
         cpu = r["server_cpu_ms_per_query"]
         print(f"  concurrency {c:>3}: {r['qps']:7.0f} q/s, p50 {r['p50_ms']:.2f} ms, {cpu:.3f} ms CPU/q")
-    print("\nServer over gRPC (closed loop):")
+    print("\nServer over gRPC (closed loop; ratios: median of each round over that round's ceiling):")
     header = f"{'batching':>8} {'conc':>5} {'q/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/q':>9} {'batch':>6}"
     print(header + f" {'errors':>6} {'vs b=32':>8} {'vs same b':>9} {'vs floor':>9}  rounds q/s")
     for mode, levels in server.items():
         for r in levels:
             c = r["concurrency"]
-            same = same_batch[c]["qps"] if mode == "on" else ceiling.at(1)["qps"]
-            floor_qps = floor[c]["qps"]
+            paired = ratios[mode][c]
             print(
                 f"{mode:>8} {c:>5} {r['qps']:8.0f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} "
                 f"{r['server_cpu_ms_per_query']:9.3f} {r.get('mean_batch', 0):6.1f} {r.get('errors', 0):>6.0f} "
-                f"{r['qps'] / ceiling.at(32)['qps']:8.0%} {r['qps'] / same:9.0%} {r['qps'] / floor_qps:9.0%}  "
-                f"{r['qps_rounds']}"
+                f"{statistics.median(paired['vs_b32']):8.0%} {statistics.median(paired['vs_same_batch']):9.0%} "
+                f"{r['qps'] / floor[c]['qps']:9.0%}  {r['qps_rounds']}"
             )
     on = {r["concurrency"]: r for r in server["on"]}
     off = {r["concurrency"]: r for r in server["off"]}
-    summary = {
-        "throughput_ratio_c32_vs_ceiling_b32": on[32]["qps"] / ceiling.at(32)["qps"],
-        "throughput_ratio_c32_vs_ceiling_b32_with_decode": on[32]["qps"] / ceiling.at(32)["qps_with_decode"],
-        "throughput_ratio_c32_vs_ceiling_same_batch": on[32]["qps"] / same_batch[32]["qps"],
+    paired_summary = {
+        "throughput_ratio_c32_vs_ceiling_b32": ratios["on"][32]["vs_b32"],
+        "throughput_ratio_c32_vs_ceiling_b32_with_decode": ratios["on"][32]["vs_b32_with_decode"],
+        "throughput_ratio_c32_vs_ceiling_same_batch": ratios["on"][32]["vs_same_batch"],
+        "throughput_ratio_c32_unbatched_vs_ceiling_b32": ratios["off"][32]["vs_b32"],
+        "added_p50_ms_c1": ratios["on"][1]["added_p50_ms"],
+    }
+    summary = {key: statistics.median(values) for key, values in paired_summary.items()}
+    summary |= {
         "throughput_ratio_c32_vs_grpc_floor": on[32]["qps"] / floor[32]["qps"],
-        "added_p50_ms_c1": on[1]["p50_ms"] - ceiling.at(1)["latency_with_decode_ms"],
         "batching_speedup_c32": on[32]["qps"] / off[32]["qps"],
-        "ceiling_cpu_ms_per_query_b32": ceiling.at(32)["cpu_ms_per_query"],
+        "ceiling_cpu_ms_per_query_b32": ceiling_median[32]["cpu_ms_per_query"],
         "server_cpu_ms_per_query_c32": on[32]["server_cpu_ms_per_query"],
     }
     print("\nGoals: ≥ 90% of the ceiling at concurrency 32; ≤ 2 ms added to p50 at concurrency 1")
     for key, value in summary.items():
-        print(f"  {key}: {value:.3f}")
+        rounds_note = f"  rounds {[round(v, 3) for v in paired_summary[key]]}" if key in paired_summary else ""
+        print(f"  {key}: {value:.3f}{rounds_note}")
     out = run / "bench_serving.json"
     out.write_text(
         json.dumps(
@@ -395,7 +429,8 @@ def main() -> None:
                 "loadgen": args.loadgen,
                 "seconds": seconds,
                 "repeats": repeats,
-                "ceiling": ceiling.measured,
+                "ceiling_rounds": ceiling_rounds,
+                "paired_ratios": ratios,
                 "grpc_floor": rounds["floor"],
                 "server_rounds": {m: rounds[m] for m in ("on", "off")},
                 "server": server,
