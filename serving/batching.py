@@ -10,6 +10,11 @@ The queue is bounded: when full, `run` fails at once with RESOURCE_EXHAUSTED ins
 forever. A batch never mixes model/index pairs, so each answer comes from exactly the pair its
 request started on. Jobs whose deadline passed while queued are answered DEADLINE_EXCEEDED, and
 jobs whose caller went away (cancelled, deadline) are dropped before they cost any work.
+
+A job may arrive with its image opened but not decoded (`image`): the inference thread decodes
+it before embedding. The servicer hands over images this way when the hop to a decode thread
+would only add latency — with batching off, and with batching on when the batcher is idle —
+and a job whose pixels turn out corrupt fails alone, not its batch.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+from PIL import Image
 
 from serving.engine import Hit, SearchEngine, ServingPair
-from serving.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from serving.errors import DeadlineExceeded, ResourceExhausted, ServiceError, Unavailable
 from serving.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
@@ -32,21 +38,25 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Job:
-    """One query: an image to embed (`array`) or a ready vector, searched for k neighbours."""
+    """One query: an image to embed (`array`, or `image` still to decode) or a ready vector,
+    searched for k neighbours."""
 
     pair: ServingPair
     k: int
     exclude: set[int]
     array: np.ndarray | None = None
+    image: Image.Image | None = None  # opened, pixels not decoded: the inference thread decodes it
     vector: np.ndarray | None = None
     deadline: float | None = None  # time.monotonic() value
     future: asyncio.Future | None = None
+    received: float = field(default_factory=time.perf_counter)
     enqueued: float = 0.0
     decode_s: float = 0.0
     queue_s: float = 0.0
     embed_s: float = 0.0
     search_s: float = 0.0
     batch_size: int = 1
+    error: ServiceError | None = None  # its image failed to decode in the inference thread
 
 
 class DynamicBatcher:
@@ -73,6 +83,7 @@ class DynamicBatcher:
         self._inference = ThreadPoolExecutor(1 if enabled else workers, thread_name_prefix="inference")
         self._queue: deque[Job] = deque()
         self._in_flight = 0  # unbatched queries submitted and not yet answered
+        self._running = False  # a batch is in the inference thread
         self._arrived = asyncio.Event()  # binds to a loop on first use, not here
         self._task: asyncio.Task | None = None
         self._stopped = False
@@ -97,6 +108,13 @@ class DynamicBatcher:
         self._inference.shutdown(wait=False, cancel_futures=True)
 
     # -- submission (on the loop) -----------------------------------------------------------
+
+    @property
+    def decodes_cheaply(self) -> bool:
+        """Whether a job's image is best decoded by the inference thread: it would start on
+        it at once (batching off, or nothing queued or running), so a decode thread would
+        only add a round trip."""
+        return not self.enabled or (not self._queue and not self._running)
 
     async def run(self, job: Job) -> list[Hit]:
         """The job's top-k hits, computed in a batch with whatever else is queued."""
@@ -172,6 +190,7 @@ class DynamicBatcher:
         loop = asyncio.get_running_loop()
         while True:
             batch = await self._take_batch()
+            self._running = True
             try:
                 results = await loop.run_in_executor(self._inference, self._compute, batch)
             except asyncio.CancelledError:
@@ -185,8 +204,14 @@ class DynamicBatcher:
                     if not job.future.done():
                         job.future.set_exception(exc)
                 continue
+            finally:
+                self._running = False
             for job, hits in zip(batch, results, strict=True):
-                if not job.future.done():
+                if job.future.done():
+                    continue
+                if job.error is not None:
+                    job.future.set_exception(job.error)
+                else:
                     job.future.set_result(hits)
 
     # -- inference thread -------------------------------------------------------------------
@@ -194,13 +219,34 @@ class DynamicBatcher:
     def _compute_one(self, job: Job) -> list[Hit]:
         if job.deadline is not None and time.monotonic() > job.deadline:
             raise DeadlineExceeded("deadline passed while the query was queued")
-        return self._compute([job])[0]
+        hits = self._compute([job])[0]
+        if job.error is not None:
+            raise job.error
+        return hits
+
+    def _decode(self, job: Job) -> None:
+        started = time.perf_counter()
+        try:
+            job.array = self.engine.model_input(job.pair, job.image)
+        except ServiceError as exc:
+            job.error = exc
+        job.image = None
+        job.decode_s += time.perf_counter() - started
 
     def _compute(self, batch: list[Job]) -> list[list[Hit]]:
-        """Embed the batch's images in one ORT call and search every vector in one faiss call."""
+        """Each job's hits; a job whose image fails to decode here gets none and its `error` set."""
         started = time.perf_counter()
         for job in batch:
             job.queue_s = started - job.enqueued
+            if job.image is not None:
+                self._decode(job)
+        answered = [j for j in batch if j.error is None]
+        hits = dict(zip(map(id, answered), self._embed_and_search(answered), strict=True)) if answered else {}
+        return [hits.get(id(j), []) for j in batch]
+
+    def _embed_and_search(self, batch: list[Job]) -> list[list[Hit]]:
+        """Embed the batch's images in one ORT call and search every vector in one faiss call."""
+        started = time.perf_counter()
         pair = batch[0].pair
         to_embed = [j for j in batch if j.vector is None]
         embedding = {id(j) for j in to_embed}

@@ -2,10 +2,12 @@
 and metrics.
 
 One asyncio event loop takes every RPC; nothing on it blocks. Small images are decoded on the
-loop, larger ones in a worker pool; embedding and search run in the batcher's inference thread,
-reloads in the loop's default executor. The servicers only translate: protobuf in, plain calls on `SearchEngine` /
-`DynamicBatcher` / `RecallMonitor`, protobuf or a status code out. `SearchServer` keeps a
-blocking API (start, stop, reload, run_probe) for the CLI, tests and background threads.
+loop; larger ones by the inference thread when it would take them at once (batching off, or
+the batcher idle), else in a worker pool. Embedding and search run in the batcher's inference
+thread, reloads in the loop's default executor. The servicers only translate: protobuf in,
+plain calls on `SearchEngine` / `DynamicBatcher` / `RecallMonitor`, protobuf or a status code
+out. `SearchServer` keeps a blocking API (start, stop, reload, run_probe) for the CLI, tests and
+background threads.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from PIL import Image
 
 from index import artifacts
 from index.artifacts import ArtifactError
@@ -168,19 +171,23 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
     # -- Search -----------------------------------------------------------------------------
 
     async def decode(self, pair: ServingPair, data: bytes) -> tuple[np.ndarray, float]:
-        """Model input and the seconds it took. The header is read on the loop; the pixels are
-        decoded there only when image and model input are both small (a thread hop costs more
-        than they do), else in the decode pool, so no image can hold the loop up."""
+        """Model input and the seconds it took."""
         started = time.perf_counter()
-        image = self.engine.open_image(data)
-        contract = pair.embedder.contract
-        small = max(image.width * image.height, contract.height * contract.width) <= self.inline_decode_pixels
-        if small:
-            array = self.engine.model_input(pair, image)
-        else:
-            loop = asyncio.get_running_loop()
-            array = await loop.run_in_executor(self.decode_pool, self.engine.model_input, pair, image)
+        array = await self._model_input(pair, self.engine.open_image(data))
         return array, time.perf_counter() - started
+
+    def _decodes_inline(self, pair: ServingPair, image: Image.Image) -> bool:
+        contract = pair.embedder.contract
+        return max(image.width * image.height, contract.height * contract.width) <= self.inline_decode_pixels
+
+    async def _model_input(self, pair: ServingPair, image: Image.Image) -> np.ndarray:
+        """The header was read on the loop; the pixels are decoded there only when image and
+        model input are both small (a thread hop costs more than they do), else in the decode
+        pool, so no image can hold the loop up."""
+        if self._decodes_inline(pair, image):
+            return self.engine.model_input(pair, image)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.decode_pool, self.engine.model_input, pair, image)
 
     async def _prepare(self, request: pb.SearchRequest, pair: ServingPair, deadline: float | None) -> Job:
         engine = self.engine
@@ -189,7 +196,12 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
         kind = request.WhichOneof("query")
         job = Job(pair=pair, k=request.k, exclude=exclude, deadline=deadline)
         if kind == "image":
-            job.array, job.decode_s = await self.decode(pair, request.image)
+            image = engine.open_image(request.image)
+            if self.batcher.decodes_cheaply and not self._decodes_inline(pair, image):
+                job.image = image  # the inference thread takes it at once: one thread hop, not two
+            else:
+                job.array = await self._model_input(pair, image)
+            job.decode_s = time.perf_counter() - job.received
         elif kind == "embedding":
             job.vector = engine.check_embedding(pair, request.embedding.values)
         elif kind == "item_id":
@@ -213,7 +225,7 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
             queue_ms=job.queue_s * 1e3,
             embed_ms=job.embed_s * 1e3,
             search_ms=job.search_s * 1e3,
-            total_ms=(time.perf_counter() - job.enqueued + job.decode_s) * 1e3,
+            total_ms=(time.perf_counter() - job.received) * 1e3,
         )
         for stage, seconds in (
             ("decode", job.decode_s),

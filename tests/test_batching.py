@@ -10,7 +10,7 @@ import pytest
 from index.catalog import read_catalog
 from serving.batching import DynamicBatcher, Job
 from serving.engine import SearchEngine, load_pair
-from serving.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from serving.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from serving.metrics import ServiceMetrics
 
 pytestmark = pytest.mark.slow
@@ -150,3 +150,30 @@ def test_unbatched_mode_answers_each_query_alone(engine_and_pairs, arrays):
     assert all(j.batch_size == 1 for j in jobs)
     for j, hits in zip(jobs, answers, strict=True):
         assert [h.row for h in hits] == exact(engine, pair, j.array)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_images_left_to_the_inference_thread_are_decoded_there_and_a_corrupt_one_fails_alone(
+    demo_run, engine_and_pairs, enabled
+):
+    engine, pair, _ = engine_and_pairs
+    blobs = [p.read_bytes() for p in read_catalog(demo_run / "train" / "splits" / "test.csv").paths[:3]]
+    good = [Job(pair=pair, k=5, exclude=set(), image=engine.open_image(b)) for b in blobs[:2]]
+    truncated = blobs[2][: len(blobs[2]) // 2]  # the header reads fine, the pixels do not
+    broken = Job(pair=pair, k=5, exclude=set(), image=engine.open_image(truncated))
+
+    async def main():
+        b = batcher(engine, enabled=enabled, workers=2)
+        b.start()
+        try:
+            return await asyncio.gather(*(b.run(j) for j in (good[0], broken, good[1])), return_exceptions=True)
+        finally:
+            await b.stop()
+
+    first, failed, second = asyncio.run(main())
+    assert isinstance(failed, InvalidArgument), failed
+    assert "cannot decode image" in str(failed)
+    for j, blob, hits in zip(good, blobs[:2], (first, second), strict=True):
+        assert [h.row for h in hits] == exact(engine, pair, engine.model_input(pair, engine.open_image(blob)))
+        assert j.image is None and j.decode_s > 0
+        assert j.batch_size == (2 if enabled else 1)  # the broken one took no place in the batch
