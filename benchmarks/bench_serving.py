@@ -32,6 +32,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -107,6 +108,27 @@ class Ceiling:
 
     def measure(self, batches: set[int]) -> dict[int, dict]:
         return {b: self._measure(b) for b in sorted(batches)}
+
+    def measure_concurrent(self, callers: int, seconds: float = 1.5) -> dict:
+        """Single queries (embed + search) run by `callers` threads at once on the same session
+        and index — what the server does with batching off, one query per inference thread."""
+        done = [0] * callers
+        stop = time.perf_counter() + seconds
+
+        def call(i: int) -> None:
+            one = self.arrays[i : i + 1]
+            while time.perf_counter() < stop:
+                self.index.search(self.embedder.embed(one), 10)
+                done[i] += 1
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(callers)]
+        t, cpu = time.perf_counter(), time.process_time()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
+        return {"callers": callers, "qps": sum(done) / elapsed, "cpu_ms_per_query": cpu * 1e3 / max(sum(done), 1)}
 
     def _measure(self, b: int) -> dict:
         batch = self.arrays[:b]
@@ -294,21 +316,31 @@ def median_rounds(rounds: list[list[dict]]) -> list[dict]:
     return out
 
 
-def paired_ratios(rounds: dict[str, list[list[dict]]], ceiling_rounds: list[dict[int, dict]]) -> dict:
+def unbatched_threads(server_flags: tuple[str, ...]) -> int:
+    """The unbatched server's inference threads: its `--workers`, by default the CPU count."""
+    flags = list(server_flags)
+    if "--workers" in flags and flags.index("--workers") + 1 < len(flags):
+        return int(flags[flags.index("--workers") + 1])
+    return os.cpu_count() or 1
+
+
+def paired_ratios(rounds: dict[str, list[list[dict]]], ceiling_rounds: list[dict]) -> dict:
     """Per mode and concurrency, each round's server figures over the ceiling of the same round:
-    against batch 32, against the batch size the server formed (1 with batching off), and the
-    p50 the server adds to the ceiling's batch-1 latency with decoding."""
+    against batch 32; against the same work the server did (the batch size it formed, or with
+    batching off single queries run by as many threads at once as its inference threads); and
+    the p50 the server adds to the ceiling's batch-1 latency with decoding."""
     out: dict[str, dict[int, dict[str, list[float]]]] = {}
     for mode in ("on", "off"):
         per_level: dict[int, dict[str, list[float]]] = {}
         for server_round, ceiling_round in zip(rounds[mode], ceiling_rounds, strict=True):
+            batches = ceiling_round["batches"]
             for r in server_round:
-                formed = max(1, round(r["mean_batch"])) if mode == "on" else 1
+                same = batches[max(1, round(r["mean_batch"]))] if mode == "on" else ceiling_round["concurrent"]
                 figures = {
-                    "vs_b32": r["qps"] / ceiling_round[32]["qps"],
-                    "vs_b32_with_decode": r["qps"] / ceiling_round[32]["qps_with_decode"],
-                    "vs_same_batch": r["qps"] / ceiling_round[formed]["qps"],
-                    "added_p50_ms": r["p50_ms"] - ceiling_round[1]["latency_with_decode_ms"],
+                    "vs_b32": r["qps"] / batches[32]["qps"],
+                    "vs_b32_with_decode": r["qps"] / batches[32]["qps_with_decode"],
+                    "vs_same_batch": r["qps"] / same["qps"],
+                    "added_p50_ms": r["p50_ms"] - batches[1]["latency_with_decode_ms"],
                 }
                 level = per_level.setdefault(r["concurrency"], {key: [] for key in figures})
                 for key, value in figures.items():
@@ -360,19 +392,26 @@ def main() -> None:
 
     ceiling = Ceiling(run, catalog, repeats=5 if args.quick or args.backbone else 30)
     rounds: dict[str, list[list[dict]]] = {"on": [], "off": [], "floor": []}
-    ceiling_rounds: list[dict[int, dict]] = []
+    ceiling_rounds: list[dict] = []  # {"batches": {b: figures}, "concurrent": figures}
+    callers = unbatched_threads(server_flags)
     for i in range(repeats):
         print(f"round {i + 1}/{repeats}", file=sys.stderr, flush=True)
         rounds["on"].append(serve_and_load(run, True, load, seconds, server_flags))
         rounds["off"].append(serve_and_load(run, False, load, seconds, server_flags))
         rounds["floor"].append(floor_and_load(load, LEVELS, seconds))
         formed = {max(1, round(r["mean_batch"])) for r in rounds["on"][-1]}
-        ceiling_rounds.append(ceiling.measure(set(LEVELS) | formed))
+        ceiling_rounds.append(
+            {"batches": ceiling.measure(set(LEVELS) | formed), "concurrent": ceiling.measure_concurrent(callers)}
+        )
     server = {mode: median_rounds(rounds[mode]) for mode in ("on", "off")}
     floor = {r["concurrency"]: r for r in median_rounds(rounds["floor"])}
     ratios = paired_ratios(rounds, ceiling_rounds)
+    keys = ceiling_rounds[0]["batches"][1].keys()
     ceiling_median = {
-        b: {key: statistics.median(c[b][key] for c in ceiling_rounds) for key in ceiling_rounds[0][b]} for b in LEVELS
+        b: {key: statistics.median(c["batches"][b][key] for c in ceiling_rounds) for key in keys} for b in LEVELS
+    }
+    concurrent = {
+        key: statistics.median(c["concurrent"][key] for c in ceiling_rounds) for key in ("qps", "cpu_ms_per_query")
     }
 
     print(
@@ -385,6 +424,10 @@ def main() -> None:
         print(
             f"{b:>6} {c['qps']:9.0f} {c['qps_with_decode']:12.0f} {c['latency_ms']:9.2f} {c['cpu_ms_per_query']:9.3f}"
         )
+    print(
+        f"single queries, {callers} threads at once (as the unbatched server): {concurrent['qps']:.0f} q/s, "
+        f"{concurrent['cpu_ms_per_query']:.3f} ms CPU/q"
+    )
     print("\ngRPC floor (bare grpc.aio server, canned response, same load):")
     for c, r in floor.items():
         cpu = r["server_cpu_ms_per_query"]
