@@ -1,10 +1,14 @@
-"""Serving benchmark: queries/s and p50/p99 at concurrency 1/8/32/64, dynamic batching on and off,
-against two baselines measured in the same run:
+"""Serving benchmark: queries/s and p50/p99 at concurrency 1/8/32/64 for three server modes —
+dynamic batching on (`on`), off (`off`), and off with single-threaded ONNX Runtime runs side by
+side (`off-1t`, the CPU throughput setting for convolutional models) — against two baselines
+measured in the same run:
 
 - the in-process ceiling: the same ONNX Runtime session and faiss index called directly, at
   batch 1/8/32/64 and at the mean batch size the server actually formed, measured again in
   every round right after its servers; each ratio is one round's server figure over the same
-  round's ceiling, and the median of those ratios is reported;
+  round's ceiling, and the median of those ratios is reported. Each mode is also compared with
+  the same work done directly (batches of the size it formed, or single queries run by as many
+  threads at once on the same kind of session) and with the best of all these ceilings;
 - the gRPC floor: a bare grpc.aio server answering with a canned response (no decode, model or
   index) under the same load — what Python gRPC alone allows on this machine.
 
@@ -51,6 +55,13 @@ from index.preprocess import load_image  # noqa: E402
 from protos.simsearch.v1 import search_pb2 as pb  # noqa: E402
 
 LEVELS = [1, 8, 32, 64]
+# Server modes and their `serve` flags. off-1t: batching off, single-threaded ONNX Runtime runs
+# side by side (`--workers` at once) — the CPU throughput setting for convolutional models.
+MODES = {
+    "on": ("--batching", "true"),
+    "off": ("--batching", "false"),
+    "off-1t": ("--batching", "false", "--intra-op-threads", "1"),
+}
 Load = Callable[[int, int, float], dict]  # (port, concurrency, seconds) → one closed-loop run's figures
 SEARCH_PATH = "/simsearch.v1.SimilaritySearch/Search"
 
@@ -101,6 +112,7 @@ class Ceiling:
 
     def __init__(self, run: Path, catalog: Path, repeats: int) -> None:
         self.embedder = OnnxEmbedder(run / "model", provider="cpu", spinning=False)  # as the server runs it
+        self.single_threaded = OnnxEmbedder(run / "model", provider="cpu", intra_op_threads=1, spinning=False)
         self.index = load_index(artifacts.version_dir(run / "index") / artifacts.INDEX_FILE)
         self.blobs = [p.read_bytes() for p in read_catalog(catalog).paths[:512]]
         self.arrays = np.stack([load_image(b, self.embedder.contract) for b in self.blobs])
@@ -109,16 +121,17 @@ class Ceiling:
     def measure(self, batches: set[int]) -> dict[int, dict]:
         return {b: self._measure(b) for b in sorted(batches)}
 
-    def measure_concurrent(self, callers: int, seconds: float = 1.5) -> dict:
-        """Single queries (embed + search) run by `callers` threads at once on the same session
-        and index — what the server does with batching off, one query per inference thread."""
+    def measure_concurrent(self, callers: int, single_threaded: bool = False, seconds: float = 1.5) -> dict:
+        """Single queries (embed + search) run by `callers` threads at once on one session and
+        index — what the server does with batching off, one query per inference thread."""
+        embedder = self.single_threaded if single_threaded else self.embedder
         done = [0] * callers
         stop = time.perf_counter() + seconds
 
         def call(i: int) -> None:
             one = self.arrays[i : i + 1]
             while time.perf_counter() < stop:
-                self.index.search(self.embedder.embed(one), 10)
+                self.index.search(embedder.embed(one), 10)
                 done[i] += 1
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(callers)]
@@ -273,12 +286,12 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def serve_and_load(run: Path, batching: bool, load: Load, seconds: float, server_flags: tuple[str, ...]) -> list[dict]:
+def serve_and_load(run: Path, mode: str, load: Load, seconds: float, server_flags: tuple[str, ...]) -> list[dict]:
     port, metrics_port = free_port(), free_port()
     command = [sys.executable, "-m", "serving", "serve", "--index-root", str(run / "index")]
-    command += ["--port", str(port), "--metrics-port", str(metrics_port), "--batching", str(batching).lower()]
+    command += ["--port", str(port), "--metrics-port", str(metrics_port)]
     command += ["--max-batch-size", "32", "--probe-interval-s", "3600", "--probe-size", "1"]
-    command += ["--ann-sample-rate", "0", "--log-format", "text", *server_flags]
+    command += ["--ann-sample-rate", "0", "--log-format", "text", *server_flags, *MODES[mode]]
     proc = start(command, lambda: healthy(metrics_port))
     try:
         return measure(proc, port, load, LEVELS, seconds, metrics_port)
@@ -325,21 +338,28 @@ def unbatched_threads(server_flags: tuple[str, ...]) -> int:
 
 
 def paired_ratios(rounds: dict[str, list[list[dict]]], ceiling_rounds: list[dict]) -> dict:
-    """Per mode and concurrency, each round's server figures over the ceiling of the same round:
+    """Per mode and concurrency, each round's server figures over the ceilings of the same round:
     against batch 32; against the same work the server did (the batch size it formed, or with
-    batching off single queries run by as many threads at once as its inference threads); and
-    the p50 the server adds to the ceiling's batch-1 latency with decoding."""
+    batching off single queries run by as many threads at once on the same kind of session);
+    against the best of them all; and the p50 the server adds to the ceiling's batch-1 latency
+    with decoding."""
     out: dict[str, dict[int, dict[str, list[float]]]] = {}
-    for mode in ("on", "off"):
+    for mode in MODES:
         per_level: dict[int, dict[str, list[float]]] = {}
         for server_round, ceiling_round in zip(rounds[mode], ceiling_rounds, strict=True):
             batches = ceiling_round["batches"]
+            best = max(batches[32]["qps"], ceiling_round["concurrent"]["qps"], ceiling_round["concurrent_1t"]["qps"])
             for r in server_round:
-                same = batches[max(1, round(r["mean_batch"]))] if mode == "on" else ceiling_round["concurrent"]
+                same = {
+                    "on": batches[max(1, round(r["mean_batch"]))],
+                    "off": ceiling_round["concurrent"],
+                    "off-1t": ceiling_round["concurrent_1t"],
+                }[mode]
                 figures = {
                     "vs_b32": r["qps"] / batches[32]["qps"],
                     "vs_b32_with_decode": r["qps"] / batches[32]["qps_with_decode"],
                     "vs_same_batch": r["qps"] / same["qps"],
+                    "vs_best": r["qps"] / best,
                     "added_p50_ms": r["p50_ms"] - batches[1]["latency_with_decode_ms"],
                 }
                 level = per_level.setdefault(r["concurrency"], {key: [] for key in figures})
@@ -391,19 +411,23 @@ def main() -> None:
         return h2load(port, body, c, duration, workdir / f"h2load-{port}-{c}.log")
 
     ceiling = Ceiling(run, catalog, repeats=5 if args.quick or args.backbone else 30)
-    rounds: dict[str, list[list[dict]]] = {"on": [], "off": [], "floor": []}
-    ceiling_rounds: list[dict] = []  # {"batches": {b: figures}, "concurrent": figures}
+    rounds: dict[str, list[list[dict]]] = {mode: [] for mode in [*MODES, "floor"]}
+    ceiling_rounds: list[dict] = []  # {"batches": {b: figures}, "concurrent": figures, "concurrent_1t": figures}
     callers = unbatched_threads(server_flags)
     for i in range(repeats):
         print(f"round {i + 1}/{repeats}", file=sys.stderr, flush=True)
-        rounds["on"].append(serve_and_load(run, True, load, seconds, server_flags))
-        rounds["off"].append(serve_and_load(run, False, load, seconds, server_flags))
+        for mode in MODES:
+            rounds[mode].append(serve_and_load(run, mode, load, seconds, server_flags))
         rounds["floor"].append(floor_and_load(load, LEVELS, seconds))
         formed = {max(1, round(r["mean_batch"])) for r in rounds["on"][-1]}
         ceiling_rounds.append(
-            {"batches": ceiling.measure(set(LEVELS) | formed), "concurrent": ceiling.measure_concurrent(callers)}
+            {
+                "batches": ceiling.measure(set(LEVELS) | formed),
+                "concurrent": ceiling.measure_concurrent(callers),
+                "concurrent_1t": ceiling.measure_concurrent(callers, single_threaded=True),
+            }
         )
-    server = {mode: median_rounds(rounds[mode]) for mode in ("on", "off")}
+    server = {mode: median_rounds(rounds[mode]) for mode in MODES}
     floor = {r["concurrency"]: r for r in median_rounds(rounds["floor"])}
     ratios = paired_ratios(rounds, ceiling_rounds)
     keys = ceiling_rounds[0]["batches"][1].keys()
@@ -411,7 +435,8 @@ def main() -> None:
         b: {key: statistics.median(c["batches"][b][key] for c in ceiling_rounds) for key in keys} for b in LEVELS
     }
     concurrent = {
-        key: statistics.median(c["concurrent"][key] for c in ceiling_rounds) for key in ("qps", "cpu_ms_per_query")
+        kind: {key: statistics.median(c[kind][key] for c in ceiling_rounds) for key in ("qps", "cpu_ms_per_query")}
+        for kind in ("concurrent", "concurrent_1t")
     }
 
     print(
@@ -424,17 +449,19 @@ def main() -> None:
         print(
             f"{b:>6} {c['qps']:9.0f} {c['qps_with_decode']:12.0f} {c['latency_ms']:9.2f} {c['cpu_ms_per_query']:9.3f}"
         )
-    print(
-        f"single queries, {callers} threads at once (as the unbatched server): {concurrent['qps']:.0f} q/s, "
-        f"{concurrent['cpu_ms_per_query']:.3f} ms CPU/q"
-    )
+    for kind, session in (("concurrent", "the same session"), ("concurrent_1t", "a single-threaded session")):
+        figures = concurrent[kind]
+        print(
+            f"single queries, {callers} threads at once on {session}: {figures['qps']:.0f} q/s, "
+            f"{figures['cpu_ms_per_query']:.3f} ms CPU/q"
+        )
     print("\ngRPC floor (bare grpc.aio server, canned response, same load):")
     for c, r in floor.items():
         cpu = r["server_cpu_ms_per_query"]
         print(f"  concurrency {c:>3}: {r['qps']:7.0f} q/s, p50 {r['p50_ms']:.2f} ms, {cpu:.3f} ms CPU/q")
     print("\nServer over gRPC (closed loop; ratios: median of each round over that round's ceiling):")
-    header = f"{'batching':>8} {'conc':>5} {'q/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/q':>9} {'batch':>6}"
-    print(header + f" {'errors':>6} {'vs b=32':>8} {'vs same b':>9} {'vs floor':>9}  rounds q/s")
+    header = f"{'mode':>8} {'conc':>5} {'q/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU ms/q':>9} {'batch':>6}"
+    print(header + f" {'errors':>6} {'vs b=32':>8} {'vs same':>8} {'vs best':>8} {'vs floor':>9}  rounds q/s")
     for mode, levels in server.items():
         for r in levels:
             c = r["concurrency"]
@@ -442,7 +469,8 @@ def main() -> None:
             print(
                 f"{mode:>8} {c:>5} {r['qps']:8.0f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} "
                 f"{r['server_cpu_ms_per_query']:9.3f} {r.get('mean_batch', 0):6.1f} {r.get('errors', 0):>6.0f} "
-                f"{statistics.median(paired['vs_b32']):8.0%} {statistics.median(paired['vs_same_batch']):9.0%} "
+                f"{statistics.median(paired['vs_b32']):8.0%} {statistics.median(paired['vs_same_batch']):8.0%} "
+                f"{statistics.median(paired['vs_best']):8.0%} "
                 f"{r['qps'] / floor[c]['qps']:9.0%}  {r['qps_rounds']}"
             )
     on = {r["concurrency"]: r for r in server["on"]}
@@ -452,6 +480,7 @@ def main() -> None:
         "throughput_ratio_c32_vs_ceiling_b32_with_decode": ratios["on"][32]["vs_b32_with_decode"],
         "throughput_ratio_c32_vs_ceiling_same_batch": ratios["on"][32]["vs_same_batch"],
         "throughput_ratio_c32_unbatched_vs_ceiling_b32": ratios["off"][32]["vs_b32"],
+        **{f"throughput_ratio_c32_{mode}_vs_best_ceiling": ratios[mode][32]["vs_best"] for mode in MODES},
         "added_p50_ms_c1": ratios["on"][1]["added_p50_ms"],
     }
     summary = {key: statistics.median(values) for key, values in paired_summary.items()}
@@ -475,7 +504,7 @@ def main() -> None:
                 "ceiling_rounds": ceiling_rounds,
                 "paired_ratios": ratios,
                 "grpc_floor": rounds["floor"],
-                "server_rounds": {m: rounds[m] for m in ("on", "off")},
+                "server_rounds": {m: rounds[m] for m in MODES},
                 "server": server,
                 "summary": summary,
             },
