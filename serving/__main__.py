@@ -60,7 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-size", dest="max_batch_size", type=int, help="queries per ORT/faiss batch")
     serve.add_argument("--max-wait-ms", dest="max_wait_ms", type=float, help="longest wait to fill a batch")
     serve.add_argument("--max-queue", dest="max_queue", type=int, help="queued queries before RESOURCE_EXHAUSTED")
-    serve.add_argument("--intra-op-threads", dest="intra_op_threads", type=int, help="ONNX Runtime threads")
+    serve.add_argument(
+        "--intra-op-threads",
+        dest="intra_op_threads",
+        type=int,
+        help="ONNX Runtime threads per run (default: CPU count, at most 8); 1 with --batching false "
+        "runs --workers queries side by side: the CPU throughput setting for convolutional models",
+    )
     serve.add_argument(
         "--ort-spinning",
         dest="ort_spinning",

@@ -94,8 +94,9 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value < 65536:
                 raise ValueError(f"{name} must be within 0..65535, got {value}")
-        if self.workers is not None and self.workers <= 0:
-            raise ValueError(f"workers must be positive, got {self.workers}")
+        for name in ("workers", "intra_op_threads"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
         if self.inline_decode_pixels < 0:
