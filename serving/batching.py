@@ -83,7 +83,7 @@ class DynamicBatcher:
         self._inference = ThreadPoolExecutor(1 if enabled else workers, thread_name_prefix="inference")
         self._queue: deque[Job] = deque()
         self._in_flight = 0  # unbatched queries submitted and not yet answered
-        self._running = False  # a batch is in the inference thread
+        self._running = False  # a batch is in the inference thread, or filling up
         self._arrived = asyncio.Event()  # binds to a loop on first use, not here
         self._task: asyncio.Task | None = None
         self._stopped = False
@@ -171,6 +171,9 @@ class DynamicBatcher:
                 if remaining <= 0:
                     break
             self._arrived.clear()
+            # A batch waiting to fill counts as running: images arriving now decode in the pool
+            # while it waits, not one after another in the inference thread once it is full.
+            self._running = bool(batch)
             try:
                 if not batch:
                     await self._arrived.wait()

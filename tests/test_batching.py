@@ -177,3 +177,24 @@ def test_images_left_to_the_inference_thread_are_decoded_there_and_a_corrupt_one
         assert [h.row for h in hits] == exact(engine, pair, engine.model_input(pair, engine.open_image(blob)))
         assert j.image is None and j.decode_s > 0
         assert j.batch_size == (2 if enabled else 1)  # the broken one took no place in the batch
+
+
+def test_images_go_to_the_inference_thread_only_when_it_would_take_them_at_once(engine_and_pairs, arrays):
+    engine, pair, _ = engine_and_pairs
+
+    async def main():
+        b = batcher(engine, max_wait_s=0.3)
+        b.start()
+        try:
+            idle = b.decodes_cheaply
+            first = asyncio.ensure_future(b.run(job(pair, arrays[0])))
+            await asyncio.sleep(0.05)
+            filling = b.decodes_cheaply  # the batch waits for more: images should decode meanwhile
+            await first
+            await asyncio.sleep(0.05)
+            return idle, filling, b.decodes_cheaply
+        finally:
+            await b.stop()
+
+    assert asyncio.run(main()) == (True, False, True)
+    assert batcher(engine, enabled=False).decodes_cheaply  # unbatched: a free thread takes it
