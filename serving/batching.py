@@ -83,7 +83,7 @@ class DynamicBatcher:
         self._inference = ThreadPoolExecutor(1 if enabled else workers, thread_name_prefix="inference")
         self._queue: deque[Job] = deque()
         self._in_flight = 0  # unbatched queries submitted and not yet answered
-        self._running = False  # a batch is in the inference thread, or filling up
+        self._busy = False  # a batch is in the inference thread, or filling up
         self._arrived = asyncio.Event()  # binds to a loop on first use, not here
         self._task: asyncio.Task | None = None
         self._stopped = False
@@ -111,10 +111,11 @@ class DynamicBatcher:
 
     @property
     def decodes_cheaply(self) -> bool:
-        """Whether a job's image is best decoded by the inference thread: it would start on
-        it at once (batching off, or nothing queued or running), so a decode thread would
-        only add a round trip."""
-        return not self.enabled or (not self._queue and not self._running)
+        """Whether a job's image is best decoded by the inference thread, a decode thread
+        only adding a round trip: with batching off (the query runs alone on an inference
+        thread either way), or when no batch is queued, filling up or running (it would
+        start at once)."""
+        return not self.enabled or (not self._queue and not self._busy)
 
     async def run(self, job: Job) -> list[Hit]:
         """The job's top-k hits, computed in a batch with whatever else is queued."""
@@ -173,7 +174,7 @@ class DynamicBatcher:
             self._arrived.clear()
             # A batch waiting to fill counts as running: images arriving now decode in the pool
             # while it waits, not one after another in the inference thread once it is full.
-            self._running = bool(batch)
+            self._busy = bool(batch)
             try:
                 if not batch:
                     await self._arrived.wait()
@@ -193,7 +194,7 @@ class DynamicBatcher:
         loop = asyncio.get_running_loop()
         while True:
             batch = await self._take_batch()
-            self._running = True
+            self._busy = True
             try:
                 results = await loop.run_in_executor(self._inference, self._compute, batch)
             except asyncio.CancelledError:
@@ -208,7 +209,7 @@ class DynamicBatcher:
                         job.future.set_exception(exc)
                 continue
             finally:
-                self._running = False
+                self._busy = False
             for job, hits in zip(batch, results, strict=True):
                 if job.future.done():
                     continue

@@ -171,12 +171,6 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
 
     # -- Search -----------------------------------------------------------------------------
 
-    async def decode(self, pair: ServingPair, data: bytes) -> tuple[np.ndarray, float]:
-        """Model input and the seconds it took."""
-        started = time.perf_counter()
-        array = await self._model_input(pair, self.engine.open_image(data))
-        return array, time.perf_counter() - started
-
     def _decodes_inline(self, pair: ServingPair, image: Image.Image) -> bool:
         contract = pair.embedder.contract
         return max(image.width * image.height, contract.height * contract.width) <= self.inline_decode_pixels
@@ -295,7 +289,7 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
         async def body():
             pair = self.engine.pair
             started = time.perf_counter()
-            array, _ = await self.decode(pair, request.image)
+            array = await self._model_input(pair, self.engine.open_image(request.image))
             vector = (await asyncio.get_running_loop().run_in_executor(None, self.engine.embed, pair, [array]))[0]
             return pb.EmbedResponse(
                 embedding=vector.tolist(),
