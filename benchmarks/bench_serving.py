@@ -1,14 +1,15 @@
-"""Serving benchmark: queries/s and p50/p99 at concurrency 1/8/32/64 for three server modes —
-dynamic batching on (`on`), off (`off`), and off with single-threaded ONNX Runtime runs side by
-side (`off-1t`, the CPU throughput setting for convolutional models) — against two baselines
-measured in the same run:
+"""Serving benchmark: queries/s and p50/p99 at concurrency 1/8/32/64 for both server modes —
+dynamic batching on (`on`) and off (`off`: each query alone on one of `--workers` inference
+threads, on every ONNX Runtime thread when it is the only one in flight and single-threaded
+beside others) — against two baselines measured in the same run:
 
 - the in-process ceiling: the same ONNX Runtime session and faiss index called directly, at
   batch 1/8/32/64 and at the mean batch size the server actually formed, measured again in
   every round right after its servers; each ratio is one round's server figure over the same
   round's ceiling, and the median of those ratios is reported. Each mode is also compared with
-  the same work done directly (batches of the size it formed, or single queries run by as many
-  threads at once on the same kind of session) and with the best of all these ceilings;
+  the same work done directly (batches of the size it formed; or single queries, one at a time
+  at concurrency 1 and otherwise by as many threads at once on a single-threaded session) and
+  with the best of all these ceilings;
 - the gRPC floor: a bare grpc.aio server answering with a canned response (no decode, model or
   index) under the same load — what Python gRPC alone allows on this machine.
 
@@ -55,13 +56,8 @@ from index.preprocess import load_image  # noqa: E402
 from protos.simsearch.v1 import search_pb2 as pb  # noqa: E402
 
 LEVELS = [1, 8, 32, 64]
-# Server modes and their `serve` flags. off-1t: batching off, single-threaded ONNX Runtime runs
-# side by side (`--workers` at once) — the CPU throughput setting for convolutional models.
-MODES = {
-    "on": ("--batching", "true"),
-    "off": ("--batching", "false"),
-    "off-1t": ("--batching", "false", "--intra-op-threads", "1"),
-}
+# Server modes and their `serve` flags.
+MODES = {"on": ("--batching", "true"), "off": ("--batching", "false")}
 Load = Callable[[int, int, float], dict]  # (port, concurrency, seconds) → one closed-loop run's figures
 SEARCH_PATH = "/simsearch.v1.SimilaritySearch/Search"
 
@@ -111,8 +107,8 @@ class Ceiling:
     the start and the end of a run."""
 
     def __init__(self, run: Path, catalog: Path, repeats: int) -> None:
-        self.embedder = OnnxEmbedder(run / "model", provider="cpu", spinning=False)  # as the server runs it
-        self.single_threaded = OnnxEmbedder(run / "model", provider="cpu", intra_op_threads=1, spinning=False)
+        # As the server runs it: every thread for a batch or a query alone, one beside others.
+        self.embedder = OnnxEmbedder(run / "model", provider="cpu", spinning=False, side_by_side=True)
         self.index = load_index(artifacts.version_dir(run / "index") / artifacts.INDEX_FILE)
         self.blobs = [p.read_bytes() for p in read_catalog(catalog).paths[:512]]
         self.arrays = np.stack([load_image(b, self.embedder.contract) for b in self.blobs])
@@ -121,17 +117,16 @@ class Ceiling:
     def measure(self, batches: set[int]) -> dict[int, dict]:
         return {b: self._measure(b) for b in sorted(batches)}
 
-    def measure_concurrent(self, callers: int, single_threaded: bool = False, seconds: float = 1.5) -> dict:
-        """Single queries (embed + search) run by `callers` threads at once on one session and
-        index — what the server does with batching off, one query per inference thread."""
-        embedder = self.single_threaded if single_threaded else self.embedder
+    def measure_concurrent(self, callers: int, seconds: float = 1.5) -> dict:
+        """Single queries (embed + search) run by `callers` threads at once, each single-threaded,
+        on one model and index — what the server does under load with batching off."""
         done = [0] * callers
         stop = time.perf_counter() + seconds
 
         def call(i: int) -> None:
             one = self.arrays[i : i + 1]
             while time.perf_counter() < stop:
-                self.index.search(embedder.embed(one), 10)
+                self.index.search(self.embedder.embed(one, side_by_side=True), 10)
                 done[i] += 1
 
         threads = [threading.Thread(target=call, args=(i,)) for i in range(callers)]
@@ -339,22 +334,21 @@ def unbatched_threads(server_flags: tuple[str, ...]) -> int:
 
 def paired_ratios(rounds: dict[str, list[list[dict]]], ceiling_rounds: list[dict]) -> dict:
     """Per mode and concurrency, each round's server figures over the ceilings of the same round:
-    against batch 32; against the same work the server did (the batch size it formed, or with
-    batching off single queries run by as many threads at once on the same kind of session);
-    against the best of them all; and the p50 the server adds to the ceiling's batch-1 latency
-    with decoding."""
+    against batch 32; against the same work the server did (the batch size it formed; with
+    batching off, single queries one at a time at concurrency 1, else run by as many threads at
+    once, single-threaded); against the best of them all; and the p50 the server adds to the
+    ceiling's batch-1 latency with decoding."""
     out: dict[str, dict[int, dict[str, list[float]]]] = {}
     for mode in MODES:
         per_level: dict[int, dict[str, list[float]]] = {}
         for server_round, ceiling_round in zip(rounds[mode], ceiling_rounds, strict=True):
             batches = ceiling_round["batches"]
-            best = max(batches[32]["qps"], ceiling_round["concurrent"]["qps"], ceiling_round["concurrent_1t"]["qps"])
+            best = max(batches[32]["qps"], ceiling_round["concurrent"]["qps"])
             for r in server_round:
-                same = {
-                    "on": batches[max(1, round(r["mean_batch"]))],
-                    "off": ceiling_round["concurrent"],
-                    "off-1t": ceiling_round["concurrent_1t"],
-                }[mode]
+                if mode == "on":
+                    same = batches[max(1, round(r["mean_batch"]))]
+                else:
+                    same = batches[1] if r["concurrency"] == 1 else ceiling_round["concurrent"]
                 figures = {
                     "vs_b32": r["qps"] / batches[32]["qps"],
                     "vs_b32_with_decode": r["qps"] / batches[32]["qps_with_decode"],
@@ -412,7 +406,7 @@ def main() -> None:
 
     ceiling = Ceiling(run, catalog, repeats=5 if args.quick or args.backbone else 30)
     rounds: dict[str, list[list[dict]]] = {mode: [] for mode in [*MODES, "floor"]}
-    ceiling_rounds: list[dict] = []  # {"batches": {b: figures}, "concurrent": figures, "concurrent_1t": figures}
+    ceiling_rounds: list[dict] = []  # {"batches": {b: figures}, "concurrent": figures}
     callers = unbatched_threads(server_flags)
     for i in range(repeats):
         print(f"round {i + 1}/{repeats}", file=sys.stderr, flush=True)
@@ -424,7 +418,6 @@ def main() -> None:
             {
                 "batches": ceiling.measure(set(LEVELS) | formed),
                 "concurrent": ceiling.measure_concurrent(callers),
-                "concurrent_1t": ceiling.measure_concurrent(callers, single_threaded=True),
             }
         )
     server = {mode: median_rounds(rounds[mode]) for mode in MODES}
@@ -435,8 +428,7 @@ def main() -> None:
         b: {key: statistics.median(c["batches"][b][key] for c in ceiling_rounds) for key in keys} for b in LEVELS
     }
     concurrent = {
-        kind: {key: statistics.median(c[kind][key] for c in ceiling_rounds) for key in ("qps", "cpu_ms_per_query")}
-        for kind in ("concurrent", "concurrent_1t")
+        key: statistics.median(c["concurrent"][key] for c in ceiling_rounds) for key in ("qps", "cpu_ms_per_query")
     }
 
     print(
@@ -449,12 +441,10 @@ def main() -> None:
         print(
             f"{b:>6} {c['qps']:9.0f} {c['qps_with_decode']:12.0f} {c['latency_ms']:9.2f} {c['cpu_ms_per_query']:9.3f}"
         )
-    for kind, session in (("concurrent", "the same session"), ("concurrent_1t", "a single-threaded session")):
-        figures = concurrent[kind]
-        print(
-            f"single queries, {callers} threads at once on {session}: {figures['qps']:.0f} q/s, "
-            f"{figures['cpu_ms_per_query']:.3f} ms CPU/q"
-        )
+    print(
+        f"single queries, {callers} threads at once, single-threaded: {concurrent['qps']:.0f} q/s, "
+        f"{concurrent['cpu_ms_per_query']:.3f} ms CPU/q"
+    )
     print("\ngRPC floor (bare grpc.aio server, canned response, same load):")
     for c, r in floor.items():
         cpu = r["server_cpu_ms_per_query"]
@@ -482,6 +472,7 @@ def main() -> None:
         "throughput_ratio_c32_unbatched_vs_ceiling_b32": ratios["off"][32]["vs_b32"],
         **{f"throughput_ratio_c32_{mode}_vs_best_ceiling": ratios[mode][32]["vs_best"] for mode in MODES},
         "added_p50_ms_c1": ratios["on"][1]["added_p50_ms"],
+        "added_p50_ms_c1_unbatched": ratios["off"][1]["added_p50_ms"],
     }
     summary = {key: statistics.median(values) for key, values in paired_summary.items()}
     summary |= {

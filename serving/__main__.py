@@ -64,8 +64,9 @@ def _parser() -> argparse.ArgumentParser:
         "--intra-op-threads",
         dest="intra_op_threads",
         type=int,
-        help="ONNX Runtime threads per run (default: CPU count, at most 8); 1 with --batching false "
-        "runs --workers queries side by side: the CPU throughput setting for convolutional models",
+        help="ONNX Runtime threads per run (default: CPU count, at most 8; with --batching false, "
+        "one for a query run beside others, so --workers of them run side by side); setting it "
+        "uses that many for every run",
     )
     serve.add_argument(
         "--ort-spinning",

@@ -223,7 +223,9 @@ class DynamicBatcher:
     def _compute_one(self, job: Job) -> list[Hit]:
         if job.deadline is not None and time.monotonic() > job.deadline:
             raise DeadlineExceeded("deadline passed while the query was queued")
-        hits = self._compute([job])[0]
+        # Another query in flight means runs side by side: each takes a single-threaded session
+        # rather than sharing the multi-threaded one; a query alone gets every core.
+        hits = self._compute([job], side_by_side=self._in_flight > 1)[0]
         if job.error is not None:
             raise job.error
         return hits
@@ -237,7 +239,7 @@ class DynamicBatcher:
         job.image = None
         job.decode_s += time.perf_counter() - started
 
-    def _compute(self, batch: list[Job]) -> list[list[Hit]]:
+    def _compute(self, batch: list[Job], side_by_side: bool = False) -> list[list[Hit]]:
         """Each job's hits; a job whose image fails to decode here gets none and its `error` set."""
         started = time.perf_counter()
         for job in batch:
@@ -245,17 +247,19 @@ class DynamicBatcher:
             if job.image is not None:
                 self._decode(job)
         answered = [j for j in batch if j.error is None]
-        hits = dict(zip(map(id, answered), self._embed_and_search(answered), strict=True)) if answered else {}
+        if not answered:
+            return [[] for _ in batch]
+        hits = dict(zip(map(id, answered), self._embed_and_search(answered, side_by_side), strict=True))
         return [hits.get(id(j), []) for j in batch]
 
-    def _embed_and_search(self, batch: list[Job]) -> list[list[Hit]]:
+    def _embed_and_search(self, batch: list[Job], side_by_side: bool = False) -> list[list[Hit]]:
         """Embed the batch's images in one ORT call and search every vector in one faiss call."""
         started = time.perf_counter()
         pair = batch[0].pair
         to_embed = [j for j in batch if j.vector is None]
         embedding = {id(j) for j in to_embed}
         if to_embed:
-            vectors = self.engine.embed(pair, [j.array for j in to_embed])
+            vectors = self.engine.embed(pair, [j.array for j in to_embed], side_by_side)
             for job, vector in zip(to_embed, vectors, strict=True):
                 job.vector = vector
         embedded = time.perf_counter()

@@ -76,14 +76,17 @@ def load_pair(
     provider: str = "auto",
     intra_op_threads: int | None = None,
     ort_spinning: bool = False,
+    side_by_side: bool = False,
 ) -> ServingPair:
-    """Load an index version and its model, refusing a pair built with different models."""
+    """Load an index version and its model, refusing a pair built with different models.
+    `side_by_side`: queries will also run several at once, each alone on its thread (batching
+    off), so the model also gets a single-threaded session for them (see `OnnxEmbedder`)."""
     directory = artifacts.version_dir(index_root, version)
     manifest = read_manifest(directory)
     model_dir = Path(model_dir or manifest.get("model_dir") or "")
     if not (model_dir / artifacts.MANIFEST).is_file():
         raise ArtifactError(f"model directory {model_dir} has no {artifacts.MANIFEST}")
-    embedder = OnnxEmbedder(model_dir, provider=provider, intra_op_threads=intra_op_threads, spinning=ort_spinning)
+    embedder = OnnxEmbedder(model_dir, provider, intra_op_threads, ort_spinning, side_by_side)
     check_model_index_pair(embedder.manifest, manifest)
     index = load_index(directory / artifacts.INDEX_FILE)
     if manifest.get("search_params"):
@@ -147,8 +150,8 @@ class SearchEngine:
         with _image_errors():
             return to_model_input(load_pixels(image), pair.embedder.contract)
 
-    def embed(self, pair: ServingPair, arrays: list[np.ndarray]) -> np.ndarray:
-        return pair.embedder.embed(np.stack(arrays))
+    def embed(self, pair: ServingPair, arrays: list[np.ndarray], side_by_side: bool = False) -> np.ndarray:
+        return pair.embedder.embed(np.stack(arrays), side_by_side=side_by_side)
 
     def check_embedding(self, pair: ServingPair, values: list[float] | np.ndarray) -> np.ndarray:
         vector = np.asarray(values, dtype=np.float32)

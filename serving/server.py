@@ -89,6 +89,13 @@ class ServerConfig:
     watch_interval_s: float = 5.0
     access_log: bool = False
 
+    @property
+    def runs_side_by_side(self) -> bool:
+        """Whether queries run several at once, each alone on an inference thread, with ORT's
+        threads left to the server: then a query run beside others takes a single-threaded
+        session and one run alone gets every thread."""
+        return not self.batching and self.intra_op_threads is None and (self.workers or os.cpu_count() or 1) > 1
+
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
@@ -517,6 +524,7 @@ class SearchServer:
                     self.config.provider,
                     self.config.intra_op_threads,
                     self.config.ort_spinning,
+                    side_by_side=self.config.runs_side_by_side,
                 )
             except Exception:
                 self.metrics.reload_failures.inc()

@@ -198,3 +198,43 @@ def test_images_go_to_the_inference_thread_only_when_it_would_take_them_at_once(
 
     assert asyncio.run(main()) == (True, False, True)
     assert batcher(engine, enabled=False).decodes_cheaply  # unbatched: a free thread takes it
+
+
+class RecordingSession:
+    """An ORT session that notes in `log` under `name` each run it makes, then makes it."""
+
+    def __init__(self, session, name: str, log: list[str]) -> None:
+        self.session, self.name, self.log = session, name, log
+
+    def run(self, *args, **kwargs):
+        self.log.append(self.name)
+        return self.session.run(*args, **kwargs)
+
+
+def test_unbatched_queries_run_side_by_side_single_threaded_and_alone_on_every_thread(demo_run, arrays):
+    engine = SearchEngine()
+    pair = load_pair(demo_run / "index", provider="cpu", intra_op_threads=2, side_by_side=True)
+    engine.swap(pair)
+    embedder = pair.embedder
+    assert embedder.session.get_session_options().intra_op_num_threads == 2
+    assert embedder.side_by_side_session.get_session_options().intra_op_num_threads == 1
+    used: list[str] = []
+    embedder.session = RecordingSession(embedder.session, "all threads", used)
+    embedder.side_by_side_session = RecordingSession(embedder.side_by_side_session, "single-threaded", used)
+    jobs = [job(pair, a) for a in arrays[:8]]
+
+    async def main():
+        b = batcher(engine, enabled=False, workers=2)
+        try:
+            alone = [await b.run(j) for j in jobs[:2]]  # one at a time: each query runs alone
+            return alone + list(await asyncio.gather(*(b.run(j) for j in jobs[2:])))
+        finally:
+            await b.stop()
+
+    answers = asyncio.run(main())
+    assert used[:2] == ["all threads", "all threads"]
+    # Six at once on two threads: all but the first to start (and the last, should it find the
+    # others answered) run beside another query.
+    assert used[2:].count("single-threaded") >= 4, used
+    for j, hits in zip(jobs, answers, strict=True):
+        assert [h.row for h in hits] == exact(engine, pair, j.array)

@@ -69,3 +69,39 @@ def test_serve_command_makes_openmp_threads_wait_passively():
     env["OMP_WAIT_POLICY"] = "ACTIVE"  # an operator's choice wins
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ACTIVE"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "side_by_side"),
+    [
+        ({"batching": True, "workers": 2}, False),  # one batch at a time: it has the cores to itself
+        ({"batching": False, "workers": 2}, True),
+        ({"batching": False, "workers": 1}, False),  # never two runs at once
+        ({"batching": False, "workers": 2, "intra_op_threads": 2}, False),  # the operator fixed the threads
+    ],
+)
+def test_unbatched_servers_run_queries_side_by_side_unless_told_otherwise(tmp_path, overrides, side_by_side):
+    from serving.server import ServerConfig
+
+    assert ServerConfig(index_root=str(tmp_path), **overrides).runs_side_by_side is side_by_side
+
+
+@pytest.mark.slow
+def test_single_threaded_session_for_runs_side_by_side_only_where_it_differs(demo_run):
+    import numpy as np
+
+    from index.catalog import read_catalog
+    from index.embedder import OnnxEmbedder
+    from index.preprocess import load_batch
+
+    model = demo_run / "model"
+    embedder = OnnxEmbedder(model, provider="cpu", intra_op_threads=2, side_by_side=True)
+    assert embedder.side_by_side_session.get_session_options().intra_op_num_threads == 1
+    paths = read_catalog(demo_run / "train" / "splits" / "test.csv").paths[:4]
+    images = load_batch(list(paths), embedder.contract)
+    np.testing.assert_allclose(embedder.embed(images, side_by_side=True), embedder.embed(images), atol=1e-5)
+    # Nothing to gain where the sessions would be the same, or no run is made side by side.
+    assert OnnxEmbedder(model, provider="cpu", intra_op_threads=1, side_by_side=True).side_by_side_session is None
+    plain = OnnxEmbedder(model, provider="cpu", intra_op_threads=2)
+    assert plain.side_by_side_session is None
+    np.testing.assert_array_equal(plain.embed(images, side_by_side=True), plain.embed(images))

@@ -5,6 +5,7 @@ faiss over the model and index the session's demo chain built."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -103,8 +104,10 @@ def test_concurrent_queries_are_batched_and_equal_unbatched_answers(index_root):
     finally:
         client.close()
         server.stop(0)
-    server, client = start(index_root, batching=False)
+    server, client = start(index_root, batching=False, workers=2)
     try:
+        # Queries run side by side there, single-threaded (where ORT would use more than one thread).
+        assert (server.engine.pair.embedder.side_by_side_session is not None) == ((os.cpu_count() or 1) > 1)
         single = [client.search(r) for r in requests]
     finally:
         client.close()
