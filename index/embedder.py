@@ -54,7 +54,7 @@ class OnnxEmbedder:
     `side_by_side=True` also loads a single-threaded CPU session of the same model for runs made
     while others are under way (`embed(..., side_by_side=True)`): runs sharing one
     multi-threaded session fight over its one intra-op pool, while single-threaded runs each keep
-    a core to themselves — on two cores, 18% more mobilenet_v2 queries/s than sharing the pool,
+    a core to themselves — on two cores, 16% more mobilenet_v2 queries/s than sharing the pool,
     yet a run made alone still gets every core. Only kept where the two sessions differ: CPU, and
     more than one intra-op thread."""
 

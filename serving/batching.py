@@ -15,6 +15,10 @@ A job may arrive with its image opened but not decoded (`image`): the inference 
 it before embedding. The servicer hands over images this way when the hop to a decode thread
 would only add latency — with batching off, and with batching on when the batcher is idle —
 and a job whose pixels turn out corrupt fails alone, not its batch.
+
+With batching off, a query that finds others in flight runs on the model's single-threaded
+session (where it has one) and a query alone on the multi-threaded one: side by side, runs
+sharing one intra-op pool would fight over it.
 """
 
 from __future__ import annotations
