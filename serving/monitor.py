@@ -8,7 +8,10 @@
    version's stored vectors in a background thread, off the request path; the figure is the
    fraction of the exact top K that the index returned.
 
-Every buffer is bounded, so neither traffic nor feedback can grow the server's memory.
+Every buffer is bounded, so neither traffic nor feedback can grow the server's memory. Figures
+describe the live pair only: each record names the pair that produced it, and one from a pair
+swapped out meanwhile — a probe that spanned a reload, a sampled query checked late, an
+in-flight answer — is dropped rather than published beside the new pair's figures.
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ class RecallMonitor:
         self.feedback = SlidingRecall(config.ks, config.window)
         self.ann = {k: deque(maxlen=config.window) for k in config.ks}
         self.probe: dict[int, float] | None = None
+        self._live: ServingPair | None = None  # figures are kept for this pair only
+        self._lock = threading.Lock()  # a record checks the pair and publishes while no reset runs
         self._ann_jobs: queue.Queue = queue.Queue(maxsize=config.ann_queue)
         self._exact_cache: dict[str, np.ndarray] = {}
         self._stop = threading.Event()
@@ -92,16 +97,21 @@ class RecallMonitor:
 
     # -- live traffic -----------------------------------------------------------------------
 
-    def record_labelled(self, label: str, neighbor_labels: Sequence[str]) -> None:
+    def record_labelled(self, pair: ServingPair, label: str, neighbor_labels: Sequence[str]) -> None:
         rank = next((i for i, lab in enumerate(neighbor_labels) if lab == label), None)
-        self.traffic.add(rank)
-        self._publish("traffic", self.traffic.values())
+        with self._lock:
+            if pair is self._live:
+                self.traffic.add(rank)
+                self._publish("traffic", self.traffic.values())
 
-    def record_feedback(self, returned_ids: Sequence[str], relevant_ids: Sequence[str]) -> None:
+    def record_feedback(self, pair: ServingPair, returned_ids: Sequence[str], relevant_ids: Sequence[str]) -> None:
+        """Feedback on the answer `pair` gave (`returned_ids`): which of them were relevant."""
         relevant = set(relevant_ids)
         rank = next((i for i, item in enumerate(returned_ids) if item in relevant), None)
-        self.feedback.add(rank)
-        self._publish("feedback", self.feedback.values())
+        with self._lock:
+            if pair is self._live:
+                self.feedback.add(rank)
+                self._publish("feedback", self.feedback.values())
 
     def maybe_sample_ann(self, pair: ServingPair, vector: np.ndarray, rows: Sequence[int], exclude: set[int]) -> None:
         """Queue a live query for an exact re-run; never blocks the request."""
@@ -112,16 +122,18 @@ class RecallMonitor:
         except queue.Full:
             pass  # the checker is behind; dropping a sample costs nothing but precision
 
-    def reset(self) -> None:
-        """A new model/index pair: figures of the old one no longer describe what is served."""
-        self.traffic.clear()
-        self.feedback.clear()
-        for window in self.ann.values():
-            window.clear()
-        self.probe = None
-        self._exact_cache.clear()
-        self.metrics.recall_at_k.clear()
-        self.metrics.ann_recall_at_k.clear()
+    def reset(self, pair: ServingPair) -> None:
+        """`pair` is live now: figures of the old one no longer describe what is served."""
+        with self._lock:
+            self._live = pair
+            self.traffic.clear()
+            self.feedback.clear()
+            for window in self.ann.values():
+                window.clear()
+            self.probe = None
+            self._exact_cache.clear()
+            self.metrics.recall_at_k.clear()
+            self.metrics.ann_recall_at_k.clear()
 
     # -- background work --------------------------------------------------------------------
 
@@ -142,8 +154,13 @@ class RecallMonitor:
             pass
 
     def run_probe(self, probe: Callable[[], dict[int, float] | None]) -> dict[int, float] | None:
+        """One probe round, published unless the live pair changed while it ran (its answers
+        may then come from either pair; the reload's own round follows)."""
+        live = self._live
         values = probe()
-        if values is not None:
+        with self._lock:
+            if values is None or self._live is not live:
+                return None
             self.probe = values
             self._publish("probe", values)
         return values
@@ -176,6 +193,8 @@ class RecallMonitor:
         return vectors
 
     def check_ann(self, pair: ServingPair, vector: np.ndarray, rows: list[int], exclude: set[int]) -> None:
+        if pair is not self._live:  # sampled before a reload: it no longer describes the index served
+            return
         database = self._exact_vectors(pair)
         scores = np.asarray(database @ vector, dtype=np.float32)
         if exclude:
@@ -184,8 +203,11 @@ class RecallMonitor:
             if len(rows) < k:
                 continue
             exact = np.argpartition(-scores, k - 1)[:k]
-            self.ann[k].append(len(set(rows[:k]) & set(exact.tolist())) / k)
-            self.metrics.ann_recall_at_k.labels(str(k)).set(float(np.mean(self.ann[k])))
+            with self._lock:
+                if pair is not self._live:
+                    return
+                self.ann[k].append(len(set(rows[:k]) & set(exact.tolist())) / k)
+                self.metrics.ann_recall_at_k.labels(str(k)).set(float(np.mean(self.ann[k])))
 
     def ann_values(self) -> dict[int, float]:
         return {k: float(np.mean(v)) for k, v in self.ann.items() if v}

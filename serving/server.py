@@ -150,7 +150,7 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
         self.decode_pool = server.decode_pool
         self.inline_decode_pixels = server.config.inline_decode_pixels
         self.access_log = server.config.access_log
-        self._recent: OrderedDict[str, list[str]] = OrderedDict()
+        self._recent: OrderedDict[str, tuple[ServingPair, list[str]]] = OrderedDict()  # id → who answered what
         self._feedback_window = server.config.feedback_window
 
     async def _rpc(self, method: str, context: grpc.aio.ServicerContext, body: Awaitable[T]) -> T:
@@ -241,9 +241,9 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
             pb.Neighbor(id=items.ids[h.row], score=h.score, label=items.labels[h.row], metadata=items.metadata[h.row])
             for h in hits
         ]
-        self._remember(request_id, [n.id for n in neighbors])
+        self._remember(request_id, pair, [n.id for n in neighbors])
         if request.HasField("label"):
-            self.monitor.record_labelled(request.label, [n.label for n in neighbors])
+            self.monitor.record_labelled(pair, request.label, [n.label for n in neighbors])
         self.monitor.maybe_sample_ann(pair, job.vector, [h.row for h in hits], job.exclude)
         return pb.SearchResponse(
             neighbors=neighbors,
@@ -272,8 +272,8 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
         except TimeoutError:
             raise DeadlineExceeded("deadline exceeded while waiting for a batch") from None
 
-    def _remember(self, request_id: str, ids: list[str]) -> None:
-        self._recent[request_id] = ids  # only the loop thread touches it: no lock
+    def _remember(self, request_id: str, pair: ServingPair, ids: list[str]) -> None:
+        self._recent[request_id] = (pair, ids)  # only the loop thread touches it: no lock
         while len(self._recent) > self._feedback_window:
             self._recent.popitem(last=False)
 
@@ -312,7 +312,7 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
             returned = self._recent.get(request.request_id)
             if returned is None:
                 raise InvalidArgument(f"unknown or expired request_id {request.request_id!r}")
-            self.monitor.record_feedback(returned, list(request.relevant_ids))
+            self.monitor.record_feedback(*returned, list(request.relevant_ids))
             return pb.FeedbackResponse(accepted=True)
 
         return await self._rpc("Feedback", context, body())
@@ -535,7 +535,7 @@ class SearchServer:
             new.version, new.index_id, new.model_id, new.manifest.get("factory", ""), new.index.ntotal
         )
         self.metrics.set_build_figures(new.manifest)
-        self.monitor.reset()
+        self.monitor.reset(new)
         self._call(self._set_health(True))
         log.info(
             "serving index %s with model %s (%d items)",
