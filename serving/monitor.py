@@ -104,14 +104,17 @@ class RecallMonitor:
                 self.traffic.add(rank)
                 self._publish("traffic", self.traffic.values())
 
-    def record_feedback(self, pair: ServingPair, returned_ids: Sequence[str], relevant_ids: Sequence[str]) -> None:
-        """Feedback on the answer `pair` gave (`returned_ids`): which of them were relevant."""
+    def record_feedback(self, pair: ServingPair, returned_ids: Sequence[str], relevant_ids: Sequence[str]) -> bool:
+        """Feedback on the answer `pair` gave (`returned_ids`): which of them were relevant.
+        Whether it counts: not when `pair` has been swapped out since."""
         relevant = set(relevant_ids)
         rank = next((i for i, item in enumerate(returned_ids) if item in relevant), None)
         with self._lock:
-            if pair is self._live:
-                self.feedback.add(rank)
-                self._publish("feedback", self.feedback.values())
+            if pair is not self._live:
+                return False
+            self.feedback.add(rank)
+            self._publish("feedback", self.feedback.values())
+        return True
 
     def maybe_sample_ann(self, pair: ServingPair, vector: np.ndarray, rows: Sequence[int], exclude: set[int]) -> None:
         """Queue a live query for an exact re-run; never blocks the request."""

@@ -312,8 +312,9 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
             returned = self._recent.get(request.request_id)
             if returned is None:
                 raise InvalidArgument(f"unknown or expired request_id {request.request_id!r}")
-            self.monitor.record_feedback(*returned, list(request.relevant_ids))
-            return pb.FeedbackResponse(accepted=True)
+            # Not accepted when the answer came from a pair swapped out since: it no longer
+            # describes what is served.
+            return pb.FeedbackResponse(accepted=self.monitor.record_feedback(*returned, list(request.relevant_ids)))
 
         return await self._rpc("Feedback", context, body())
 

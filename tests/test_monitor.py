@@ -35,12 +35,12 @@ def test_figures_of_a_pair_swapped_out_meanwhile_are_dropped(demo_run):
     assert monitor.run_probe(probe_spanning_a_reload) is None
     # Late records of the old pair: an in-flight answer, feedback on it, a sampled query.
     monitor.record_labelled(old, "a", ["a"])
-    monitor.record_feedback(old, ["x"], ["x"])
+    assert monitor.record_feedback(old, ["x"], ["x"]) is False
     monitor.check_ann(old, old.index.reconstruct(0), [0], set())
     assert monitor.figures() == {} and monitor.ann_values() == {} and gauges(metrics) == {}
 
     monitor.record_labelled(new, "a", ["b"])
-    monitor.record_feedback(new, ["x", "y"], ["x"])
+    assert monitor.record_feedback(new, ["x", "y"], ["x"]) is True
     monitor.check_ann(new, new.index.reconstruct(0), [0], set())
     assert monitor.run_probe(lambda: {1: 0.5}) == {1: 0.5}
     assert monitor.figures() == {"probe": {1: 0.5}, "traffic": {1: 0.0}, "feedback": {1: 1.0}}
