@@ -99,21 +99,22 @@ class RecallMonitor:
 
     def record_labelled(self, pair: ServingPair, label: str, neighbor_labels: Sequence[str]) -> None:
         rank = next((i for i, lab in enumerate(neighbor_labels) if lab == label), None)
-        with self._lock:
-            if pair is self._live:
-                self.traffic.add(rank)
-                self._publish("traffic", self.traffic.values())
+        self._record(pair, "traffic", self.traffic, rank)
 
     def record_feedback(self, pair: ServingPair, returned_ids: Sequence[str], relevant_ids: Sequence[str]) -> bool:
         """Feedback on the answer `pair` gave (`returned_ids`): which of them were relevant.
         Whether it counts: not when `pair` has been swapped out since."""
         relevant = set(relevant_ids)
         rank = next((i for i, item in enumerate(returned_ids) if item in relevant), None)
+        return self._record(pair, "feedback", self.feedback, rank)
+
+    def _record(self, pair: ServingPair, source: str, window: SlidingRecall, rank: int | None) -> bool:
+        """Add a first-hit rank to `window` and publish it, if `pair` is still the live one."""
         with self._lock:
             if pair is not self._live:
                 return False
-            self.feedback.add(rank)
-            self._publish("feedback", self.feedback.values())
+            window.add(rank)
+            self._publish(source, window.values())
         return True
 
     def maybe_sample_ann(self, pair: ServingPair, vector: np.ndarray, rows: Sequence[int], exclude: set[int]) -> None:

@@ -90,11 +90,16 @@ class ServerConfig:
     access_log: bool = False
 
     @property
+    def worker_threads(self) -> int:
+        """Decode threads, and inference threads with batching off: `workers`, by default the CPUs."""
+        return self.workers or os.cpu_count() or 1
+
+    @property
     def runs_side_by_side(self) -> bool:
         """Whether queries run several at once, each alone on an inference thread, with ORT's
         threads left to the server: then a query run beside others takes a single-threaded
         session and one run alone gets every thread."""
-        return not self.batching and self.intra_op_threads is None and (self.workers or os.cpu_count() or 1) > 1
+        return not self.batching and self.intra_op_threads is None and self.worker_threads > 1
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
@@ -439,7 +444,7 @@ class SearchServer:
         self.engine = SearchEngine(
             Limits(config.max_k, config.max_message_bytes, config.max_image_pixels, config.max_batch_queries)
         )
-        workers = config.workers or os.cpu_count() or 1
+        workers = config.worker_threads
         self.batcher = DynamicBatcher(
             self.engine,
             self.metrics,
