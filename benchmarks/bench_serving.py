@@ -175,6 +175,7 @@ def grpc_body(image: bytes, k: int = 10) -> bytes:
 def h2load(port: int, body: Path, concurrency: int, seconds: float, log: Path) -> dict:
     """Closed loop: `concurrency` streams on one connection (as one gRPC channel), for `seconds`."""
     duration = f"{max(1, round(seconds))}"  # h2load takes whole seconds (or a unit: 500ms)
+    log.unlink(missing_ok=True)  # h2load appends to its log: rows of an earlier run would count
     command = ["h2load", "-c", "1", "-m", str(concurrency), "-t", "1", "-D", duration]
     command += ["-d", str(body), "--log-file", str(log)]
     command += ["-H", "content-type: application/grpc", "-H", "te: trailers"]

@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 
 import pytest
 
-from benchmarks.bench_serving import MODES, paired_ratios, unbatched_threads
+from benchmarks.bench_serving import (
+    MODES,
+    ROOT,
+    _accepts,
+    free_port,
+    grpc_body,
+    h2load,
+    paired_ratios,
+    start,
+    stop,
+    unbatched_threads,
+)
 
 
 def ceiling(b1: float, b32: float, b8: float, concurrent: float) -> dict:
@@ -45,3 +58,22 @@ def test_each_round_is_divided_by_its_own_ceilings():
 )
 def test_the_unbatched_ceiling_runs_as_many_threads_as_the_server(flags, threads):
     assert unbatched_threads(flags) == threads
+
+
+@pytest.mark.skipif(shutil.which("h2load") is None, reason="h2load comes with `make setup` (nghttp2-client)")
+def test_h2load_figures_count_only_their_own_run(tmp_path):
+    # The benchmark warms each level up with a run logged to the same file as the measured one.
+    port = free_port()
+    floor = start(
+        [sys.executable, str(ROOT / "benchmarks" / "grpc_floor.py"), "--port", str(port)], lambda: _accepts(port)
+    )
+    try:
+        body = tmp_path / "search.grpc"
+        body.write_bytes(grpc_body(b"not decoded by the floor server"))
+        log = tmp_path / "h2load.log"
+        first = h2load(port, body, 2, 1, log)
+        second = h2load(port, body, 2, 1, log)
+    finally:
+        stop(floor)
+    assert first["queries"] == first["http_ok"] > 0
+    assert second["queries"] == second["http_ok"] > 0  # not first's rows as well
