@@ -16,6 +16,8 @@ it before embedding. The servicer hands over images this way when the hop to a d
 would only add latency — with batching off, and with batching on when the batcher is idle —
 and a job whose pixels turn out corrupt fails alone, not its batch.
 
+An Embed call is a job with k = 0: embedded in the batch it lands in, searched for nothing.
+
 With batching off, a query that finds others in flight runs on the model's single-threaded
 session (where it has one) and a query alone on the multi-threaded one: side by side, runs
 sharing one intra-op pool would fight over it.
@@ -43,7 +45,7 @@ log = logging.getLogger(__name__)
 @dataclass(eq=False)
 class Job:
     """One query: an image to embed (`array`, or `image` still to decode) or a ready vector,
-    searched for k neighbours."""
+    searched for k neighbours; with k = 0 (an Embed call) only embedded, its `vector` the answer."""
 
     pair: ServingPair
     k: int
@@ -257,7 +259,8 @@ class DynamicBatcher:
         return [hits.get(id(j), []) for j in batch]
 
     def _embed_and_search(self, batch: list[Job], side_by_side: bool = False) -> list[list[Hit]]:
-        """Embed the batch's images in one ORT call and search every vector in one faiss call."""
+        """Embed the batch's images in one ORT call and search every vector (but those of
+        embed-only jobs) in one faiss call."""
         started = time.perf_counter()
         pair = batch[0].pair
         to_embed = [j for j in batch if j.vector is None]
@@ -267,12 +270,16 @@ class DynamicBatcher:
             for job, vector in zip(to_embed, vectors, strict=True):
                 job.vector = vector
         embedded = time.perf_counter()
-        k = max(j.k for j in batch)
-        hits = self.engine.search(pair, np.stack([j.vector for j in batch]), k, [j.exclude for j in batch])
+        to_search = [j for j in batch if j.k > 0]
+        hits: dict[int, list[Hit]] = {}
+        if to_search:
+            k = max(j.k for j in to_search)
+            found = self.engine.search(pair, np.stack([j.vector for j in to_search]), k, [j.exclude for j in to_search])
+            hits = {id(job): job_hits[: job.k] for job, job_hits in zip(to_search, found, strict=True)}
         searched = time.perf_counter()
         self.metrics.batch_size.observe(len(batch))
         for job in batch:
             job.embed_s = embedded - started if id(job) in embedding else 0.0
-            job.search_s = searched - embedded
+            job.search_s = searched - embedded if id(job) in hits else 0.0
             job.batch_size = len(batch)
-        return [job_hits[: job.k] for job, job_hits in zip(batch, hits, strict=True)]
+        return [hits.get(id(job), []) for job in batch]

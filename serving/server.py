@@ -20,8 +20,9 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Awaitable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -138,6 +139,16 @@ class ServerConfig:
         MonitorConfig(ks=tuple(self.recall_ks or (1, 5, 10)), ann_sample_rate=self.ann_sample_rate)
 
 
+@asynccontextmanager
+async def _deadline(timeout: float | None) -> AsyncIterator[None]:
+    """The call's deadline over what it awaits: past it, DEADLINE_EXCEEDED."""
+    try:
+        async with asyncio.timeout(timeout):
+            yield
+    except TimeoutError:
+        raise DeadlineExceeded("deadline exceeded before the answer was ready") from None
+
+
 def time_left(context: grpc.aio.ServicerContext) -> float | None:
     """Seconds until the call's deadline, or None when the client set none."""
     remaining = context.time_remaining()
@@ -196,6 +207,16 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.decode_pool, self.engine.model_input, pair, image)
 
+    async def _take_image(self, job: Job, data: bytes) -> None:
+        """Give the job its image: decoded here or in the decode pool, or only opened, for the
+        inference thread to decode when it would take the job at once."""
+        image = self.engine.open_image(data)
+        if self.batcher.decodes_cheaply and not self._decodes_inline(job.pair, image):
+            job.image = image  # the inference thread takes it at once: one thread hop, not two
+        else:
+            job.array = await self._model_input(job.pair, image)
+        job.decode_s = time.perf_counter() - job.received
+
     async def _prepare(self, request: pb.SearchRequest, pair: ServingPair, deadline: float | None) -> Job:
         engine = self.engine
         engine.check_k(request.k)
@@ -203,12 +224,7 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
         kind = request.WhichOneof("query")
         job = Job(pair=pair, k=request.k, exclude=exclude, deadline=deadline)
         if kind == "image":
-            image = engine.open_image(request.image)
-            if self.batcher.decodes_cheaply and not self._decodes_inline(pair, image):
-                job.image = image  # the inference thread takes it at once: one thread hop, not two
-            else:
-                job.array = await self._model_input(pair, image)
-            job.decode_s = time.perf_counter() - job.received
+            await self._take_image(job, request.image)
         elif kind == "embedding":
             job.vector = engine.check_embedding(pair, request.embedding.values)
         elif kind == "item_id":
@@ -227,21 +243,7 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
         pair = job.pair
         items = pair.items
         request_id = request.request_id or uuid.uuid4().hex
-        timings = pb.StageTimings(
-            decode_ms=job.decode_s * 1e3,
-            queue_ms=job.queue_s * 1e3,
-            embed_ms=job.embed_s * 1e3,
-            search_ms=job.search_s * 1e3,
-            total_ms=(time.perf_counter() - job.received) * 1e3,
-        )
-        for stage, seconds in (
-            ("decode", job.decode_s),
-            ("queue", job.queue_s),
-            ("embed", job.embed_s),
-            ("search", job.search_s),
-        ):
-            if seconds:
-                self.metrics.stage_latency.labels(stage).observe(seconds)
+        timings = self._timings(job)
         neighbors = [
             pb.Neighbor(id=items.ids[h.row], score=h.score, label=items.labels[h.row], metadata=items.metadata[h.row])
             for h in hits
@@ -259,23 +261,38 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
             timings=timings,
         )
 
+    def _timings(self, job: Job) -> pb.StageTimings:
+        """The job's stage times, observed in the stage histograms and returned for its answer."""
+        for stage, seconds in (
+            ("decode", job.decode_s),
+            ("queue", job.queue_s),
+            ("embed", job.embed_s),
+            ("search", job.search_s),
+        ):
+            if seconds:
+                self.metrics.stage_latency.labels(stage).observe(seconds)
+        return pb.StageTimings(
+            decode_ms=job.decode_s * 1e3,
+            queue_ms=job.queue_s * 1e3,
+            embed_ms=job.embed_s * 1e3,
+            search_ms=job.search_s * 1e3,
+            total_ms=(time.perf_counter() - job.received) * 1e3,
+        )
+
     async def search_many(self, requests: list[pb.SearchRequest], timeout: float | None) -> list[pb.SearchResponse]:
         """Queries answered on one pair (the one live when they arrived), batched with others."""
         pair = self.engine.pair
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            async with asyncio.timeout(timeout):
-                if len(requests) == 1:
-                    return [await self._answer(requests[0], pair, deadline)]
-                tasks = [asyncio.ensure_future(self._answer(r, pair, deadline)) for r in requests]
-                try:
-                    return list(await asyncio.gather(*tasks))
-                except BaseException:  # one bad query fails the call: its siblings stop costing work
-                    for task in tasks:
-                        task.cancel()
-                    raise
-        except TimeoutError:
-            raise DeadlineExceeded("deadline exceeded while waiting for a batch") from None
+        async with _deadline(timeout):
+            if len(requests) == 1:
+                return [await self._answer(requests[0], pair, deadline)]
+            tasks = [asyncio.ensure_future(self._answer(r, pair, deadline)) for r in requests]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:  # one bad query fails the call: its siblings stop costing work
+                for task in tasks:
+                    task.cancel()
+                raise
 
     def _remember(self, request_id: str, pair: ServingPair, ids: list[str]) -> None:
         self._recent[request_id] = (pair, ids)  # only the loop thread touches it: no lock
@@ -298,19 +315,21 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
         return await self._rpc("SearchBatch", context, body())
 
     async def Embed(self, request, context):
-        async def body():
-            pair = self.engine.pair
-            started = time.perf_counter()
-            array = await self._model_input(pair, self.engine.open_image(request.image))
-            vector = (await asyncio.get_running_loop().run_in_executor(None, self.engine.embed, pair, [array]))[0]
-            return pb.EmbedResponse(
-                embedding=vector.tolist(),
-                model_id=pair.model_id,
-                request_id=request.request_id or uuid.uuid4().hex,
-                timings=pb.StageTimings(total_ms=(time.perf_counter() - started) * 1e3),
-            )
+        return await self._rpc("Embed", context, self._embed(request, time_left(context)))
 
-        return await self._rpc("Embed", context, body())
+    async def _embed(self, request: pb.EmbedRequest, timeout: float | None) -> pb.EmbedResponse:
+        """An image embedded in a batch with the queries (a job searched for nothing)."""
+        pair = self.engine.pair
+        job = Job(pair=pair, k=0, exclude=set(), deadline=None if timeout is None else time.monotonic() + timeout)
+        async with _deadline(timeout):
+            await self._take_image(job, request.image)
+            await self.batcher.run(job)
+        return pb.EmbedResponse(
+            embedding=job.vector.tolist(),
+            model_id=pair.model_id,
+            request_id=request.request_id or uuid.uuid4().hex,
+            timings=self._timings(job),
+        )
 
     async def Feedback(self, request, context):
         async def body():

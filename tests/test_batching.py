@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 import pytest
 
 from index.catalog import read_catalog
@@ -37,6 +38,20 @@ def batcher(engine: SearchEngine, **kwargs) -> DynamicBatcher:
     return DynamicBatcher(engine, ServiceMetrics(), **{**defaults, **kwargs})
 
 
+def answer_all(engine: SearchEngine, jobs: list[Job], **kwargs) -> list:
+    """Run the jobs at once through a started batcher; their answers (exceptions returned)."""
+
+    async def main():
+        b = batcher(engine, **kwargs)
+        b.start()
+        try:
+            return await asyncio.gather(*(b.run(j) for j in jobs), return_exceptions=True)
+        finally:
+            await b.stop()
+
+    return asyncio.run(main())
+
+
 def job(pair, array, k: int = 5, deadline: float | None = None) -> Job:
     return Job(pair=pair, k=k, exclude=set(), array=array, deadline=deadline)
 
@@ -51,20 +66,28 @@ def test_batched_answers_equal_one_at_a_time_and_pairs_never_mix(engine_and_pair
     pairs = [first if i % 3 else second for i in range(len(arrays))]  # interleaved
     jobs = [job(p, a) for p, a in zip(pairs, arrays, strict=True)]
 
-    async def main():
-        b = batcher(engine)
-        b.start()
-        try:
-            return await asyncio.gather(*(b.run(j) for j in jobs))
-        finally:
-            await b.stop()
-
-    answers = asyncio.run(main())
+    answers = answer_all(engine, jobs)
     for j, hits in zip(jobs, answers, strict=True):
         assert [h.row for h in hits] == exact(engine, j.pair, j.array)
     # All were queued before the first batch was taken: one batch per pair, never mixed.
     assert {j.batch_size for j in jobs if j.pair is first} == {sum(p is first for p in pairs)}
     assert {j.batch_size for j in jobs if j.pair is second} == {sum(p is second for p in pairs)}
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_embed_only_jobs_share_the_batch_and_are_not_searched(engine_and_pairs, arrays, enabled):
+    engine, pair, _ = engine_and_pairs
+    jobs = [job(pair, a, k=0 if i % 2 else 5) for i, a in enumerate(arrays[:8])]
+
+    answers = answer_all(engine, jobs, enabled=enabled, workers=2)
+    for j, hits in zip(jobs, answers, strict=True):
+        np.testing.assert_allclose(j.vector, engine.embed(pair, [j.array])[0], atol=1e-5)
+        assert j.embed_s > 0
+        if j.k:
+            assert [h.row for h in hits] == exact(engine, pair, j.array) and j.search_s > 0
+        else:
+            assert hits == [] and j.search_s == 0.0
+    assert {j.batch_size for j in jobs} == ({8} if enabled else {1})  # embeds ride in the queries' batch
 
 
 def test_wait_window_coalesces_staggered_queries_and_zero_wait_does_not(engine_and_pairs, arrays):
@@ -139,14 +162,7 @@ def test_unbatched_mode_answers_each_query_alone(engine_and_pairs, arrays):
     engine, pair, _ = engine_and_pairs
     jobs = [job(pair, a) for a in arrays[:6]]
 
-    async def main():
-        b = batcher(engine, enabled=False, workers=3)
-        try:
-            return await asyncio.gather(*(b.run(j) for j in jobs))
-        finally:
-            await b.stop()
-
-    answers = asyncio.run(main())
+    answers = answer_all(engine, jobs, enabled=False, workers=3)
     assert all(j.batch_size == 1 for j in jobs)
     for j, hits in zip(jobs, answers, strict=True):
         assert [h.row for h in hits] == exact(engine, pair, j.array)
@@ -162,15 +178,7 @@ def test_images_left_to_the_inference_thread_are_decoded_there_and_a_corrupt_one
     truncated = blobs[2][: len(blobs[2]) // 2]  # the header reads fine, the pixels do not
     broken = Job(pair=pair, k=5, exclude=set(), image=engine.open_image(truncated))
 
-    async def main():
-        b = batcher(engine, enabled=enabled, workers=2)
-        b.start()
-        try:
-            return await asyncio.gather(*(b.run(j) for j in (good[0], broken, good[1])), return_exceptions=True)
-        finally:
-            await b.stop()
-
-    first, failed, second = asyncio.run(main())
+    first, failed, second = answer_all(engine, [good[0], broken, good[1]], enabled=enabled, workers=2)
     assert isinstance(failed, InvalidArgument), failed
     assert "cannot decode image" in str(failed)
     for j, blob, hits in zip(good, blobs[:2], (first, second), strict=True):

@@ -117,6 +117,32 @@ def test_concurrent_queries_are_batched_and_equal_unbatched_answers(index_root):
         np.testing.assert_allclose([n.score for n in a.neighbors], [n.score for n in b.neighbors], atol=1e-5)
 
 
+def test_embed_calls_are_batched_with_queries_and_equal_the_model(index_root):
+    requests = image_requests(index_root, 16)
+    server, client = start(index_root, max_batch_size=32, max_wait_ms=50)
+    try:
+        _wait_for(lambda: server.monitor.probe)
+        samples = lambda: {s.name: s.value for s in server.metrics.batch_size.collect()[0].samples}  # noqa: E731
+        before = samples()
+        with ThreadPoolExecutor(32) as pool:
+            embeds = [pool.submit(client.embed, r.image) for r in requests]
+            searches = [pool.submit(client.search, r) for r in requests]
+            embedded = [f.result() for f in embeds]
+            assert all(f.result().neighbors for f in searches)
+        after = samples()
+        assert after["simsearch_batch_size_sum"] - before["simsearch_batch_size_sum"] == 32
+        assert after["simsearch_batch_size_count"] - before["simsearch_batch_size_count"] < 32
+        pair = server.engine.pair
+        for request, answer in zip(requests, embedded, strict=True):
+            array = server.engine.model_input(pair, server.engine.open_image(request.image))
+            direct = server.engine.embed(pair, [array])[0]
+            np.testing.assert_allclose(answer.embedding, direct, atol=1e-5)
+            assert answer.timings.embed_ms > 0 and answer.timings.search_ms == 0
+    finally:
+        client.close()
+        server.stop(0)
+
+
 def test_full_queue_answers_resource_exhausted_at_once(index_root):
     requests = image_requests(index_root, 40)
     server, client = start(index_root, max_batch_size=1, max_wait_ms=0, max_queue=2, workers=40)
@@ -152,6 +178,11 @@ def test_request_past_its_deadline_is_cancelled(index_root):
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert time.perf_counter() - started < 1.0
         assert client.search(request, timeout=10).neighbors
+        started = time.perf_counter()
+        with pytest.raises(grpc.RpcError) as err:
+            client.embed(request.image, timeout=0.2)  # Embed waits in the same batches
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.perf_counter() - started < 1.0
     finally:
         client.close()
         server.stop(0)

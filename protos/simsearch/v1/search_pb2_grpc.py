@@ -77,7 +77,8 @@ class SimilaritySearchServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Embed(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Embedded in the same dynamic batches as Search queries (and bounded by the same queue).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
