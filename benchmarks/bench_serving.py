@@ -8,8 +8,9 @@ beside others) — against two baselines measured in the same run:
   every round right after its servers; each ratio is one round's server figure over the same
   round's ceiling, and the median of those ratios is reported. Each mode is also compared with
   the same work done directly (batches of the size it formed; or single queries, one at a time
-  at concurrency 1 and otherwise by as many threads at once on a single-threaded session) and
-  with the best of all these ceilings;
+  at concurrency 1 and otherwise by as many threads at once, each on the session the server
+  gives a query beside others) and with the best of all these ceilings. The ceiling's pair is
+  loaded as the server loads it, from the server's own parsed flags (`--server-flag` included);
 - the gRPC floor: a bare grpc.aio server answering with a canned response (no decode, model or
   index) under the same load — what Python gRPC alone allows on this machine.
 
@@ -50,10 +51,11 @@ sys.path.insert(0, str(ROOT))
 
 from index import artifacts  # noqa: E402
 from index.catalog import read_catalog  # noqa: E402
-from index.embedder import OnnxEmbedder  # noqa: E402
-from index.faiss_index import load_index  # noqa: E402
 from index.preprocess import load_image  # noqa: E402
 from protos.simsearch.v1 import search_pb2 as pb  # noqa: E402
+from serving.__main__ import server_config  # noqa: E402
+from serving.engine import load_pair  # noqa: E402
+from serving.server import ServerConfig  # noqa: E402
 
 LEVELS = [1, 8, 32, 64]
 # Server modes and their `serve` flags.
@@ -106,10 +108,19 @@ class Ceiling:
     figures taken minutes apart at most: this machine's speed drifts more than that between
     the start and the end of a run."""
 
-    def __init__(self, run: Path, catalog: Path, repeats: int) -> None:
-        # As the server runs it: every thread for a batch or a query alone, one beside others.
-        self.embedder = OnnxEmbedder(run / "model", provider="cpu", spinning=False, side_by_side=True)
-        self.index = load_index(artifacts.version_dir(run / "index") / artifacts.INDEX_FILE)
+    def __init__(self, config: ServerConfig, catalog: Path, repeats: int) -> None:
+        # Loaded as the server loads its pair, from the same configuration (the unbatched
+        # mode's: a single-threaded twin session for queries side by side, where it has one).
+        pair = load_pair(
+            config.index_root,
+            None,
+            config.model,
+            config.provider,
+            config.intra_op_threads,
+            config.ort_spinning,
+            side_by_side=config.runs_side_by_side,
+        )
+        self.embedder, self.index = pair.embedder, pair.index
         self.blobs = [p.read_bytes() for p in read_catalog(catalog).paths[:512]]
         self.arrays = np.stack([load_image(b, self.embedder.contract) for b in self.blobs])
         self.repeats = repeats
@@ -118,8 +129,8 @@ class Ceiling:
         return {b: self._measure(b) for b in sorted(batches)}
 
     def measure_concurrent(self, callers: int, seconds: float = 1.5) -> dict:
-        """Single queries (embed + search) run by `callers` threads at once, each single-threaded,
-        on one model and index — what the server does under load with batching off."""
+        """Single queries (embed + search) run by `callers` threads at once on one model and
+        index, each on the session the unbatched server gives a query run beside others."""
         done = [0] * callers
         stop = time.perf_counter() + seconds
 
@@ -282,13 +293,17 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
+def serve_flags(run: Path, mode: str, server_flags: tuple[str, ...]) -> list[str]:
+    """The `serve` flags of the benchmark's server in `mode`, bar its ports."""
+    flags = ["--index-root", str(run / "index"), "--max-batch-size", "32", "--probe-interval-s", "3600"]
+    flags += ["--probe-size", "1", "--ann-sample-rate", "0", "--log-format", "text"]
+    return [*flags, *server_flags, *MODES[mode]]
+
+
 def serve_and_load(run: Path, mode: str, load: Load, seconds: float, server_flags: tuple[str, ...]) -> list[dict]:
     port, metrics_port = free_port(), free_port()
-    command = [sys.executable, "-m", "serving", "serve", "--index-root", str(run / "index")]
-    command += ["--port", str(port), "--metrics-port", str(metrics_port)]
-    command += ["--max-batch-size", "32", "--probe-interval-s", "3600", "--probe-size", "1"]
-    command += ["--ann-sample-rate", "0", "--log-format", "text", *server_flags, *MODES[mode]]
-    proc = start(command, lambda: healthy(metrics_port))
+    command = [sys.executable, "-m", "serving", "serve", "--port", str(port), "--metrics-port", str(metrics_port)]
+    proc = start([*command, *serve_flags(run, mode, server_flags)], lambda: healthy(metrics_port))
     try:
         return measure(proc, port, load, LEVELS, seconds, metrics_port)
     finally:
@@ -323,14 +338,6 @@ def median_rounds(rounds: list[list[dict]]) -> list[dict]:
         merged["qps_rounds"] = [round(r["qps"]) for r in per_level]
         out.append(merged)
     return out
-
-
-def unbatched_threads(server_flags: tuple[str, ...]) -> int:
-    """The unbatched server's inference threads: its `--workers`, by default the CPU count."""
-    flags = list(server_flags)
-    if "--workers" in flags and flags.index("--workers") + 1 < len(flags):
-        return int(flags[flags.index("--workers") + 1])
-    return os.cpu_count() or 1
 
 
 def paired_ratios(rounds: dict[str, list[list[dict]]], ceiling_rounds: list[dict]) -> dict:
@@ -405,10 +412,11 @@ def main() -> None:
             return python_loadgen(port, catalog, c, duration)
         return h2load(port, body, c, duration, workdir / f"h2load-{port}-{c}.log")
 
-    ceiling = Ceiling(run, catalog, repeats=5 if args.quick or args.backbone else 30)
+    unbatched = server_config(serve_flags(run, "off", server_flags))
+    ceiling = Ceiling(unbatched, catalog, repeats=5 if args.quick or args.backbone else 30)
     rounds: dict[str, list[list[dict]]] = {mode: [] for mode in [*MODES, "floor"]}
     ceiling_rounds: list[dict] = []  # {"batches": {b: figures}, "concurrent": figures}
-    callers = unbatched_threads(server_flags)
+    callers = unbatched.worker_threads
     for i in range(repeats):
         print(f"round {i + 1}/{repeats}", file=sys.stderr, flush=True)
         for mode in MODES:
@@ -442,8 +450,9 @@ def main() -> None:
         print(
             f"{b:>6} {c['qps']:9.0f} {c['qps_with_decode']:12.0f} {c['latency_ms']:9.2f} {c['cpu_ms_per_query']:9.3f}"
         )
+    session = "single-threaded" if ceiling.embedder.side_by_side_session is not None else "one shared session"
     print(
-        f"single queries, {callers} threads at once, single-threaded: {concurrent['qps']:.0f} q/s, "
+        f"single queries, {callers} threads at once, {session}: {concurrent['qps']:.0f} q/s, "
         f"{concurrent['cpu_ms_per_query']:.3f} ms CPU/q"
     )
     print("\ngRPC floor (bare grpc.aio server, canned response, same load):")

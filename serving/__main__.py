@@ -15,11 +15,15 @@ import logging  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 import grpc  # noqa: E402
 
 from index.cli import run_cli  # noqa: E402
 from index.config import from_cli  # noqa: E402
+
+if TYPE_CHECKING:
+    from serving.server import ServerConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -115,17 +119,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _serve(args: argparse.Namespace) -> None:
-    import os
+def server_config(argv: list[str]) -> ServerConfig:
+    """The configuration `python -m serving serve ARGV...` runs with (flags, config file, environment)."""
+    return _server_config(_parser().parse_args(["serve", *argv]))
 
-    from serving import logs
-    from serving.server import SearchServer, ServerConfig
 
-    logs.configure(args.log_format)
-    del args.log_format
-    config = from_cli(ServerConfig, args)
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    from serving.server import ServerConfig
+
+    options = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "log_format"})
+    config = from_cli(ServerConfig, options)
     config.admin_token = config.admin_token or os.environ.get("SIMSEARCH_ADMIN_TOKEN") or None
     config.search_token = config.search_token or os.environ.get("SIMSEARCH_SEARCH_TOKEN") or None
+    return config
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from serving import logs
+    from serving.server import SearchServer
+
+    logs.configure(args.log_format)
+    config = _server_config(args)
     server = SearchServer(config)
     server.start()
     print(json.dumps({"port": server.port, "metrics_port": config.metrics_port}), flush=True)

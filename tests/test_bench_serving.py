@@ -11,15 +11,17 @@ import pytest
 from benchmarks.bench_serving import (
     MODES,
     ROOT,
+    Ceiling,
     _accepts,
     free_port,
     grpc_body,
     h2load,
     paired_ratios,
+    serve_flags,
     start,
     stop,
-    unbatched_threads,
 )
+from serving.__main__ import server_config
 
 
 def ceiling(b1: float, b32: float, b8: float, concurrent: float) -> dict:
@@ -53,11 +55,30 @@ def test_each_round_is_divided_by_its_own_ceilings():
 
 
 @pytest.mark.parametrize(
-    ("flags", "threads"),
-    [((), os.cpu_count()), (("--workers", "3"), 3), (("--max-queue", "9", "--workers", "5"), 5)],
+    ("flags", "threads", "twin"),
+    [
+        ((), os.cpu_count(), (os.cpu_count() or 1) > 1),
+        (("--workers", "3"), 3, True),
+        (("--max-queue", "9", "--workers=5"), 5, True),
+        (("--workers", "3", "--intra-op-threads", "2"), 3, False),  # every run on one 2-thread session
+    ],
 )
-def test_the_unbatched_ceiling_runs_as_many_threads_as_the_server(flags, threads):
-    assert unbatched_threads(flags) == threads
+def test_the_ceiling_reads_the_servers_own_flags(tmp_path, flags, threads, twin):
+    (tmp_path / "index").mkdir()  # the server checks its index root exists
+    unbatched = server_config(serve_flags(tmp_path, "off", flags))
+    assert unbatched.worker_threads == threads and unbatched.runs_side_by_side == twin
+    assert unbatched.index_root == str(tmp_path / "index") and unbatched.max_batch_size == 32
+    assert not server_config(serve_flags(tmp_path, "on", flags)).runs_side_by_side
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [(), ("--intra-op-threads", "1")])
+def test_the_ceiling_loads_the_pair_the_server_would(demo_run, flags):
+    unbatched = server_config(serve_flags(demo_run, "off", flags))
+    ceiling = Ceiling(unbatched, demo_run / "train" / "splits" / "test.csv", repeats=1)
+    assert (ceiling.embedder.side_by_side_session is not None) == unbatched.runs_side_by_side
+    assert ceiling.index.ntotal > 0
+    assert ceiling.measure_concurrent(2, seconds=0.2)["qps"] > 0
 
 
 @pytest.mark.skipif(shutil.which("h2load") is None, reason="h2load comes with `make setup` (nghttp2-client)")
