@@ -24,6 +24,7 @@ from pytorch_metric_learning.distances import CosineSimilarity  # noqa: E402
 from pytorch_metric_learning.reducers import MeanReducer, SumReducer  # noqa: E402
 from pytorch_metric_learning.utils import loss_and_miner_utils as lmu  # noqa: E402
 
+from tests.test_losses import assert_close, value_and_grads
 from training.losses import (
     build_loss,
     cosine_similarity_matrix,
@@ -55,30 +56,12 @@ from training.losses.raw_vthm import RawVthmLoss
 from training.losses.weights import pair_based_losses, pair_weights
 
 F64 = torch.float64
-RTOL = 1e-5
-ATOL = 1e-10
 EXACT = {"rtol": 1e-10, "atol": 1e-12}  # brute-force loops: same math, different summation order
 
 
 # --------------------------------------------------------------------------------------------
 # helpers and batches
 # --------------------------------------------------------------------------------------------
-
-
-def value_and_grads(
-    fn: Callable[[torch.Tensor], torch.Tensor],
-    x: torch.Tensor,
-    extra: list[torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    x = x.detach().clone().requires_grad_(True)
-    params = [x, *(extra or [])]
-    value = fn(x)
-    grads = torch.autograd.grad(value, params, allow_unused=True)
-    return value.detach(), [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
-
-
-def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
-    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
 def clustered(
