@@ -344,8 +344,8 @@ def paired_ratios(rounds: dict[str, list[list[dict]]], ceiling_rounds: list[dict
     """Per mode and concurrency, each round's server figures over the ceilings of the same round:
     against batch 32; against the same work the server did (the batch size it formed; with
     batching off, single queries one at a time at concurrency 1, else run by as many threads at
-    once, single-threaded); against the best of them all; and the p50 the server adds to the
-    ceiling's batch-1 latency with decoding."""
+    once, each on the session the server gives a query beside others); against the best of them
+    all; and the p50 the server adds to the ceiling's batch-1 latency with decoding."""
     out: dict[str, dict[int, dict[str, list[float]]]] = {}
     for mode in MODES:
         per_level: dict[int, dict[str, list[float]]] = {}

@@ -140,11 +140,12 @@ class ServerConfig:
 
 
 @asynccontextmanager
-async def _deadline(timeout: float | None) -> AsyncIterator[None]:
-    """The call's deadline over what it awaits: past it, DEADLINE_EXCEEDED."""
+async def _deadline(timeout: float | None) -> AsyncIterator[float | None]:
+    """The call's deadline over what it awaits: past it, DEADLINE_EXCEEDED. Yields the deadline
+    as a `time.monotonic()` value (None without one), for the jobs that must not start late."""
     try:
         async with asyncio.timeout(timeout):
-            yield
+            yield None if timeout is None else time.monotonic() + timeout
     except TimeoutError:
         raise DeadlineExceeded("deadline exceeded before the answer was ready") from None
 
@@ -282,8 +283,7 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
     async def search_many(self, requests: list[pb.SearchRequest], timeout: float | None) -> list[pb.SearchResponse]:
         """Queries answered on one pair (the one live when they arrived), batched with others."""
         pair = self.engine.pair
-        deadline = None if timeout is None else time.monotonic() + timeout
-        async with _deadline(timeout):
+        async with _deadline(timeout) as deadline:
             if len(requests) == 1:
                 return [await self._answer(requests[0], pair, deadline)]
             tasks = [asyncio.ensure_future(self._answer(r, pair, deadline)) for r in requests]
@@ -320,8 +320,8 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
     async def _embed(self, request: pb.EmbedRequest, timeout: float | None) -> pb.EmbedResponse:
         """An image embedded in a batch with the queries (a job searched for nothing)."""
         pair = self.engine.pair
-        job = Job(pair=pair, k=0, exclude=set(), deadline=None if timeout is None else time.monotonic() + timeout)
-        async with _deadline(timeout):
+        async with _deadline(timeout) as deadline:
+            job = Job(pair=pair, k=0, exclude=set(), deadline=deadline)
             await self._take_image(job, request.image)
             await self.batcher.run(job)
         return pb.EmbedResponse(

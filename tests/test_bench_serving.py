@@ -1,4 +1,5 @@
-"""bench_serving's arithmetic: every ratio it reports uses the ceilings of its own round."""
+"""bench_serving: every ratio uses the ceilings of its own round, the ceiling runs what the
+server would from the same flags, and each h2load figure counts its own run only."""
 
 from __future__ import annotations
 

@@ -83,23 +83,24 @@ def image_requests(root: Path, n: int, k: int = 5) -> list[pb.SearchRequest]:
     ]
 
 
+def batch_totals(server: SearchServer) -> tuple[float, float]:
+    """Queries batched so far, and batches run (the batch-size histogram's sum and count)."""
+    samples = server.metrics.batch_size.collect()[0].samples
+    return tuple(
+        next(s.value for s in samples if s.name == name)
+        for name in ("simsearch_batch_size_sum", "simsearch_batch_size_count")
+    )
+
+
 def test_concurrent_queries_are_batched_and_equal_unbatched_answers(index_root):
     requests = image_requests(index_root, 48)
     server, client = start(index_root, max_batch_size=16, max_wait_ms=20)
-
-    def batch_totals() -> tuple[float, float]:
-        samples = server.metrics.batch_size.collect()[0].samples
-        return tuple(
-            next(s.value for s in samples if s.name == name)
-            for name in ("simsearch_batch_size_sum", "simsearch_batch_size_count")
-        )
-
     try:
         _wait_for(lambda: server.monitor.probe)  # the first probe round runs at start
-        total0, count0 = batch_totals()
+        total0, count0 = batch_totals(server)
         with ThreadPoolExecutor(16) as pool:
             batched = list(pool.map(client.search, requests))
-        total, count = batch_totals()
+        total, count = batch_totals(server)
         assert total - total0 == 48 and count - count0 < 48, "concurrent queries must share batches"
     finally:
         client.close()
@@ -122,16 +123,14 @@ def test_embed_calls_are_batched_with_queries_and_equal_the_model(index_root):
     server, client = start(index_root, max_batch_size=32, max_wait_ms=50)
     try:
         _wait_for(lambda: server.monitor.probe)
-        samples = lambda: {s.name: s.value for s in server.metrics.batch_size.collect()[0].samples}  # noqa: E731
-        before = samples()
+        total0, count0 = batch_totals(server)
         with ThreadPoolExecutor(32) as pool:
             embeds = [pool.submit(client.embed, r.image) for r in requests]
             searches = [pool.submit(client.search, r) for r in requests]
             embedded = [f.result() for f in embeds]
             assert all(f.result().neighbors for f in searches)
-        after = samples()
-        assert after["simsearch_batch_size_sum"] - before["simsearch_batch_size_sum"] == 32
-        assert after["simsearch_batch_size_count"] - before["simsearch_batch_size_count"] < 32
+        total, count = batch_totals(server)
+        assert total - total0 == 32 and count - count0 < 32, "embeds and queries must share batches"
         pair = server.engine.pair
         for request, answer in zip(requests, embedded, strict=True):
             array = server.engine.model_input(pair, server.engine.open_image(request.image))
