@@ -108,9 +108,18 @@ class Ceiling:
     figures taken minutes apart at most: this machine's speed drifts more than that between
     the start and the end of a run."""
 
-    def __init__(self, config: ServerConfig, catalog: Path, repeats: int) -> None:
-        # Loaded as the server loads its pair, from the same configuration (the unbatched
-        # mode's: a single-threaded twin session for queries side by side, where it has one).
+    def __init__(self, batched: ServerConfig, unbatched: ServerConfig, catalog: Path, repeats: int) -> None:
+        # Loaded as each server mode loads its pair, from the same configuration: with the
+        # session for runs beside others (a share of the threads each) where that mode has one.
+        self.embedder, self.index = self._load(batched)
+        self.streams = batched.batch_streams
+        self.unbatched_embedder = self._load(unbatched)[0]
+        self.blobs = [p.read_bytes() for p in read_catalog(catalog).paths[:512]]
+        self.arrays = np.stack([load_image(b, self.embedder.contract) for b in self.blobs])
+        self.repeats = repeats
+
+    @staticmethod
+    def _load(config: ServerConfig) -> tuple:
         pair = load_pair(
             config.index_root,
             None,
@@ -118,12 +127,9 @@ class Ceiling:
             config.provider,
             config.intra_op_threads,
             config.ort_spinning,
-            side_by_side=config.runs_side_by_side,
+            runs_at_once=config.runs_at_once,
         )
-        self.embedder, self.index = pair.embedder, pair.index
-        self.blobs = [p.read_bytes() for p in read_catalog(catalog).paths[:512]]
-        self.arrays = np.stack([load_image(b, self.embedder.contract) for b in self.blobs])
-        self.repeats = repeats
+        return pair.embedder, pair.index
 
     def measure(self, batches: set[int]) -> dict[int, dict]:
         return {b: self._measure(b) for b in sorted(batches)}
@@ -131,23 +137,36 @@ class Ceiling:
     def measure_concurrent(self, callers: int, seconds: float = 1.5) -> dict:
         """Single queries (embed + search) run by `callers` threads at once on one model and
         index, each on the session the unbatched server gives a query run beside others."""
-        done = [0] * callers
+        return self._side_by_side(self.unbatched_embedder, callers, 1, seconds)
+
+    def measure_streams(self, batch: int, seconds: float = 1.5) -> dict:
+        """Batches of `batch` run by as many threads at once as the batching server has streams,
+        each on the session it gives a batch run beside another."""
+        return self._side_by_side(self.embedder, self.streams, batch, seconds)
+
+    def _side_by_side(self, embedder, threads: int, batch: int, seconds: float) -> dict:
+        done = [0] * threads
         stop = time.perf_counter() + seconds
 
         def call(i: int) -> None:
-            one = self.arrays[i : i + 1]
+            queries = np.take(self.arrays, range(i * batch, (i + 1) * batch), axis=0, mode="wrap")
             while time.perf_counter() < stop:
-                self.index.search(self.embedder.embed(one, side_by_side=True), 10)
-                done[i] += 1
+                self.index.search(embedder.embed(queries, side_by_side=threads > 1), 10)
+                done[i] += len(queries)
 
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(callers)]
+        workers = [threading.Thread(target=call, args=(i,)) for i in range(threads)]
         t, cpu = time.perf_counter(), time.process_time()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
         elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
-        return {"callers": callers, "qps": sum(done) / elapsed, "cpu_ms_per_query": cpu * 1e3 / max(sum(done), 1)}
+        return {
+            "threads": threads,
+            "batch": batch,
+            "qps": sum(done) / elapsed,
+            "cpu_ms_per_query": cpu * 1e3 / max(sum(done), 1),
+        }
 
     def _measure(self, b: int) -> dict:
         batch = self.arrays[:b]
@@ -342,19 +361,22 @@ def median_rounds(rounds: list[list[dict]]) -> list[dict]:
 
 def paired_ratios(rounds: dict[str, list[list[dict]]], ceiling_rounds: list[dict]) -> dict:
     """Per mode and concurrency, each round's server figures over the ceilings of the same round:
-    against batch 32; against the same work the server did (the batch size it formed; with
-    batching off, single queries one at a time at concurrency 1, else run by as many threads at
-    once, each on the session the server gives a query beside others); against the best of them
-    all; and the p50 the server adds to the ceiling's batch-1 latency with decoding."""
+    against batch 32; against the same work the server did (batching on: batches of the size it
+    formed, the better of one at a time on every thread and its streams' worth at once; off:
+    single queries, one at a time at concurrency 1, else run by as many threads at once, each on
+    the session the server gives a query beside others); against the best of them all; and the
+    p50 the server adds to the ceiling's batch-1 latency with decoding."""
     out: dict[str, dict[int, dict[str, list[float]]]] = {}
     for mode in MODES:
         per_level: dict[int, dict[str, list[float]]] = {}
         for server_round, ceiling_round in zip(rounds[mode], ceiling_rounds, strict=True):
-            batches = ceiling_round["batches"]
-            best = max(batches[32]["qps"], ceiling_round["concurrent"]["qps"])
+            batches, streams = ceiling_round["batches"], ceiling_round.get("streams", {})
+            ceilings = [batches[32], ceiling_round["concurrent"], *streams.values()]
+            best = max(c["qps"] for c in ceilings)
             for r in server_round:
                 if mode == "on":
-                    same = batches[max(1, round(r["mean_batch"]))]
+                    formed = max(1, round(r["mean_batch"]))
+                    same = max((batches[formed], streams.get(formed, batches[formed])), key=lambda c: c["qps"])
                 else:
                     same = batches[1] if r["concurrency"] == 1 else ceiling_round["concurrent"]
                 figures = {
@@ -412,10 +434,12 @@ def main() -> None:
             return python_loadgen(port, catalog, c, duration)
         return h2load(port, body, c, duration, workdir / f"h2load-{port}-{c}.log")
 
+    batched = server_config(serve_flags(run, "on", server_flags))
     unbatched = server_config(serve_flags(run, "off", server_flags))
-    ceiling = Ceiling(unbatched, catalog, repeats=5 if args.quick or args.backbone else 30)
+    ceiling = Ceiling(batched, unbatched, catalog, repeats=5 if args.quick or args.backbone else 30)
     rounds: dict[str, list[list[dict]]] = {mode: [] for mode in [*MODES, "floor"]}
-    ceiling_rounds: list[dict] = []  # {"batches": {b: figures}, "concurrent": figures}
+    # {"batches": {b: figures}, "concurrent": figures, "streams": {b: figures}}
+    ceiling_rounds: list[dict] = []
     callers = unbatched.worker_threads
     for i in range(repeats):
         print(f"round {i + 1}/{repeats}", file=sys.stderr, flush=True)
@@ -427,6 +451,7 @@ def main() -> None:
             {
                 "batches": ceiling.measure(set(LEVELS) | formed),
                 "concurrent": ceiling.measure_concurrent(callers),
+                "streams": {b: ceiling.measure_streams(b) for b in formed} if ceiling.streams > 1 else {},
             }
         )
     server = {mode: median_rounds(rounds[mode]) for mode in MODES}
@@ -450,11 +475,28 @@ def main() -> None:
         print(
             f"{b:>6} {c['qps']:9.0f} {c['qps_with_decode']:12.0f} {c['latency_ms']:9.2f} {c['cpu_ms_per_query']:9.3f}"
         )
-    session = "single-threaded" if ceiling.embedder.side_by_side_session is not None else "one shared session"
+
+    def side_session(embedder) -> str:
+        session = embedder.side_by_side_session
+        return f"{session.get_session_options().intra_op_num_threads}-thread session" if session else "one session"
+
     print(
-        f"single queries, {callers} threads at once, {session}: {concurrent['qps']:.0f} q/s, "
-        f"{concurrent['cpu_ms_per_query']:.3f} ms CPU/q"
+        f"single queries, {callers} threads at once, {side_session(ceiling.unbatched_embedder)}: "
+        f"{concurrent['qps']:.0f} q/s, {concurrent['cpu_ms_per_query']:.3f} ms CPU/q"
     )
+    if ceiling.streams > 1:  # at the batch size the server formed at concurrency 32, round by round
+        at_c32 = [
+            c["streams"][max(1, round(r["mean_batch"]))]
+            for c, server_round in zip(ceiling_rounds, rounds["on"], strict=True)
+            for r in server_round
+            if r["concurrency"] == 32
+        ]
+        print(
+            f"batches of the size formed at concurrency 32 ({statistics.median(s['batch'] for s in at_c32):.0f}), "
+            f"{ceiling.streams} at once, {side_session(ceiling.embedder)}: "
+            f"{statistics.median(s['qps'] for s in at_c32):.0f} q/s, "
+            f"{statistics.median(s['cpu_ms_per_query'] for s in at_c32):.3f} ms CPU/q"
+        )
     print("\ngRPC floor (bare grpc.aio server, canned response, same load):")
     for c, r in floor.items():
         cpu = r["server_cpu_ms_per_query"]

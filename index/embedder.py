@@ -51,12 +51,13 @@ def session_options(intra_op_threads: int | None = None, spinning: bool = True) 
 class OnnxEmbedder:
     """Embeds preprocessed NCHW batches with a published model artifact.
 
-    `side_by_side=True` also loads a single-threaded CPU session of the same model for runs made
-    while others are under way (`embed(..., side_by_side=True)`): runs sharing one
-    multi-threaded session fight over its one intra-op pool, while single-threaded runs each keep
-    a core to themselves — on two cores, 16% more mobilenet_v2 queries/s than sharing the pool,
-    yet a run made alone still gets every core. Only kept where the two sessions differ: CPU, and
-    more than one intra-op thread."""
+    `runs_at_once` > 1: the caller makes that many runs at once, so a second CPU session of the
+    same model, with the intra-op threads shared out among them, takes the runs made while others
+    are under way (`embed(..., side_by_side=True)`): runs sharing one multi-threaded session
+    fight over its one intra-op pool, while runs on their own share of the threads do not — on
+    two cores, 16% more mobilenet_v2 queries/s than sharing the pool — yet a run made alone
+    still gets every thread. Only kept where the two sessions differ: CPU, and more intra-op
+    threads than a share."""
 
     def __init__(
         self,
@@ -64,7 +65,7 @@ class OnnxEmbedder:
         provider: str = "auto",
         intra_op_threads: int | None = None,
         spinning: bool = True,
-        side_by_side: bool = False,
+        runs_at_once: int = 1,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.manifest = read_manifest(self.model_dir)
@@ -78,21 +79,22 @@ class OnnxEmbedder:
         options = session_options(intra_op_threads, spinning)
         self.session = ort.InferenceSession(str(model_path), sess_options=options, providers=self.providers)
         self.side_by_side_session: ort.InferenceSession | None = None
-        if side_by_side and self.session.get_providers()[0] == CPU and options.intra_op_num_threads > 1:
+        share = max(1, options.intra_op_num_threads // max(1, runs_at_once))
+        if self.session.get_providers()[0] == CPU and share < options.intra_op_num_threads:
             self.side_by_side_session = ort.InferenceSession(
-                str(model_path), sess_options=session_options(1, spinning), providers=[CPU]
+                str(model_path), sess_options=session_options(share, spinning), providers=[CPU]
             )
         self.input_name = self.session.get_inputs()[0].name
         log.info(
             "loaded model %s with providers %s%s",
             self.model_id,
             self.session.get_providers(),
-            ", and a single-threaded session for runs side by side" if self.side_by_side_session else "",
+            f", and a {share}-thread session for runs side by side" if self.side_by_side_session else "",
         )
 
     def embed(self, batch: np.ndarray, side_by_side: bool = False) -> np.ndarray:
         """L2-normalised float32 embeddings of an NCHW batch; `side_by_side`: other runs are under
-        way on other threads (the single-threaded session takes it, where there is one)."""
+        way on other threads (the session with a share of the threads takes it, where there is one)."""
         batch = np.ascontiguousarray(batch, dtype=np.float32)
         expected = self.contract.input_shape
         if batch.ndim != 4 or tuple(batch.shape[1:]) != expected:

@@ -62,15 +62,21 @@ def _parser() -> argparse.ArgumentParser:
         "--batching", type=lambda v: v.lower() in ("1", "true", "on", "yes"), help="dynamic batching on/off"
     )
     serve.add_argument("--max-batch-size", dest="max_batch_size", type=int, help="queries per ORT/faiss batch")
+    serve.add_argument(
+        "--batch-streams",
+        dest="batch_streams",
+        type=int,
+        help="batches run at once, each on its own thread (default 1)",
+    )
     serve.add_argument("--max-wait-ms", dest="max_wait_ms", type=float, help="longest wait to fill a batch")
     serve.add_argument("--max-queue", dest="max_queue", type=int, help="queued queries before RESOURCE_EXHAUSTED")
     serve.add_argument(
         "--intra-op-threads",
         dest="intra_op_threads",
         type=int,
-        help="ONNX Runtime threads per run (default: CPU count, at most 8; with --batching false, "
-        "one for a query run beside others, so --workers of them run side by side); setting it "
-        "uses that many for every run",
+        help="ONNX Runtime threads per run (default: CPU count, at most 8, for a run made alone, "
+        "shared out among the runs made at once: --batch-streams, or --workers with --batching "
+        "false); setting it uses that many for every run",
     )
     serve.add_argument(
         "--ort-spinning",

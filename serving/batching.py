@@ -1,10 +1,20 @@
 """Dynamic batching: concurrent queries coalesced into one ONNX Runtime batch and one faiss search.
 
 The batcher lives on the server's asyncio loop. RPC handlers decode their images (small ones on
-the loop, larger ones in the decode pool) and `await batcher.run(job)`; one task takes the oldest job, waits at most
-`max_wait_s` for more (up to `max_batch_size`), and hands the whole batch to one inference thread
-that embeds every image in one ORT call and searches every vector in one faiss call. A batch
-costs one thread hop, not one per query, and the loop stays free to take RPCs while it runs.
+the loop, larger ones in the decode pool) and `await batcher.run(job)`; one task takes the
+oldest job, waits at most `max_wait_s` for more (up to `max_batch_size`), and hands the whole
+batch to an inference thread that embeds every image in one ORT call and searches every vector
+in one faiss call. A batch costs one thread hop, not one per query, and the loop stays free to
+take RPCs while it runs.
+
+Up to `streams` batches run at once, each on its own inference thread. A batch alone runs on
+the model's full session; a batch beside another on the session with a share of ORT's threads
+(where the model has one): two batches side by side keep the cores busy while each one's
+Python work (stacking, faiss results, answers) runs, where one batch on every thread leaves
+them idle then and stalls whenever a core is taken by decoding or gRPC. A free stream starts a
+batch beside a running one once half a share (a share: max batch size / streams) is queued,
+and a queue of several shares is split evenly among free streams: a few queries do not make a
+batch of their own, which would cost the loop more per query than it gains.
 
 The queue is bounded: when full, `run` fails at once with RESOURCE_EXHAUSTED instead of queueing
 forever. A batch never mixes model/index pairs, so each answer comes from exactly the pair its
@@ -18,9 +28,9 @@ and a job whose pixels turn out corrupt fails alone, not its batch.
 
 An Embed call is a job with k = 0: embedded in the batch it lands in, searched for nothing.
 
-With batching off, a query that finds others in flight runs on the model's single-threaded
-session (where it has one) and a query alone on the multi-threaded one: side by side, runs
-sharing one intra-op pool would fight over it.
+With batching off, a query that finds others in flight likewise runs on the session with a
+share of the threads (one each, by default) and a query alone on the full one: side by side,
+runs sharing one intra-op pool would fight over it.
 """
 
 from __future__ import annotations
@@ -75,23 +85,30 @@ class DynamicBatcher:
         max_queue: int = 1024,
         enabled: bool = True,
         workers: int = 1,
+        streams: int = 1,
     ) -> None:
-        if max_batch_size < 1 or max_queue < 1 or max_wait_s < 0 or workers < 1:
-            raise ValueError("max_batch_size, max_queue and workers must be ≥ 1, max_wait_s ≥ 0")
+        if max_batch_size < 1 or max_queue < 1 or max_wait_s < 0 or workers < 1 or streams < 1:
+            raise ValueError("max_batch_size, max_queue, workers and streams must be ≥ 1, max_wait_s ≥ 0")
         self.engine = engine
         self.metrics = metrics
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
         self.max_queue = max_queue
         self.enabled = enabled
-        # Batched: one thread runs one batch at a time (ORT and faiss use the cores themselves).
+        # Batched: `streams` batches run at once, each on its own inference thread.
         # Unbatched: each query runs alone, `workers` of them at once.
-        self._inference = ThreadPoolExecutor(1 if enabled else workers, thread_name_prefix="inference")
+        self.streams = streams if enabled else 1
+        self._share = -(-max_batch_size // self.streams)  # the batch a stream takes beside others
+        self._beside = -(-self._share // 2)  # queued jobs that start a batch beside a running one
+        self._inference = ThreadPoolExecutor(self.streams if enabled else workers, thread_name_prefix="inference")
         self._queue: deque[Job] = deque()
         self._in_flight = 0  # unbatched queries submitted and not yet answered
-        self._busy = False  # a batch is in the inference thread, or filling up
+        self._running = 0  # batches handed to the inference threads and not yet answered
+        self._filling = False  # a batch waits for more jobs before it starts
         self._arrived = asyncio.Event()  # binds to a loop on first use, not here
+        self._stream_freed = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._batch_tasks: set[asyncio.Task] = set()
         self._stopped = False
 
     # -- lifecycle (on the loop) ------------------------------------------------------------
@@ -102,11 +119,12 @@ class DynamicBatcher:
             self._task = asyncio.get_running_loop().create_task(self._batches(), name="batcher")
 
     async def stop(self) -> None:
-        """Refuse new jobs, fail queued ones with UNAVAILABLE, and stop the inference thread."""
+        """Refuse new jobs, fail queued and running ones with UNAVAILABLE, and stop the inference threads."""
         self._stopped = True
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, *self._batch_tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         while self._queue:
             job = self._queue.popleft()
             if not job.future.done():
@@ -119,9 +137,9 @@ class DynamicBatcher:
     def decodes_cheaply(self) -> bool:
         """Whether a job's image is best decoded by the inference thread, a decode thread
         only adding a round trip: with batching off (the query runs alone on an inference
-        thread either way), or when no batch is queued, filling up or running (it would
+        thread either way), or when nothing is queued, filling up or running (its batch would
         start at once)."""
-        return not self.enabled or (not self._queue and not self._busy)
+        return not self.enabled or (not self._queue and not self._filling and self._running == 0)
 
     async def run(self, job: Job) -> list[Hit]:
         """The job's top-k hits, computed in a batch with whatever else is queued."""
@@ -147,11 +165,23 @@ class DynamicBatcher:
 
     # -- batching task ----------------------------------------------------------------------
 
-    def _take_ready(self, batch: list[Job]) -> None:
-        """Move queued jobs of the batch's pair into it (up to the size limit), oldest first."""
+    def _may_start(self) -> bool:
+        """Whether a free stream starts a batch now: when no other batch is running, or when half
+        a share is queued. A few jobs beside a running batch wait for it instead (many small
+        batches cost the loop more than they gain); more would leave a core idle meanwhile."""
+        return self._running == 0 or len(self._queue) >= self._beside
+
+    def _take_ready(self, batch: list[Job]) -> bool:
+        """Move queued jobs of the batch's pair into it (up to its limit), oldest first; whether
+        the batch is full (at the size limit, or at its share with jobs left for another)."""
         now = time.monotonic()
         kept: deque[Job] = deque()
-        while self._queue and len(batch) < self.max_batch_size:
+        # With other streams free, a queue holding several full shares is split evenly among
+        # as many of them, so batches run side by side instead of one after another.
+        free = self.streams - self._running  # this batch's stream among them
+        total = len(batch) + len(self._queue)
+        limit = min(self.max_batch_size, -(-total // max(1, min(free, total // self._share))))
+        while self._queue and len(batch) < limit:
             job = self._queue.popleft()
             if job.future.done():  # its caller went away
                 continue
@@ -163,14 +193,14 @@ class DynamicBatcher:
                 continue
             batch.append(job)
         self._queue.extendleft(reversed(kept))
+        return len(batch) >= self.max_batch_size or (len(batch) >= limit and bool(self._queue))
 
     async def _take_batch(self) -> list[Job]:
         loop = asyncio.get_running_loop()
         batch: list[Job] = []
         until: float | None = None
         while True:
-            self._take_ready(batch)
-            if len(batch) >= self.max_batch_size:
+            if (batch or self._may_start()) and self._take_ready(batch):
                 break
             if batch:
                 until = until if until is not None else loop.time() + self.max_wait_s
@@ -180,7 +210,7 @@ class DynamicBatcher:
             self._arrived.clear()
             # A batch waiting to fill counts as running: images arriving now decode in the pool
             # while it waits, not one after another in the inference thread once it is full.
-            self._busy = bool(batch)
+            self._filling = bool(batch)
             try:
                 if not batch:
                     await self._arrived.wait()
@@ -193,36 +223,48 @@ class DynamicBatcher:
             except asyncio.CancelledError:  # stopping: the jobs go back, to be failed by stop()
                 self._queue.extendleft(reversed(batch))
                 raise
+            finally:
+                self._filling = False
         self.metrics.queue_depth.set(len(self._queue))
         return batch
 
     async def _batches(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
+            while self._running >= self.streams:
+                self._stream_freed.clear()
+                await self._stream_freed.wait()
             batch = await self._take_batch()
-            self._busy = True
-            try:
-                results = await loop.run_in_executor(self._inference, self._compute, batch)
-            except asyncio.CancelledError:
-                for job in batch:
-                    if not job.future.done():
-                        job.future.set_exception(Unavailable("server is shutting down"))
-                raise
-            except Exception as exc:  # a bug must fail the batch's requests, not the task
-                log.exception("batch of %d failed", len(batch))
-                for job in batch:
-                    if not job.future.done():
-                        job.future.set_exception(exc)
+            self._running += 1
+            task = asyncio.get_running_loop().create_task(self._run_batch(batch))
+            self._batch_tasks.add(task)
+            task.add_done_callback(self._batch_tasks.discard)
+
+    async def _run_batch(self, batch: list[Job]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            results = await loop.run_in_executor(self._inference, self._compute_batch, batch)
+        except asyncio.CancelledError:
+            for job in batch:
+                if not job.future.done():
+                    job.future.set_exception(Unavailable("server is shutting down"))
+            raise
+        except Exception as exc:  # a bug must fail the batch's requests, not the batcher
+            log.exception("batch of %d failed", len(batch))
+            for job in batch:
+                if not job.future.done():
+                    job.future.set_exception(exc)
+            return
+        finally:
+            self._running -= 1
+            self._stream_freed.set()
+            self._arrived.set()  # jobs left waiting beside this batch may start now
+        for job, hits in zip(batch, results, strict=True):
+            if job.future.done():
                 continue
-            finally:
-                self._busy = False
-            for job, hits in zip(batch, results, strict=True):
-                if job.future.done():
-                    continue
-                if job.error is not None:
-                    job.future.set_exception(job.error)
-                else:
-                    job.future.set_result(hits)
+            if job.error is not None:
+                job.future.set_exception(job.error)
+            else:
+                job.future.set_result(hits)
 
     # -- inference thread -------------------------------------------------------------------
 
@@ -235,6 +277,11 @@ class DynamicBatcher:
         if job.error is not None:
             raise job.error
         return hits
+
+    def _compute_batch(self, batch: list[Job]) -> list[list[Hit]]:
+        # A batch beside another runs on the single-threaded session (where the model has one);
+        # a batch alone gets every core.
+        return self._compute(batch, side_by_side=self._running > 1)
 
     def _decode(self, job: Job) -> None:
         started = time.perf_counter()

@@ -76,17 +76,17 @@ def load_pair(
     provider: str = "auto",
     intra_op_threads: int | None = None,
     ort_spinning: bool = False,
-    side_by_side: bool = False,
+    runs_at_once: int = 1,
 ) -> ServingPair:
     """Load an index version and its model, refusing a pair built with different models.
-    `side_by_side`: queries will also run several at once, each alone on its thread (batching
-    off), so the model also gets a single-threaded session for them (see `OnnxEmbedder`)."""
+    `runs_at_once`: how many ORT runs the server makes at once (batch streams, or unbatched
+    queries); above 1 the model also gets a session for runs beside others (see `OnnxEmbedder`)."""
     directory = artifacts.version_dir(index_root, version)
     manifest = read_manifest(directory)
     model_dir = Path(model_dir or manifest.get("model_dir") or "")
     if not (model_dir / artifacts.MANIFEST).is_file():
         raise ArtifactError(f"model directory {model_dir} has no {artifacts.MANIFEST}")
-    embedder = OnnxEmbedder(model_dir, provider, intra_op_threads, ort_spinning, side_by_side)
+    embedder = OnnxEmbedder(model_dir, provider, intra_op_threads, ort_spinning, runs_at_once)
     check_model_index_pair(embedder.manifest, manifest)
     index = load_index(directory / artifacts.INDEX_FILE)
     if manifest.get("search_params"):

@@ -4,7 +4,7 @@ and metrics.
 One asyncio event loop takes every RPC; nothing on it blocks. Small images are decoded on the
 loop; larger ones by the inference thread when it would take them at once (batching off, or
 the batcher idle), else in a worker pool. Embedding and search run in the batcher's inference
-thread, reloads in the loop's default executor. The servicers only translate: protobuf in,
+threads (a batch per stream), reloads in the loop's default executor. The servicers only translate: protobuf in,
 plain calls on `SearchEngine` / `DynamicBatcher` / `RecallMonitor`, protobuf or a status code
 out. `SearchServer` keeps a blocking API (start, stop, reload, run_probe) for the CLI, tests and
 background threads.
@@ -77,6 +77,7 @@ class ServerConfig:
     max_batch_queries: int = 256
     batching: bool = True
     max_batch_size: int = 32
+    batch_streams: int = 2  # batches run at once, each on its own inference thread
     max_wait_ms: float = 0.0  # greedy: a batch is whatever queued while the last one ran
     max_queue: int = 1024
     feedback_window: int = 10_000
@@ -96,11 +97,13 @@ class ServerConfig:
         return self.workers or os.cpu_count() or 1
 
     @property
-    def runs_side_by_side(self) -> bool:
-        """Whether queries run several at once, each alone on an inference thread, with ORT's
-        threads left to the server: then a query run beside others takes a single-threaded
-        session and one run alone gets every thread."""
-        return not self.batching and self.intra_op_threads is None and self.worker_threads > 1
+    def runs_at_once(self) -> int:
+        """ORT runs the server makes at once — batch streams with batching on, inference threads
+        with it off — among which the intra-op threads are shared out (a run made alone still
+        gets them all); 1 when the operator fixed the threads every run takes."""
+        if self.intra_op_threads is not None:
+            return 1
+        return self.batch_streams if self.batching else self.worker_threads
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
@@ -120,6 +123,7 @@ class ServerConfig:
             "max_image_pixels",
             "max_batch_queries",
             "max_batch_size",
+            "batch_streams",
             "max_queue",
             "recall_window",
             "probe_size",
@@ -472,6 +476,7 @@ class SearchServer:
             config.max_queue,
             enabled=config.batching,
             workers=workers,
+            streams=config.batch_streams,
         )
         self.decode_pool = ThreadPoolExecutor(workers, thread_name_prefix="decode")
         self.monitor = RecallMonitor(
@@ -549,7 +554,7 @@ class SearchServer:
                     self.config.provider,
                     self.config.intra_op_threads,
                     self.config.ort_spinning,
-                    side_by_side=self.config.runs_side_by_side,
+                    runs_at_once=self.config.runs_at_once,
                 )
             except Exception:
                 self.metrics.reload_failures.inc()

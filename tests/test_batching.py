@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -221,7 +222,7 @@ class RecordingSession:
 
 def test_unbatched_queries_run_side_by_side_single_threaded_and_alone_on_every_thread(demo_run, arrays):
     engine = SearchEngine()
-    pair = load_pair(demo_run / "index", provider="cpu", intra_op_threads=2, side_by_side=True)
+    pair = load_pair(demo_run / "index", provider="cpu", intra_op_threads=2, runs_at_once=2)
     engine.swap(pair)
     embedder = pair.embedder
     assert embedder.session.get_session_options().intra_op_num_threads == 2
@@ -246,3 +247,112 @@ def test_unbatched_queries_run_side_by_side_single_threaded_and_alone_on_every_t
     assert used[2:].count("single-threaded") >= 4, used
     for j, hits in zip(jobs, answers, strict=True):
         assert [h.row for h in hits] == exact(engine, pair, j.array)
+
+
+class MeetingSession(RecordingSession):
+    """A recording session whose runs wait for one another at `barrier`: a run made while no
+    other is under way breaks it (after `timeout`), so the log proves runs overlapped."""
+
+    def __init__(self, session, name: str, log: list[str], barrier: threading.Barrier) -> None:
+        super().__init__(session, name, log)
+        self.barrier = barrier
+
+    def run(self, *args, **kwargs):
+        self.barrier.wait()
+        return super().run(*args, **kwargs)
+
+
+def test_batch_streams_share_out_the_queue_and_run_side_by_side_single_threaded(demo_run, arrays):
+    engine = SearchEngine()
+    pair = load_pair(demo_run / "index", provider="cpu", intra_op_threads=2, runs_at_once=2)
+    engine.swap(pair)
+    embedder = pair.embedder
+    used: list[str] = []
+    meet = threading.Barrier(2, timeout=10)
+    embedder.session = RecordingSession(embedder.session, "all threads", used)
+    embedder.side_by_side_session = MeetingSession(embedder.side_by_side_session, "single-threaded", used, meet)
+    jobs = [job(pair, a) for a in arrays[:12]]
+
+    answers = answer_all(engine, jobs, streams=2, max_batch_size=12)
+    # Queued at once, the twelve are two full shares: split between the two streams, whose
+    # batches meet inside the single-threaded session, so they ran at the same time.
+    assert used == ["single-threaded", "single-threaded"]
+    assert {j.batch_size for j in jobs} == {6}
+    for j, hits in zip(jobs, answers, strict=True):
+        assert [h.row for h in hits] == exact(engine, pair, j.array)
+
+    # A batch alone gets every thread; so does a lone query with a stream to spare.
+    del used[:]
+    lone = job(pair, arrays[0])
+    answer = answer_all(engine, [lone], streams=2)[0]
+    assert used == ["all threads"]
+    assert [h.row for h in answer] == exact(engine, pair, lone.array)
+
+
+@pytest.mark.parametrize(
+    ("streams", "max_batch_size", "sizes"), [(1, 8, {8, 4}), (2, 8, {6}), (3, 8, {4}), (2, 16, {12})]
+)
+def test_the_queue_is_shared_out_in_full_shares(engine_and_pairs, arrays, streams, max_batch_size, sizes):
+    engine, pair, _ = engine_and_pairs
+    jobs = [job(pair, a) for a in arrays[:12]]
+    # A share is the batch size over the streams: 12 queued make 3 shares of 4 with 2 streams
+    # (split in 2), 4 of 3 with 3 streams (split in 3), but less than 2 of 8 (not split).
+    answer_all(engine, jobs, streams=streams, max_batch_size=max_batch_size)
+    assert {j.batch_size for j in jobs} == sizes
+
+
+class GatedSession(RecordingSession):
+    """A recording session whose first run waits until `gate` is set."""
+
+    def __init__(self, session, name: str, log: list[str], gate: threading.Event) -> None:
+        super().__init__(session, name, log)
+        self.gate = gate
+
+    def run(self, *args, **kwargs):
+        if not self.log:
+            assert self.gate.wait(10)
+        return super().run(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("beside", "before_the_first_ends", "runs"),
+    [
+        (3, [], ["all threads", "all threads"]),  # they wait for the held batch, then run alone
+        (5, ["single-threaded"], ["single-threaded", "all threads"]),  # they run beside it
+    ],
+)
+def test_jobs_beside_a_running_batch_start_one_once_half_a_share_is_queued(
+    demo_run, arrays, beside, before_the_first_ends, runs
+):
+    engine = SearchEngine()
+    pair = load_pair(demo_run / "index", provider="cpu", intra_op_threads=2, runs_at_once=2)
+    engine.swap(pair)
+    used: list[str] = []
+    gate = threading.Event()
+    pair.embedder.session = GatedSession(pair.embedder.session, "all threads", used, gate)
+    pair.embedder.side_by_side_session = RecordingSession(pair.embedder.side_by_side_session, "single-threaded", used)
+    first, *later = [job(pair, a) for a in arrays[: 1 + beside]]
+
+    async def main():
+        b = batcher(engine, streams=2, max_batch_size=16)  # a share is 8 queries: 4 start a batch beside
+        b.start()
+        try:
+            running = asyncio.ensure_future(b.run(first))
+            await asyncio.sleep(0.05)  # the first batch is in its inference thread, held at the gate
+            waiting = [asyncio.ensure_future(b.run(j)) for j in later]
+            await asyncio.sleep(0.2)
+            started = list(used)
+            gate.set()
+            await asyncio.gather(running, *waiting)
+            return started
+        finally:
+            await b.stop()
+
+    assert asyncio.run(main()) == before_the_first_ends
+    assert used == runs
+    assert first.batch_size == 1 and {j.batch_size for j in later} == {beside}
+
+
+def test_a_batcher_needs_at_least_one_stream(engine_and_pairs):
+    with pytest.raises(ValueError, match="streams must be ≥ 1"):
+        batcher(engine_and_pairs[0], streams=0)

@@ -25,11 +25,12 @@ from benchmarks.bench_serving import (
 from serving.__main__ import server_config
 
 
-def ceiling(b1: float, b32: float, b8: float, concurrent: float) -> dict:
+def ceiling(b1: float, b32: float, b8: float, concurrent: float, streams8: float | None = None) -> dict:
     batch = {1: {"qps": b1, "qps_with_decode": 90.0, "latency_with_decode_ms": 10.0}}
     batch[8] = {"qps": b8, "qps_with_decode": b8, "latency_with_decode_ms": 0.0}
     batch[32] = {"qps": b32, "qps_with_decode": b32 / 2, "latency_with_decode_ms": 0.0}
-    return {"batches": batch, "concurrent": {"qps": concurrent}}
+    streams = {8: {"qps": streams8}} if streams8 else {}
+    return {"batches": batch, "concurrent": {"qps": concurrent}, "streams": streams}
 
 
 def level(qps: float, mean_batch: float = 1.0, concurrency: int = 32) -> dict:
@@ -55,31 +56,51 @@ def test_each_round_is_divided_by_its_own_ceilings():
     assert on["added_p50_ms"] == [2.0, 2.0]
 
 
+def test_batch_streams_in_process_are_a_ceiling_too():
+    # Batches of 8 two at once beat one at a time (180 vs 160) and everything else (1,000).
+    ceilings = [ceiling(50, 200, 160, 250, streams8=180), ceiling(50, 200, 160, 250, streams8=1000)]
+    rounds = {mode: [[level(100, mean_batch=8.2)]] * 2 for mode in MODES}
+    on = paired_ratios(rounds, ceilings)["on"][32]
+    assert on["vs_same_batch"] == [100 / 180, 100 / 1000]
+    assert on["vs_best"] == [100 / 250, 100 / 1000]
+
+
+CPUS = os.cpu_count() or 1
+
+
 @pytest.mark.parametrize(
-    ("flags", "threads", "twin"),
+    ("flags", "threads", "runs_off", "runs_on"),
     [
-        ((), os.cpu_count(), (os.cpu_count() or 1) > 1),
-        (("--workers", "3"), 3, True),
-        (("--max-queue", "9", "--workers=5"), 5, True),
-        (("--workers", "3", "--intra-op-threads", "2"), 3, False),  # every run on one 2-thread session
+        ((), CPUS, CPUS, 2),
+        (("--workers", "3"), 3, 3, 2),
+        (("--max-queue", "9", "--workers=5", "--batch-streams", "3"), 5, 5, 3),
+        (("--workers", "3", "--intra-op-threads", "2"), 3, 1, 1),  # every run on one 2-thread session
     ],
 )
-def test_the_ceiling_reads_the_servers_own_flags(tmp_path, flags, threads, twin):
+def test_the_ceiling_reads_the_servers_own_flags(tmp_path, flags, threads, runs_off, runs_on):
     (tmp_path / "index").mkdir()  # the server checks its index root exists
     unbatched = server_config(serve_flags(tmp_path, "off", flags))
-    assert unbatched.worker_threads == threads and unbatched.runs_side_by_side == twin
+    batched = server_config(serve_flags(tmp_path, "on", flags))
+    assert unbatched.worker_threads == threads
+    assert (unbatched.runs_at_once, batched.runs_at_once) == (runs_off, runs_on)
     assert unbatched.index_root == str(tmp_path / "index") and unbatched.max_batch_size == 32
-    assert not server_config(serve_flags(tmp_path, "on", flags)).runs_side_by_side
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [(), ("--intra-op-threads", "1")])
-def test_the_ceiling_loads_the_pair_the_server_would(demo_run, flags):
+@pytest.mark.parametrize("flags", [(), ("--intra-op-threads", "1"), ("--batch-streams", "1")])
+def test_the_ceiling_loads_the_pairs_the_servers_would(demo_run, flags):
+    batched = server_config(serve_flags(demo_run, "on", flags))
     unbatched = server_config(serve_flags(demo_run, "off", flags))
-    ceiling = Ceiling(unbatched, demo_run / "train" / "splits" / "test.csv", repeats=1)
-    assert (ceiling.embedder.side_by_side_session is not None) == unbatched.runs_side_by_side
-    assert ceiling.index.ntotal > 0
+    ceiling = Ceiling(batched, unbatched, demo_run / "train" / "splits" / "test.csv", repeats=1)
+    cpus = min(CPUS, 8)  # ORT's default intra-op threads
+    shared = unbatched.runs_at_once > 1 and cpus > 1
+    assert (ceiling.unbatched_embedder.side_by_side_session is not None) == shared
+    shared = batched.runs_at_once > 1 and cpus > 1
+    assert (ceiling.embedder.side_by_side_session is not None) == shared
+    assert ceiling.index.ntotal > 0 and ceiling.streams == batched.batch_streams
     assert ceiling.measure_concurrent(2, seconds=0.2)["qps"] > 0
+    streams = ceiling.measure_streams(4, seconds=0.2)
+    assert streams["threads"] == batched.batch_streams and streams["qps"] > 0
 
 
 @pytest.mark.skipif(shutil.which("h2load") is None, reason="h2load comes with `make setup` (nghttp2-client)")

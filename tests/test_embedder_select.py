@@ -72,22 +72,24 @@ def test_serve_command_makes_openmp_threads_wait_passively():
 
 
 @pytest.mark.parametrize(
-    ("overrides", "side_by_side"),
+    ("overrides", "runs"),
     [
-        ({"batching": True, "workers": 2}, False),  # one batch at a time: it has the cores to itself
-        ({"batching": False, "workers": 2}, True),
-        ({"batching": False, "workers": 1}, False),  # never two runs at once
-        ({"batching": False, "workers": 2, "intra_op_threads": 2}, False),  # the operator fixed the threads
+        ({"batching": True, "workers": 2, "batch_streams": 1}, 1),  # one batch at a time: every thread
+        ({"batching": True, "workers": 4}, 2),  # two batch streams by default
+        ({"batching": True, "batch_streams": 3, "intra_op_threads": 2}, 1),  # the operator fixed the threads
+        ({"batching": False, "workers": 2}, 2),
+        ({"batching": False, "workers": 1}, 1),  # never two runs at once
+        ({"batching": False, "workers": 2, "intra_op_threads": 2}, 1),
     ],
 )
-def test_unbatched_servers_run_queries_side_by_side_unless_told_otherwise(tmp_path, overrides, side_by_side):
+def test_servers_share_the_threads_among_the_runs_they_make_at_once_unless_told_otherwise(tmp_path, overrides, runs):
     from serving.server import ServerConfig
 
-    assert ServerConfig(index_root=str(tmp_path), **overrides).runs_side_by_side is side_by_side
+    assert ServerConfig(index_root=str(tmp_path), **overrides).runs_at_once == runs
 
 
 @pytest.mark.slow
-def test_single_threaded_session_for_runs_side_by_side_only_where_it_differs(demo_run):
+def test_a_session_with_a_share_of_the_threads_for_runs_side_by_side_only_where_it_differs(demo_run):
     import numpy as np
 
     from index.catalog import read_catalog
@@ -95,13 +97,15 @@ def test_single_threaded_session_for_runs_side_by_side_only_where_it_differs(dem
     from index.preprocess import load_batch
 
     model = demo_run / "model"
-    embedder = OnnxEmbedder(model, provider="cpu", intra_op_threads=2, side_by_side=True)
+    embedder = OnnxEmbedder(model, provider="cpu", intra_op_threads=2, runs_at_once=2)
     assert embedder.side_by_side_session.get_session_options().intra_op_num_threads == 1
+    shared = OnnxEmbedder(model, provider="cpu", intra_op_threads=8, runs_at_once=3)
+    assert shared.side_by_side_session.get_session_options().intra_op_num_threads == 2
     paths = read_catalog(demo_run / "train" / "splits" / "test.csv").paths[:4]
     images = load_batch(list(paths), embedder.contract)
     np.testing.assert_allclose(embedder.embed(images, side_by_side=True), embedder.embed(images), atol=1e-5)
     # Nothing to gain where the sessions would be the same, or no run is made side by side.
-    assert OnnxEmbedder(model, provider="cpu", intra_op_threads=1, side_by_side=True).side_by_side_session is None
+    assert OnnxEmbedder(model, provider="cpu", intra_op_threads=1, runs_at_once=2).side_by_side_session is None
     plain = OnnxEmbedder(model, provider="cpu", intra_op_threads=2)
     assert plain.side_by_side_session is None
     np.testing.assert_array_equal(plain.embed(images, side_by_side=True), plain.embed(images))
