@@ -271,16 +271,16 @@ class DynamicBatcher:
     def _compute_one(self, job: Job) -> list[Hit]:
         if job.deadline is not None and time.monotonic() > job.deadline:
             raise DeadlineExceeded("deadline passed while the query was queued")
-        # Another query in flight means runs side by side: each takes a single-threaded session
-        # rather than sharing the multi-threaded one; a query alone gets every core.
+        # Another query in flight means runs side by side: each takes the session with a share
+        # of the threads rather than sharing the full one's pool; a query alone gets them all.
         hits = self._compute([job], side_by_side=self._in_flight > 1)[0]
         if job.error is not None:
             raise job.error
         return hits
 
     def _compute_batch(self, batch: list[Job]) -> list[list[Hit]]:
-        # A batch beside another runs on the single-threaded session (where the model has one);
-        # a batch alone gets every core.
+        # A batch beside another runs on the session with a share of the threads (where the
+        # model has one); a batch alone gets them all.
         return self._compute(batch, side_by_side=self._running > 1)
 
     def _decode(self, job: Job) -> None:
