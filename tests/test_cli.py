@@ -37,6 +37,7 @@ def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
         (("serving", "serve", "--index-root", "/no/such/root"), "index root not found"),
         (("serving", "serve", "--workers", "0"), "workers must be positive"),
         (("serving", "serve", "--intra-op-threads", "-1"), "intra_op_threads must be positive"),
+        (("serving", "serve", "--batch-streams", "0"), "batch_streams must be positive"),
         (("serving", "serve", "--inline-decode-pixels", "-1"), "inline_decode_pixels must be ≥ 0"),
         (("serving", "serve", "--event-loop", "trio"), "invalid choice"),
         (("serving", "query", "/no/such.png", "--k", "0"), "--k must be at least 1"),
