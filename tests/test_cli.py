@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,36 +17,45 @@ def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize(
-    "args, fragment",
-    [
-        (("training", "train", "--catalog", "/no/such/catalog.csv"), "catalog not found"),
-        (("training", "train", "--epochs", "0"), "epochs must be positive"),
-        (("training", "train", "--use-gpu", "maybe"), "invalid choice"),
-        (("training", "train", "--backbone", "vgg99", "--catalog", "."), "unknown backbone"),
-        (("training", "train", "--pretrained", "/no/weights.pth"), "pretrained weights file not found"),
-        (("training", "train", "--pretrained", "pkg:no_such_pkg/w.pth"), "package 'no_such_pkg' is not installed"),
-        (("training", "train", "--dataset", "cub", "--data-root", "/no/such/dir"), "needs data_root"),
-        (("training", "train", "--dataset", "imagenet", "--data-root", "."), "unknown dataset 'imagenet'"),
-        (("training", "train", "--warmup-epochs", "9", "--epochs", "3"), "warmup_epochs (9) must be fewer"),
-        (("training", "train", "--resume", "--out", "/no/such/run"), "nothing to resume"),
-        (("training", "benchmark", "--losses", "raw_vthm,nope"), "unknown loss 'nope'"),
-        (("training", "benchmark", "--seeds", "0"), "seeds must be positive"),
-        (("training", "export", "--run", "/no/such/run"), "no checkpoint.pt"),
-        (("index", "build", "--model", "/no/such/model", "--index-root", "/tmp/x"), "not a published artifact"),
-        (("index", "list", "--index-root", "/no/such/root"), "index root not found"),
-        (("index", "rollback", "--index-root", "/no/such/root"), "index root not found"),
-        (("serving", "serve", "--index-root", "/no/such/root"), "index root not found"),
-        (("serving", "serve", "--workers", "0"), "workers must be positive"),
-        (("serving", "serve", "--intra-op-threads", "-1"), "intra_op_threads must be positive"),
-        (("serving", "serve", "--batch-streams", "0"), "batch_streams must be positive"),
-        (("serving", "serve", "--inline-decode-pixels", "-1"), "inline_decode_pixels must be ≥ 0"),
-        (("serving", "serve", "--event-loop", "trio"), "invalid choice"),
-        (("serving", "query", "/no/such.png", "--k", "0"), "--k must be at least 1"),
-    ],
-)
-def test_bad_input_is_one_clear_line(args, fragment):
-    proc = run(*args)
+BAD_INPUT = [
+    (("training", "train", "--catalog", "/no/such/catalog.csv"), "catalog not found"),
+    (("training", "train", "--epochs", "0"), "epochs must be positive"),
+    (("training", "train", "--use-gpu", "maybe"), "invalid choice"),
+    (("training", "train", "--backbone", "vgg99", "--catalog", "."), "unknown backbone"),
+    (("training", "train", "--pretrained", "/no/weights.pth"), "pretrained weights file not found"),
+    (("training", "train", "--pretrained", "pkg:no_such_pkg/w.pth"), "package 'no_such_pkg' is not installed"),
+    (("training", "train", "--dataset", "cub", "--data-root", "/no/such/dir"), "needs data_root"),
+    (("training", "train", "--dataset", "imagenet", "--data-root", "."), "unknown dataset 'imagenet'"),
+    (("training", "train", "--warmup-epochs", "9", "--epochs", "3"), "warmup_epochs (9) must be fewer"),
+    (("training", "train", "--resume", "--out", "/no/such/run"), "nothing to resume"),
+    (("training", "benchmark", "--losses", "raw_vthm,nope"), "unknown loss 'nope'"),
+    (("training", "benchmark", "--seeds", "0"), "seeds must be positive"),
+    (("training", "export", "--run", "/no/such/run"), "no checkpoint.pt"),
+    (("index", "build", "--model", "/no/such/model", "--index-root", "/tmp/x"), "not a published artifact"),
+    (("index", "list", "--index-root", "/no/such/root"), "index root not found"),
+    (("index", "rollback", "--index-root", "/no/such/root"), "index root not found"),
+    (("serving", "serve", "--index-root", "/no/such/root"), "index root not found"),
+    (("serving", "serve", "--workers", "0"), "workers must be positive"),
+    (("serving", "serve", "--intra-op-threads", "-1"), "intra_op_threads must be positive"),
+    (("serving", "serve", "--batch-streams", "0"), "batch_streams must be positive"),
+    (("serving", "serve", "--inline-decode-pixels", "-1"), "inline_decode_pixels must be ≥ 0"),
+    (("serving", "serve", "--event-loop", "trio"), "invalid choice"),
+    (("serving", "query", "/no/such.png", "--k", "0"), "--k must be at least 1"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_answers():
+    """Every bad-input command started at once, as many at a time as there are cores: each
+    spends seconds importing its stage before it validates, and one after another they took
+    two minutes of the suite."""
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        yield {args: pool.submit(run, *args) for args, _ in BAD_INPUT}
+
+
+@pytest.mark.parametrize("args, fragment", BAD_INPUT)
+def test_bad_input_is_one_clear_line(bad_input_answers: dict[tuple, Future], args, fragment):
+    proc = bad_input_answers[args].result()
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert fragment in proc.stderr
