@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
         "--batch-streams",
         dest="batch_streams",
         type=int,
-        help="batches run at once, each on its own thread (default 1)",
+        help="batches run at once, each on its own thread and share of the ONNX Runtime threads "
+        "(default 2); one starts beside another once half of batch size / streams queries are queued",
     )
     serve.add_argument("--max-wait-ms", dest="max_wait_ms", type=float, help="longest wait to fill a batch")
     serve.add_argument("--max-queue", dest="max_queue", type=int, help="queued queries before RESOURCE_EXHAUSTED")

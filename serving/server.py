@@ -4,10 +4,10 @@ and metrics.
 One asyncio event loop takes every RPC; nothing on it blocks. Small images are decoded on the
 loop; larger ones by the inference thread when it would take them at once (batching off, or
 the batcher idle), else in a worker pool. Embedding and search run in the batcher's inference
-threads (a batch per stream), reloads in the loop's default executor. The servicers only translate: protobuf in,
-plain calls on `SearchEngine` / `DynamicBatcher` / `RecallMonitor`, protobuf or a status code
-out. `SearchServer` keeps a blocking API (start, stop, reload, run_probe) for the CLI, tests and
-background threads.
+threads (a batch per stream), reloads in the loop's default executor. The servicers only
+translate: protobuf in, plain calls on `SearchEngine` / `DynamicBatcher` / `RecallMonitor`,
+protobuf or a status code out. `SearchServer` keeps a blocking API (start, stop, reload,
+run_probe) for the CLI, tests and background threads.
 """
 
 from __future__ import annotations
