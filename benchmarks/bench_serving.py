@@ -113,7 +113,9 @@ class Ceiling:
         # session for runs beside others (a share of the threads each) where that mode has one.
         self.embedder, self.index = self._load(batched)
         self.streams = batched.batch_streams
-        self.unbatched_embedder = self._load(unbatched)[0]
+        # The modes differ in --batching only: the same runs at once make the same sessions.
+        same = unbatched.runs_at_once == batched.runs_at_once
+        self.unbatched_embedder = self.embedder if same else self._load(unbatched)[0]
         self.blobs = [p.read_bytes() for p in read_catalog(catalog).paths[:512]]
         self.arrays = np.stack([load_image(b, self.embedder.contract) for b in self.blobs])
         self.repeats = repeats

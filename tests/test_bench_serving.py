@@ -98,6 +98,8 @@ def test_the_ceiling_loads_the_pairs_the_servers_would(demo_run, flags):
     shared = batched.runs_at_once > 1 and cpus > 1
     assert (ceiling.embedder.side_by_side_session is not None) == shared
     assert ceiling.index.ntotal > 0 and ceiling.streams == batched.batch_streams
+    loaded_once = batched.runs_at_once == unbatched.runs_at_once
+    assert (ceiling.unbatched_embedder is ceiling.embedder) == loaded_once
     assert ceiling.measure_concurrent(2, seconds=0.2)["qps"] > 0
     streams = ceiling.measure_streams(4, seconds=0.2)
     assert streams["threads"] == batched.batch_streams and streams["qps"] > 0
