@@ -28,9 +28,8 @@ from index.preprocess import (
     DEFAULT_MAX_PIXELS,
     ImageDecodeError,
     ImageTooLarge,
-    load_pixels,
+    decode,
     open_image,
-    to_model_input,
 )
 from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
 
@@ -148,7 +147,7 @@ class SearchEngine:
     def model_input(self, pair: ServingPair, image: Image.Image) -> np.ndarray:
         """Decode the pixels of an opened image and apply the model's input contract."""
         with _image_errors():
-            return to_model_input(load_pixels(image), pair.embedder.contract)
+            return decode(image, pair.embedder.contract)
 
     def embed(self, pair: ServingPair, arrays: list[np.ndarray], side_by_side: bool = False) -> np.ndarray:
         return pair.embedder.embed(np.stack(arrays), side_by_side=side_by_side)

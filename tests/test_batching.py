@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
+import io
 import threading
 import time
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from index.catalog import read_catalog
+from index.preprocess import load_image
 from serving.batching import DynamicBatcher, Job
 from serving.engine import SearchEngine, load_pair
 from serving.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
@@ -60,6 +65,21 @@ def job(pair, array, k: int = 5, deadline: float | None = None) -> Job:
 def exact(engine: SearchEngine, pair, array, k: int = 5) -> list[int]:
     vector = engine.embed(pair, [array])
     return [h.row for h in engine.search(pair, vector, k, [set()])[0]]
+
+
+def test_engine_decodes_large_jpegs_at_reduced_scale_where_the_contract_allows(engine_and_pairs):
+    engine, pair, _ = engine_and_pairs
+    contract = dataclasses.replace(pair.embedder.contract, resize=32, reducing_gap=2.0)
+    embedder = copy.copy(pair.embedder)
+    embedder.contract = contract
+    reducing = dataclasses.replace(pair, embedder=embedder)
+    photo = Image.fromarray(np.random.default_rng(0).integers(0, 256, (600, 800), dtype=np.uint8))
+    buffer = io.BytesIO()
+    photo.save(buffer, "JPEG")
+    image = engine.open_image(buffer.getvalue())
+    array = engine.model_input(reducing, image)
+    assert image.size == (100, 75)  # shorter side 32, gap 2: the decoder went down to 1/8
+    np.testing.assert_array_equal(array, load_image(buffer.getvalue(), contract))  # as the index saw it
 
 
 def test_batched_answers_equal_one_at_a_time_and_pairs_never_mix(engine_and_pairs, arrays):

@@ -9,7 +9,7 @@ import torchvision
 from PIL import Image
 from torch import nn
 
-from index.preprocess import load_image
+from index.preprocess import DEFAULT_REDUCING_GAP, load_image
 from training.models import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -77,9 +77,10 @@ def test_input_contract():
     small = input_contract("small_cnn")
     assert (small.height, small.width, small.channels) == (28, 28, 1)
     assert small.resize is None and small.mean == (0.5,) and small.std == (0.5,)
-    assert small.normalize_in_graph is True
+    assert small.normalize_in_graph is True and small.reducing_gap is None  # nothing is resized
     resnet = input_contract("resnet18")
     assert (resnet.height, resnet.width, resnet.channels, resnet.resize) == (224, 224, 3, 256)
+    assert resnet.reducing_gap == DEFAULT_REDUCING_GAP  # new models decode large images cheaply
     assert resnet.mean == IMAGENET_MEAN and resnet.std == IMAGENET_STD
     custom = input_contract("resnet50", size=112)
     assert (custom.height, custom.resize) == (112, 128)

@@ -12,9 +12,11 @@ from PIL import Image
 
 from index.preprocess import (
     DEFAULT_MAX_PIXELS,
+    DEFAULT_REDUCING_GAP,
     ImageDecodeError,
     ImageTooLarge,
     InputContract,
+    decode,
     load_batch,
     load_image,
     load_pixels,
@@ -63,6 +65,9 @@ RGB = InputContract(height=8, width=8, channels=3)
         {"height": 8, "width": 8, "std": (0.0,)},
         {"height": 8, "width": 8, "layout": "NHWC"},
         {"height": 8, "width": 8, "dtype": "float16"},
+        {"height": 8, "width": 8, "reducing_gap": 0.5},
+        {"height": 8, "width": 8, "reducing_gap": float("inf")},
+        {"height": 8, "width": 8, "reducing_gap": float("nan")},
     ],
 )
 def test_contract_rejects_invalid_values(kwargs):
@@ -83,6 +88,13 @@ def test_contract_dict_round_trip_and_unknown_keys_ignored():
     d = contract.to_dict()
     assert d["mean"] == [0.485, 0.456, 0.406] and isinstance(d["std"], list)
     assert InputContract.from_dict({**d, "future_field": 1}) == contract
+    reduced = InputContract(height=224, width=224, resize=256, reducing_gap=2.0)
+    assert InputContract.from_dict(reduced.to_dict()) == reduced
+    # A manifest written before the field existed keeps decoding every pixel, as its index did.
+    assert (
+        InputContract.from_dict({k: v for k, v in reduced.to_dict().items() if k != "reducing_gap"}).reducing_gap
+        is None
+    )
     assert contract.input_shape == (3, 224, 200)
     assert contract.color_mode == "RGB"
     assert GREY.color_mode == "L"
@@ -267,6 +279,54 @@ def test_normalisation_outside_the_graph():
     std = np.array([0.5, 0.25, 2.0], np.float32).reshape(3, 1, 1)
     np.testing.assert_allclose(normed, (raw - mean) / std, rtol=1e-6)
     np.testing.assert_allclose(normed[:, 0, 0], [1.0, -0.2, 0.2], atol=1e-6)
+
+
+# --- reduced-scale decoding of large images ----------------------------------------------------
+
+REDUCED = InputContract(height=56, width=56, channels=3, resize=64, reducing_gap=DEFAULT_REDUCING_GAP)
+FAIR = InputContract(height=56, width=56, channels=3, resize=64)
+
+
+def bands(width: int, height: int) -> Image.Image:
+    """Sharp-edged bands off the centre: a picture shifted or stretched by a pixel shows it."""
+    array = np.zeros((height, width, 3), np.uint8)
+    array[:, width // 2 : width // 2 + width // 40] = 255
+    array[height // 2 : height // 2 + height // 30, :, 1] = 200
+    return Image.fromarray(array)
+
+
+@pytest.mark.parametrize("size", [(1600, 1200), (1601, 1203), (1203, 1601)])
+def test_large_jpeg_is_decoded_at_reduced_scale_and_matches_the_fair_resample(size):
+    data = encode(bands(*size), "JPEG")
+    image = open_image(data, load=False)
+    reduced = decode(image, REDUCED)
+    # Resized to 64 on the shorter side, gap 2: the decoder may go down to 128, so 1/8 scale.
+    assert min(image.size) == -(-min(size) // 8)
+    fair_image = open_image(data, load=False)
+    fair = decode(fair_image, FAIR)
+    assert fair_image.size == size  # without the gap every pixel is decoded
+    # Sides not a multiple of 8 leave a partial block: the draft box keeps the picture in place
+    # (without it the bands move: mean 1.6-2/255, max 36-48/255); sharp edges differ by a few.
+    difference = np.abs(reduced - fair)
+    assert difference.mean() < 0.5 / 255 and difference.max() <= 10 / 255
+    np.testing.assert_array_equal(load_image(data, REDUCED), reduced)  # training and indexing: the same path
+
+
+def test_large_png_is_reduced_by_whole_factors_close_to_the_fair_resample():
+    data = encode(bands(1000, 800))
+    image = open_image(data, load=False)
+    reduced = decode(image, REDUCED)
+    assert image.size == (1000, 800)  # PNG has no reduced-scale decoding
+    difference = np.abs(reduced - decode(open_image(data, load=False), FAIR))
+    assert 0 < difference.max() <= 10 / 255 and difference.mean() < 0.5 / 255
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_small_images_are_untouched_by_the_gap(fmt):
+    # Upscaled (a glyph) or only slightly downscaled: nothing to reduce, the very same numbers.
+    for size in [(28, 28), (150, 100)]:
+        data = encode(bands(*size), fmt)
+        np.testing.assert_array_equal(load_image(data, REDUCED), load_image(data, FAIR))
 
 
 # --- load_batch --------------------------------------------------------------------------------

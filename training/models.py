@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from index.preprocess import InputContract
+from index.preprocess import DEFAULT_REDUCING_GAP, InputContract
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -264,15 +264,18 @@ def load_pretrained(backbone: nn.Module, spec: BackboneSpec, source: str | Path)
 
 
 def input_contract(backbone: str, size: int | None = None) -> InputContract:
-    """The inference contract of a backbone: normalisation inside the graph, [0,1] pixels in."""
+    """The inference contract of a backbone: normalisation inside the graph, [0,1] pixels in,
+    large images reduced cheaply before the fair resample (`InputContract.reducing_gap`)."""
     spec = backbone_spec(backbone)
     side = size or spec.default_size
+    resize = None if spec.resize_ratio is None else round(side * spec.resize_ratio)
     return InputContract(
         height=side,
         width=side,
         channels=spec.input_channels,
-        resize=None if spec.resize_ratio is None else round(side * spec.resize_ratio),
+        resize=resize,
         mean=spec.mean,
         std=spec.std,
         normalize_in_graph=True,
+        reducing_gap=None if resize is None else DEFAULT_REDUCING_GAP,
     )
