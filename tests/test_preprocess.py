@@ -312,6 +312,19 @@ def test_large_jpeg_is_decoded_at_reduced_scale_and_matches_the_fair_resample(si
     np.testing.assert_array_equal(load_image(data, REDUCED), reduced)  # training and indexing: the same path
 
 
+@pytest.mark.parametrize(("mode", "options"), [("CMYK", {}), ("L", {}), ("RGB", {"progressive": True})])
+def test_reduced_scale_decoding_of_other_jpeg_kinds(mode, options):
+    buffer = io.BytesIO()
+    bands(1600, 1200).convert(mode).save(buffer, "JPEG", **options)
+    image = open_image(buffer.getvalue(), load=False)
+    reduced = decode(image, REDUCED)
+    assert image.size == (200, 150)
+    difference = np.abs(reduced - decode(open_image(buffer.getvalue(), load=False), FAIR))
+    assert difference.mean() < 1 / 255 and difference.max() <= 10 / 255
+    with pytest.raises(ImageDecodeError, match="corrupt or truncated"):
+        decode(open_image(buffer.getvalue()[:2000], load=False), REDUCED)
+
+
 def test_large_png_is_reduced_by_whole_factors_close_to_the_fair_resample():
     data = encode(bands(1000, 800))
     image = open_image(data, load=False)
