@@ -314,19 +314,26 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def serve_flags(run: Path, mode: str, server_flags: tuple[str, ...]) -> list[str]:
-    """The `serve` flags of the benchmark's server in `mode`, bar its ports."""
+def serve_flags(run: Path, mode: str | None, server_flags: tuple[str, ...]) -> list[str]:
+    """The `serve` flags of the benchmark's server in `mode` (None: as `server_flags` say), bar its ports."""
     flags = ["--index-root", str(run / "index"), "--max-batch-size", "32", "--probe-interval-s", "3600"]
     flags += ["--probe-size", "1", "--ann-sample-rate", "0", "--log-format", "text"]
-    return [*flags, *server_flags, *MODES[mode]]
+    return [*flags, *server_flags, *(MODES[mode] if mode else ())]
 
 
-def serve_and_load(run: Path, mode: str, load: Load, seconds: float, server_flags: tuple[str, ...]) -> list[dict]:
+def serve_and_load(
+    run: Path,
+    mode: str | None,
+    load: Load,
+    seconds: float,
+    server_flags: tuple[str, ...],
+    levels: list[int] = LEVELS,
+) -> list[dict]:
     port, metrics_port = free_port(), free_port()
     command = [sys.executable, "-m", "serving", "serve", "--port", str(port), "--metrics-port", str(metrics_port)]
     proc = start([*command, *serve_flags(run, mode, server_flags)], lambda: healthy(metrics_port))
     try:
-        return measure(proc, port, load, LEVELS, seconds, metrics_port)
+        return measure(proc, port, load, levels, seconds, metrics_port)
     finally:
         stop(proc)
 

@@ -3,9 +3,12 @@ server would from the same flags, and each h2load figure counts its own run only
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -122,3 +125,36 @@ def test_h2load_figures_count_only_their_own_run(tmp_path):
         stop(floor)
     assert first["queries"] == first["http_ok"] > 0
     assert second["queries"] == second["http_ok"] > 0  # not first's rows as well
+
+
+def run_ab(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(ROOT / "benchmarks" / "ab_serving.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def test_ab_serving_refuses_what_it_cannot_compare(tmp_path):
+    cases = [
+        (["--config", "a="], "at least two"),
+        (["--config", "a=", "--config", "a=--batch-streams 1"], "names must differ"),
+        (["--config", "nameless", "--config", "b="], "NAME=FLAGS"),
+        (["--config", "a=", "--config", "b=", "--run", str(tmp_path)], "has no index/"),
+    ]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(lambda case: run_ab(*case[0]), cases))
+    for (args, message), done in zip(cases, results, strict=True):
+        assert done.returncode == 2 and message in done.stderr, (args, done.stderr)
+
+
+@pytest.mark.skipif(shutil.which("h2load") is None, reason="h2load comes with `make setup` (nghttp2-client)")
+def test_ab_serving_compares_servers_that_differ_only_in_their_flags(demo_run, tmp_path):
+    report = tmp_path / "ab.json"
+    done = run_ab(
+        *("--run", str(demo_run), "--rounds", "1", "--levels", "8", "--seconds", "1", "--json", str(report)),
+        *("--config", "on=", "--config", "off=--batching false"),
+    )
+    assert done.returncode == 0, done.stderr
+    rounds = json.loads(report.read_text())["rounds"]
+    ((on,),), ((off,),) = rounds["on"], rounds["off"]
+    assert on["queries"] > 0 and off["queries"] > 0 and on["errors"] == off["errors"] == 0
+    assert on["mean_batch"] > 1.0 and off["mean_batch"] == 1.0  # each server ran its own flags
+    assert "| off | 8 |" in done.stdout and "(ahead in " in done.stdout
