@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import ExifTags, Image, UnidentifiedImageError
 
 # A decompression bomb is rejected from the header before any pixel is decoded.
 DEFAULT_MAX_PIXELS = 40_000_000
@@ -49,6 +49,9 @@ class InputContract:
     # does). None: every pixel decoded and resampled, the contract of models exported before
     # the field existed, so their indexes keep matching their queries.
     reducing_gap: float | None = None
+    # Turn the picture upright as its EXIF Orientation tag says (phones store portraits sideways
+    # and tag them). False, as in manifests written before the field: the stored pixels as they are.
+    exif_orientation: bool = False
 
     def __post_init__(self) -> None:
         if self.height <= 0 or self.width <= 0:
@@ -149,6 +152,7 @@ def to_model_input(
     # A grey image feeding an RGB model is resized as its one channel and replicated at the
     # end: the same numbers as converting first (each channel is resized alike), a third of
     # the resampling work, which dominates when small images are upscaled.
+    upright = _UPRIGHT.get(image.getexif().get(ExifTags.Base.Orientation, 1)) if contract.exif_orientation else None
     replicate = image.mode == "L" and contract.channels == 3
     if not replicate:
         image = image.convert(contract.color_mode)
@@ -157,6 +161,8 @@ def to_model_input(
         image = image.resize(
             _resized_size(size, contract.resize), Image.Resampling.BILINEAR, box, contract.reducing_gap
         )
+    if upright is not None:  # after the resize: turning the smaller image costs less, same picture
+        image = image.transpose(upright)
     image = _center_crop_or_resize(image, contract.height, contract.width)
     pixels = np.asarray(image)
     pixels = pixels[None, :, :] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
@@ -166,6 +172,18 @@ def to_model_input(
         array -= np.asarray(contract.mean, dtype=np.float32).reshape(-1, 1, 1)
         array /= np.asarray(contract.std, dtype=np.float32).reshape(-1, 1, 1)
     return array
+
+
+# EXIF Orientation value → the turn that makes the stored pixels upright (1: already upright).
+_UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 
 
 def _resized_size(size: tuple[float, float], shorter_side: int) -> tuple[int, int]:

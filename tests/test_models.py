@@ -81,6 +81,7 @@ def test_input_contract():
     resnet = input_contract("resnet18")
     assert (resnet.height, resnet.width, resnet.channels, resnet.resize) == (224, 224, 3, 256)
     assert resnet.reducing_gap == DEFAULT_REDUCING_GAP  # new models decode large images cheaply
+    assert small.exif_orientation and resnet.exif_orientation  # and turn photos upright
     assert resnet.mean == IMAGENET_MEAN and resnet.std == IMAGENET_STD
     custom = input_contract("resnet50", size=112)
     assert (custom.height, custom.resize) == (112, 128)

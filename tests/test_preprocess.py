@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import struct
 import zlib
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import ExifTags, Image
 
 from index.preprocess import (
     DEFAULT_MAX_PIXELS,
@@ -323,6 +324,54 @@ def test_reduced_scale_decoding_of_other_jpeg_kinds(mode, options):
     assert difference.mean() < 1 / 255 and difference.max() <= 10 / 255
     with pytest.raises(ImageDecodeError, match="corrupt or truncated"):
         decode(open_image(buffer.getvalue()[:2000], load=False), REDUCED)
+
+
+def landscape(width: int = 160, height: int = 120) -> Image.Image:
+    """Smooth colours with no symmetry: any turn or flip changes it."""
+    field = np.random.default_rng(1).integers(0, 256, (6, 8, 3), dtype=np.uint8)
+    return Image.fromarray(field).resize((width, height), Image.Resampling.BICUBIC)
+
+
+def with_orientation(image: Image.Image, orientation: int, fmt: str = "PNG") -> bytes:
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = orientation
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, exif=exif)
+    return buffer.getvalue()
+
+
+UPRIGHT = InputContract(height=56, width=56, channels=3, resize=64, exif_orientation=True)
+TURNS = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_270"}
+TURNS |= {7: "TRANSVERSE", 8: "ROTATE_90"}
+
+
+@pytest.mark.parametrize("orientation", sorted(TURNS))
+def test_exif_orientation_turns_the_picture_upright(orientation):
+    stored = landscape()
+    tagged = with_orientation(stored, orientation)
+    # What a camera that stored the picture upright would have written:
+    upright = encode(stored.transpose(Image.Transpose[TURNS[orientation]]))
+    out = load_image(tagged, UPRIGHT)
+    # The turn comes after the resize there, before it here: the two resample passes swap
+    # order and round once in between, hence up to 2/255 apart, not bit-equal.
+    assert np.abs(out - load_image(upright, UPRIGHT)).max() <= 2 / 255
+    # A contract without the field (models exported before it) keeps the stored pixels.
+    stored_as_is = load_image(encode(stored), UPRIGHT)
+    np.testing.assert_array_equal(
+        load_image(tagged, dataclasses.replace(UPRIGHT, exif_orientation=False)), stored_as_is
+    )
+    assert np.abs(out - stored_as_is).mean() > 10 / 255
+
+
+def test_exif_orientation_with_reduced_scale_decoding():
+    tagged = with_orientation(bands(1600, 1200), 6, "JPEG")
+    image = open_image(tagged, load=False)
+    reduced = decode(image, dataclasses.replace(REDUCED, exif_orientation=True))
+    assert image.size == (200, 150)  # the draft is taken in the stored orientation
+    fair = load_image(tagged, dataclasses.replace(FAIR, exif_orientation=True))
+    difference = np.abs(reduced - fair)
+    assert difference.mean() < 0.5 / 255 and difference.max() <= 10 / 255
+    assert np.abs(fair - load_image(tagged, FAIR)).mean() > 10 / 255  # and it was turned
 
 
 def test_large_png_is_reduced_by_whole_factors_close_to_the_fair_resample():

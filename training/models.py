@@ -265,7 +265,8 @@ def load_pretrained(backbone: nn.Module, spec: BackboneSpec, source: str | Path)
 
 def input_contract(backbone: str, size: int | None = None) -> InputContract:
     """The inference contract of a backbone: normalisation inside the graph, [0,1] pixels in,
-    large images reduced cheaply before the fair resample (`InputContract.reducing_gap`)."""
+    large images reduced cheaply before the fair resample (`InputContract.reducing_gap`), photos
+    turned upright by their EXIF orientation."""
     spec = backbone_spec(backbone)
     side = size or spec.default_size
     resize = None if spec.resize_ratio is None else round(side * spec.resize_ratio)
@@ -278,4 +279,5 @@ def input_contract(backbone: str, size: int | None = None) -> InputContract:
         std=spec.std,
         normalize_in_graph=True,
         reducing_gap=None if resize is None else DEFAULT_REDUCING_GAP,
+        exif_orientation=True,
     )
