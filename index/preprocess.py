@@ -132,7 +132,7 @@ def load_pixels(image: Image.Image) -> Image.Image:
 def decode(image: Image.Image, contract: InputContract) -> np.ndarray:
     """Decode an image opened with `open_image(..., load=False)` into the contract's model
     input, asking the decoder for a reduced scale first where the contract allows it (a 12 MP
-    JPEG: ~4x less CPU at `reducing_gap` 2, see `benchmarks/bench_decode.py`)."""
+    JPEG: 3.6x less CPU at `reducing_gap` 2, see `benchmarks/bench_decode.py`)."""
     box = None
     if contract.resize is not None and contract.reducing_gap is not None:
         width, height = _resized_size(image.size, contract.resize)
@@ -149,10 +149,10 @@ def to_model_input(
 ) -> np.ndarray:
     """Convert a decoded image to one CHW float32 array following the contract. `box`: the
     region of `image` holding the picture (what `Image.draft` answers), None for all of it."""
+    upright = _upright_turn(image) if contract.exif_orientation else None
     # A grey image feeding an RGB model is resized as its one channel and replicated at the
     # end: the same numbers as converting first (each channel is resized alike), a third of
     # the resampling work, which dominates when small images are upscaled.
-    upright = _UPRIGHT.get(image.getexif().get(ExifTags.Base.Orientation, 1)) if contract.exif_orientation else None
     replicate = image.mode == "L" and contract.channels == 3
     if not replicate:
         image = image.convert(contract.color_mode)
@@ -184,6 +184,13 @@ _UPRIGHT = {
     7: Image.Transpose.TRANSVERSE,
     8: Image.Transpose.ROTATE_90,
 }
+
+
+def _upright_turn(image: Image.Image) -> Image.Transpose | None:
+    try:
+        return _UPRIGHT.get(image.getexif().get(ExifTags.Base.Orientation, 1))
+    except Exception:  # Pillow's EXIF parser raises many kinds; a broken tag loses metadata, not the picture
+        return None
 
 
 def _resized_size(size: tuple[float, float], shorter_side: int) -> tuple[int, int]:

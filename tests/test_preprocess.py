@@ -363,6 +363,16 @@ def test_exif_orientation_turns_the_picture_upright(orientation):
     assert np.abs(out - stored_as_is).mean() > 10 / 255
 
 
+@pytest.mark.parametrize("junk", [b"\x00" * 3, b"Exif\x00\x00II*\x00\xff\xff\xff\x7f", b"MM\x00*" + bytes(range(40))])
+def test_a_corrupt_exif_block_keeps_the_stored_pixels(junk):
+    stored = landscape()
+    for fmt in ("PNG", "JPEG"):
+        buffer = io.BytesIO()
+        stored.save(buffer, fmt, exif=junk)
+        plain = encode(stored, fmt)
+        np.testing.assert_array_equal(load_image(buffer.getvalue(), UPRIGHT), load_image(plain, UPRIGHT))
+
+
 def test_exif_orientation_with_reduced_scale_decoding():
     tagged = with_orientation(bands(1600, 1200), 6, "JPEG")
     image = open_image(tagged, load=False)
