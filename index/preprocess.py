@@ -12,7 +12,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pillow_heif
 from PIL import ExifTags, Image, UnidentifiedImageError
+
+# HEIF/HEIC photos open like any other format. libheif applies the container's own rotation and
+# pillow_heif then resets the EXIF Orientation tag, so `exif_orientation` never turns one twice.
+pillow_heif.register_heif_opener()
 
 # A decompression bomb is rejected from the header before any pixel is decoded.
 DEFAULT_MAX_PIXELS = 40_000_000

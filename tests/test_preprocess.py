@@ -332,11 +332,15 @@ def landscape(width: int = 160, height: int = 120) -> Image.Image:
     return Image.fromarray(field).resize((width, height), Image.Resampling.BICUBIC)
 
 
-def with_orientation(image: Image.Image, orientation: int, fmt: str = "PNG") -> bytes:
+def with_orientation_exif(orientation: int) -> Image.Exif:
     exif = Image.Exif()
     exif[ExifTags.Base.Orientation] = orientation
+    return exif
+
+
+def with_orientation(image: Image.Image, orientation: int, fmt: str = "PNG") -> bytes:
     buffer = io.BytesIO()
-    image.save(buffer, fmt, exif=exif)
+    image.save(buffer, fmt, exif=with_orientation_exif(orientation))
     return buffer.getvalue()
 
 
@@ -382,6 +386,26 @@ def test_exif_orientation_with_reduced_scale_decoding():
     difference = np.abs(reduced - fair)
     assert difference.mean() < 0.5 / 255 and difference.max() <= 10 / 255
     assert np.abs(fair - load_image(tagged, FAIR)).mean() > 10 / 255  # and it was turned
+
+
+def test_heif_photos_decode_like_any_other_format():
+    stored = landscape(640, 480)
+    buffer = io.BytesIO()
+    stored.save(buffer, "HEIF", quality=95)
+    heif = buffer.getvalue()
+    image = open_image(heif, load=False)
+    assert (image.format, image.size) == ("HEIF", (640, 480))
+    difference = np.abs(load_image(heif, UPRIGHT) - load_image(encode(stored), UPRIGHT))
+    assert difference.mean() < 2 / 255  # HEVC is lossy: close to the PNG, not equal
+    with pytest.raises(ImageTooLarge):
+        open_image(heif, max_pixels=640 * 480 - 1, load=False)
+    with pytest.raises(ImageDecodeError, match="corrupt or truncated"):
+        load_image(heif[: len(heif) // 2], UPRIGHT)
+    # An orientation written into a HEIF's EXIF is the container's business (libheif applies
+    # its own rotation): the tag reads as upright, so the picture is not turned a second time.
+    buffer = io.BytesIO()
+    stored.save(buffer, "HEIF", quality=95, exif=with_orientation_exif(6))
+    np.testing.assert_array_equal(load_image(buffer.getvalue(), UPRIGHT), load_image(heif, UPRIGHT))
 
 
 def test_large_png_is_reduced_by_whole_factors_close_to_the_fair_resample():
