@@ -65,7 +65,9 @@ def main() -> None:
     )
     parser.add_argument("--no-embeddings", action="store_true", help="compare pixels only, load no model")
     parser.add_argument("--sizes", nargs="+", default=["640x480", "1920x1080", "4032x3024", "6000x4000"])
-    parser.add_argument("--formats", nargs="+", default=["JPEG", "PNG"], choices=["JPEG", "PNG", "WEBP"])
+    parser.add_argument(
+        "--formats", nargs="+", default=["JPEG", "PNG"], choices=["JPEG", "PNG", "WEBP", "AVIF", "HEIF"]
+    )
     parser.add_argument("--gaps", nargs="+", type=float, default=[DEFAULT_REDUCING_GAP, 3.0])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
