@@ -69,6 +69,25 @@ def _parser() -> argparse.ArgumentParser:
         help="batches run at once, each on its own thread and share of the ONNX Runtime threads "
         "(default 2); one starts beside another once half of batch size / streams queries are queued",
     )
+    serve.add_argument(
+        "--max-connection-age-s",
+        dest="max_connection_age_s",
+        type=float,
+        help="ask a connection this old to go, so clients reconnect and spread over new replicas "
+        "(default 300; 0: never)",
+    )
+    serve.add_argument(
+        "--max-connection-age-grace-s",
+        dest="max_connection_age_grace_s",
+        type=float,
+        help="how long an old connection's calls may take to finish (default 30)",
+    )
+    serve.add_argument(
+        "--keepalive-s",
+        dest="keepalive_s",
+        type=float,
+        help="ping a connection idle this long and close it if no answer within 20 s (default 60; 0: off)",
+    )
     serve.add_argument("--max-wait-ms", dest="max_wait_ms", type=float, help="longest wait to fill a batch")
     serve.add_argument("--max-queue", dest="max_queue", type=int, help="queued queries before RESOURCE_EXHAUSTED")
     serve.add_argument(

@@ -90,11 +90,38 @@ class ServerConfig:
     watch_current: bool = False
     watch_interval_s: float = 5.0
     access_log: bool = False
+    # A connection older than this is asked to go (GOAWAY; its calls get the grace to finish) and
+    # the client reconnects: behind an L4 load balancer that spreads clients over replicas added
+    # since they connected. 0: connections live as long as the clients keep them.
+    max_connection_age_s: float = 300.0
+    max_connection_age_grace_s: float = 30.0
+    # Ping a connection idle this long; one that does not answer within 20 s is closed, so a
+    # vanished client's connection is not kept open. 0: no pings.
+    keepalive_s: float = 60.0
 
     @property
     def worker_threads(self) -> int:
         """Decode threads, and inference threads with batching off: `workers`, by default the CPUs."""
         return self.workers or os.cpu_count() or 1
+
+    @property
+    def connection_options(self) -> list[tuple[str, int]]:
+        """gRPC channel arguments for connection lifetime and keepalive."""
+        options = []
+        if self.max_connection_age_s:
+            options += [
+                ("grpc.max_connection_age_ms", round(self.max_connection_age_s * 1e3)),
+                ("grpc.max_connection_age_grace_ms", round(self.max_connection_age_grace_s * 1e3)),
+            ]
+        if self.keepalive_s:
+            options += [
+                ("grpc.keepalive_time_ms", round(self.keepalive_s * 1e3)),
+                ("grpc.keepalive_timeout_ms", 20_000),
+            ]
+        # Clients may ping an idle connection every 10 s (gRPC's default refuses more often
+        # than every 5 minutes, and answers a client keepalive of a minute with GOAWAY).
+        options += [("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
+        return options
 
     @property
     def runs_at_once(self) -> int:
@@ -130,6 +157,9 @@ class ServerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_connection_age_s", "max_connection_age_grace_s", "keepalive_s"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be ≥ 0 seconds (0: off), got {getattr(self, name)}")
         if self.max_wait_ms < 0 or self.probe_interval_s <= 0 or self.watch_interval_s <= 0:
             raise ValueError("max_wait_ms must be ≥ 0; probe_interval_s and watch_interval_s > 0")
         if not Path(self.index_root).is_dir():
@@ -504,6 +534,7 @@ class SearchServer:
             options=[
                 ("grpc.max_receive_message_length", config.max_message_bytes),
                 ("grpc.max_send_message_length", config.max_message_bytes),
+                *config.connection_options,
             ],
             maximum_concurrent_rpcs=max_concurrent_rpcs,
         )

@@ -4,6 +4,7 @@ faiss over the model and index the session's demo chain built."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -164,6 +165,42 @@ def test_full_queue_answers_resource_exhausted_at_once(index_root):
     finally:
         client.close()
         server.stop(0)
+
+
+def test_old_connections_are_recycled_without_failing_a_call(index_root):
+    # Behind an L4 load balancer a client stays on the replica it first reached unless the
+    # server ends the connection now and then: with a 1 s age, calls over 4 s must see the
+    # channel reconnect and every one of them must still succeed.
+    server, client = start(index_root, max_connection_age_s=1.0, max_connection_age_grace_s=1.0)
+    states: list[grpc.ChannelConnectivity] = []
+    client.channel.subscribe(states.append)
+    requests = image_requests(index_root, 4)
+    try:
+        answered, deadline = 0, time.monotonic() + 4.0
+        while time.monotonic() < deadline:
+            assert client.search(requests[answered % 4]).neighbors
+            answered += 1
+            time.sleep(0.02)
+    finally:
+        client.close()
+        server.stop(grace=1)
+    assert answered > 20
+    reconnects = sum(1 for a, b in itertools.pairwise(states) if a == grpc.ChannelConnectivity.READY and b != a)
+    assert reconnects >= 2, states  # with max_connection_age_s=0: none
+
+
+def test_connection_lifetime_flags_become_grpc_options(tmp_path):
+    from serving.__main__ import server_config
+
+    defaults = dict(server_config(["--index-root", str(tmp_path)]).connection_options)
+    assert defaults["grpc.max_connection_age_ms"] == 300_000 and defaults["grpc.keepalive_time_ms"] == 60_000
+    off = dict(
+        server_config(
+            ["--index-root", str(tmp_path), "--max-connection-age-s", "0", "--keepalive-s", "0"]
+        ).connection_options
+    )
+    assert "grpc.max_connection_age_ms" not in off and "grpc.keepalive_time_ms" not in off
+    assert off["grpc.http2.min_ping_interval_without_data_ms"] == 10_000  # clients may still ping
 
 
 def test_request_past_its_deadline_is_cancelled(index_root):
