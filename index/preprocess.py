@@ -111,11 +111,15 @@ def open_image(source: bytes | str | Path, max_pixels: int = DEFAULT_MAX_PIXELS,
             if not path.is_file():
                 raise ImageDecodeError(f"image file not found: {path}")
             image = Image.open(path)
+    except ImageDecodeError:
+        raise
     except UnidentifiedImageError as exc:
         raise ImageDecodeError("bytes are not a recognised image format") from exc
     except Image.DecompressionBombError as exc:  # Pillow's own header check, past ~179M pixels
         raise ImageTooLarge(f"image is over the pixel limit: {exc}") from exc
-    except OSError as exc:
+    except MemoryError:
+        raise
+    except Exception as exc:  # OSError, or a format plugin's own error on bytes it claimed
         raise ImageDecodeError(f"cannot read image: {exc}") from exc
     width, height = image.size
     if width <= 0 or height <= 0:
@@ -129,7 +133,9 @@ def load_pixels(image: Image.Image) -> Image.Image:
     """Decode the pixels of an image opened with `open_image(..., load=False)`."""
     try:
         image.load()
-    except (OSError, Image.DecompressionBombError, ValueError) as exc:
+    except MemoryError:
+        raise
+    except Exception as exc:  # decoders raise OSError, ValueError, and AVIF's RuntimeError or SyntaxError
         raise ImageDecodeError(f"corrupt or truncated image: {exc}") from exc
     return image
 

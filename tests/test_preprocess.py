@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import random
 import struct
 import zlib
 
@@ -135,6 +136,29 @@ def test_header_only_open_defers_decoding_to_load_pixels():
         open_image(encode(noise), max_pixels=64 * 64 - 1, load=False)
     whole = load_pixels(open_image(encode(noise), load=False))
     np.testing.assert_array_equal(np.asarray(whole), np.asarray(noise))
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "AVIF", "HEIF"])
+def test_damaged_bytes_of_every_format_are_an_image_decode_error(fmt):
+    # Random bytes overwritten and cut short: every outcome must be a picture or an
+    # ImageDecodeError (AVIF's decoder raised RuntimeError and SyntaxError, which a server
+    # answered as INTERNAL and an index build died of).
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (60, 80, 3), dtype=np.uint8)).save(buffer, fmt)
+    data, rng = buffer.getvalue(), random.Random(1)
+    contract = InputContract(height=24, width=24, channels=3, resize=32, reducing_gap=2.0, exif_orientation=True)
+    errors = 0
+    for _ in range(120):
+        damaged = bytearray(data)
+        for _ in range(rng.randint(1, 8)):
+            damaged[rng.randrange(len(damaged))] = rng.randrange(256)
+        if rng.random() < 0.3:
+            damaged = damaged[: rng.randrange(len(damaged))]
+        try:
+            assert load_image(bytes(damaged), contract).shape == (3, 24, 24)
+        except ImageDecodeError:
+            errors += 1
+    assert errors > 0
 
 
 def test_missing_file_is_rejected(tmp_path):
