@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -93,13 +94,14 @@ def embed_catalog(
 ) -> tuple[np.ndarray, list[int], dict[str, int]]:
     """Embeddings of every decodable row, the rows kept, and counts of skipped rows by reason."""
     skipped: dict[str, int] = {}
+    counting = threading.Lock()  # decode threads skip rows at once: a get-then-set could lose one
 
     def decode(path: Path) -> np.ndarray | None:
         try:
             return load_image(path, embedder.contract, max_pixels)
         except ImageDecodeError as exc:
-            reason = "missing" if "not found" in str(exc) else "unreadable"
-            skipped[reason] = skipped.get(reason, 0) + 1
+            with counting:
+                skipped[exc.reason] = skipped.get(exc.reason, 0) + 1
             log.warning("skipping %s: %s", path, exc)
             return None
 

@@ -28,9 +28,19 @@ DEFAULT_REDUCING_GAP = 2.0
 class ImageDecodeError(ValueError):
     """The bytes are not a decodable image, or the image breaks a limit."""
 
+    reason = "unreadable"  # how index builds count the rows they skip
+
 
 class ImageTooLarge(ImageDecodeError):
     """The header declares more pixels than the limit allows (nothing was decoded)."""
+
+    reason = "oversized"
+
+
+class ImageNotFound(ImageDecodeError):
+    """No file at the image's path."""
+
+    reason = "missing"
 
 
 @dataclass(frozen=True)
@@ -109,7 +119,7 @@ def open_image(source: bytes | str | Path, max_pixels: int = DEFAULT_MAX_PIXELS,
         else:
             path = Path(source)
             if not path.is_file():
-                raise ImageDecodeError(f"image file not found: {path}")
+                raise ImageNotFound(f"image file not found: {path}")
             image = Image.open(path)
     except ImageDecodeError:
         raise

@@ -56,11 +56,7 @@ class DecodeImages:
                 pixels[i] = load_image(str(path), self.contract, self.max_pixels)
                 reasons[i] = ""
             except ImageDecodeError as exc:
-                reasons[i] = (
-                    "missing"
-                    if "not found" in str(exc)
-                    else ("oversized" if "over the limit" in str(exc) else "unreadable")
-                )
+                reasons[i] = exc.reason
         return {"row": batch["row"], "reason": reasons.astype(str), "pixels": pixels}
 
 

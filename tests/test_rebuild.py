@@ -16,6 +16,7 @@ from index.build import EMBEDDINGS_FILE
 from index.catalog import Catalog, read_catalog
 from index.items import ItemTable
 from index.rebuild import embed_actor_resources
+from tests.test_preprocess import png_header_only
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,10 +46,12 @@ def planted_catalog(demo_run, tmp_path_factory) -> Path:
     buf = io.BytesIO()
     Image.new("L", (3000, 3000)).save(buf, format="PNG")
     huge.write_bytes(buf.getvalue())
+    bomb = folder / "bomb.png"  # over Pillow's own threshold: refused before any limit of ours
+    bomb.write_bytes(png_header_only(20_000, 20_000))
     planted = Catalog(
-        ids=[*base.ids, "bad-missing", "bad-corrupt", "bad-huge"],
-        paths=[*base.paths, folder / "missing.png", corrupt, huge],
-        labels=[*base.labels, "x", "x", "x"],
+        ids=[*base.ids, "bad-missing", "bad-corrupt", "bad-huge", "bad-bomb"],
+        paths=[*base.paths, folder / "missing.png", corrupt, huge, bomb],
+        labels=[*base.labels, "x", "x", "x", "x"],
         source="planted",
     )
     return planted.write(folder / "planted.csv")
@@ -66,10 +69,11 @@ def test_rebuild_counts_bad_rows_and_matches_plain_build(demo_run, planted_catal
     rebuilt = index_cli("rebuild", *common, "0.05", "--index-root", str(ray_root), "--workers", "2")
     assert rebuilt.returncode == 0, rebuilt.stderr
     manifest = artifacts.read_manifest(artifacts.version_dir(ray_root))
-    assert manifest["rows"]["skipped"] == {"missing": 1, "unreadable": 1, "oversized": 1}
+    assert manifest["rows"]["skipped"] == {"missing": 1, "unreadable": 1, "oversized": 2}
     assert manifest["engine"]["name"] == "ray_data"
     plain = index_cli("build", *common, "0.05", "--index-root", str(plain_root))
     assert plain.returncode == 0, plain.stderr
+    assert artifacts.read_manifest(artifacts.version_dir(plain_root))["rows"]["skipped"] == manifest["rows"]["skipped"]
     ray_dir, plain_dir = artifacts.version_dir(ray_root), artifacts.version_dir(plain_root)
     assert ItemTable.read(ray_dir / "items.parquet").ids == ItemTable.read(plain_dir / "items.parquet").ids
     np.testing.assert_allclose(np.load(ray_dir / EMBEDDINGS_FILE), np.load(plain_dir / EMBEDDINGS_FILE), atol=1e-5)
