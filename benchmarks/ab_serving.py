@@ -65,12 +65,7 @@ def main() -> None:
         parser.error(f"--query-image {image} is not a file")
 
     workdir = Path(tempfile.mkdtemp(prefix="ab-serving-"))
-    body = workdir / "search.grpc"
-    body.write_bytes(bs.grpc_body(Path(image).read_bytes()))
-
-    def load(port: int, c: int, duration: float) -> dict:
-        return bs.h2load(port, body, c, duration, workdir / f"h2load-{port}-{c}.log")
-
+    load = bs.h2load_sending(Path(image).read_bytes(), workdir)
     rounds: dict[str, list[list[dict]]] = {name: [] for name in names}
     for i in range(args.rounds):
         for name, flags in args.config:
@@ -101,6 +96,7 @@ def main() -> None:
                 f"{merged['p50_ms']:.2f} | {merged['p99_ms']:.2f} | {merged['server_cpu_ms_per_query']:.2f} | "
                 f"{merged.get('mean_batch', 0):.1f} | {merged.get('errors', 0):.0f} | {versus} |"
             )
+    shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
         report = {"configs": dict(args.config), "image": str(image), "rounds": rounds}
         args.json.write_text(json.dumps(report, indent=1))

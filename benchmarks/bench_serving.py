@@ -227,6 +227,22 @@ def h2load(port: int, body: Path, concurrency: int, seconds: float, log: Path) -
     }
 
 
+def h2load_sending(image: bytes, workdir: Path) -> Load:
+    """The h2load `Load` whose every query is a SearchRequest for `image` (body and logs in `workdir`)."""
+    body = workdir / "search.grpc"
+    body.write_bytes(grpc_body(image))
+
+    def load(port: int, concurrency: int, seconds: float) -> dict:
+        return h2load(port, body, concurrency, seconds, workdir / f"h2load-{port}-{concurrency}.log")
+
+    return load
+
+
+def formed_batch(level: dict) -> int:
+    """The batch size a server formed at one concurrency level (its mean, rounded)."""
+    return max(1, round(level["mean_batch"]))
+
+
 def python_loadgen(port: int, catalog: Path, concurrency: int, seconds: float) -> dict:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "loadgen.py"), "--target", f"127.0.0.1:{port}"]
@@ -384,7 +400,7 @@ def paired_ratios(rounds: dict[str, list[list[dict]]], ceiling_rounds: list[dict
             best = max(c["qps"] for c in ceilings)
             for r in server_round:
                 if mode == "on":
-                    formed = max(1, round(r["mean_batch"]))
+                    formed = formed_batch(r)
                     same = max((batches[formed], streams.get(formed, batches[formed])), key=lambda c: c["qps"])
                 else:
                     same = batches[1] if r["concurrency"] == 1 else ceiling_round["concurrent"]
@@ -435,13 +451,12 @@ def main() -> None:
     server_flags = tuple(f for flag in args.server_flag for f in flag.split())
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-    body = workdir / "search.grpc"
-    body.write_bytes(grpc_body(read_catalog(catalog).paths[0].read_bytes()))
+    h2load_load = h2load_sending(read_catalog(catalog).paths[0].read_bytes(), workdir)
 
     def load(port: int, c: int, duration: float) -> dict:
         if args.loadgen == "python":
             return python_loadgen(port, catalog, c, duration)
-        return h2load(port, body, c, duration, workdir / f"h2load-{port}-{c}.log")
+        return h2load_load(port, c, duration)
 
     batched = server_config(serve_flags(run, "on", server_flags))
     unbatched = server_config(serve_flags(run, "off", server_flags))
@@ -455,7 +470,7 @@ def main() -> None:
         for mode in MODES:
             rounds[mode].append(serve_and_load(run, mode, load, seconds, server_flags))
         rounds["floor"].append(floor_and_load(load, LEVELS, seconds))
-        formed = {max(1, round(r["mean_batch"])) for r in rounds["on"][-1]}
+        formed = {formed_batch(r) for r in rounds["on"][-1]}
         ceiling_rounds.append(
             {
                 "batches": ceiling.measure(set(LEVELS) | formed),
@@ -495,7 +510,7 @@ def main() -> None:
     )
     if ceiling.streams > 1:  # at the batch size the server formed at concurrency 32, round by round
         at_c32 = [
-            c["streams"][max(1, round(r["mean_batch"]))]
+            c["streams"][formed_batch(r)]
             for c, server_round in zip(ceiling_rounds, rounds["on"], strict=True)
             for r in server_round
             if r["concurrency"] == 32

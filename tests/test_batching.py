@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import io
 import threading
 import time
 
@@ -19,6 +18,7 @@ from serving.batching import DynamicBatcher, Job
 from serving.engine import SearchEngine, load_pair
 from serving.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from serving.metrics import ServiceMetrics
+from tests.test_preprocess import encode
 
 pytestmark = pytest.mark.slow
 
@@ -73,13 +73,11 @@ def test_engine_decodes_large_jpegs_at_reduced_scale_where_the_contract_allows(e
     embedder = copy.copy(pair.embedder)
     embedder.contract = contract
     reducing = dataclasses.replace(pair, embedder=embedder)
-    photo = Image.fromarray(np.random.default_rng(0).integers(0, 256, (600, 800), dtype=np.uint8))
-    buffer = io.BytesIO()
-    photo.save(buffer, "JPEG")
-    image = engine.open_image(buffer.getvalue())
+    photo = encode(Image.fromarray(np.random.default_rng(0).integers(0, 256, (600, 800), dtype=np.uint8)), "JPEG")
+    image = engine.open_image(photo)
     array = engine.model_input(reducing, image)
     assert image.size == (100, 75)  # shorter side 32, gap 2: the decoder went down to 1/8
-    np.testing.assert_array_equal(array, load_image(buffer.getvalue(), contract))  # as the index saw it
+    np.testing.assert_array_equal(array, load_image(photo, contract))  # as the index saw it
 
 
 def test_batched_answers_equal_one_at_a_time_and_pairs_never_mix(engine_and_pairs, arrays):

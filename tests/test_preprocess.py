@@ -26,9 +26,9 @@ from index.preprocess import (
 )
 
 
-def encode(image: Image.Image, fmt: str = "PNG") -> bytes:
+def encode(image: Image.Image, fmt: str = "PNG", **options) -> bytes:
     buf = io.BytesIO()
-    image.save(buf, format=fmt)
+    image.save(buf, format=fmt, **options)
     return buf.getvalue()
 
 
@@ -143,9 +143,8 @@ def test_damaged_bytes_of_every_format_are_an_image_decode_error(fmt):
     # Random bytes overwritten and cut short: every outcome must be a picture or an
     # ImageDecodeError (AVIF's decoder raised RuntimeError and SyntaxError, which a server
     # answered as INTERNAL and an index build died of).
-    buffer = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (60, 80, 3), dtype=np.uint8)).save(buffer, fmt)
-    data, rng = buffer.getvalue(), random.Random(1)
+    data = encode(Image.fromarray(np.random.default_rng(0).integers(0, 256, (60, 80, 3), dtype=np.uint8)), fmt)
+    rng = random.Random(1)
     contract = InputContract(height=24, width=24, channels=3, resize=32, reducing_gap=2.0, exif_orientation=True)
     errors = 0
     for _ in range(120):
@@ -339,15 +338,14 @@ def test_large_jpeg_is_decoded_at_reduced_scale_and_matches_the_fair_resample(si
 
 @pytest.mark.parametrize(("mode", "options"), [("CMYK", {}), ("L", {}), ("RGB", {"progressive": True})])
 def test_reduced_scale_decoding_of_other_jpeg_kinds(mode, options):
-    buffer = io.BytesIO()
-    bands(1600, 1200).convert(mode).save(buffer, "JPEG", **options)
-    image = open_image(buffer.getvalue(), load=False)
+    data = encode(bands(1600, 1200).convert(mode), "JPEG", **options)
+    image = open_image(data, load=False)
     reduced = decode(image, REDUCED)
     assert image.size == (200, 150)
-    difference = np.abs(reduced - decode(open_image(buffer.getvalue(), load=False), FAIR))
+    difference = np.abs(reduced - decode(open_image(data, load=False), FAIR))
     assert difference.mean() < 1 / 255 and difference.max() <= 10 / 255
     with pytest.raises(ImageDecodeError, match="corrupt or truncated"):
-        decode(open_image(buffer.getvalue()[:2000], load=False), REDUCED)
+        decode(open_image(data[:2000], load=False), REDUCED)
 
 
 def landscape(width: int = 160, height: int = 120) -> Image.Image:
@@ -363,9 +361,7 @@ def with_orientation_exif(orientation: int) -> Image.Exif:
 
 
 def with_orientation(image: Image.Image, orientation: int, fmt: str = "PNG") -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, fmt, exif=with_orientation_exif(orientation))
-    return buffer.getvalue()
+    return encode(image, fmt, exif=with_orientation_exif(orientation))
 
 
 UPRIGHT = InputContract(height=56, width=56, channels=3, resize=64, exif_orientation=True)
@@ -395,10 +391,8 @@ def test_exif_orientation_turns_the_picture_upright(orientation):
 def test_a_corrupt_exif_block_keeps_the_stored_pixels(junk):
     stored = landscape()
     for fmt in ("PNG", "JPEG"):
-        buffer = io.BytesIO()
-        stored.save(buffer, fmt, exif=junk)
-        plain = encode(stored, fmt)
-        np.testing.assert_array_equal(load_image(buffer.getvalue(), UPRIGHT), load_image(plain, UPRIGHT))
+        damaged = encode(stored, fmt, exif=junk)
+        np.testing.assert_array_equal(load_image(damaged, UPRIGHT), load_image(encode(stored, fmt), UPRIGHT))
 
 
 def test_exif_orientation_with_reduced_scale_decoding():
@@ -414,9 +408,7 @@ def test_exif_orientation_with_reduced_scale_decoding():
 
 def test_heif_photos_decode_like_any_other_format():
     stored = landscape(640, 480)
-    buffer = io.BytesIO()
-    stored.save(buffer, "HEIF", quality=95)
-    heif = buffer.getvalue()
+    heif = encode(stored, "HEIF", quality=95)
     image = open_image(heif, load=False)
     assert (image.format, image.size) == ("HEIF", (640, 480))
     difference = np.abs(load_image(heif, UPRIGHT) - load_image(encode(stored), UPRIGHT))
@@ -427,9 +419,8 @@ def test_heif_photos_decode_like_any_other_format():
         load_image(heif[: len(heif) // 2], UPRIGHT)
     # An orientation written into a HEIF's EXIF is the container's business (libheif applies
     # its own rotation): the tag reads as upright, so the picture is not turned a second time.
-    buffer = io.BytesIO()
-    stored.save(buffer, "HEIF", quality=95, exif=with_orientation_exif(6))
-    np.testing.assert_array_equal(load_image(buffer.getvalue(), UPRIGHT), load_image(heif, UPRIGHT))
+    tagged = encode(stored, "HEIF", quality=95, exif=with_orientation_exif(6))
+    np.testing.assert_array_equal(load_image(tagged, UPRIGHT), load_image(heif, UPRIGHT))
 
 
 def test_large_png_is_reduced_by_whole_factors_close_to_the_fair_resample():
