@@ -52,7 +52,14 @@ def _parser() -> argparse.ArgumentParser:
         dest="inline_decode_pixels",
         type=int,
         help="decode on the event loop when image and model input have at most this many pixels "
-        "(default 4096; 0: always in the pool)",
+        "(default 4096; 0: never)",
+    )
+    serve.add_argument(
+        "--inference-decode-pixels",
+        dest="inference_decode_pixels",
+        type=int,
+        help="decode images of at most this many pixels in the inference thread that embeds them, "
+        "sparing a hop to a decode thread; larger ones decode in the pool while they wait (default 65536)",
     )
     serve.add_argument("--max-k", dest="max_k", type=int)
     serve.add_argument("--max-message-bytes", dest="max_message_bytes", type=int)

@@ -23,8 +23,9 @@ jobs whose caller went away (cancelled, deadline) are dropped before they cost a
 
 A job may arrive with its image opened but not decoded (`image`): the inference thread decodes
 it before embedding. The servicer hands over images this way when the hop to a decode thread
-would only add latency — with batching off, and with batching on when the batcher is idle —
-and a job whose pixels turn out corrupt fails alone, not its batch.
+would cost about what decoding does (small images), or only add latency (with batching off, and
+with batching on when the batcher is idle); a job whose pixels turn out corrupt fails alone,
+not its batch.
 
 An Embed call is a job with k = 0: embedded in the batch it lands in, searched for nothing.
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import io
-
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
@@ -12,7 +10,7 @@ from PIL import Image
 from index.catalog import read_catalog
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
-from tests.test_preprocess import png_header_only
+from tests.test_preprocess import encode, png_header_only
 
 pytestmark = pytest.mark.slow
 
@@ -20,12 +18,6 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def test_catalog(demo_run):
     return read_catalog(demo_run / "train" / "splits" / "test.csv")
-
-
-def _png(width: int, height: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("L", (width, height), 0).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def test_search_by_image_item_and_embedding_agree(served, test_catalog):
@@ -89,7 +81,7 @@ def test_bad_requests_get_status_codes_and_server_keeps_serving(served, test_cat
 def test_pixel_bomb_and_oversized_message_are_resource_exhausted(served):
     _, client = served
     with pytest.raises(grpc.RpcError) as err:
-        client.search(pb.SearchRequest(image=_png(2000, 2000), k=3))  # 4 Mpx > 1 Mpx limit
+        client.search(pb.SearchRequest(image=encode(Image.new("L", (2000, 2000))), k=3))  # 4 Mpx > 1 Mpx limit
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "pixels" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:  # past Pillow's own bomb threshold: still a size refusal

@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from PIL import Image
 
 from index import artifacts
 from index.faiss_index import build_index, save_index
@@ -27,6 +28,7 @@ from index.items import ItemTable
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient
 from serving.server import SearchServer, ServerConfig
+from tests.test_preprocess import encode
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +119,63 @@ def test_concurrent_queries_are_batched_and_equal_unbatched_answers(index_root):
     for a, b in zip(batched, single, strict=True):
         assert [n.id for n in a.neighbors] == [n.id for n in b.neighbors]
         np.testing.assert_allclose([n.score for n in a.neighbors], [n.score for n in b.neighbors], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("placement", "flags"),
+    [
+        ("loop", {}),  # the demo's 28×28 glyphs for a 28×28 model: under --inline-decode-pixels
+        ("inference", {"inline_decode_pixels": 0}),
+        ("pool", {"inline_decode_pixels": 0, "inference_decode_pixels": 0}),
+    ],
+)
+def test_every_decode_placement_answers_like_a_single_query(index_root, placement, flags):
+    requests = image_requests(index_root, 24)
+    server, client = start(index_root, max_batch_size=8, max_wait_ms=20, **flags)
+    placed: list[str] = []
+    decoder = server.servicer.decoder
+
+    def noting(pair, image):  # the real choice, noted
+        placed.append(decoder(pair, image))
+        return placed[-1]
+
+    try:
+        _wait_for(lambda: server.monitor.probe)  # the first probe round runs at start
+        server.servicer.decoder = noting
+        with ThreadPoolExecutor(12) as pool:
+            batched = list(pool.map(client.search, requests))
+        single = [client.search(r) for r in requests]
+    finally:
+        client.close()
+        server.stop(0)
+    # The pool takes images only while the batcher is busy: a query alone goes to the inference thread.
+    assert placement in placed, placed
+    assert set(placed) <= {placement, "inference"}
+    for a, b in zip(batched, single, strict=True):
+        assert [n.id for n in a.neighbors] == [n.id for n in b.neighbors]
+        np.testing.assert_allclose([n.score for n in a.neighbors], [n.score for n in b.neighbors], atol=1e-5)
+
+
+def test_images_decode_where_they_cost_least(index_root):
+    """Tiny images on the loop, small ones in the inference thread, large ones in the pool while
+    a batch is running or filling — and in the inference thread when it would take them at once."""
+    server, client = start(index_root, max_batch_size=8, max_wait_ms=400, inference_decode_pixels=100 * 100)
+    servicer, pair = server.servicer, server.engine.pair
+    sizes = {"tiny": (28, 28), "small": (100, 100), "large": (101, 100)}
+    images = {name: server.engine.open_image(encode(Image.new("L", size))) for name, size in sizes.items()}
+    try:
+        _wait_for(lambda: server.monitor.probe)  # the first probe round runs at start
+        idle = {name: servicer.decoder(pair, image) for name, image in images.items()}
+        waiting = threading.Thread(target=client.search, args=(image_requests(index_root, 1)[0],))
+        waiting.start()
+        _wait_for(lambda: not server.batcher.decodes_cheaply)  # its batch waits up to 400 ms for more
+        busy = {name: servicer.decoder(pair, image) for name, image in images.items()}
+        waiting.join()
+    finally:
+        client.close()
+        server.stop(0)
+    assert idle == {"tiny": "loop", "small": "inference", "large": "inference"}
+    assert busy == {"tiny": "loop", "small": "inference", "large": "pool"}
 
 
 def test_embed_calls_are_batched_with_queries_and_equal_the_model(index_root):
