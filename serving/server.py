@@ -237,9 +237,9 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
         """Where an opened image's pixels are decoded: "loop" when image and model input are both
         tiny (a thread hop costs more than decoding them); "inference", by the inference thread
         that embeds it, when that thread would take the job at once or the image is small (the
-        hop to a decode thread costs about what decoding it does: a 64×64 PNG for a 224×224
-        model, 0.2 ms); else "pool": in a decode thread, in parallel with the others, while
-        the job waits for its batch."""
+        hop to a decode thread costs about what decoding it does: a 28×28 glyph PNG for a
+        224×224 model, 0.2 ms); else "pool": in a decode thread, in parallel with the others,
+        while the job waits for its batch."""
         contract = pair.embedder.contract
         pixels = image.width * image.height
         if max(pixels, contract.height * contract.width) <= self.inline_decode_pixels:
