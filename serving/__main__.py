@@ -106,6 +106,13 @@ def _parser() -> argparse.ArgumentParser:
         "false); setting it uses that many for every run",
     )
     serve.add_argument(
+        "--run-rows",
+        dest="run_rows",
+        type=int,
+        help="embed a batch in ONNX Runtime runs of at most this many images (0: the whole batch in "
+        "one run; default: the fastest, measured when a model loads)",
+    )
+    serve.add_argument(
         "--ort-spinning",
         dest="ort_spinning",
         action=argparse.BooleanOptionalAction,

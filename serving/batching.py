@@ -3,9 +3,10 @@
 The batcher lives on the server's asyncio loop. RPC handlers decode their images (small ones on
 the loop, larger ones in the decode pool) and `await batcher.run(job)`; one task takes the
 oldest job, waits at most `max_wait_s` for more (up to `max_batch_size`), and hands the whole
-batch to an inference thread that embeds every image in one ORT call and searches every vector
-in one faiss call. A batch costs one thread hop, not one per query, and the loop stays free to
-take RPCs while it runs.
+batch to an inference thread that embeds every image in one ORT call (or in runs of the rows
+per run measured fastest for the model, see `OnnxEmbedder.tune_run_rows`) and searches every
+vector in one faiss call. A batch costs one thread hop, not one per query, and the loop stays
+free to take RPCs while it runs.
 
 Up to `streams` batches run at once, each on its own inference thread. A batch alone runs on
 the model's full session; a batch beside another on the session with a share of ORT's threads

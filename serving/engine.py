@@ -76,10 +76,16 @@ def load_pair(
     intra_op_threads: int | None = None,
     ort_spinning: bool = False,
     runs_at_once: int = 1,
+    run_rows: int | None = 0,
+    batch_rows: int = 1,
+    previous: ServingPair | None = None,
 ) -> ServingPair:
     """Load an index version and its model, refusing a pair built with different models.
     `runs_at_once`: how many ORT runs the server makes at once (batch streams, or unbatched
-    queries); above 1 the model also gets a session for runs beside others (see `OnnxEmbedder`)."""
+    queries); above 1 the model also gets a session for runs beside others (see `OnnxEmbedder`).
+    `run_rows`: at most this many images per ORT run (0: a batch in one run); None: the fastest
+    for batches of up to `batch_rows` images, measured — or, when the `previous` pair has the
+    same model (a new index for it), the rows that pair measured."""
     directory = artifacts.version_dir(index_root, version)
     manifest = read_manifest(directory)
     model_dir = Path(model_dir or manifest.get("model_dir") or "")
@@ -96,6 +102,13 @@ def load_pair(
             f"{directory}: index has {index.ntotal} vectors of dim {index.d}, items table "
             f"{len(items)} rows, model dim {embedder.dim}"
         )
+    if run_rows is not None:
+        embedder.run_rows = embedder.side_by_side_run_rows = run_rows or None
+    elif previous is not None and previous.model_id == embedder.model_id:
+        embedder.run_rows = previous.embedder.run_rows
+        embedder.side_by_side_run_rows = previous.embedder.side_by_side_run_rows
+    else:
+        embedder.tune_run_rows(batch_rows, -(-batch_rows // runs_at_once))
     return ServingPair(embedder, index, items, manifest, directory.name, directory)
 
 

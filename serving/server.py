@@ -69,6 +69,7 @@ class ServerConfig:
     inference_decode_pixels: int = 65_536  # decode in the inference thread images this small, not in the pool
     intra_op_threads: int | None = None
     ort_spinning: bool = False  # busy-waiting ORT threads steal the cores gRPC and decoding need
+    run_rows: int | None = None  # images per ORT run; None: measured at load; 0: a batch in one run
     admin_token: str | None = None
     search_token: str | None = None
     tls_cert: str | None = None
@@ -134,6 +135,12 @@ class ServerConfig:
             return 1
         return self.batch_streams if self.batching else self.worker_threads
 
+    @property
+    def largest_run(self) -> int:
+        """The most images one ORT call may be asked to embed: a full batch, or one query
+        unbatched (a SearchBatch call's queries run one by one then)."""
+        return self.max_batch_size if self.batching else 1
+
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
@@ -144,8 +151,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.event_loop not in EVENT_LOOPS:
             raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
-        for name in ("inline_decode_pixels", "inference_decode_pixels"):
-            if getattr(self, name) < 0:
+        for name in ("inline_decode_pixels", "inference_decode_pixels", "run_rows"):
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be ≥ 0, got {getattr(self, name)}")
         for name in (
             "max_k",
@@ -596,6 +603,9 @@ class SearchServer:
                     self.config.intra_op_threads,
                     self.config.ort_spinning,
                     runs_at_once=self.config.runs_at_once,
+                    run_rows=self.config.run_rows,
+                    batch_rows=self.config.largest_run,
+                    previous=self.engine.pair if self.engine.loaded else None,
                 )
             except Exception:
                 self.metrics.reload_failures.inc()

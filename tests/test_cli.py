@@ -40,6 +40,7 @@ BAD_INPUT = [
     (("serving", "serve", "--batch-streams", "0"), "batch_streams must be positive"),
     (("serving", "serve", "--inline-decode-pixels", "-1"), "inline_decode_pixels must be ≥ 0"),
     (("serving", "serve", "--inference-decode-pixels", "-2"), "inference_decode_pixels must be ≥ 0"),
+    (("serving", "serve", "--run-rows", "-1"), "run_rows must be ≥ 0"),
     (("serving", "serve", "--event-loop", "trio"), "invalid choice"),
     (("serving", "serve", "--max-connection-age-s", "-1"), "max_connection_age_s must be ≥ 0 seconds"),
     (("serving", "query", "/no/such.png", "--k", "0"), "--k must be at least 1"),

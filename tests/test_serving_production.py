@@ -86,6 +86,26 @@ def image_requests(root: Path, n: int, k: int = 5) -> list[pb.SearchRequest]:
     ]
 
 
+def concurrent_then_single(
+    server: SearchServer, client: SearchClient, requests: list[pb.SearchRequest]
+) -> tuple[list[pb.SearchResponse], list[pb.SearchResponse]]:
+    """The answers to `requests` sent 12 at once, then one at a time; the server stopped after."""
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            batched = list(pool.map(client.search, requests))
+        return batched, [client.search(r) for r in requests]
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def assert_same_answers(answers: list[pb.SearchResponse], expected: list[pb.SearchResponse]) -> None:
+    """The same neighbours in the same order, the same scores to float32 rounding."""
+    for a, b in zip(answers, expected, strict=True):
+        assert [n.id for n in a.neighbors] == [n.id for n in b.neighbors]
+        np.testing.assert_allclose([n.score for n in a.neighbors], [n.score for n in b.neighbors], atol=1e-5)
+
+
 def batch_totals(server: SearchServer) -> tuple[float, float]:
     """Queries batched so far, and batches run (the batch-size histogram's sum and count)."""
     samples = server.metrics.batch_size.collect()[0].samples
@@ -116,9 +136,7 @@ def test_concurrent_queries_are_batched_and_equal_unbatched_answers(index_root):
     finally:
         client.close()
         server.stop(0)
-    for a, b in zip(batched, single, strict=True):
-        assert [n.id for n in a.neighbors] == [n.id for n in b.neighbors]
-        np.testing.assert_allclose([n.score for n in a.neighbors], [n.score for n in b.neighbors], atol=1e-5)
+    assert_same_answers(batched, single)
 
 
 @pytest.mark.parametrize(
@@ -139,21 +157,21 @@ def test_every_decode_placement_answers_like_a_single_query(index_root, placemen
         placed.append(decoder(pair, image))
         return placed[-1]
 
-    try:
-        _wait_for(lambda: server.monitor.probe)  # the first probe round runs at start
-        server.servicer.decoder = noting
-        with ThreadPoolExecutor(12) as pool:
-            batched = list(pool.map(client.search, requests))
-        single = [client.search(r) for r in requests]
-    finally:
-        client.close()
-        server.stop(0)
+    _wait_for(lambda: server.monitor.probe)  # the first probe round runs at start
+    server.servicer.decoder = noting
+    batched, single = concurrent_then_single(server, client, requests)
     # The pool takes images only while the batcher is busy: a query alone goes to the inference thread.
     assert placement in placed, placed
     assert set(placed) <= {placement, "inference"}
-    for a, b in zip(batched, single, strict=True):
-        assert [n.id for n in a.neighbors] == [n.id for n in b.neighbors]
-        np.testing.assert_allclose([n.score for n in a.neighbors], [n.score for n in b.neighbors], atol=1e-5)
+    assert_same_answers(batched, single)
+
+
+def test_a_server_embedding_batches_in_small_runs_answers_like_single_queries(index_root):
+    requests = image_requests(index_root, 24)
+    server, client = start(index_root, max_batch_size=8, max_wait_ms=20, run_rows=2)
+    assert server.engine.pair.embedder.run_rows == 2
+    batched, single = concurrent_then_single(server, client, requests)
+    assert_same_answers(batched, single)
 
 
 def test_images_decode_where_they_cost_least(index_root):
