@@ -70,10 +70,8 @@ def fastest_run_rows(
             run(batch[i : i + rows])
         return time.perf_counter() - started
 
-    started = time.perf_counter()
     for rows in candidates:
         one_pass(rows)
-    per_round = time.perf_counter() - started
     passes: dict[int, list[float]] = {rows: [] for rows in candidates}
     started = time.perf_counter()
     for i in range(5):
