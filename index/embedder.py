@@ -50,6 +50,12 @@ def session_options(intra_op_threads: int | None = None, spinning: bool = True) 
     return options
 
 
+def measures_run_rows(providers: Sequence[str]) -> bool:
+    """Whether a session on these providers (its own, in priority order) has its rows per run
+    measured: on CPU; on CUDA a batch is what makes a run fast, and it keeps whole batches."""
+    return providers[0] == CPU
+
+
 def fastest_run_rows(
     run: Callable[[np.ndarray], object], batch: np.ndarray, budget_s: float = 2.0, min_gain: float = 0.03
 ) -> tuple[int | None, dict[int, float]]:
@@ -142,9 +148,9 @@ class OnnxEmbedder:
         convolutional network can run slower per image than a few small runs, its activations
         spilling out of the caches (mobilenet_v2 at 224×224 on two cores: 8.0 ms of CPU an
         image in one run of 32, 7.4 in runs of 4), while a small model pays ORT's cost per run.
-        A CUDA session keeps whole batches, unmeasured: there a batch is what makes it fast."""
+        A CUDA session keeps whole batches, unmeasured (`measures_run_rows`)."""
         self.run_rows = self.side_by_side_run_rows = None
-        if self.session.get_providers()[0] != CPU:
+        if not measures_run_rows(self.session.get_providers()):
             return
         batch = np.random.default_rng(0).standard_normal((batch_rows, *self.contract.input_shape), dtype=np.float32)
         measured = []

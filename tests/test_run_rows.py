@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from index.catalog import read_catalog
-from index.embedder import OnnxEmbedder, fastest_run_rows
+from index.embedder import CPU, CUDA, OnnxEmbedder, fastest_run_rows, measures_run_rows
 from index.preprocess import load_batch
 from serving.engine import load_pair
 from serving.server import ServerConfig
@@ -66,6 +66,11 @@ def noting_rows(session) -> list[int]:
 
     session.run = noted
     return rows
+
+
+def test_only_cpu_sessions_have_their_run_size_measured():
+    assert measures_run_rows([CPU])
+    assert not measures_run_rows([CUDA, CPU])  # a GPU wants the whole batch in one run
 
 
 @pytest.fixture(scope="module")
