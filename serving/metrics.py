@@ -1,13 +1,24 @@
 """Prometheus metrics of the search service (names fixed in DESIGN.md, prefix `simsearch_`).
 
 Each server owns its registry, so several servers (tests, benchmarks) can live in one process.
+The registry also carries prometheus-client's process collector (`process_resident_memory_bytes`,
+`process_open_fds`, CPU seconds, …: what tells a server that grows over weeks from one that
+holds up) and its Python GC collector.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 
 LATENCY_BUCKETS = (
     0.0005,
@@ -32,6 +43,8 @@ class ServiceMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
         self.requests = Counter(
             "simsearch_requests",
             "RPCs answered, by method and gRPC status code",

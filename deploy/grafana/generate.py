@@ -167,6 +167,30 @@ def search_service() -> Dashboard:
             h=4,
         ),
         panel(Stat, 10, "Index size", [(f"sum(simsearch_index_size{{{SEL}}})", "vectors")], 16, 32, w=8, h=4),
+        # process_* series come from every exporter; `and on (instance)` keeps the search servers'.
+        panel(
+            TimeSeries,
+            11,
+            "Resident memory (flat across reloads when healthy)",
+            [
+                (
+                    f"process_resident_memory_bytes{{{SEL}}} and on (instance) simsearch_index_loaded",
+                    "RSS {{instance}}",
+                ),
+                (f"simsearch:process_resident_memory_bytes:deriv1h{{{SEL}}}", "growth per hour {{instance}}"),
+            ],
+            0,
+            36,
+            unit="bytes",
+        ),
+        panel(
+            TimeSeries,
+            12,
+            "Open file descriptors",
+            [(f"process_open_fds{{{SEL}}} and on (instance) simsearch_index_loaded", "{{instance}}")],
+            12,
+            36,
+        ),
     ]
     templating = variables("simsearch_index_loaded", "simsearch_recall_at_k")
     return Dashboard(
