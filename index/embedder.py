@@ -122,7 +122,10 @@ class OnnxEmbedder:
         self.dim: int = int(self.manifest["embedding_dim"])
         self.providers = select_providers(provider)
         options = session_options(intra_op_threads, spinning)
-        self.session = ort.InferenceSession(str(model_path), sess_options=options, providers=self.providers)
+        try:
+            self.session = ort.InferenceSession(str(model_path), sess_options=options, providers=self.providers)
+        except Exception as exc:  # ORT's own types (InvalidProtobuf, Fail, …) for a file it cannot load
+            raise ArtifactError(f"{model_path} is damaged: ONNX Runtime cannot load it ({exc})") from exc
         self.side_by_side_session: ort.InferenceSession | None = None
         share = max(1, options.intra_op_num_threads // max(1, runs_at_once))
         if self.session.get_providers()[0] == CPU and share < options.intra_op_num_threads:

@@ -129,7 +129,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--ann-sample-rate", dest="ann_sample_rate", type=float, help="fraction of queries re-run exactly"
     )
-    serve.add_argument("--probe-interval-s", dest="probe_interval_s", type=float, help="seconds between probe rounds")
+    serve.add_argument(
+        "--probe-interval-s",
+        dest="probe_interval_s",
+        type=float,
+        help="seconds between probe rounds; one also runs at start and after each reload "
+        "(default 60; 0: no probe rounds at all)",
+    )
     serve.add_argument("--probe-size", dest="probe_size", type=int, help="probe images per round")
     serve.add_argument("--probe-catalog", dest="probe_catalog", help="labelled catalog of held-out probe images")
     serve.add_argument(

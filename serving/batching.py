@@ -112,13 +112,35 @@ class DynamicBatcher:
         self._task: asyncio.Task | None = None
         self._batch_tasks: set[asyncio.Task] = set()
         self._stopped = False
+        self._paused = False  # see pause()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the batching task runs on
 
     # -- lifecycle (on the loop) ------------------------------------------------------------
 
     def start(self) -> None:
         """Start the batching task on the running loop."""
         if self.enabled and self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._batches(), name="batcher")
+            self._loop = asyncio.get_running_loop()
+            self._task = self._loop.create_task(self._batches(), name="batcher")
+
+    def pause(self) -> None:
+        """Start no new batch until `resume`: jobs queue up meanwhile (and the queue can fill),
+        while a batch already taken finishes. A hook for tests and drills that need a full
+        queue or queued work at a moment they choose, not at whatever moment load happens to
+        produce one; safe from any thread. Without batching there is no queue: no effect."""
+        self._paused = True
+
+    def resume(self) -> None:
+        """Undo `pause`: the queued jobs are taken as if they had just arrived, in batches up
+        to the size limit. Safe from any thread."""
+        self._paused = False
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._arrived.set)  # wake the batching task
+
+    @property
+    def queued(self) -> int:
+        """Jobs waiting for a batch (not those taken into one)."""
+        return len(self._queue)
 
     async def stop(self) -> None:
         """Refuse new jobs, fail queued and running ones with UNAVAILABLE, and stop the inference threads."""
@@ -202,7 +224,8 @@ class DynamicBatcher:
         batch: list[Job] = []
         until: float | None = None
         while True:
-            if (batch or self._may_start()) and self._take_ready(batch):
+            # Paused, no new batch starts; one already filling goes on filling.
+            if (batch or (not self._paused and self._may_start())) and self._take_ready(batch):
                 break
             if batch:
                 until = until if until is not None else loop.time() + self.max_wait_s
@@ -235,11 +258,15 @@ class DynamicBatcher:
             while self._running >= self.streams:
                 self._stream_freed.clear()
                 await self._stream_freed.wait()
-            batch = await self._take_batch()
-            self._running += 1
-            task = asyncio.get_running_loop().create_task(self._run_batch(batch))
-            self._batch_tasks.add(task)
-            task.add_done_callback(self._batch_tasks.discard)
+            self._start_batch(await self._take_batch())
+
+    def _start_batch(self, batch: list[Job]) -> None:
+        # Not inline in `_batches`: its locals would keep the last batch, and through it a
+        # pair swapped out since, alive until the next batch forms.
+        self._running += 1
+        task = asyncio.get_running_loop().create_task(self._run_batch(batch))
+        self._batch_tasks.add(task)
+        task.add_done_callback(self._batch_tasks.discard)
 
     async def _run_batch(self, batch: list[Job]) -> None:
         loop = asyncio.get_running_loop()

@@ -7,12 +7,14 @@ versions that produced it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import faiss
 import numpy as np
@@ -34,6 +36,7 @@ from index.preprocess import (
 from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -44,9 +47,15 @@ class Limits:
     max_batch_queries: int = 256
 
 
+_load_serials = itertools.count(1)
+
+
 @dataclass(frozen=True)
 class ServingPair:
-    """A loaded model and the index built with it."""
+    """A loaded model and the index built with it. `serial` tells one load from every other,
+    the same version loaded twice included: what outlives a request (the Feedback window, a
+    sampled query waiting for its exact re-run) keeps the serial, never the pair, so a pair
+    swapped out is freed once the requests that took it have finished."""
 
     embedder: OnnxEmbedder
     index: faiss.Index
@@ -54,6 +63,7 @@ class ServingPair:
     manifest: dict
     version: str
     directory: Path
+    serial: int = field(default_factory=lambda: next(_load_serials))
 
     @property
     def model_id(self) -> str:
@@ -91,17 +101,21 @@ def load_pair(
     model_dir = Path(model_dir or manifest.get("model_dir") or "")
     if not (model_dir / artifacts.MANIFEST).is_file():
         raise ArtifactError(f"model directory {model_dir} has no {artifacts.MANIFEST}")
-    embedder = OnnxEmbedder(model_dir, provider, intra_op_threads, ort_spinning, runs_at_once)
-    check_model_index_pair(embedder.manifest, manifest)
-    index = load_index(directory / artifacts.INDEX_FILE)
+    model_manifest = read_manifest(model_dir)
+    check_model_index_pair(model_manifest, manifest)
+    # The index and items before the model's sessions, the costliest part: a damaged version
+    # fails before any session is made.
+    index = _read_artifact(load_index, directory / artifacts.INDEX_FILE, "a faiss index")
     if manifest.get("search_params"):
         apply_search_params(index, manifest["search_params"])
-    items = ItemTable.read(directory / artifacts.ITEMS_FILE)
-    if len(items) != index.ntotal or index.d != embedder.dim:
+    items = _read_artifact(ItemTable.read, directory / artifacts.ITEMS_FILE, "an items table")
+    dim = int(model_manifest["embedding_dim"])
+    if len(items) != index.ntotal or index.d != dim:
         raise ArtifactError(
             f"{directory}: index has {index.ntotal} vectors of dim {index.d}, items table "
-            f"{len(items)} rows, model dim {embedder.dim}"
+            f"{len(items)} rows, model dim {dim}"
         )
+    embedder = OnnxEmbedder(model_dir, provider, intra_op_threads, ort_spinning, runs_at_once)
     if run_rows is not None:
         embedder.run_rows = embedder.side_by_side_run_rows = run_rows or None
     elif previous is not None and previous.model_id == embedder.model_id:
@@ -110,6 +124,18 @@ def load_pair(
     else:
         embedder.tune_run_rows(batch_rows, -(-batch_rows // runs_at_once))
     return ServingPair(embedder, index, items, manifest, directory.name, directory)
+
+
+def _read_artifact(read: Callable[[Path], T], path: Path, what: str) -> T:
+    """`read(path)`, with a file that is missing, cut short or not what it should be reported
+    as an `ArtifactError` naming it (faiss and Arrow raise their own types, worded for C++)."""
+    if not path.is_file():
+        raise ArtifactError(f"{path} is missing")
+    try:
+        return read(path)
+    except Exception as exc:  # noqa: BLE001 - whatever the reader raises, the file is damaged
+        detail = str(exc).rsplit("Error: ", 1)[-1].strip()
+        raise ArtifactError(f"{path} is damaged: cannot be read as {what} ({detail})") from exc
 
 
 @dataclass

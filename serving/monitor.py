@@ -42,7 +42,7 @@ class MonitorConfig:
     window: int = 1000
     ann_sample_rate: float = 0.05
     ann_queue: int = 256
-    probe_interval_s: float = 60.0
+    probe_interval_s: float = 60.0  # 0: no probe rounds (neither scheduled nor after a reload)
     probe_size: int = 200
     probe_k_extra: int = 1  # probes exclude themselves, so ask for one more
 
@@ -51,8 +51,15 @@ class MonitorConfig:
             raise ValueError("recall ks must be positive")
         if not 0 <= self.ann_sample_rate <= 1:
             raise ValueError("ann_sample_rate must be within [0, 1]")
-        if self.window < 1 or self.probe_size < 1 or self.probe_interval_s <= 0:
-            raise ValueError("window, probe_size and probe_interval_s must be positive")
+        if self.window < 1 or self.probe_size < 1:
+            raise ValueError("window and probe_size must be positive")
+        if not 0 <= self.probe_interval_s < float("inf"):
+            raise ValueError(f"probe_interval_s must be ≥ 0 seconds (0: no probe rounds), got {self.probe_interval_s}")
+
+    @property
+    def probes(self) -> bool:
+        """Whether probe rounds run at all: on a schedule and after each reload."""
+        return self.probe_interval_s > 0
 
 
 class SlidingRecall:
@@ -90,39 +97,43 @@ class RecallMonitor:
         self._live: ServingPair | None = None  # figures are kept for this pair only
         self._lock = threading.Lock()  # a record checks the pair and publishes while no reset runs
         self._ann_jobs: queue.Queue = queue.Queue(maxsize=config.ann_queue)
-        self._exact_cache: dict[str, np.ndarray] = {}
+        self._exact_cache: dict[int, np.ndarray] = {}  # the live load's stored vectors, by serial
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._rng = random.Random(0)
 
     # -- live traffic -----------------------------------------------------------------------
 
-    def record_labelled(self, pair: ServingPair, label: str, neighbor_labels: Sequence[str]) -> None:
+    def record_labelled(self, serial: int, label: str, neighbor_labels: Sequence[str]) -> None:
+        """A labelled query's answer, given by the load `serial`."""
         rank = next((i for i, lab in enumerate(neighbor_labels) if lab == label), None)
-        self._record(pair, "traffic", self.traffic, rank)
+        self._record(serial, "traffic", self.traffic, rank)
 
-    def record_feedback(self, pair: ServingPair, returned_ids: Sequence[str], relevant_ids: Sequence[str]) -> bool:
-        """Feedback on the answer `pair` gave (`returned_ids`): which of them were relevant.
-        Whether it counts: not when `pair` has been swapped out since."""
+    def record_feedback(self, serial: int, returned_ids: Sequence[str], relevant_ids: Sequence[str]) -> bool:
+        """Feedback on the answer the load `serial` gave (`returned_ids`): which of them were
+        relevant. Whether it counts: not when that load has been swapped out since."""
         relevant = set(relevant_ids)
         rank = next((i for i, item in enumerate(returned_ids) if item in relevant), None)
-        return self._record(pair, "feedback", self.feedback, rank)
+        return self._record(serial, "feedback", self.feedback, rank)
 
-    def _record(self, pair: ServingPair, source: str, window: SlidingRecall, rank: int | None) -> bool:
-        """Add a first-hit rank to `window` and publish it, if `pair` is still the live one."""
+    def _is_live(self, serial: int) -> bool:
+        return self._live is not None and self._live.serial == serial
+
+    def _record(self, serial: int, source: str, window: SlidingRecall, rank: int | None) -> bool:
+        """Add a first-hit rank to `window` and publish it, if load `serial` is still the live one."""
         with self._lock:
-            if pair is not self._live:
+            if not self._is_live(serial):
                 return False
             window.add(rank)
             self._publish(source, window.values())
         return True
 
-    def maybe_sample_ann(self, pair: ServingPair, vector: np.ndarray, rows: Sequence[int], exclude: set[int]) -> None:
-        """Queue a live query for an exact re-run; never blocks the request."""
+    def maybe_sample_ann(self, serial: int, vector: np.ndarray, rows: Sequence[int], exclude: set[int]) -> None:
+        """Queue a live query, answered by load `serial`, for an exact re-run; never blocks the request."""
         if self.config.ann_sample_rate <= 0 or self._rng.random() >= self.config.ann_sample_rate:
             return
         try:
-            self._ann_jobs.put_nowait((pair, np.array(vector, dtype=np.float32), list(rows), set(exclude)))
+            self._ann_jobs.put_nowait((serial, np.array(vector, dtype=np.float32), list(rows), set(exclude)))
         except queue.Full:
             pass  # the checker is behind; dropping a sample costs nothing but precision
 
@@ -142,10 +153,12 @@ class RecallMonitor:
     # -- background work --------------------------------------------------------------------
 
     def start(self, probe: Callable[[], dict[int, float] | None] | None) -> None:
+        """Start the ANN fidelity checker and, unless probes are off (`probe_interval_s` 0),
+        the probe rounds: one at once, then one every `probe_interval_s`."""
         checker = threading.Thread(target=self._ann_loop, name="ann-fidelity", daemon=True)
         checker.start()
         self._threads.append(checker)
-        if probe is not None:
+        if probe is not None and self.config.probes:
             prober = threading.Thread(target=self._probe_loop, args=(probe,), name="probe", daemon=True)
             prober.start()
             self._threads.append(prober)
@@ -186,18 +199,30 @@ class RecallMonitor:
                 self.check_ann(*job)
             except Exception:
                 log.exception("ANN fidelity check failed")
+            finally:
+                self._ann_jobs.task_done()
+
+    def ann_settled(self, timeout: float | None = None) -> bool:
+        """Wait until every query sampled so far has been checked (or dropped); whether that
+        happened within `timeout`. For tests and drills that read the ANN figure only once it
+        covers what they sent, rather than after a pause they hope is long enough."""
+        done = self._ann_jobs.all_tasks_done
+        with done:
+            return done.wait_for(lambda: not self._ann_jobs.unfinished_tasks, timeout)
 
     def _exact_vectors(self, pair: ServingPair) -> np.ndarray:
-        vectors = self._exact_cache.get(pair.version)
+        vectors = self._exact_cache.get(pair.serial)
         if vectors is None:
             path = Path(pair.directory) / EMBEDDINGS_FILE
             # Memory-mapped: exact search reads the stored vectors without loading them all.
             vectors = np.load(path, mmap_mode="r") if path.is_file() else pair.index.reconstruct_n(0, pair.index.ntotal)
-            self._exact_cache = {pair.version: vectors}
+            self._exact_cache = {pair.serial: vectors}
         return vectors
 
-    def check_ann(self, pair: ServingPair, vector: np.ndarray, rows: list[int], exclude: set[int]) -> None:
-        if pair is not self._live:  # sampled before a reload: it no longer describes the index served
+    def check_ann(self, serial: int, vector: np.ndarray, rows: list[int], exclude: set[int]) -> None:
+        """Re-run a query answered by load `serial` exactly, if that load is still live."""
+        pair = self._live
+        if pair is None or pair.serial != serial:  # sampled before a reload: it no longer describes the index served
             return
         database = self._exact_vectors(pair)
         scores = np.asarray(database @ vector, dtype=np.float32)
@@ -208,7 +233,7 @@ class RecallMonitor:
                 continue
             exact = np.argpartition(-scores, k - 1)[:k]
             with self._lock:
-                if pair is not self._live:
+                if not self._is_live(serial):
                     return
                 self.ann[k].append(len(set(rows[:k]) & set(exact.tolist())) / k)
                 self.metrics.ann_recall_at_k.labels(str(k)).set(float(np.mean(self.ann[k])))

@@ -20,6 +20,8 @@ import os
 import threading
 import time
 import uuid
+import weakref
+from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +44,7 @@ from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from serving.batching import DynamicBatcher, Job
 from serving.engine import Hit, Limits, SearchEngine, ServingPair, load_pair
 from serving.errors import DeadlineExceeded, InvalidArgument, ServiceError
+from serving.memory import reclaim
 from serving.metrics import ServiceMetrics
 from serving.monitor import MonitorConfig, RecallMonitor, probe_recall
 
@@ -87,7 +90,7 @@ class ServerConfig:
     recall_ks: list[int] | None = None
     recall_window: int = 1000
     ann_sample_rate: float = 0.05
-    probe_interval_s: float = 60.0
+    probe_interval_s: float = 60.0  # 0: no probe rounds, neither scheduled nor after a reload
     probe_size: int = 200
     probe_catalog: str | None = None
     watch_current: bool = False
@@ -170,8 +173,10 @@ class ServerConfig:
         for name in ("max_connection_age_s", "max_connection_age_grace_s", "keepalive_s"):
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be ≥ 0 seconds (0: off), got {getattr(self, name)}")
-        if self.max_wait_ms < 0 or self.probe_interval_s <= 0 or self.watch_interval_s <= 0:
-            raise ValueError("max_wait_ms must be ≥ 0; probe_interval_s and watch_interval_s > 0")
+        if self.max_wait_ms < 0 or self.watch_interval_s <= 0:
+            raise ValueError("max_wait_ms must be ≥ 0; watch_interval_s > 0")
+        if not 0 <= self.probe_interval_s < float("inf"):
+            raise ValueError(f"probe_interval_s must be ≥ 0 seconds (0: no probe rounds), got {self.probe_interval_s}")
         if not Path(self.index_root).is_dir():
             raise ValueError(f"index root not found: {self.index_root}")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -180,7 +185,11 @@ class ServerConfig:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name.replace('_', '-')} file not found: {path}")
-        MonitorConfig(ks=tuple(self.recall_ks or (1, 5, 10)), ann_sample_rate=self.ann_sample_rate)
+        MonitorConfig(
+            ks=tuple(self.recall_ks or (1, 5, 10)),
+            ann_sample_rate=self.ann_sample_rate,
+            probe_interval_s=self.probe_interval_s,
+        )
 
 
 @asynccontextmanager
@@ -212,7 +221,11 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
         self.inline_decode_pixels = server.config.inline_decode_pixels
         self.inference_decode_pixels = server.config.inference_decode_pixels
         self.access_log = server.config.access_log
-        self._recent: OrderedDict[str, tuple[ServingPair, list[str]]] = OrderedDict()  # id → who answered what
+        # request id → (serial of the load that answered, rows it returned): the serial, not the
+        # pair, or the window would keep every pair it saw answering alive.
+        # Rows, not ids: one small array an answer instead of a list of strings (the window holds
+        # thousands of answers, and churns with every query).
+        self._recent: OrderedDict[str, tuple[int, array]] = OrderedDict()
         self._feedback_window = server.config.feedback_window
 
     async def _rpc(self, method: str, context: grpc.aio.ServicerContext, body: Awaitable[T]) -> T:
@@ -300,10 +313,10 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
             pb.Neighbor(id=items.ids[h.row], score=h.score, label=items.labels[h.row], metadata=items.metadata[h.row])
             for h in hits
         ]
-        self._remember(request_id, pair, [n.id for n in neighbors])
+        self._remember(request_id, pair.serial, [h.row for h in hits])
         if request.HasField("label"):
-            self.monitor.record_labelled(pair, request.label, [n.label for n in neighbors])
-        self.monitor.maybe_sample_ann(pair, job.vector, [h.row for h in hits], job.exclude)
+            self.monitor.record_labelled(pair.serial, request.label, [n.label for n in neighbors])
+        self.monitor.maybe_sample_ann(pair.serial, job.vector, [h.row for h in hits], job.exclude)
         return pb.SearchResponse(
             neighbors=neighbors,
             request_id=request_id,
@@ -345,8 +358,8 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
                     task.cancel()
                 raise
 
-    def _remember(self, request_id: str, pair: ServingPair, ids: list[str]) -> None:
-        self._recent[request_id] = (pair, ids)  # only the loop thread touches it: no lock
+    def _remember(self, request_id: str, serial: int, rows: list[int]) -> None:
+        self._recent[request_id] = (serial, array("l", rows))  # only the loop thread touches it: no lock
         while len(self._recent) > self._feedback_window:
             self._recent.popitem(last=False)
 
@@ -387,9 +400,12 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
             returned = self._recent.get(request.request_id)
             if returned is None:
                 raise InvalidArgument(f"unknown or expired request_id {request.request_id!r}")
+            serial, rows = returned
             # Not accepted when the answer came from a pair swapped out since: it no longer
-            # describes what is served.
-            return pb.FeedbackResponse(accepted=self.monitor.record_feedback(*returned, list(request.relevant_ids)))
+            # describes what is served (and its rows may name other items now).
+            pair = self.engine.pair
+            ids = [pair.items.ids[r] for r in rows] if pair.serial == serial else []
+            return pb.FeedbackResponse(accepted=self.monitor.record_feedback(serial, ids, list(request.relevant_ids)))
 
         return await self._rpc("Feedback", context, body())
 
@@ -625,8 +641,11 @@ class SearchServer:
             new.index.ntotal,
             extra={"index_version": new.version, "model_id": new.model_id},
         )
-        if old is not None:
+        if old is not None and self.monitor.config.probes:  # probe_interval_s 0: probes are off
             threading.Thread(target=self._probe_now, name="probe-after-reload", daemon=True).start()
+        if old is not None:  # its memory goes back to the OS once the requests that took it finish
+            released = weakref.ref(old)
+            threading.Thread(target=reclaim, args=(released, 60.0, self._stopping), name="reclaim", daemon=True).start()
         return old, new
 
     # -- probe set --------------------------------------------------------------------------
@@ -690,7 +709,7 @@ class SearchServer:
         if self.config.metrics_port is not None:
             self.metrics.serve(self.config.metrics_port, self.config.host)
         self._call(self._start_serving())
-        self.monitor.start(self.run_probe)
+        self.monitor.start(self.run_probe)  # probe rounds only where probe_interval_s > 0
         if self.config.watch_current:
             threading.Thread(target=self._watch_current, name="watch-current", daemon=True).start()
         log.info("listening on %s:%d", self.config.host, self.port)

@@ -1,0 +1,149 @@
+"""A reloaded server lets go of what it replaced, and a reload that cannot load fails precisely
+while the live pair keeps serving. Real servers on loopback over the demo chain's artifacts."""
+
+from __future__ import annotations
+
+import gc
+import platform
+import shutil
+import threading
+import weakref
+from pathlib import Path
+
+import grpc
+import pytest
+
+from index import artifacts
+from protos.simsearch.v1 import search_pb2 as pb
+from serving.memory import reclaim, return_free_heap
+from tests.test_serving_production import _wait_for, derived_version, image_requests, start
+
+
+@pytest.fixture()
+def index_root(demo_run, tmp_path) -> Path:
+    root = tmp_path / "index"
+    shutil.copytree(demo_run / "index", root)
+    return root
+
+
+class Node:
+    """An object in a reference cycle: only the cyclic collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_reclaim_collects_cycles_and_reports_what_stays_referenced():
+    gc.disable()  # the collector must not run by itself meanwhile: reclaim is what runs it
+    try:
+        node = Node()
+        ref = weakref.ref(node)
+        del node
+        assert ref() is not None
+        assert reclaim(ref, timeout_s=5) and ref() is None
+        held = Node()
+        assert not reclaim(weakref.ref(held), timeout_s=0.2)
+        stop = threading.Event()
+        stop.set()
+        assert not reclaim(weakref.ref(held), timeout_s=60, stop=stop)  # a stopping server does not wait
+    finally:
+        gc.enable()
+
+
+def test_the_heap_is_trimmed_where_the_c_library_is_glibc():
+    assert return_free_heap() == (platform.libc_ver()[0] == "glibc")
+
+
+@pytest.mark.slow
+def test_a_swapped_out_pair_is_freed_once_the_requests_that_took_it_finish(index_root):
+    requests = image_requests(index_root, 8)
+    server, client = start(index_root, admin_token="tok", ann_sample_rate=1.0, max_batch_size=4)
+    try:
+        answered = [client.search(r) for r in requests]  # feedback window and sampled ANN checks
+        for bad in (
+            pb.SearchRequest(image=b"not an image", k=3),
+            pb.SearchRequest(item_id="no-such-item", k=3),
+            pb.SearchRequest(embedding=pb.Embedding(values=[float("nan")] * server.engine.pair.dim), k=3),
+        ):  # failed requests leave reference cycles through their tracebacks
+            with pytest.raises(grpc.RpcError):
+                client.search(bad)
+        old = weakref.ref(server.engine.pair)
+        server.batcher.pause()
+        held: list[pb.SearchResponse] = []
+        waiting = threading.Thread(target=lambda: held.append(client.search(requests[0])))
+        waiting.start()
+        _wait_for(lambda: server.batcher.queued == 1)
+        client.reload()
+        gc.collect()
+        assert old() is not None and old() is not server.engine.pair, "a queued request still holds the old pair"
+        server.batcher.resume()
+        waiting.join(60)
+        assert held and held[0].neighbors
+        # The server's own reclaim thread frees it: no collection run by the test.
+        _wait_for(lambda: old() is None)
+        # The Feedback window still knows the request the old pair answered, and refuses to
+        # count feedback on it (it does not describe what is served), without keeping the pair.
+        assert client.feedback(answered[0].request_id, [answered[0].neighbors[0].id]).accepted is False
+        fresh = client.search(requests[1])
+        assert client.feedback(fresh.request_id, [fresh.neighbors[0].id]).accepted is True
+    finally:
+        client.close()
+        server.stop(0)
+
+
+def truncated(name: str):
+    def mutate(staging: Path, manifest: dict) -> None:
+        path = staging / name
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+
+    return mutate
+
+
+def garbled(name: str):
+    def mutate(staging: Path, manifest: dict) -> None:
+        (staging / name).write_bytes(b"\x00garbage\xff" * 64)
+
+    return mutate
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        (truncated(artifacts.INDEX_FILE), "index.faiss is damaged"),
+        (garbled(artifacts.INDEX_FILE), "index.faiss is damaged"),
+        (garbled(artifacts.ITEMS_FILE), "items.parquet is damaged"),
+        (lambda staging, manifest: (staging / artifacts.ITEMS_FILE).unlink(), "items.parquet is missing"),
+        ("model", "model.onnx is damaged"),
+        ("missing", "does not exist"),
+    ],
+    ids=["index-truncated", "index-garbage", "items-garbage", "items-missing", "model-damaged", "version-missing"],
+)
+def test_a_reload_that_cannot_load_fails_precisely_and_the_live_pair_keeps_serving(
+    index_root, tmp_path, demo_run, damage, named
+):
+    live = artifacts.current_version(index_root)
+    model_dir = ""
+    if damage == "missing":
+        version = "20991231T000000000000-nosuchversion00"
+    elif damage == "model":
+        version = live
+        shutil.copytree(demo_run / "model", tmp_path / "model")
+        truncated(artifacts.MODEL_FILE)(tmp_path / "model", {})
+        model_dir = str(tmp_path / "model")
+    else:
+        version = derived_version(index_root, damage)
+    (request,) = image_requests(index_root, 1)
+    server, client = start(index_root, admin_token="tok")
+    try:
+        before = client.search(request)
+        with pytest.raises(grpc.RpcError) as err:
+            client.reload(index_version=version, model_dir=model_dir)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "still serving the old pair" in err.value.details() and named in err.value.details()
+        after = client.search(request)
+        assert after.index_version == live and [n.id for n in after.neighbors] == [n.id for n in before.neighbors]
+        assert server.metrics.reload_failures._value.get() == 1
+    finally:
+        client.close()
+        server.stop(0)
