@@ -265,7 +265,7 @@ def start_writer(tmp_path: Path, body: str, target: Path) -> tuple[subprocess.Po
 
 
 def kill_when_ready(proc: subprocess.Popen, ready: Path, extra_delay: float = 0.0) -> None:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # a bound on a hang: the writer starts as fast as Python can
     while not ready.exists():
         if proc.poll() is not None:
             raise AssertionError(f"writer exited early: {proc.stderr.read().decode()}")

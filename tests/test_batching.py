@@ -58,6 +58,14 @@ def answer_all(engine: SearchEngine, jobs: list[Job], **kwargs) -> list:
     return asyncio.run(main())
 
 
+async def until(predicate, timeout: float = 60.0) -> None:
+    """Let the loop run until `predicate()` holds: a wait for a condition, the timeout only a
+    bound on a hang (whatever runs in the inference threads takes as long as the machine needs)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
 def job(pair, array, k: int = 5, deadline: float | None = None) -> Job:
     return Job(pair=pair, k=k, exclude=set(), array=array, deadline=deadline)
 
@@ -112,22 +120,28 @@ def test_embed_only_jobs_share_the_batch_and_are_not_searched(engine_and_pairs, 
 def test_wait_window_coalesces_staggered_queries_and_zero_wait_does_not(engine_and_pairs, arrays):
     engine, pair, _ = engine_and_pairs
 
-    async def staggered(max_wait_s: float) -> list[Job]:
-        b = batcher(engine, max_wait_s=max_wait_s)
+    async def staggered(max_wait_s: float, max_batch_size: int = 4, n: int = 4) -> list[Job]:
+        b = batcher(engine, max_wait_s=max_wait_s, max_batch_size=max_batch_size)
         b.start()
-        jobs = [job(pair, a) for a in arrays[:4]]
+        jobs = [job(pair, a) for a in arrays[:n]]
         tasks = []
         try:
             for j in jobs:
                 tasks.append(asyncio.ensure_future(b.run(j)))
                 await asyncio.sleep(0.01)
-            await asyncio.gather(*tasks)
+            async with asyncio.timeout(120):  # a window that never closed would hang here
+                await asyncio.gather(*tasks)
         finally:
             await b.stop()
         return jobs
 
-    assert {j.batch_size for j in asyncio.run(staggered(0.5))} == {4}
+    # A window far longer than the arrivals take, however slow the machine: the batch leaves
+    # when full, the four in it.
+    assert {j.batch_size for j in asyncio.run(staggered(60.0))} == {4}
+    # Without a window the first query (the batcher idle) starts a batch of its own at once.
     assert max(j.batch_size for j in asyncio.run(staggered(0.0))) < 4
+    # A window that closes sends the batch it has, not full.
+    assert {j.batch_size for j in asyncio.run(staggered(0.05, max_batch_size=32, n=1))} == {1}
 
 
 def test_full_queue_is_refused_at_once_and_stop_fails_what_is_queued(engine_and_pairs, arrays):
@@ -136,11 +150,10 @@ def test_full_queue_is_refused_at_once_and_stop_fails_what_is_queued(engine_and_
     async def main():
         b = batcher(engine, max_queue=2)  # not started: nothing drains the queue
         waiting = [asyncio.ensure_future(b.run(job(pair, a))) for a in arrays[:2]]
-        await asyncio.sleep(0)
-        started = time.perf_counter()
+        await until(lambda: b.queued == 2)
+        # At once: the call raises on its first step, never waiting for room.
         with pytest.raises(ResourceExhausted, match="2 queries already queued"):
-            await b.run(job(pair, arrays[2]))
-        assert time.perf_counter() - started < 0.05
+            b.run(job(pair, arrays[2])).send(None)
         await b.stop()
         for task in waiting:
             with pytest.raises(Unavailable):
@@ -160,7 +173,7 @@ def test_cancelled_and_expired_jobs_cost_no_work(engine_and_pairs, arrays):
         expired = asyncio.ensure_future(b.run(job(pair, arrays[1], deadline=time.monotonic() - 1)))
         live = job(pair, arrays[2])
         answer = asyncio.ensure_future(b.run(live))
-        await asyncio.sleep(0)
+        await until(lambda: b.queued == 3)
         gone.cancel()  # the caller went away while its query was queued
         b.start()
         try:
@@ -210,20 +223,27 @@ def test_images_go_to_the_inference_thread_only_when_it_would_take_them_at_once(
     engine, pair, _ = engine_and_pairs
 
     async def main():
-        b = batcher(engine, max_wait_s=0.3)
+        # A batch of two waits up to a minute for its second query: it fills until the test sends it.
+        b = batcher(engine, max_wait_s=60.0, max_batch_size=2)
         b.start()
         try:
             idle = b.decodes_cheaply
             first = asyncio.ensure_future(b.run(job(pair, arrays[0])))
-            await asyncio.sleep(0.05)
+            await until(lambda: not b.decodes_cheaply and b.queued == 0)  # taken into a batch, which waits
             filling = b.decodes_cheaply  # the batch waits for more: images should decode meanwhile
-            await first
-            await asyncio.sleep(0.05)
-            return idle, filling, b.decodes_cheaply
+            b.pause()
+            second = asyncio.ensure_future(b.run(job(pair, arrays[1])))
+            third = asyncio.ensure_future(b.run(job(pair, arrays[2])))
+            await asyncio.gather(first, second)  # the filling batch takes one, and runs; the third waits
+            queued = b.decodes_cheaply  # a query queued: the next batch will not start at once
+            b.resume()
+            await until(lambda: b.queued == 0)
+            await asyncio.gather(third, b.run(job(pair, arrays[3])))
+            return idle, filling, queued, b.decodes_cheaply
         finally:
             await b.stop()
 
-    assert asyncio.run(main()) == (True, False, True)
+    assert asyncio.run(main()) == (True, False, False, True)
     assert batcher(engine, enabled=False).decodes_cheaply  # unbatched: a free thread takes it
 
 
@@ -269,7 +289,8 @@ def test_unbatched_queries_run_side_by_side_single_threaded_and_alone_on_every_t
 
 class MeetingSession(RecordingSession):
     """A recording session whose runs wait for one another at `barrier`: a run made while no
-    other is under way breaks it (after `timeout`), so the log proves runs overlapped."""
+    other is under way breaks it (after `timeout`, a bound on a hang: two runs started together
+    meet at once), so the log proves runs overlapped."""
 
     def __init__(self, session, name: str, log: list[str], barrier: threading.Barrier) -> None:
         super().__init__(session, name, log)
@@ -286,7 +307,7 @@ def test_batch_streams_share_out_the_queue_and_run_side_by_side_single_threaded(
     engine.swap(pair)
     embedder = pair.embedder
     used: list[str] = []
-    meet = threading.Barrier(2, timeout=10)
+    meet = threading.Barrier(2, timeout=60)
     embedder.session = RecordingSession(embedder.session, "all threads", used)
     embedder.side_by_side_session = MeetingSession(embedder.side_by_side_session, "single-threaded", used, meet)
     jobs = [job(pair, a) for a in arrays[:12]]
@@ -320,15 +341,18 @@ def test_the_queue_is_shared_out_in_full_shares(engine_and_pairs, arrays, stream
 
 
 class GatedSession(RecordingSession):
-    """A recording session whose first run waits until `gate` is set."""
+    """A recording session whose first run waits until `gate` is set; `entered` is set once it
+    waits there."""
 
     def __init__(self, session, name: str, log: list[str], gate: threading.Event) -> None:
         super().__init__(session, name, log)
         self.gate = gate
+        self.entered = threading.Event()
 
     def run(self, *args, **kwargs):
         if not self.log:
-            assert self.gate.wait(10)
+            self.entered.set()
+            assert self.gate.wait(120), "the test never opened the gate"
         return super().run(*args, **kwargs)
 
 
@@ -347,7 +371,7 @@ def test_jobs_beside_a_running_batch_start_one_once_half_a_share_is_queued(
     engine.swap(pair)
     used: list[str] = []
     gate = threading.Event()
-    pair.embedder.session = GatedSession(pair.embedder.session, "all threads", used, gate)
+    held = pair.embedder.session = GatedSession(pair.embedder.session, "all threads", used, gate)
     pair.embedder.side_by_side_session = RecordingSession(pair.embedder.side_by_side_session, "single-threaded", used)
     first, *later = [job(pair, a) for a in arrays[: 1 + beside]]
 
@@ -356,14 +380,18 @@ def test_jobs_beside_a_running_batch_start_one_once_half_a_share_is_queued(
         b.start()
         try:
             running = asyncio.ensure_future(b.run(first))
-            await asyncio.sleep(0.05)  # the first batch is in its inference thread, held at the gate
+            await until(held.entered.is_set)  # the first batch is in its inference thread, held at the gate
             waiting = [asyncio.ensure_future(b.run(j)) for j in later]
-            await asyncio.sleep(0.2)
+            # Those that start a batch beside the held one run it to the end meanwhile; those
+            # that do not stay queued (the batcher decides on the loop, before `until` looks).
+            left = 0 if before_the_first_ends else beside
+            await until(lambda: b.queued == left and len(used) == len(before_the_first_ends))
             started = list(used)
             gate.set()
             await asyncio.gather(running, *waiting)
             return started
         finally:
+            gate.set()
             await b.stop()
 
     assert asyncio.run(main()) == before_the_first_ends

@@ -132,10 +132,10 @@ def test_server_without_index_is_unavailable_and_not_healthy(tmp_path):
     from serving.client import SearchClient
     from serving.server import SearchServer, ServerConfig
 
-    server = SearchServer(ServerConfig(index_root=str(tmp_path), port=0, metrics_port=None))
+    server = SearchServer(ServerConfig(index_root=str(tmp_path), port=0, metrics_port=None, probe_interval_s=0))
     server.start()
     try:
-        with SearchClient(f"127.0.0.1:{server.port}", timeout=2) as client:
+        with SearchClient(f"127.0.0.1:{server.port}", timeout=60) as client:  # a bound on a hang only
             assert not client.healthy()
             with pytest.raises(grpc.RpcError) as err:
                 client.get_info()
