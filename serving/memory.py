@@ -3,9 +3,8 @@
 A reloaded server must not grow: the old pair is freed once the requests that took it finish,
 but two things delay or hide that. Requests that failed leave reference cycles (exception →
 traceback → frame → the pair) that only the cyclic collector breaks, whenever its thresholds
-next trip; and glibc keeps freed heap pages in its per-thread arenas rather than returning
-them, so RSS stays at its high-water mark and creeps up as each load fragments the arenas
-anew. After a reload, `reclaim` waits for the old pair to be collected and then trims the heap.
+next trip; and glibc keeps freed heap pages in its arenas rather than returning them, so RSS
+stays at its high-water mark. After a reload, `reclaim` waits for the old pair to be collected and then trims the heap.
 """
 
 from __future__ import annotations

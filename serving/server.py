@@ -313,10 +313,11 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
             pb.Neighbor(id=items.ids[h.row], score=h.score, label=items.labels[h.row], metadata=items.metadata[h.row])
             for h in hits
         ]
-        self._remember(request_id, pair.serial, [h.row for h in hits])
+        rows = [h.row for h in hits]
+        self._remember(request_id, pair.serial, rows)
         if request.HasField("label"):
             self.monitor.record_labelled(pair.serial, request.label, [n.label for n in neighbors])
-        self.monitor.maybe_sample_ann(pair.serial, job.vector, [h.row for h in hits], job.exclude)
+        self.monitor.maybe_sample_ann(pair.serial, job.vector, rows, job.exclude)
         return pb.SearchResponse(
             neighbors=neighbors,
             request_id=request_id,
