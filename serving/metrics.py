@@ -1,4 +1,4 @@
-"""Prometheus metrics of the search service (names fixed in DESIGN.md, prefix `simsearch_`).
+"""Prometheus metrics of the search service (names listed in docs/architecture.md, prefix `simsearch_`).
 
 Each server owns its registry, so several servers (tests, benchmarks) can live in one process.
 The registry also carries prometheus-client's process collector (`process_resident_memory_bytes`,

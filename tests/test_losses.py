@@ -69,7 +69,7 @@ def pml_raw_vthm(
     """MultiSimilarityLoss (+ MultiSimilarityMiner) from pytorch-metric-learning.
 
     pml's reduction is MeanReducer over the per-anchor terms ("element" reduction over all m
-    anchors, 0 for an anchor with nothing mined), i.e. exactly DESIGN's 1/m. The only
+    anchors, 0 for an anchor with nothing mined), i.e. exactly the 1/m of docs/architecture.md. The only
     difference is GenericPairLoss.compute_loss returning 0 when every index list it gets has at
     most one entry; with ``paper_semantics`` the oracle skips that shortcut by calling the
     loss's matrix path directly (same distance, same masks, same log-sum-exp, same mean).

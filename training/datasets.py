@@ -100,7 +100,7 @@ class BenchmarkDataset:
     default_classes: ClassVar[int] = 2
     default_images_per_class: ClassVar[int] = 2
     min_images_per_class: ClassVar[int] = 1
-    # The Ks the literature reports Recall@K at on this dataset (DESIGN.md, evaluation protocol).
+    # The Ks the literature reports Recall@K at on this dataset (docs/architecture.md, evaluation protocol).
     recall_ks: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32)
 
     def load(self, root: Path) -> dict[str, Catalog]:
