@@ -181,6 +181,20 @@ def slope_mb_per_min(samples: list[tuple[float, float, int]], from_min: float) -
     return float(np.polyfit(t, rss, 1)[0])
 
 
+def minute_medians_slope(samples: list[tuple[float, float, int]], from_min: float) -> float | None:
+    """Least-squares slope of the per-minute median RSS from `from_min` on: a reload holds two
+    pairs for a moment, a sawtooth of a few MB that sways a fit over raw samples (and more so
+    over a short window); the median of each minute's samples does not see it."""
+    minutes: dict[int, list[float]] = {}
+    for t, rss, _ in samples:
+        if t >= from_min:
+            minutes.setdefault(int(t), []).append(rss)
+    if len(minutes) < 3:
+        return None
+    keys = sorted(minutes)
+    return float(np.polyfit(keys, [float(np.median(minutes[m])) for m in keys], 1)[0])
+
+
 def damaged_and_missing_versions(root: Path) -> list[str]:
     """A version whose index file is cut short, and a name no version has."""
     live = artifacts.version_dir(root)
@@ -256,6 +270,7 @@ def soak(
         "fds_last": samples[-1][2],
         "slope_after_warmup": slope_mb_per_min(samples, warmup_min),
         "slope_second_half": slope_mb_per_min(samples, samples[-1][0] / 2),
+        "slope_minute_medians": minute_medians_slope(samples, warmup_min),
         "warmup_min": warmup_min,
         "samples": [[round(t, 3), round(r, 2), f] for t, r, f in samples],
     }
@@ -272,6 +287,7 @@ def row(name: str, r: dict) -> str:
         f"| {name} | {r['queries']:,} | {r['unexpected']} | {reloads} "
         f"| {r['rss_first_mb']:.0f} → {r['rss_last_mb']:.0f} MB ({r['rss_max_mb']:.0f}) "
         f"| {slope(r['slope_after_warmup'])} | {slope(r['slope_second_half'])} "
+        f"| {slope(r.get('slope_minute_medians'))} "
         f"| {r['fds_first']} → {r['fds_last']} |"
     )
 
@@ -310,9 +326,9 @@ def main() -> None:
         print(json.dumps({k: v for k, v in results[name].items() if k not in ("samples", "statuses")}), flush=True)
     print(
         f"\n| run | queries | unexpected statuses | reloads | server RSS first → last (max) "
-        f"| slope after {args.warmup_min:g} min | slope, second half | open fds |"
+        f"| slope after {args.warmup_min:g} min | slope, second half | slope of minute medians | open fds |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, result in results.items():
         print(row(name, result))
     if len(results) == 2:

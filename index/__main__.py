@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
-from index.cli import run_cli
+from index.cli import add_verbose_flag, run_cli
 from index.config import from_cli
 
 
@@ -44,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
         ("--model", {}),
         ("--index-root", {"dest": "index_root"}),
         ("--catalog", {}),
+        ("--probe-catalog", {"dest": "probe_catalog", "help": "held-out labelled images for probe Recall@K"}),
         ("--factory", {}),
         ("--search-params", {"dest": "search_params", "type": json.loads}),
         ("--train-size", {"dest": "train_size", "type": int}),
@@ -68,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     add.add_argument("--model", help="model artifact directory (must be the live index's model)")
     add.add_argument("--index-root", dest="index_root", help="index root (versions/ and CURRENT)")
     add.add_argument("--catalog", help="catalog with the new rows (ids already indexed are skipped)")
+    add.add_argument("--probe-catalog", dest="probe_catalog", help="held-out labelled images for probe Recall@K")
     add.add_argument("--provider", choices=["auto", "cpu", "cuda"])
     add.add_argument("--batch-size", dest="batch_size", type=int)
     add.add_argument("--max-bad-fraction", dest="max_bad_fraction", type=float)
@@ -84,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     rollback = sub.add_parser("rollback", help="point CURRENT at an earlier version")
     rollback.add_argument("--index-root", required=True)
     rollback.add_argument("--to", help="version name (default: the one before the live one)")
+    add_verbose_flag(sub)
     return parser
 
 
@@ -133,9 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             artifacts.set_current(args.index_root, target)
             print(f"CURRENT → {target}")
 
-    return run_cli(command)
+    return run_cli(command, verbose=bool(args.verbose))
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.exit(main())

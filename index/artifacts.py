@@ -24,6 +24,8 @@ MANIFEST = "manifest.json"
 MODEL_FILE = "model.onnx"
 INDEX_FILE = "index.faiss"
 ITEMS_FILE = "items.parquet"
+NEIGHBOURS_FILE = "neighbours.png"  # sample queries and their neighbours, to look at
+EMBEDDINGS_FILE = "embeddings.npy"  # the exact vectors indexed, row for row
 CURRENT = "CURRENT"
 VERSIONS = "versions"
 

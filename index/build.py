@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from index import artifacts
 from index.artifacts import ArtifactError, read_manifest, utc_now, write_json_atomic
-from index.catalog import Catalog, read_catalog
+from index.catalog import Catalog, CatalogError, read_catalog
 from index.config import to_jsonable
+from index.contact_sheet import contact_sheet, sample_neighbours
 from index.embedder import OnnxEmbedder
 from index.evaluation import ann_recall, recall_at_k, recall_from_neighbor_labels
 from index.faiss_index import (
@@ -27,14 +27,15 @@ from index.faiss_index import (
     load_index,
     save_index,
     search,
+    searchable,
     select_device,
+    with_default_rerank,
 )
 from index.items import ItemTable
 from index.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, load_image
+from index.progress import Progress
 
 log = logging.getLogger(__name__)
-
-EMBEDDINGS_FILE = "embeddings.npy"
 
 
 class QualityGateError(ValueError):
@@ -75,12 +76,17 @@ class BuildConfig:
         if not self.ks or min(self.ks) <= 0:
             raise ValueError(f"ks must be positive, got {self.ks}")
         select_device(self.device, num_gpus=1)  # validates the name only
+        if self.probe_catalog is not None:
+            read_probe_catalog(self.probe_catalog)  # before any image is embedded
 
 
 def default_catalog(model_manifest: dict) -> str:
-    splits = model_manifest.get("training_data", {}).get("splits", {})
+    splits = (model_manifest.get("training_data") or {}).get("splits", {})
     if "test" not in splits:
-        raise ValueError("no --catalog given and the model manifest records no test split")
+        raise ValueError(
+            "no --catalog given and the model manifest records no test split "
+            "(a pretrained export has no training run): pass --catalog"
+        )
     return splits["test"]
 
 
@@ -108,7 +114,7 @@ def embed_catalog(
     parts, kept = [], []
     with (
         ThreadPoolExecutor(max_workers=threads) as pool,
-        tqdm(total=len(catalog), desc="embed", unit="img", disable=not progress) as bar,
+        Progress(len(catalog), "embed", "img", "auto" if progress else "off") as bar,
     ):
         for start in range(0, len(catalog), batch_size):
             rows = range(start, min(start + batch_size, len(catalog)))
@@ -122,30 +128,54 @@ def embed_catalog(
     return embeddings, kept, skipped
 
 
-def probe_catalog_recall(index, labels: list[str], cfg: BuildConfig) -> dict[str, float]:
-    """Recall@K of held-out labelled images querying the built index (nothing to exclude)."""
+def read_probe_catalog(path: str | Path) -> Catalog:
+    probe = read_catalog(path)
+    probe.require_labels("--probe-catalog (Recall@K of its images)")
+    return probe
+
+
+def probe_catalog_recall(index, labels: list[str] | None, cfg: BuildConfig) -> tuple[dict[str, float], str]:
+    """Recall@K of held-out labelled images querying the built index (nothing to exclude),
+    and where it comes from. An index without labels cannot say which answers are right: the
+    probe images then query each other (leave-one-out), which measures the model alone."""
     embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
-    probe = read_catalog(cfg.probe_catalog)
+    probe = read_probe_catalog(cfg.probe_catalog)
     vectors, kept, _ = embed_catalog(probe, embedder, cfg.batch_size, cfg.decode_threads, cfg.max_pixels, False)
     if not kept:
         raise ValueError(f"no image of the probe catalog {cfg.probe_catalog} could be read")
+    source = str(Path(cfg.probe_catalog).resolve())
+    if labels is None:
+        ks = [kk for kk in cfg.ks if kk < len(kept)]
+        recall = recall_at_k(vectors, [probe.labels[r] for r in kept], ks) if ks else {}
+        source += " (leave-one-out among its images: the catalog has no labels)"
+        return {str(kk): v for kk, v in recall.items()}, source
     k = min(max(cfg.ks), index.ntotal)
     _, rows = search(index, vectors, k)
     label_array = np.asarray(labels, dtype=object)
     neighbor_labels = np.where(rows >= 0, label_array[np.maximum(rows, 0)], None)
     query_labels = np.asarray([probe.labels[r] for r in kept], dtype=object)
     ks = [kk for kk in cfg.ks if kk <= k]
-    return {str(kk): v for kk, v in recall_from_neighbor_labels(neighbor_labels, query_labels, ks).items()}
+    recall = recall_from_neighbor_labels(neighbor_labels, query_labels, ks)
+    return {str(kk): v for kk, v in recall.items()}, source
 
 
-def quality_figures(index, embeddings: np.ndarray, labels: list[str], cfg: BuildConfig) -> dict:
-    """ANN recall vs exact search, and probe Recall@K, on a fixed sample of the catalog."""
+NO_PROBE = "none: the catalog has no labels and no --probe-catalog was given"
+
+
+def quality_figures(index, embeddings: np.ndarray, labels: list[str] | None, cfg: BuildConfig) -> dict:
+    """ANN recall vs exact search, and probe Recall@K, on a fixed sample of the catalog.
+    Without labels (`labels` None) the probe comes from --probe-catalog or is absent."""
     n = len(embeddings)
     rng = np.random.default_rng(0)
     sample = np.sort(rng.choice(n, size=min(cfg.quality_sample, n), replace=False))
     ann_k = min(cfg.ann_k, n)
-    figures: dict = {"sample_size": int(len(sample)), "ann_k": ann_k}
+    figures: dict = {"sample_size": int(len(sample)), "ann_k": ann_k, "labelled": labels is not None}
     figures["ann_recall_at_k"] = ann_recall(index, embeddings, embeddings[sample], ann_k)
+    if cfg.probe_catalog:
+        figures["probe_recall_at_k"], figures["probe_source"] = probe_catalog_recall(index, labels, cfg)
+    if labels is None:
+        figures.setdefault("probe_source", NO_PROBE)
+        return figures
     # Probe: sampled items query the built index itself, excluding their own row.
     label_array = np.asarray(labels)
     k = min(max(cfg.ks) + 1, n)
@@ -156,10 +186,7 @@ def quality_figures(index, embeddings: np.ndarray, labels: list[str], cfg: Build
         others += [-1] * (k - 1 - len(others))
         neighbor_labels[i] = [label_array[r] if r >= 0 else None for r in others]
     ks = [kk for kk in cfg.ks if kk <= k - 1]
-    if cfg.probe_catalog:
-        figures["probe_recall_at_k"] = probe_catalog_recall(index, labels, cfg)
-        figures["probe_source"] = str(Path(cfg.probe_catalog).resolve())
-    elif ks:
+    if not cfg.probe_catalog and ks:
         figures["probe_source"] = "leave-one-out sample of the catalog"
         figures["probe_recall_at_k"] = {
             str(kk): v for kk, v in recall_from_neighbor_labels(neighbor_labels, label_array[sample], ks).items()
@@ -171,12 +198,21 @@ def quality_figures(index, embeddings: np.ndarray, labels: list[str], cfg: Build
     return figures
 
 
+def write_contact_sheet(path: Path, index, embeddings: np.ndarray, paths: list[str], labels: list[str] | None) -> None:
+    """`neighbours.png`: a dozen catalog items querying the index, their top 8 framed by label."""
+    picked, rows, scores = sample_neighbours(index, embeddings)
+    query_labels = [labels[r] for r in picked] if labels is not None else None
+    contact_sheet([paths[r] for r in picked], query_labels, rows, scores, paths, labels).save(path)
+
+
 def check_quality(figures: dict, cfg: BuildConfig, live: dict | None) -> list[str]:
     """Reasons to refuse publishing (empty when the gate passes)."""
     reasons = []
     if figures["ann_recall_at_k"] < cfg.min_ann_recall:
         reasons.append(f"ANN recall@{figures['ann_k']} {figures['ann_recall_at_k']:.4f} < floor {cfg.min_ann_recall}")
     probe = figures.get("probe_recall_at_k", {}).get("1")
+    if probe is None and cfg.min_probe_recall_at_1 > 0:
+        reasons.append(f"a probe Recall@1 floor is set ({cfg.min_probe_recall_at_1}) but there is no probe: {NO_PROBE}")
     if probe is not None and probe < cfg.min_probe_recall_at_1:
         reasons.append(f"probe Recall@1 {probe:.4f} < floor {cfg.min_probe_recall_at_1}")
     if cfg.max_recall_drop is not None and live is not None and probe is not None:
@@ -237,7 +273,10 @@ def publish_index(
     device = select_device(cfg.device)
     if index is None:
         index = build_index(embeddings, cfg.factory, cfg.search_params, cfg.train_size, device)
-    figures = quality_figures(index, embeddings, list(items.labels), cfg)
+    search_params = with_default_rerank(index, cfg.search_params)
+    labels = list(items.labels) if items.labelled else None
+    searched = searchable(index, search_params, embeddings)
+    figures = quality_figures(searched, embeddings, labels, cfg)
     root = Path(cfg.index_root)
     live = None
     if artifacts.current_version(root):
@@ -251,13 +290,12 @@ def publish_index(
     staging = artifacts.index_staging_dir(root)
     try:
         save_index(index, staging / artifacts.INDEX_FILE)
-        np.save(staging / EMBEDDINGS_FILE, np.ascontiguousarray(embeddings, dtype=np.float32))
-        ItemTable(
-            ids=list(items.ids),
-            labels=list(items.labels),
-            paths=[str(Path(p).resolve()) for p in items.paths],
-            metadata=list(items.metadata),
-        ).write(staging / artifacts.ITEMS_FILE)
+        np.save(staging / artifacts.EMBEDDINGS_FILE, np.ascontiguousarray(embeddings, dtype=np.float32))
+        paths = [str(Path(p).resolve()) for p in items.paths]
+        ItemTable(ids=list(items.ids), labels=labels, paths=paths, metadata=list(items.metadata)).write(
+            staging / artifacts.ITEMS_FILE
+        )
+        write_contact_sheet(staging / artifacts.NEIGHBOURS_FILE, searched, embeddings, paths, labels)
         index_id = artifacts.file_sha256(staging / artifacts.INDEX_FILE)[:16]
         version = artifacts.new_version_name(index_id)
         manifest = {
@@ -270,7 +308,7 @@ def publish_index(
             "normalized": True,
             "size": int(index.ntotal),
             "dimension": int(index.d),
-            "search_params": cfg.search_params,
+            "search_params": search_params,
             "built_on": device,
             "build_seconds": time.perf_counter() - started,
             "embed_seconds": embed_seconds,
@@ -308,8 +346,15 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
     check_model_index_pair(embedder.manifest, live)
     old_items = ItemTable.read(live_dir / artifacts.ITEMS_FILE)
-    old_vectors = np.load(live_dir / EMBEDDINGS_FILE)
+    old_vectors = np.load(live_dir / artifacts.EMBEDDINGS_FILE, mmap_mode="r")
     catalog = read_catalog(cfg.catalog)
+    if catalog.labelled != old_items.labelled:
+        has, lacks = (
+            (catalog.source, f"version {live['version']}")
+            if catalog.labelled
+            else (f"version {live['version']}", catalog.source)
+        )
+        raise CatalogError(f"{has} has labels and {lacks} has none: a version's items are all labelled or none are")
     new_rows = [r for r, item_id in enumerate(catalog.ids) if old_items.row_of(item_id) is None]
     already = len(catalog) - len(new_rows)
     if not new_rows:
@@ -324,11 +369,13 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     index.add(l2_normalized(vectors))
     if live.get("search_params"):
         apply_search_params(index, live["search_params"])
-    items = ItemTable(
-        ids=old_items.ids + added.ids,
-        labels=old_items.labels + added.labels,
-        paths=old_items.paths + [str(p.resolve()) for p in added.paths],
-        metadata=old_items.metadata + added.metadata,
+    items = old_items.concat(
+        ItemTable(
+            ids=added.ids,
+            labels=added.labels,
+            paths=[str(p.resolve()) for p in added.paths],
+            metadata=added.metadata,
+        )
     )
     cfg = dataclasses.replace(cfg, factory=live["factory"], search_params=live.get("search_params", {}))
     rows = {

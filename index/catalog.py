@@ -1,7 +1,9 @@
-"""Image catalogs: the table (`id, path, label`, optional metadata) every stage reads.
+"""Image catalogs: the table (`id, path`, optional `label`, optional metadata) every stage reads.
 
-CSV, JSONL and Parquet files, and folder-per-class trees, all become one `Catalog`. Relative
-paths are resolved against the catalog file's folder so a catalog and its images move together.
+CSV, JSONL and Parquet files, folder-per-class trees and plain folders of images all become one
+`Catalog`. Relative paths are resolved against the catalog file's folder so a catalog and its
+images move together. Labels are all or nothing: a catalog without them can be indexed and
+searched (day one, a folder of photos), and what needs them — training, probe Recall@K — says so.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REQUIRED_COLUMNS = ("id", "path", "label")
+REQUIRED_COLUMNS = ("id", "path")
+LABEL = "label"
+COLUMNS = (*REQUIRED_COLUMNS, LABEL)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".avif", ".heic", ".heif"}
 
 
@@ -25,7 +29,7 @@ class CatalogError(ValueError):
 class Catalog:
     ids: list[str]
     paths: list[Path]
-    labels: list[str]
+    labels: list[str] | None  # None: an unlabelled catalog
     metadata: list[dict[str, str]] = field(default_factory=list)
     source: str = ""
 
@@ -33,7 +37,7 @@ class Catalog:
         n = len(self.ids)
         if not self.metadata:
             self.metadata = [{} for _ in range(n)]
-        if not (len(self.paths) == len(self.labels) == len(self.metadata) == n):
+        if not (len(self.paths) == len(self.metadata) == n) or (self.labels is not None and len(self.labels) != n):
             raise CatalogError(f"{self.source}: columns have different lengths")
         seen: set[str] = set()
         for row, item_id in enumerate(self.ids):
@@ -45,15 +49,25 @@ class Catalog:
         return len(self.ids)
 
     @property
+    def labelled(self) -> bool:
+        return self.labels is not None
+
+    def require_labels(self, purpose: str) -> list[str]:
+        """The labels, or a CatalogError naming the file and what needed them."""
+        if self.labels is None:
+            raise CatalogError(f"{self.source}: no {LABEL} column; {purpose} needs labelled images")
+        return self.labels
+
+    @property
     def classes(self) -> list[str]:
         """Distinct labels in a stable order (numeric labels sort numerically)."""
-        return sorted(set(self.labels), key=_label_sort_key)
+        return sorted(set(self.require_labels("a class list")), key=_label_sort_key)
 
     def label_codes(self, classes: Sequence[str] | None = None) -> list[int]:
         """Labels as integers 0..C-1 in the order of `classes` (default: `self.classes`)."""
         lookup = {c: i for i, c in enumerate(classes if classes is not None else self.classes)}
         try:
-            return [lookup[label] for label in self.labels]
+            return [lookup[label] for label in self.require_labels("class codes")]
         except KeyError as exc:
             raise CatalogError(f"{self.source}: label {exc.args[0]!r} not in the class list") from exc
 
@@ -62,14 +76,14 @@ class Catalog:
         return Catalog(
             ids=[self.ids[r] for r in rows],
             paths=[self.paths[r] for r in rows],
-            labels=[self.labels[r] for r in rows],
+            labels=None if self.labels is None else [self.labels[r] for r in rows],
             metadata=[self.metadata[r] for r in rows],
             source=self.source,
         )
 
     def with_classes(self, classes: Iterable[str]) -> Catalog:
         keep = set(classes)
-        return self.subset(i for i, label in enumerate(self.labels) if label in keep)
+        return self.subset(i for i, label in enumerate(self.require_labels("a class subset")) if label in keep)
 
     def check_files(self) -> list[int]:
         """Rows whose image file does not exist."""
@@ -79,18 +93,21 @@ class Catalog:
         """Write as CSV (paths relative to the file's folder where possible), atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        extra = sorted({k for m in self.metadata for k in m} - set(REQUIRED_COLUMNS))
+        extra = sorted({k for m in self.metadata for k in m} - set(COLUMNS))
+        header = [*REQUIRED_COLUMNS, *([LABEL] if self.labels is not None else [])]
         tmp = path.with_name(f".{path.name}.tmp")
         base = path.parent.resolve()
         with tmp.open("w", newline="", encoding="utf-8") as f:
             writer = csv.writer(f)
-            writer.writerow([*REQUIRED_COLUMNS, *extra])
-            for item_id, p, label, meta in zip(self.ids, self.paths, self.labels, self.metadata, strict=True):
+            writer.writerow([*header, *extra])
+            labels = self.labels if self.labels is not None else [None] * len(self)
+            for item_id, p, label, meta in zip(self.ids, self.paths, labels, self.metadata, strict=True):
                 try:
                     shown = p.resolve().relative_to(base)
                 except ValueError:
                     shown = p.resolve()
-                writer.writerow([item_id, shown.as_posix(), label, *(meta.get(k, "") for k in extra)])
+                fields = [item_id, shown.as_posix(), *([label] if label is not None else [])]
+                writer.writerow([*fields, *(meta.get(k, "") for k in extra)])
         tmp.replace(path)
         return path
 
@@ -130,7 +147,7 @@ def _read_csv(path: Path) -> list[dict]:
     with path.open(newline="", encoding="utf-8-sig") as f:  # -sig: tolerate an Excel BOM
         reader = csv.DictReader(f)
         if reader.fieldnames is None:
-            raise CatalogError(f"{path}: empty file, expected a header with {REQUIRED_COLUMNS}")
+            raise CatalogError(f"{path}: empty file, expected a header with {', '.join(REQUIRED_COLUMNS)}[, {LABEL}]")
         rows = list(reader)
     for number, row in enumerate(rows, 1):
         if None in row:  # DictReader files surplus fields under the key None
@@ -165,39 +182,63 @@ def _read_parquet(path: Path) -> list[dict]:
         raise CatalogError(f"{path}: not a readable Parquet file: {exc}") from exc
 
 
+def _blank(value: object) -> bool:
+    return value is None or str(value).strip() == ""
+
+
 def _catalog_from_rows(rows: list[dict], path: Path) -> Catalog:
     if not rows:
         raise CatalogError(f"{path}: catalog has no rows")
     missing = [c for c in REQUIRED_COLUMNS if c not in rows[0]]
     if missing:
         raise CatalogError(
-            f"{path}: missing column(s) {', '.join(missing)}; a catalog needs {', '.join(REQUIRED_COLUMNS)}"
+            f"{path}: missing column(s) {', '.join(missing)}; a catalog needs "
+            f"{', '.join(REQUIRED_COLUMNS)} (and {LABEL} where classes are known)"
+        )
+    unlabelled = [number for number, row in enumerate(rows, 1) if _blank(row.get(LABEL))]
+    labelled = len(unlabelled) < len(rows)
+    if labelled and unlabelled:
+        shown = ", ".join(map(str, unlabelled[:5])) + (" ..." if len(unlabelled) > 5 else "")
+        raise CatalogError(
+            f"{path}: mixes labelled and unlabelled rows ({len(unlabelled)} of {len(rows)} have no "
+            f"{LABEL}: row {shown}); label every row or leave the {LABEL} column out"
         )
     base = path.parent
     ids, paths, labels, metadata = [], [], [], []
-    for lineno, row in enumerate(rows, 2):
-        values = {c: row.get(c) for c in REQUIRED_COLUMNS}
-        empty = [c for c, v in values.items() if v is None or str(v).strip() == ""]
+    for number, row in enumerate(rows, 1):
+        empty = [c for c in REQUIRED_COLUMNS if _blank(row.get(c))]
         if empty:
-            raise CatalogError(f"{path}: row {lineno - 1}: empty {', '.join(empty)}")
-        p = Path(str(values["path"]))
-        ids.append(str(values["id"]))
+            raise CatalogError(f"{path}: row {number}: empty {', '.join(empty)}")
+        p = Path(str(row["path"]))
+        ids.append(str(row["id"]))
         paths.append(p if p.is_absolute() else base / p)
-        labels.append(str(values["label"]))
-        metadata.append({k: str(v) for k, v in row.items() if k not in REQUIRED_COLUMNS and v is not None})
-    return Catalog(ids, paths, labels, metadata, source=str(path))
+        labels.append(str(row[LABEL]) if labelled else "")
+        metadata.append({k: str(v) for k, v in row.items() if k not in COLUMNS and v is not None})
+    return Catalog(ids, paths, labels if labelled else None, metadata, source=str(path))
+
+
+def _images_in(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
 
 
 def read_class_folders(root: str | Path) -> Catalog:
-    """A folder-per-class tree: root/<label>/<image>; id = '<label>/<file name>'."""
+    """A folder-per-class tree, root/<label>/<image> (id '<label>/<file name>'), or a plain
+    folder of images, root/<image> (id '<file name>', no labels)."""
     root = Path(root)
+    loose = _images_in(root)
     ids, paths, labels = [], [], []
     for class_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        for image in sorted(class_dir.iterdir()):
-            if image.suffix.lower() in IMAGE_SUFFIXES and image.is_file():
-                ids.append(f"{class_dir.name}/{image.name}")
-                paths.append(image)
-                labels.append(class_dir.name)
+        for image in _images_in(class_dir):
+            ids.append(f"{class_dir.name}/{image.name}")
+            paths.append(image)
+            labels.append(class_dir.name)
+    if loose and ids:
+        raise CatalogError(
+            f"{root}: mixes loose images ({len(loose)}, e.g. {loose[0].name}) and class sub-folders "
+            f"({len(ids)} images): move the loose ones into a class folder, or the class folders' out"
+        )
+    if loose:
+        return Catalog([p.name for p in loose], loose, None, source=str(root))
     if not ids:
-        raise CatalogError(f"{root}: no images found in class sub-folders")
+        raise CatalogError(f"{root}: no images found, neither in the folder nor in class sub-folders")
     return Catalog(ids, paths, labels, source=str(root))

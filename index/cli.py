@@ -1,8 +1,11 @@
-"""Shared command-line behaviour: user errors become one clear line and exit code 2."""
+"""Shared command-line behaviour: user errors become one clear line and exit code 2, and logs
+hold what a person reads — known third-party chatter is quiet unless `--verbose`."""
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -21,8 +24,57 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-def run_cli(command: Callable[[], None]) -> int:
+# Loggers that speak at INFO/WARNING about things a user cannot act on: faiss lists every CPU
+# variant it tries to load, Ray Train's placement-group cleaner warns at every shutdown that the
+# controller it watches has gone, the ONNX exporter narrates each pass.
+THIRD_PARTY_NOISE: dict[str, int] = {
+    "faiss.loader": logging.WARNING,
+    "faiss": logging.WARNING,
+    "ray.train.v2._internal.execution.controller.placement_group_cleaner": logging.CRITICAL,
+    "ray.train.v2._internal.callbacks.placement_group_callback": logging.ERROR,
+    "onnxscript": logging.WARNING,
+    "onnx_ir": logging.WARNING,
+    "torch.onnx": logging.WARNING,
+    "torch._dynamo": logging.WARNING,
+    "torch.export": logging.WARNING,
+}
+VERBOSE_ENV = "SIMSEARCH_VERBOSE"
+
+
+def quiet_third_party() -> None:
+    """Raise the known noisy loggers' levels (also Ray's `worker_process_setup_hook`, so the
+    actors and workers it starts are as quiet as the driver)."""
+    if os.environ.get(VERBOSE_ENV):
+        return
+    for name, level in THIRD_PARTY_NOISE.items():
+        logging.getLogger(name).setLevel(level)
+
+
+def configure_logging(verbose: bool = False) -> None:
+    """INFO to stderr with a timestamp; third-party noise quiet unless `verbose` (which child
+    processes and Ray workers inherit through the environment)."""
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_third_party()
+
+
+def ray_runtime_env() -> dict:
+    """What every `ray.init` passes: workers set up their logging like the driver."""
+    return {"worker_process_setup_hook": "index.cli.quiet_third_party"}
+
+
+def add_verbose_flag(subparsers: argparse._SubParsersAction) -> None:
+    """`--verbose` on every subcommand (after the command name, where people type it)."""
+    for parser in subparsers.choices.values():
+        parser.add_argument(
+            "--verbose", action="store_true", default=None, help="also show third-party log lines (faiss, Ray, ONNX)"
+        )
+
+
+def run_cli(command: Callable[[], None], verbose: bool = False) -> int:
     """Run a command; print user errors without a traceback (exit 2), keep tracebacks for bugs."""
+    configure_logging(verbose)
     try:
         command()
     except USER_ERRORS as exc:

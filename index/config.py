@@ -110,7 +110,7 @@ def resolve_config(cls: type[T], *layers: dict[str, Any]) -> T:
         raise ConfigError(str(exc)) from exc
 
 
-def explicit_args(args: argparse.Namespace, skip: tuple[str, ...] = ("config", "command")) -> dict:
+def explicit_args(args: argparse.Namespace, skip: tuple[str, ...] = ("config", "command", "verbose")) -> dict:
     """Flags the user actually gave (parsers use default=None so absence is visible)."""
     return {k: v for k, v in vars(args).items() if v is not None and k not in skip}
 

@@ -1,48 +1,197 @@
-"""The items table of an index version: row → id, label, path, metadata (Parquet)."""
+"""The items table of an index version: row → id, label, path, metadata (Parquet).
+
+A server holds the table of every version it serves, reloaded each time the catalog changes, so
+the table is a few Arrow buffers and two NumPy arrays rather than a Python object per row: at a
+million items a list of strings and a dict from id to row cost ~200 MB of small objects, and
+small objects allocated between requests are what keeps a reloaded server's heap from shrinking
+(freed pairs leave pages pinned by the survivors). Rows are read one at a time (`ids[row]`),
+and an id is found through a sorted array of 64-bit hashes of the ids.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import overload
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+COLUMNS = ("id", "label", "path", "metadata")
+_HASH_BASE = np.uint64(0x100000001B3)  # the FNV prime: odd, so powers never collapse to 0 mod 2**64
 
-@dataclass
+
+class StringColumn(Sequence[str]):
+    """A read-only sequence of str over an Arrow string array (one buffer, not N objects);
+    a null reads as None (the labels of an unlabelled catalog)."""
+
+    def __init__(self, array: pa.Array | pa.ChunkedArray) -> None:
+        if isinstance(array, pa.ChunkedArray):
+            array = array.combine_chunks() if array.num_chunks != 1 else array.chunk(0)
+        self.array = array.cast(pa.large_string()) if array.type != pa.large_string() else array
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    @overload
+    def __getitem__(self, row: int) -> str: ...
+    @overload
+    def __getitem__(self, row: slice) -> list[str]: ...
+    def __getitem__(self, row):
+        if isinstance(row, slice):
+            return self.array[row].to_pylist()
+        return self.array[int(row)].as_py()
+
+    def __iter__(self) -> Iterator[str]:
+        for start in range(0, len(self.array), 65536):
+            yield from self.array[start : start + 65536].to_pylist()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StringColumn):
+            return self.array.equals(other.array)
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return len(other) == len(self) and list(self) == list(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:  # a column is compared by value and never used as a key
+        raise TypeError("unhashable type: 'StringColumn'")
+
+    def __repr__(self) -> str:
+        return f"StringColumn({len(self)} rows)"
+
+
+class MetadataColumn(Sequence[dict[str, str]]):
+    """Row metadata kept as its JSON text; a row's dict is parsed when it is read."""
+
+    def __init__(self, text: StringColumn) -> None:
+        self.text = text
+
+    def __len__(self) -> int:
+        return len(self.text)
+
+    def __getitem__(self, row):
+        if isinstance(row, slice):
+            return [json.loads(t) for t in self.text[row]]
+        return json.loads(self.text[row])
+
+    def __iter__(self) -> Iterator[dict[str, str]]:
+        return (json.loads(t) for t in self.text)
+
+
+def string_hashes(array: pa.Array) -> np.ndarray:
+    """A 64-bit polynomial hash of every string in an Arrow (large_)string array, computed over
+    its data buffer without making Python strings (collisions are possible; callers compare)."""
+    array = array.cast(pa.large_string())
+    n = len(array)
+    if n == 0:
+        return np.empty(0, dtype=np.uint64)
+    if array.null_count:
+        raise ValueError("string_hashes: the array has nulls")
+    _, offsets_buf, data_buf = array.buffers()
+    offsets = np.frombuffer(offsets_buf, dtype=np.int64)[array.offset : array.offset + n + 1]
+    data = np.frombuffer(data_buf, dtype=np.uint8)[offsets[0] : offsets[-1]] if data_buf else np.empty(0, np.uint8)
+    offsets = offsets - offsets[0]
+    lengths = np.diff(offsets)
+    hashes = lengths.astype(np.uint64)
+    if len(data):
+        position = np.arange(len(data), dtype=np.int64) - np.repeat(offsets[:-1], lengths)
+        powers = np.cumprod(np.full(int(lengths.max()) + 1, _HASH_BASE, dtype=np.uint64))
+        with np.errstate(over="ignore"):
+            terms = (data.astype(np.uint64) + np.uint64(1)) * powers[position]
+        nonempty = lengths > 0
+        hashes[nonempty] += np.add.reduceat(terms, offsets[:-1][nonempty])
+    return hashes
+
+
+def _string_hash(text: str) -> np.uint64:
+    """`string_hashes` of one string."""
+    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    if not len(data):
+        return np.uint64(0)
+    with np.errstate(over="ignore"):
+        powers = np.cumprod(np.full(len(data) + 1, _HASH_BASE, dtype=np.uint64))
+        terms = (data.astype(np.uint64) + np.uint64(1)) * powers[: len(data)]
+        return np.uint64(len(data)) + np.sum(terms, dtype=np.uint64)
+
+
 class ItemTable:
-    ids: list[str]
-    labels: list[str]
-    paths: list[str]
-    metadata: list[dict[str, str]]
+    """Row → id, label, path, metadata of one index version, and id → row. The label column
+    is all nulls when the catalog had no labels (`labelled` is False)."""
 
-    def __post_init__(self) -> None:
-        self._row_of = {item_id: row for row, item_id in enumerate(self.ids)}
+    def __init__(
+        self,
+        ids: Iterable[str],
+        labels: Iterable[str] | None,
+        paths: Iterable[str],
+        metadata: Iterable[dict[str, str]],
+    ) -> None:
+        ids = list(ids)
+        self._set(
+            pa.table(
+                {
+                    "id": pa.array(list(ids), type=pa.large_string()),
+                    "label": pa.array(list(labels) if labels is not None else [None] * len(ids), pa.large_string()),
+                    "path": pa.array(list(paths), type=pa.large_string()),
+                    "metadata": pa.array(
+                        [json.dumps(m, ensure_ascii=False, sort_keys=True) for m in metadata], type=pa.large_string()
+                    ),
+                }
+            )
+        )
+
+    def _set(self, table: pa.Table) -> None:
+        missing = [c for c in COLUMNS if c not in table.column_names]
+        if missing:
+            raise ValueError(f"items table has no {', '.join(missing)} column")
+        self.ids = StringColumn(table.column("id"))
+        self.labels = StringColumn(table.column("label"))
+        self.paths = StringColumn(table.column("path"))
+        self.metadata = MetadataColumn(StringColumn(table.column("metadata")))
+        if self.ids.array.null_count:
+            raise ValueError("items table has rows without an id")
+        self.labelled = self.labels.array.null_count == 0
+        hashes = string_hashes(self.ids.array)
+        self._order = np.argsort(hashes, kind="stable")
+        self._sorted_hashes = hashes[self._order]
+
+    @classmethod
+    def from_arrow(cls, table: pa.Table) -> ItemTable:
+        items = cls.__new__(cls)
+        items._set(table)
+        return items
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def row_of(self, item_id: str) -> int | None:
-        return self._row_of.get(item_id)
+        key = _string_hash(item_id)
+        lo = int(np.searchsorted(self._sorted_hashes, key, side="left"))
+        while lo < len(self._sorted_hashes) and self._sorted_hashes[lo] == key:
+            row = int(self._order[lo])
+            if self.ids[row] == item_id:
+                return row
+            lo += 1
+        return None
 
-    def write(self, path: str | Path) -> None:
-        table = pa.table(
+    def to_arrow(self) -> pa.Table:
+        return pa.table(
             {
-                "id": self.ids,
-                "label": self.labels,
-                "path": self.paths,
-                "metadata": [json.dumps(m, ensure_ascii=False, sort_keys=True) for m in self.metadata],
+                "id": self.ids.array,
+                "label": self.labels.array,
+                "path": self.paths.array,
+                "metadata": self.metadata.text.array,
             }
         )
-        pq.write_table(table, str(path))
+
+    def concat(self, other: ItemTable) -> ItemTable:
+        """This table's rows, then `other`'s."""
+        return ItemTable.from_arrow(pa.concat_tables([self.to_arrow(), other.to_arrow()]).combine_chunks())
+
+    def write(self, path: str | Path) -> None:
+        pq.write_table(self.to_arrow(), str(path))
 
     @classmethod
     def read(cls, path: str | Path) -> ItemTable:
-        columns = pq.read_table(str(path)).to_pydict()
-        return cls(
-            ids=columns["id"],
-            labels=columns["label"],
-            paths=columns["path"],
-            metadata=[json.loads(m) for m in columns["metadata"]],
-        )
+        return cls.from_arrow(pq.read_table(str(path), columns=list(COLUMNS)).combine_chunks())

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from index import artifacts
 from index.catalog import read_catalog
 from index.evaluation import recall_from_neighbor_labels
 from serving.client import SearchClient
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "test_classes": results["test_classes"],
         "seconds": {**times, "total": time.perf_counter() - started},
         "machine": {"cpus": os.cpu_count()},
+        "neighbours": str(artifacts.version_dir(out / "index") / artifacts.NEIGHBOURS_FILE),
     }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nRecall@K on {report['test_classes']} unseen classes ({report['test_images']} images):")
@@ -164,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         print(f"{name:<28}" + "".join(f"{100 * report[key][str(k)]:8.2f}" for k in KS))
     print(f"\nwall time {report['seconds']['total']:.0f} s; report: {out / 'report.json'}")
+    print(f"sample queries and their neighbours: {report['neighbours']}")
     return 0
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING  # noqa: E402
 
 import grpc  # noqa: E402
 
-from index.cli import run_cli  # noqa: E402
+from index.cli import add_verbose_flag, run_cli  # noqa: E402
 from index.config import from_cli  # noqa: E402
 
 if TYPE_CHECKING:
@@ -162,6 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     info.add_argument("--target", default="127.0.0.1:50051")
     info.add_argument("--tls-ca", help="PEM root certificate of a TLS server")
     info.add_argument("--token", help="bearer token when the server requires one for search")
+    add_verbose_flag(sub)
     return parser
 
 
@@ -247,9 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         except grpc.RpcError as exc:
             raise ValueError(f"server answered {exc.code().name}: {exc.details()}") from None
 
-    return run_cli(command)
+    return run_cli(command, verbose=bool(args.verbose))
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.exit(main())

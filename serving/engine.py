@@ -24,7 +24,7 @@ from index import artifacts
 from index.artifacts import ArtifactError, read_manifest
 from index.build import check_model_index_pair
 from index.embedder import OnnxEmbedder
-from index.faiss_index import apply_search_params, load_index
+from index.faiss_index import ExactRerank, apply_search_params, load_index, searchable
 from index.items import ItemTable
 from index.preprocess import (
     DEFAULT_MAX_PIXELS,
@@ -58,8 +58,9 @@ class ServingPair:
     swapped out is freed once the requests that took it have finished."""
 
     embedder: OnnxEmbedder
-    index: faiss.Index
+    index: faiss.Index | ExactRerank  # as searched: re-ranked against `vectors` when the manifest asks
     items: ItemTable
+    vectors: np.ndarray  # the exact vectors indexed (embeddings.npy, memory-mapped): what an index may only approximate
     manifest: dict
     version: str
     directory: Path
@@ -109,11 +110,12 @@ def load_pair(
     if manifest.get("search_params"):
         apply_search_params(index, manifest["search_params"])
     items = _read_artifact(ItemTable.read, directory / artifacts.ITEMS_FILE, "an items table")
+    vectors = _read_artifact(_map_vectors, directory / artifacts.EMBEDDINGS_FILE, "a float32 vector array")
     dim = int(model_manifest["embedding_dim"])
-    if len(items) != index.ntotal or index.d != dim:
+    if not (len(items) == index.ntotal == len(vectors)) or not (index.d == dim == vectors.shape[1]):
         raise ArtifactError(
             f"{directory}: index has {index.ntotal} vectors of dim {index.d}, items table "
-            f"{len(items)} rows, model dim {dim}"
+            f"{len(items)} rows, {artifacts.EMBEDDINGS_FILE} {len(vectors)}×{vectors.shape[1]}, model dim {dim}"
         )
     embedder = OnnxEmbedder(model_dir, provider, intra_op_threads, ort_spinning, runs_at_once)
     if run_rows is not None:
@@ -123,7 +125,15 @@ def load_pair(
         embedder.side_by_side_run_rows = previous.embedder.side_by_side_run_rows
     else:
         embedder.tune_run_rows(batch_rows, -(-batch_rows // runs_at_once))
-    return ServingPair(embedder, index, items, manifest, directory.name, directory)
+    index = searchable(index, manifest.get("search_params") or {}, vectors)
+    return ServingPair(embedder, index, items, vectors, manifest, directory.name, directory)
+
+
+def _map_vectors(path: Path) -> np.ndarray:
+    vectors = np.load(path, mmap_mode="r")
+    if vectors.dtype != np.float32 or vectors.ndim != 2:
+        raise ValueError(f"holds {vectors.dtype} of shape {vectors.shape}, not float32 rows")
+    return vectors
 
 
 def _read_artifact(read: Callable[[Path], T], path: Path, what: str) -> T:
@@ -206,7 +216,7 @@ class SearchEngine:
         row = pair.items.row_of(item_id)
         if row is None:
             raise InvalidArgument(f"unknown item id {item_id!r}")
-        return pair.index.reconstruct(row), row
+        return np.array(pair.vectors[row]), row
 
     def search(self, pair: ServingPair, vectors: np.ndarray, k: int, exclude: list[set[int]]) -> list[list[Hit]]:
         """Top-k per query, leaving out excluded rows (searching deeper to make up for them)."""

@@ -1,4 +1,4 @@
-"""Online Recall@K from the three sources of DESIGN.md, published as Prometheus gauges.
+"""Online Recall@K from the three sources of docs/architecture.md, published as Prometheus gauges.
 
 1. probe: labelled images held with the index are queried through the full serving path (a gRPC
    client to this very server) on a schedule; Recall@K as in offline evaluation, self excluded.
@@ -23,7 +23,6 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -32,8 +31,6 @@ from serving.engine import ServingPair
 from serving.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
-
-EMBEDDINGS_FILE = "embeddings.npy"
 
 
 @dataclass(frozen=True)
@@ -97,7 +94,6 @@ class RecallMonitor:
         self._live: ServingPair | None = None  # figures are kept for this pair only
         self._lock = threading.Lock()  # a record checks the pair and publishes while no reset runs
         self._ann_jobs: queue.Queue = queue.Queue(maxsize=config.ann_queue)
-        self._exact_cache: dict[int, np.ndarray] = {}  # the live load's stored vectors, by serial
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._rng = random.Random(0)
@@ -146,7 +142,6 @@ class RecallMonitor:
             for window in self.ann.values():
                 window.clear()
             self.probe = None
-            self._exact_cache.clear()
             self.metrics.recall_at_k.clear()
             self.metrics.ann_recall_at_k.clear()
 
@@ -210,22 +205,12 @@ class RecallMonitor:
         with done:
             return done.wait_for(lambda: not self._ann_jobs.unfinished_tasks, timeout)
 
-    def _exact_vectors(self, pair: ServingPair) -> np.ndarray:
-        vectors = self._exact_cache.get(pair.serial)
-        if vectors is None:
-            path = Path(pair.directory) / EMBEDDINGS_FILE
-            # Memory-mapped: exact search reads the stored vectors without loading them all.
-            vectors = np.load(path, mmap_mode="r") if path.is_file() else pair.index.reconstruct_n(0, pair.index.ntotal)
-            self._exact_cache = {pair.serial: vectors}
-        return vectors
-
     def check_ann(self, serial: int, vector: np.ndarray, rows: list[int], exclude: set[int]) -> None:
         """Re-run a query answered by load `serial` exactly, if that load is still live."""
         pair = self._live
         if pair is None or pair.serial != serial:  # sampled before a reload: it no longer describes the index served
             return
-        database = self._exact_vectors(pair)
-        scores = np.asarray(database @ vector, dtype=np.float32)
+        scores = np.asarray(pair.vectors @ vector, dtype=np.float32)
         if exclude:
             scores[list(exclude)] = -np.inf
         for k in self.config.ks:

@@ -38,13 +38,13 @@ from PIL import Image
 
 from index import artifacts
 from index.artifacts import ArtifactError
-from index.catalog import read_catalog
+from index.build import read_probe_catalog
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from serving.batching import DynamicBatcher, Job
 from serving.engine import Hit, Limits, SearchEngine, ServingPair, load_pair
 from serving.errors import DeadlineExceeded, InvalidArgument, ServiceError
-from serving.memory import reclaim
+from serving.memory import pin_mmap_threshold, reclaim
 from serving.metrics import ServiceMetrics
 from serving.monitor import MonitorConfig, RecallMonitor, probe_recall
 
@@ -185,6 +185,8 @@ class ServerConfig:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name.replace('_', '-')} file not found: {path}")
+        if self.probe_catalog is not None:
+            read_probe_catalog(self.probe_catalog)
         MonitorConfig(
             ks=tuple(self.recall_ks or (1, 5, 10)),
             ann_sample_rate=self.ann_sample_rate,
@@ -315,7 +317,7 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
         ]
         rows = [h.row for h in hits]
         self._remember(request_id, pair.serial, rows)
-        if request.HasField("label"):
+        if request.HasField("label") and items.labelled:
             self.monitor.record_labelled(pair.serial, request.label, [n.label for n in neighbors])
         self.monitor.maybe_sample_ann(pair.serial, job.vector, rows, job.exclude)
         return pb.SearchResponse(
@@ -527,6 +529,7 @@ class SearchServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        pin_mmap_threshold()  # before the first pair: see serving/memory.py
         self.metrics = ServiceMetrics()
         self.engine = SearchEngine(
             Limits(config.max_k, config.max_message_bytes, config.max_image_pixels, config.max_batch_queries)
@@ -653,8 +656,10 @@ class SearchServer:
 
     def probe_set(self, pair: ServingPair) -> tuple[list[Path], list[str], list[list[str]]]:
         """(image paths, labels, ids to exclude): a held-out catalog, or a fixed sample of items."""
+        if not pair.items.labelled:
+            return [], [], []  # answers without labels cannot be scored (build-time figures say so)
         if self.config.probe_catalog:
-            catalog = read_catalog(self.config.probe_catalog)
+            catalog = read_probe_catalog(self.config.probe_catalog)
             rows = np.random.default_rng(0).permutation(len(catalog))[: self.config.probe_size]
             return [catalog.paths[r] for r in rows], [catalog.labels[r] for r in rows], [[] for _ in rows]
         items = pair.items

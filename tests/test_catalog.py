@@ -95,7 +95,6 @@ def test_folder_per_class_tree(tmp_path):
             (root / label / name).write_bytes(b"")
     (root / "b" / "notes.txt").write_text("not an image")
     (root / "b" / "dir.png").mkdir()  # a directory with an image suffix is not an image
-    (root / "stray.png").write_bytes(b"")  # files directly under root belong to no class
     catalog = read_catalog(root)
     assert catalog.ids == ["a/z.jpeg", "b/1.JPG", "b/2.png", "b/3.HEIC", "b/4.avif"]  # phones' formats too
     assert catalog.labels == ["a", "b", "b", "b", "b"]
@@ -120,8 +119,44 @@ def test_unknown_format(tmp_path):
 
 def test_missing_columns_are_named(tmp_path):
     path = write_csv(tmp_path / "c.csv", "id,file,class\n1,a.png,x\n")
-    with pytest.raises(CatalogError, match=r"missing column\(s\) path, label"):
+    with pytest.raises(CatalogError, match=r"missing column\(s\) path; a catalog needs id, path \(and label"):
         read_catalog(path)
+
+
+def test_labels_are_optional_but_all_or_nothing(tmp_path):
+    """Day one: a catalog with no label column (or an empty one) is a catalog; what needs
+    labels names the file and what it needed them for."""
+    for body in ("id,path\na,a.png\nb,b.png\n", "id,path,label\na,a.png,\nb,b.png,\n"):
+        catalog = read_catalog(write_csv(tmp_path / "u.csv", body))
+        assert catalog.ids == ["a", "b"] and catalog.labels is None and not catalog.labelled
+        assert catalog.subset([1]).labels is None
+        with pytest.raises(CatalogError, match=r"u.csv: no label column; training needs labelled images"):
+            catalog.require_labels("training")
+        with pytest.raises(CatalogError, match="no label column"):
+            _ = catalog.classes
+        back = read_catalog(catalog.write(tmp_path / "back.csv"))
+        assert back.ids == catalog.ids and back.labels is None
+        assert (tmp_path / "back.csv").read_text().splitlines()[0] == "id,path"
+    (tmp_path / "u.jsonl").write_text('{"id": "a", "path": "a.png"}\n{"id": "b", "path": "b.png", "colour": "red"}\n')
+    assert read_catalog(tmp_path / "u.jsonl").metadata == [{}, {"colour": "red"}]
+    mixed = write_csv(tmp_path / "m.csv", "id,path,label\na,a.png,x\nb,b.png,\nc,c.png,\nd,d.png,y\n")
+    with pytest.raises(
+        CatalogError, match=r"m.csv: mixes labelled and unlabelled rows \(2 of 4 have no label: row 2, 3\)"
+    ):
+        read_catalog(mixed)
+
+
+def test_a_plain_folder_of_images_is_an_unlabelled_catalog(tmp_path):
+    root = tmp_path / "photos"
+    root.mkdir()
+    for name in ("b.jpg", "a.PNG", "notes.txt"):
+        (root / name).write_bytes(b"")
+    catalog = read_catalog(root)
+    assert catalog.ids == ["a.PNG", "b.jpg"] and catalog.labels is None
+    (root / "cats").mkdir()
+    (root / "cats" / "c.jpg").write_bytes(b"")
+    with pytest.raises(CatalogError, match=r"photos: mixes loose images \(2, e.g. a.PNG\) and class sub-folders"):
+        read_catalog(root)
 
 
 @pytest.mark.parametrize(
@@ -129,8 +164,8 @@ def test_missing_columns_are_named(tmp_path):
     [
         ("a,a.png,x\nb,,y\n", "row 2: empty path"),
         ("a,a.png,x\n ,b.png,y\n", "row 2: empty id"),
-        ("a,a.png,\n", "row 1: empty label"),
-        ("a,a.png\n", "row 1: empty label"),  # short row
+        ("a,a.png,x\nb,b.png,\n", "mixes labelled and unlabelled rows"),
+        ("a,a.png,x\nb,b.png\n", "mixes labelled and unlabelled rows"),  # short row
     ],
 )
 def test_empty_values(tmp_path, body, where):

@@ -13,10 +13,12 @@ from index.faiss_index import (
     exact_search,
     l2_normalized,
     load_index,
-    reconstruct_all,
     save_index,
     search,
+    searchable,
     select_device,
+    stores_exact_vectors,
+    with_default_rerank,
 )
 
 DIM = 16
@@ -147,13 +149,42 @@ def test_save_and_load_round_trip(tmp_path, queries, built):
         load_index(tmp_path / "missing.faiss")
 
 
-def test_reconstruct_all_only_returns_exact_vectors(data, built):
-    exact = l2_normalized(data)
+def test_only_indexes_that_keep_the_vectors_count_as_exact(data, built):
     for factory in ("Flat", "HNSW16", "IVF16,Flat"):
-        np.testing.assert_allclose(reconstruct_all(built(factory)), exact, atol=1e-6)
-    # Lossy codes decode to approximations, which must never pass for the stored vectors.
-    assert reconstruct_all(built("IVF16,PQ4")) is None
-    assert reconstruct_all(build_index(data, "IVF16,SQ8", device="cpu")) is None
+        assert stores_exact_vectors(built(factory))
+        assert with_default_rerank(built(factory), {"nprobe": 4}) == {"nprobe": 4}
+    # Lossy codes decode to approximations: such an index is re-ranked unless told otherwise.
+    for lossy in (built("IVF16,PQ4"), build_index(data, "IVF16,SQ8", device="cpu")):
+        assert not stores_exact_vectors(lossy)
+        assert with_default_rerank(lossy, {}) == {"rerank": 10}
+        assert with_default_rerank(lossy, {"rerank": 0}) == {"rerank": 0}
+
+
+def test_exact_rerank_recovers_what_pq_codes_lose(data, queries):
+    exact = l2_normalized(data)
+    pq = build_index(data, "IVF16,PQ2", {"nprobe": 16}, device="cpu")  # 2 bytes a vector: very lossy
+    _, truth = brute_force(data, queries, 10)
+
+    def recall(index) -> float:
+        _, rows = search(index, queries, 10)
+        return float(np.mean([len(set(r) & set(t)) / 10 for r, t in zip(rows, truth, strict=True)]))
+
+    assert searchable(pq, {"nprobe": 16}, exact) is pq
+    reranked = searchable(pq, {"nprobe": 16, "rerank": 20}, exact)
+    assert reranked.ntotal == pq.ntotal and reranked.d == pq.d
+    assert recall(pq) < 0.8 < recall(reranked)
+    scores, rows = search(reranked, queries, 10)
+    # Scores are exact inner products of the rows returned, best first.
+    np.testing.assert_allclose(scores, np.einsum("qd,qkd->qk", l2_normalized(queries), exact[rows]), atol=1e-5)
+    assert (np.diff(scores, axis=1) <= 1e-6).all()
+    # Fewer vectors than candidates asked for: the missing places are -1, as faiss answers.
+    small = build_index(data[:30], "PQ2x4", device="cpu")
+    scores, rows = searchable(small, {"rerank": 4}, exact[:30]).search(l2_normalized(queries[:2]), 40)
+    assert (rows[:, 30:] == -1).all() and (rows[:, :30] >= 0).all()
+    with pytest.raises(ValueError, match="rerank must be a whole number"):
+        apply_search_params(pq, {"rerank": 1.5})
+    with pytest.raises(ValueError, match="needs the stored vectors"):
+        searchable(pq, {"rerank": 4}, None)
 
 
 # --- searching --------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from index import artifacts
-from index.build import EMBEDDINGS_FILE
 from index.catalog import read_catalog
 from index.items import ItemTable
 
@@ -60,8 +59,8 @@ def test_add_embeds_only_new_rows_and_keeps_existing_vectors(demo_run, tmp_path)
     assert manifest["rows"]["added"] == len(catalog) - n_half
     assert manifest["size"] == len(catalog) and manifest["parent_version"] == parent
     assert manifest["factory"] == "IVF8,Flat" and manifest["search_params"] == {"nprobe": 8}
-    old = np.load(parent_dir / EMBEDDINGS_FILE)
-    new = np.load(child_dir / EMBEDDINGS_FILE)
+    old = np.load(parent_dir / artifacts.EMBEDDINGS_FILE)
+    new = np.load(child_dir / artifacts.EMBEDDINGS_FILE)
     assert new[: len(old)].tobytes() == old.tobytes()  # existing items were not re-embedded
     items = ItemTable.read(child_dir / "items.parquet")
     assert sorted(items.ids) == sorted(catalog.ids)

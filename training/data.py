@@ -99,6 +99,7 @@ def prepare_splits(
             shuffle_seed = split_seed
         else:
             source = read_catalog(catalog)
+            source.require_labels("training (classes to learn from)")
             shuffle_seed = None
         source = _slice(source, max_classes, max_per_class)
         split = class_disjoint_split(source.classes, test_fraction, val_fraction, shuffle_seed)
@@ -243,6 +244,76 @@ def collate_skipping_unreadable(batch: list[tuple[torch.Tensor | None, int]]) ->
 
 def fits_in_memory(count: int, contract: InputContract, budget_bytes: int = 1 << 30) -> bool:
     return count * int(np.prod(contract.input_shape)) * 4 <= budget_bytes
+
+
+def _collate_eval(batch: list[tuple[torch.Tensor | None, int]]) -> tuple[torch.Tensor | None, torch.Tensor, int]:
+    kept = [(x, y) for x, y in batch if x is not None]
+    x = torch.stack([x for x, _ in kept]) if kept else None
+    return x, torch.tensor([y for _, y in kept], dtype=torch.int64), len(batch) - len(kept)
+
+
+class EvalImages:
+    """A split to evaluate on, embedded whole: decoded once into memory when it fits the budget
+    (the glyphs, CUB), otherwise decoded batch by batch in `loader_workers` processes while the
+    model embeds — memory bounded by the batch, and what is kept is the N×D embeddings (SOP's
+    60,502 test images at 224 px would be 36 GB decoded at once)."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        contract: InputContract,
+        mode: str = "auto",
+        loader_workers: int = 2,
+        max_bad_fraction: float = 0.01,
+        batch_size: int = 128,
+    ) -> None:
+        if mode not in DATA_MODES:
+            raise ValueError(f"data mode must be one of {', '.join(DATA_MODES)}, got {mode!r}")
+        self.catalog, self.contract, self.max_bad_fraction = catalog, contract, max_bad_fraction
+        self.loader_workers, self.batch_size = loader_workers, batch_size
+        self.classes = catalog.classes
+        self.memory: LoadedImages | None = None
+        if mode == "memory" or (mode == "auto" and fits_in_memory(len(catalog), contract)):
+            self.memory = load_images(catalog, contract, max_bad_fraction)
+        self.skipped = self.memory.skipped if self.memory is not None else 0
+
+    def __len__(self) -> int:
+        return len(self.catalog)
+
+    @torch.no_grad()
+    def embed(self, model: torch.nn.Module, device: str | torch.device = "cpu") -> tuple[np.ndarray, np.ndarray]:
+        """(embeddings, label codes) of every readable image, in catalog order."""
+        from training.evaluate import embed_images
+
+        if self.memory is not None:
+            return embed_images(model, self.memory.images, device=device), self.memory.labels
+        codes = np.asarray(self.catalog.label_codes(self.classes), dtype=np.int64)
+        loader = torch.utils.data.DataLoader(
+            LazyImages(self.catalog.paths, codes, self.contract),
+            batch_size=self.batch_size,
+            num_workers=self.loader_workers,
+            collate_fn=_collate_eval,
+        )
+        was_training = model.training
+        model.eval()
+        parts, labels, skipped = [], [], 0
+        try:
+            for x, y, bad in loader:
+                skipped += bad
+                if x is not None:
+                    parts.append(model(x.to(device)).float().cpu().numpy())
+                    labels.append(y.numpy())
+        finally:
+            model.train(was_training)
+        self.skipped = skipped
+        if len(self) and skipped / len(self) > self.max_bad_fraction:
+            raise ValueError(
+                f"{skipped} of {len(self)} images in {self.catalog.source} are unreadable, over the "
+                f"allowed fraction {self.max_bad_fraction}"
+            )
+        if not parts:
+            raise ValueError(f"no image of {self.catalog.source} could be read")
+        return np.concatenate(parts), np.concatenate(labels)
 
 
 def train_dataset(

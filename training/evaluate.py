@@ -84,10 +84,17 @@ def pair_similarities(
     better the embedding separates classes.
     """
     labels = np.asarray(labels)
-    rows, cols = np.triu_indices(len(labels), k=1)
-    if len(rows) > max_pairs:
-        keep = np.random.default_rng(seed).choice(len(rows), max_pairs, replace=False)
-        rows, cols = rows[keep], cols[keep]
+    n = len(labels)
+    if n * (n - 1) // 2 <= max_pairs:
+        rows, cols = np.triu_indices(n, k=1)
+    else:
+        # Drawn directly, never enumerated: SOP's 60k test images have 1.8e9 pairs (29 GB of
+        # indices). Pairs are uniform over unordered pairs of distinct items, as the subsample
+        # of the enumeration was.
+        rng = np.random.default_rng(seed)
+        rows = rng.integers(0, n, max_pairs)
+        cols = rng.integers(0, n - 1, max_pairs)
+        cols += cols >= rows
     sims = np.einsum("ij,ij->i", embeddings[rows], embeddings[cols])
     same = labels[rows] == labels[cols]
     return sims[same], sims[~same]

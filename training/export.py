@@ -1,4 +1,5 @@
-"""ONNX export of a trained run, verified against PyTorch before it is published.
+"""ONNX export of a trained run — or of a pretrained network with no training run — verified
+against PyTorch before it is published.
 
 The exported graph takes scaled pixels (N×C×H×W float32 in [0, 1]) with a dynamic batch axis
 and returns L2-normalised embeddings; the input contract goes into the manifest, which every
@@ -30,7 +31,7 @@ from index.catalog import read_catalog
 from index.embedder import OnnxEmbedder
 from index.preprocess import InputContract
 from training.data import load_images
-from training.models import EmbeddingNet
+from training.models import EmbeddingNet, backbone_spec, input_contract, resolve_weights
 from training.train import CHECKPOINT_FILE, RESULTS_FILE
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,13 @@ class ExportError(RuntimeError):
 
 @dataclass
 class ExportConfig:
-    run: str = "runs/train"
+    run: str | None = None  # a training run; default runs/train unless --pretrained is given
+    # Day one, no labels: the pretrained trunk and its pooling, L2-normalised, no head.
+    backbone: str | None = None
+    pretrained: str | None = None
+    pooling: str = "gap"
+    image_size: int | None = None
+    parity_catalog: str | None = None  # images for the parity check (default: the run's test split)
     out: str = "runs/model"
     opset: int = DEFAULT_OPSET
     parity_images: int = 256
@@ -72,10 +79,25 @@ class ExportConfig:
         unknown = sorted(set(self.variants) - set(VARIANTS))
         if unknown:
             raise ValueError(f"unknown variant(s) {', '.join(unknown)}; available: {', '.join(VARIANTS)}")
-        if not (Path(self.run) / CHECKPOINT_FILE).is_file():
-            raise ValueError(f"{self.run}: no {CHECKPOINT_FILE}; pass a training run directory")
         if self.parity_images <= 0:
             raise ValueError("parity_images must be positive")
+        if self.pretrained is not None or self.backbone is not None:
+            if self.run is not None:
+                raise ValueError("export takes --run (a training run) or --backbone with --pretrained, not both")
+            if self.pretrained is None or self.backbone is None:
+                raise ValueError("exporting a pretrained network needs both --backbone and --pretrained")
+            if self.parity_catalog is not None and not Path(self.parity_catalog).exists():
+                raise ValueError(f"--parity-catalog {self.parity_catalog} does not exist")
+            backbone_spec(self.backbone)
+            resolve_weights(self.pretrained)
+            if self.variants:
+                raise ValueError("--variants measure their recall on a training run's test split; export a run")
+            return
+        if self.parity_catalog is not None and not Path(self.parity_catalog).exists():
+            raise ValueError(f"--parity-catalog {self.parity_catalog} does not exist")
+        self.run = self.run or "runs/train"
+        if not (Path(self.run) / CHECKPOINT_FILE).is_file():
+            raise ValueError(f"{self.run}: no {CHECKPOINT_FILE}; pass a training run directory")
 
 
 def load_trained_model(run: Path) -> tuple[EmbeddingNet, dict, InputContract]:
@@ -124,40 +146,71 @@ def parity_check(model: EmbeddingNet, model_dir: Path, images: np.ndarray, min_c
     return result
 
 
-def run_export(cfg: ExportConfig) -> Path:
+def _trained_source(cfg: ExportConfig) -> tuple[EmbeddingNet, InputContract, dict, Path | None]:
+    """A training run's model, contract, manifest fields and test split."""
     run = Path(cfg.run)
     model, train_cfg, contract = load_trained_model(run)
     results = _read_json(run / RESULTS_FILE)
-    parity_catalog = run / "splits" / "test.csv"
+    fields = {
+        "backbone": train_cfg["backbone"],
+        "embedding_dim": train_cfg["embedding_dim"],
+        "pooling": train_cfg["pooling"],
+        "loss": {"name": train_cfg["loss"], "options": train_cfg["loss_options"]},
+        "training_data": {
+            "catalog": train_cfg["catalog"] or "embedded glyph set",
+            "splits": {p.stem: str(p.resolve()) for p in sorted((run / "splits").glob("*.csv"))},
+        },
+        "evaluation": {
+            "test": results.get("trained"),
+            "untrained_test": results.get("untrained"),
+            "val_recall_at_1": results.get("val_recall_at_1"),
+            "best_epoch": results.get("best_epoch"),
+        },
+        "config": {"train": train_cfg},
+    }
+    return model, contract, fields, run / "splits" / "test.csv"
+
+
+def _pretrained_source(cfg: ExportConfig) -> tuple[EmbeddingNet, InputContract, dict, Path | None]:
+    """The pretrained trunk as it is: no training, no head (a random projection would only
+    lose what the network knows), so the embedding is its pooled features."""
+    assert cfg.backbone is not None and cfg.pretrained is not None
+    model = EmbeddingNet(cfg.backbone, None, cfg.pooling, pretrained=cfg.pretrained).eval()
+    weights = resolve_weights(cfg.pretrained)
+    fields = {
+        "backbone": cfg.backbone,
+        "embedding_dim": model.embedding_dim,
+        "pooling": cfg.pooling,
+        "loss": None,
+        "pretrained": {"source": cfg.pretrained, "sha256": file_sha256(weights)},
+        "training_data": None,  # no training run: `index build` needs --catalog
+        "evaluation": None,
+        "config": {"train": None},
+    }
+    return model, input_contract(cfg.backbone, cfg.image_size), fields, None
+
+
+def run_export(cfg: ExportConfig) -> Path:
+    source = _pretrained_source if cfg.pretrained else _trained_source
+    model, contract, fields, test_split = source(cfg)
+    parity_catalog = Path(cfg.parity_catalog) if cfg.parity_catalog else test_split
     out = Path(cfg.out)
     with staging_directory(out) as staging:
         export_onnx(model, contract, staging / MODEL_FILE, cfg.opset)
         model_id = file_sha256(staging / MODEL_FILE)[:16]
+        config = fields.pop("config")
         manifest = {
             "model_id": model_id,
-            "backbone": train_cfg["backbone"],
-            "embedding_dim": train_cfg["embedding_dim"],
-            "pooling": train_cfg["pooling"],
+            **fields,
             "input": contract.to_dict(),
             "output": {"name": "embeddings", "l2_normalized": True},
-            "loss": {"name": train_cfg["loss"], "options": train_cfg["loss_options"]},
-            "training_data": {
-                "catalog": train_cfg["catalog"] or "embedded glyph set",
-                "splits": {p.stem: str(p.resolve()) for p in sorted((run / "splits").glob("*.csv"))},
-            },
-            "evaluation": {
-                "test": results.get("trained"),
-                "untrained_test": results.get("untrained"),
-                "val_recall_at_1": results.get("val_recall_at_1"),
-                "best_epoch": results.get("best_epoch"),
-            },
             "opset": cfg.opset,
             "created": utc_now(),
             "exporter": {"torch": torch.__version__, "onnx": onnx.__version__, "python": platform.python_version()},
-            "config": {"train": train_cfg, "export": {k: v for k, v in vars(cfg).items()}},
+            "config": {**config, "export": {k: v for k, v in vars(cfg).items()}},
         }
         write_json_atomic(staging / MANIFEST, manifest)
-        if parity_catalog.is_file():
+        if parity_catalog is not None and parity_catalog.is_file():
             catalog = read_catalog(parity_catalog)
             step = max(1, len(catalog) // cfg.parity_images)
             sample = catalog.subset(range(0, len(catalog), step)[: cfg.parity_images])
@@ -168,7 +221,7 @@ def run_export(cfg: ExportConfig) -> Path:
         write_json_atomic(staging / MANIFEST, manifest)
     log.info("exported model %s to %s (parity %s)", model_id, out, manifest["parity"])
     for name in cfg.variants:
-        export_variant(out, name, parity_catalog, train_cfg.get("ks", [1, 2, 4, 8]))
+        export_variant(out, name, test_split, config["train"].get("ks", [1, 2, 4, 8]))
     return out
 
 

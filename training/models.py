@@ -171,30 +171,31 @@ class EmbeddingNet(nn.Module):
     """(x − mean)/std → backbone → pooling → linear → L2 normalise.
 
     Normalisation sits inside the graph so the ONNX model takes scaled pixels in [0, 1] and
-    every caller of the shared preprocessing feeds it the same way.
+    every caller of the shared preprocessing feeds it the same way. `embedding_dim=None`: no
+    head, the pooled trunk features themselves (a pretrained network used as it is).
     """
 
     def __init__(
         self,
         backbone: str = "small_cnn",
-        embedding_dim: int = 128,
+        embedding_dim: int | None = 128,
         pooling: str = "gap",
         pretrained: str | Path | None = None,
         freeze_bn: bool = False,
     ) -> None:
         super().__init__()
         spec = backbone_spec(backbone)
-        if embedding_dim <= 0:
+        if embedding_dim is not None and embedding_dim <= 0:
             raise ValueError(f"embedding_dim must be positive, got {embedding_dim}")
         self.backbone_name = backbone
-        self.embedding_dim = embedding_dim
         self.register_buffer("mean", torch.tensor(spec.mean).view(1, -1, 1, 1))
         self.register_buffer("std", torch.tensor(spec.std).view(1, -1, 1, 1))
         self.backbone, channels = spec.build()
         if pretrained is not None:
             load_pretrained(self.backbone, spec, pretrained)
         self.pool = Pooling(pooling)
-        self.head = nn.Linear(channels, embedding_dim)
+        self.head = nn.Linear(channels, embedding_dim) if embedding_dim is not None else nn.Identity()
+        self.embedding_dim = embedding_dim or channels
         self.freeze_bn = freeze_bn
         if freeze_bn:
             for module in self.batch_norms():

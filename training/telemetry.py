@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
+from index.progress import track
+
 
 def epoch_logger() -> logging.Logger:
     """The per-epoch progress lines: INFO to stderr even where the root logger is quieter
@@ -60,13 +62,14 @@ class TrainingMetrics:
 
 
 def progress(batches: Iterable[T], total: int, epoch: int, epochs: int, enabled: bool) -> Iterator[T]:
-    """Batches, shown as a bar with rate and ETA when enabled (the epoch line carries the figures).
+    """Batches, shown as a bar with rate and ETA when enabled (a terminal); otherwise a log line
+    every ~30 s, so a long epoch is not silent in a log (the epoch line carries the figures).
 
     Ray forwards worker output line by line, so inside a Ray worker the bar is Ray's own
     `tqdm_ray`, which the driver redraws properly; elsewhere plain tqdm.
     """
     if not enabled:
-        yield from batches
+        yield from track(batches, total, f"epoch {epoch + 1}/{epochs}", "batch", "lines", epoch_logger())
         return
     try:
         import ray.train
@@ -88,6 +91,13 @@ class EpochClock:
         done = finished_epoch + 1 - self.start_epoch
         per_epoch = (time.perf_counter() - self.started) / max(done, 1)
         return per_epoch * (self.epochs - finished_epoch - 1)
+
+
+def start_line(metrics: Mapping[str, Any], recipe: str | None) -> str:
+    """The line before the first epoch: where training starts on the validation classes."""
+    prefix = "val_recall_at_"
+    recall = " ".join(f"val_R@{k.removeprefix(prefix)}={v:.4f}" for k, v in metrics.items() if k.startswith(prefix))
+    return f"start (recipe {recipe}, before training) {recall}"
 
 
 def epoch_line(metrics: Mapping[str, Any], learning_rates: Mapping[str, float], eta_s: float, epochs: int) -> str:

@@ -26,20 +26,19 @@ import torch
 
 from index.artifacts import staging_directory, utc_now, write_json_atomic
 from index.catalog import read_catalog
+from index.cli import ray_runtime_env
 from index.config import to_jsonable
 from training.data import (
     AUGMENTATIONS,
     DATA_MODES,
+    EvalImages,
     LazyImages,
-    LoadedImages,
     build_augmentation,
     collate_skipping_unreadable,
-    load_images,
     prepare_splits,
     train_dataset,
 )
 from training.evaluate import (
-    embed_images,
     histogram_overlap,
     pair_similarities,
     query_gallery_metrics,
@@ -48,13 +47,22 @@ from training.evaluate import (
 from training.losses import build_loss, get_loss_class, loss_requires_num_classes
 from training.models import EmbeddingNet, backbone_spec, input_contract, resolve_weights
 from training.samplers import ClassBalancedBatchSampler
-from training.telemetry import EpochClock, TrainingMetrics, epoch_line, epoch_logger, progress
+from training.telemetry import EpochClock, TrainingMetrics, epoch_line, epoch_logger, progress, start_line
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.pt"
 RESULTS_FILE = "results.json"
 SELECTION_SCORE = "selection_score"  # the metric Ray Train keeps checkpoints by
+START_EPOCH = -1  # the history row of the network before any training step
+
+# Named defaults for the optimiser's schedule; every value is still its own flag. `finetune`
+# (chosen when --pretrained is given) follows the ProxyAnchor authors' recipe: a small backbone
+# rate, proxies at 100× it, the backbone held for a warm-up epoch, BatchNorm frozen.
+RECIPES: dict[str, dict[str, Any]] = {
+    "scratch": {"lr": 1e-3, "backbone_lr": None, "proxy_lr": None, "warmup_epochs": 0, "freeze_bn": False},
+    "finetune": {"lr": 1e-4, "backbone_lr": 1e-4, "proxy_lr": 1e-2, "warmup_epochs": 1, "freeze_bn": True},
+}
 
 
 @dataclass
@@ -75,12 +83,13 @@ class TrainConfig:
     classes_per_batch: int = 20
     samples_per_class: int = 5
     batches_per_epoch: int | None = None
-    lr: float = 1e-3  # the embedding head's rate
-    backbone_lr: float | None = None  # None: same as lr
-    proxy_lr: float | None = None  # None: same as lr (the authors use 100× the backbone's)
+    recipe: str | None = None  # scratch | finetune; None: finetune with --pretrained, else scratch
+    lr: float | None = None  # the embedding head's rate (None: the recipe's)
+    backbone_lr: float | None = None  # None: the recipe's (scratch: same as lr)
+    proxy_lr: float | None = None  # None: the recipe's (scratch: same as lr)
     weight_decay: float = 1e-4
-    warmup_epochs: int = 0  # epochs with the backbone frozen (lr 0, BatchNorm statistics kept)
-    freeze_bn: bool = False
+    warmup_epochs: int | None = None  # epochs with the backbone frozen (lr 0, BatchNorm statistics kept)
+    freeze_bn: bool | None = None
     augment: str | None = None  # None: crop+flip for photos, none for the glyph set
     data_mode: str = "auto"  # memory, lazy (decode per batch), auto (memory when it fits 1 GiB)
     loader_workers: int = 2  # decoding processes per Ray worker in lazy mode
@@ -101,6 +110,7 @@ class TrainConfig:
     plots: bool = True
 
     def __post_init__(self) -> None:
+        self._apply_recipe()
         positive = ("embedding_dim", "epochs", "classes_per_batch", "samples_per_class", "num_workers")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -147,6 +157,19 @@ class TrainConfig:
                 resolve_weights(self.pretrained)
             except FileNotFoundError as exc:
                 raise ValueError(str(exc)) from None
+
+    def _apply_recipe(self) -> None:
+        """Fill the schedule's unset values from the recipe (an explicit flag always wins)."""
+        if self.recipe is None:
+            self.recipe = "finetune" if self.pretrained is not None else "scratch"
+        if self.recipe not in RECIPES:
+            raise ValueError(f"unknown recipe {self.recipe!r}; available: {', '.join(RECIPES)}")
+        explicit = {name for name in RECIPES[self.recipe] if getattr(self, name) is not None}
+        for name, value in RECIPES[self.recipe].items():
+            if name not in explicit:
+                setattr(self, name, value)
+        if "warmup_epochs" not in explicit and self.epochs > 0:
+            self.warmup_epochs = min(self.warmup_epochs, self.epochs - 1)  # a 1-epoch run still trains
 
     @property
     def augmentation(self) -> str:
@@ -205,8 +228,12 @@ def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
 
 def selection_score(metrics: dict[str, Any], epoch: int) -> float:
     """What picks the published checkpoint: validation Recall@1 — never a test figure — or,
-    with no validation classes, the epoch itself, so the last one wins."""
-    return float(metrics.get("val_recall_at_1", epoch))
+    with no validation classes, the epoch itself, so the last one wins. On a tie in Recall@1
+    the earlier epoch wins (a hair less per epoch), so Ray's best checkpoint is always the one
+    `best_epoch` names — the start itself when no epoch beats it."""
+    if "val_recall_at_1" not in metrics:
+        return float(epoch)
+    return float(metrics["val_recall_at_1"]) - 1e-9 * (epoch - START_EPOCH)
 
 
 def _set_threads(num_workers: int) -> None:
@@ -214,8 +241,10 @@ def _set_threads(num_workers: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // num_workers))
 
 
-def _load_eval(splits: dict[str, str], name: str, cfg: TrainConfig, contract) -> LoadedImages | None:
-    return load_images(read_catalog(splits[name]), contract, cfg.max_bad_fraction) if name in splits else None
+def _load_eval(splits: dict[str, str], name: str, cfg: TrainConfig, contract) -> EvalImages | None:
+    if name not in splits:
+        return None
+    return EvalImages(read_catalog(splits[name]), contract, cfg.data_mode, cfg.loader_workers, cfg.max_bad_fraction)
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -267,6 +296,50 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     telemetry = TrainingMetrics(Path(cfg.out).name) if rank == 0 else None
     clock = EpochClock(cfg.epochs, start_epoch)
+
+    def report(metrics: dict[str, Any], rates: dict[str, float]) -> None:
+        """Validate (rank 0), keep the best, checkpoint and report one history row — every
+        rank reports, as Ray Train requires."""
+        nonlocal best
+        epoch = metrics["epoch"]
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = None
+            if rank == 0:
+                if val is not None:
+                    scores = retrieval_metrics(*val.embed(_unwrap(model), device), cfg.ks)
+                    metrics.update({f"val_recall_at_{k}": v for k, v in scores["recall_at_k"].items()})
+                    metrics["val_map_at_r"] = scores["map_at_r"]
+                metrics[SELECTION_SCORE] = selection_score(metrics, epoch)
+                if metrics[SELECTION_SCORE] > best[SELECTION_SCORE]:
+                    best = {"epoch": epoch, SELECTION_SCORE: metrics[SELECTION_SCORE]}
+                    best["val_recall_at_1"] = metrics.get("val_recall_at_1")
+                metrics["best_epoch"] = best["epoch"]
+                history.append(metrics)
+                torch.save(
+                    {
+                        "model": _unwrap(model).state_dict(),
+                        "loss": loss_fn.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "epoch": epoch,
+                        "best": best,
+                        "history": history,
+                        "resumed": resumed,
+                    },
+                    Path(tmp) / CHECKPOINT_FILE,
+                )
+                ckpt = ray.train.Checkpoint.from_directory(tmp)
+                if epoch == START_EPOCH:
+                    epoch_logger().info(start_line(metrics, cfg.recipe))
+                else:
+                    telemetry.report_epoch(metrics, rates)
+                    epoch_logger().info(epoch_line(metrics, rates, clock.eta_seconds(epoch), cfg.epochs))
+            ray.train.report(metrics, checkpoint=ckpt)
+
+    if start_epoch == 0 and "val" in splits:
+        # Where training starts, on the validation classes: the first row of the history, and
+        # the checkpoint published if no epoch beats it (fine-tuning that only hurts).
+        report({"epoch": START_EPOCH, "skipped_images": skipped_up_front}, learning_rates(optimizer))
     for epoch in range(start_epoch, cfg.epochs):
         sampler.set_epoch(epoch)
         model.train()
@@ -295,38 +368,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             "images_per_s": (seen - skipped) * world / max(seconds, 1e-9),
             "skipped_images": skipped_up_front + skipped,
         }
-        with tempfile.TemporaryDirectory() as tmp:
-            ckpt = None
-            if rank == 0:
-                if val is not None:
-                    scores = retrieval_metrics(
-                        embed_images(_unwrap(model), val.images, device=device), val.labels, cfg.ks
-                    )
-                    metrics.update({f"val_recall_at_{k}": v for k, v in scores["recall_at_k"].items()})
-                    metrics["val_map_at_r"] = scores["map_at_r"]
-                metrics[SELECTION_SCORE] = selection_score(metrics, epoch)
-                if metrics[SELECTION_SCORE] > best[SELECTION_SCORE]:
-                    best = {"epoch": epoch, SELECTION_SCORE: metrics[SELECTION_SCORE]}
-                    best["val_recall_at_1"] = metrics.get("val_recall_at_1")
-                metrics["best_epoch"] = best["epoch"]
-                history.append(metrics)
-                torch.save(
-                    {
-                        "model": _unwrap(model).state_dict(),
-                        "loss": loss_fn.state_dict(),
-                        "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(),
-                        "epoch": epoch,
-                        "best": best,
-                        "history": history,
-                        "resumed": resumed,
-                    },
-                    Path(tmp) / CHECKPOINT_FILE,
-                )
-                ckpt = ray.train.Checkpoint.from_directory(tmp)
-                telemetry.report_epoch(metrics, rates)
-                epoch_logger().info(epoch_line(metrics, rates, clock.eta_seconds(epoch), cfg.epochs))
-            ray.train.report(metrics, checkpoint=ckpt)
+        report(metrics, rates)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -367,6 +409,15 @@ def run_training(cfg: TrainConfig) -> Path:
     if cfg.progress is None:
         cfg = dataclasses.replace(cfg, progress=sys.stderr.isatty())
     out = Path(cfg.out).resolve()
+    log.info(
+        "recipe %s: head lr %g, backbone lr %g, proxy lr %g, %d warm-up epoch(s) with the backbone held, BatchNorm %s",
+        cfg.recipe,
+        cfg.lr,
+        cfg.backbone_lr or cfg.lr,
+        cfg.proxy_lr or cfg.lr,
+        cfg.warmup_epochs,
+        "frozen" if cfg.freeze_bn else "training",
+    )
     work = _work_directory(cfg, out)
     splits = prepare_splits(
         cfg.catalog,
@@ -389,7 +440,7 @@ def run_training(cfg: TrainConfig) -> Path:
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         extra = {"_metrics_export_port": cfg.metrics_export_port} if cfg.metrics_export_port and not address else {}
-        ray.init(address=address, log_to_driver=True, include_dashboard=False, **extra)
+        ray.init(address=address, log_to_driver=True, include_dashboard=False, runtime_env=ray_runtime_env(), **extra)
     use_gpu = resolve_use_gpu(cfg.use_gpu, ray.cluster_resources().get("GPU", 0))
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -468,23 +519,23 @@ def evaluate_test_classes(
         gallery = _load_eval(splits, "gallery", cfg, contract)
 
         def score(net):
-            q, g = embed_images(net, query.images), embed_images(net, gallery.images)
-            qlabels = np.asarray(query.classes, dtype=object)[query.labels]
-            glabels = np.asarray(gallery.classes, dtype=object)[gallery.labels]
-            return query_gallery_metrics(q, qlabels, g, glabels, cfg.ks), g, gallery.labels
+            (q, q_codes), (g, g_codes) = query.embed(net), gallery.embed(net)
+            qlabels = np.asarray(query.classes, dtype=object)[q_codes]
+            glabels = np.asarray(gallery.classes, dtype=object)[g_codes]
+            return query_gallery_metrics(q, qlabels, g, glabels, cfg.ks), g, g_codes
 
-        test_images, test_classes = len(query.ids) + len(gallery.ids), len(gallery.classes)
-        skipped = query.skipped + gallery.skipped
+        test_images, test_classes = len(query) + len(gallery), len(gallery.classes)
     else:
         test = _load_eval(splits, "test", cfg, contract)
 
         def score(net):
-            embeddings = embed_images(net, test.images)
-            return retrieval_metrics(embeddings, test.labels, cfg.ks, with_nmi=True), embeddings, test.labels
+            embeddings, codes = test.embed(net)
+            return retrieval_metrics(embeddings, codes, cfg.ks, with_nmi=True), embeddings, codes
 
-        test_images, test_classes, skipped = len(test.ids), len(test.classes), test.skipped
+        test_images, test_classes = len(test), len(test.classes)
     untrained, untrained_embeddings, labels = score(untrained_model)
     trained, trained_embeddings, _ = score(model)
+    skipped = query.skipped + gallery.skipped if "query" in splits else test.skipped
     similarities = {
         "untrained": pair_similarities(untrained_embeddings, labels),
         "trained": pair_similarities(trained_embeddings, labels),

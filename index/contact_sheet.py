@@ -1,0 +1,91 @@
+"""A contact sheet of sample queries and their neighbours: what a built index answers, at a
+glance, before anyone serves it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont, ImageOps
+
+log = logging.getLogger(__name__)
+
+THUMB = 96
+PAD = 6
+CAPTION = 16
+RIGHT, WRONG, QUERY, PLAIN = (40, 160, 60), (200, 50, 40), (40, 90, 200), (160, 160, 160)
+
+
+def _thumbnail(path: str | Path) -> Image.Image:
+    try:
+        with Image.open(path) as image:
+            image = ImageOps.exif_transpose(image).convert("RGB")
+            image.thumbnail((THUMB, THUMB))
+    except (OSError, ValueError, Image.DecompressionBombError):
+        return Image.new("RGB", (THUMB, THUMB), (90, 90, 90))  # unreadable: a grey square, not a failed build
+    tile = Image.new("RGB", (THUMB, THUMB), (255, 255, 255))
+    tile.paste(image, ((THUMB - image.width) // 2, (THUMB - image.height) // 2))
+    return tile
+
+
+def _font() -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
+    try:
+        return ImageFont.load_default(size=12)
+    except TypeError:  # Pillow without FreeType: the fixed bitmap font
+        return ImageFont.load_default()
+
+
+def contact_sheet(
+    query_paths: Sequence[str | Path],
+    query_labels: Sequence[str] | None,
+    neighbour_rows: np.ndarray,
+    neighbour_scores: np.ndarray,
+    item_paths: Sequence[str],
+    item_labels: Sequence[str] | None,
+) -> Image.Image:
+    """One row per query: the query (blue frame), then its neighbours left to right with their
+    scores, framed green when a neighbour has the query's label and red when not (grey where
+    there are no labels). Rows of -1 (fewer neighbours than asked) stay empty."""
+    queries, depth = neighbour_rows.shape
+    cell_w, cell_h = THUMB + 2 * PAD, THUMB + 2 * PAD + CAPTION
+    sheet = Image.new("RGB", (cell_w * (depth + 1), cell_h * queries), (255, 255, 255))
+    draw, font = ImageDraw.Draw(sheet), _font()
+
+    def place(column: int, row: int, path: str | Path, frame: tuple[int, int, int], caption: str) -> None:
+        x, y = column * cell_w, row * cell_h
+        draw.rectangle([x + 1, y + 1, x + cell_w - 2, y + THUMB + 2 * PAD - 2], outline=frame, width=4)
+        sheet.paste(_thumbnail(path), (x + PAD, y + PAD))
+        draw.text((x + PAD, y + THUMB + 2 * PAD), caption, fill=(0, 0, 0), font=font)
+
+    for q in range(queries):
+        label = query_labels[q] if query_labels is not None else None
+        place(0, q, query_paths[q], QUERY, "query" if label is None else f"query {label}"[:16])
+        for n in range(depth):
+            item = int(neighbour_rows[q, n])
+            if item < 0:
+                continue
+            if label is None or item_labels is None:
+                frame = PLAIN
+            else:
+                frame = RIGHT if item_labels[item] == label else WRONG
+            place(n + 1, q, item_paths[item], frame, f"{float(neighbour_scores[q, n]):.3f}")
+    return sheet
+
+
+def sample_neighbours(index, embeddings: np.ndarray, queries: int = 12, depth: int = 8, seed: int = 0):
+    """(query rows, neighbour rows, scores): a fixed sample of the catalog querying the index
+    by their stored vectors, each leaving itself out — the leave-one-out probe, made visible."""
+    n = len(embeddings)
+    rng = np.random.default_rng(seed)
+    picked = np.sort(rng.choice(n, size=min(queries, n), replace=False))
+    k = min(depth + 1, n)
+    scores, rows = index.search(np.ascontiguousarray(embeddings[picked], dtype=np.float32), k)
+    found_rows = np.full((len(picked), depth), -1, dtype=np.int64)
+    found_scores = np.zeros((len(picked), depth), dtype=np.float32)
+    for i, query_row in enumerate(picked):
+        keep = [(r, s) for r, s in zip(rows[i], scores[i], strict=True) if r >= 0 and r != query_row][:depth]
+        for j, (r, s) in enumerate(keep):
+            found_rows[i, j], found_scores[i, j] = r, s
+    return picked, found_rows, found_scores

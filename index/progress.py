@@ -1,0 +1,103 @@
+"""Progress of long stages, readable where it lands: a bar on a terminal, and in a log (CI, a
+container, `make demo | tee`) a line every ~30 s — done/total, rate, ETA — since a bar redrawn
+with carriage returns is one unreadable line there."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
+LINE_INTERVAL_S = 30.0
+
+log = logging.getLogger("simsearch.progress")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+class Progress:
+    """Counts work done; shows it as a tqdm bar (`mode="bar"`), as log lines every `every_s`
+    seconds and at the end (`"lines"`), or not at all (`"off"`). `"auto"`: a bar when stderr
+    is a terminal, lines otherwise."""
+
+    def __init__(
+        self,
+        total: int,
+        desc: str,
+        unit: str = "img",
+        mode: str = "auto",
+        every_s: float = LINE_INTERVAL_S,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        if mode not in ("auto", "bar", "lines", "off"):
+            raise ValueError(f"progress mode must be auto, bar, lines or off, got {mode!r}")
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "lines"
+        self.total, self.desc, self.unit, self.mode, self.every_s = total, desc, unit, mode, every_s
+        self.done = 0
+        self.log = logger or log
+        self.started = self._last = time.monotonic()
+        self._bar = None
+        if mode == "bar":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr)
+
+    def line(self) -> str:
+        elapsed = time.monotonic() - self.started
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        share = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
+        eta = _duration((self.total - self.done) / rate) if rate > 0 and self.total else "?"
+        return (
+            f"{self.desc}: {self.done:,}/{self.total:,} {self.unit}{share}, {rate:,.0f} {self.unit}/s, "
+            f"elapsed {_duration(elapsed)}, eta {eta}"
+        )
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
+        elif self.mode == "lines":
+            now = time.monotonic()
+            if now - self._last >= self.every_s:
+                self._last = now
+                self.log.info("%s", self.line())
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif self.mode == "lines" and self.done:
+            self.log.info("%s", self.line().rsplit(", eta", 1)[0] + " — done")
+            self.mode = "off"
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def track(
+    items: Iterable[T],
+    total: int,
+    desc: str,
+    unit: str = "img",
+    mode: str = "auto",
+    logger: logging.Logger | None = None,
+) -> Iterator[T]:
+    """`items`, counted one by one into a `Progress`."""
+    with Progress(total, desc, unit, mode, logger=logger) as progress:
+        for item in items:
+            yield item
+            progress.update()

@@ -1,0 +1,42 @@
+"""neighbours.png: sample queries and their neighbours, framed by whether the labels agree."""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+from index.contact_sheet import PAD, QUERY, RIGHT, THUMB, WRONG, contact_sheet, sample_neighbours
+from index.faiss_index import build_index, l2_normalized
+
+CELL_W, CELL_H = THUMB + 2 * PAD, THUMB + 2 * PAD + 16
+
+
+def frame_colour(sheet: Image.Image, column: int, row: int) -> tuple[int, int, int]:
+    return sheet.getpixel((column * CELL_W + 2, row * CELL_H + 2 + THUMB // 2))
+
+
+def test_frames_say_which_neighbours_share_the_query_label(tmp_path):
+    paths = []
+    for i, colour in enumerate([(255, 0, 0), (250, 10, 0), (0, 0, 255), (0, 10, 250)]):
+        paths.append(str(tmp_path / f"{i}.png"))
+        Image.new("RGB", (40, 30), colour).save(paths[-1])
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    paths.append(str(tmp_path / "broken.png"))  # an unreadable item is a grey square, not a failure
+    labels = ["red", "red", "blue", "blue", "blue"]
+    rows = np.array([[1, 2, 4], [3, -1, -1]])
+    scores = np.array([[0.9, 0.5, 0.4], [0.8, 0, 0]], dtype=np.float32)
+    sheet = contact_sheet([paths[0], paths[2]], ["red", "blue"], rows, scores, paths, labels)
+    assert sheet.size == (4 * CELL_W, 2 * CELL_H)
+    assert frame_colour(sheet, 0, 0) == QUERY
+    assert frame_colour(sheet, 1, 0) == RIGHT and frame_colour(sheet, 2, 0) == WRONG
+    assert frame_colour(sheet, 1, 1) == RIGHT and frame_colour(sheet, 2, 1) == (255, 255, 255)  # no 2nd neighbour
+    unlabelled = contact_sheet([paths[0]], None, rows[:1], scores[:1], paths, None)
+    assert frame_colour(unlabelled, 1, 0) not in (RIGHT, WRONG)
+
+
+def test_sample_queries_leave_themselves_out():
+    vectors = l2_normalized(np.random.default_rng(0).normal(size=(50, 8)).astype(np.float32))
+    picked, rows, scores = sample_neighbours(build_index(vectors, "Flat", device="cpu"), vectors, queries=12, depth=8)
+    assert len(picked) == 12 and rows.shape == (12, 8)
+    assert all(q not in r for q, r in zip(picked, rows, strict=True))
+    assert (np.diff(scores, axis=1) <= 1e-6).all()
