@@ -127,8 +127,8 @@ def derived_version(root: Path, mutate) -> str:
 def shuffled_labels(staging: Path, manifest: dict) -> None:
     items = ItemTable.read(staging / "items.parquet")
     rng = np.random.default_rng(1)
-    items.labels = list(rng.permutation(items.labels))
-    items.write(staging / "items.parquet")
+    shuffled = [str(label) for label in rng.permutation(list(items.labels))]
+    ItemTable(items.ids, shuffled, items.paths, items.metadata).write(staging / "items.parquet")
     manifest["index_id"] = "shuffledlabels01"
 
 
