@@ -21,8 +21,11 @@ RIGHT, WRONG, QUERY, PLAIN = (40, 160, 60), (200, 50, 40), (40, 90, 200), (160, 
 def _thumbnail(path: str | Path) -> Image.Image:
     try:
         with Image.open(path) as image:
+            image.draft("RGB", (THUMB, THUMB))  # a large JPEG decodes at reduced scale
             image = ImageOps.exif_transpose(image).convert("RGB")
-            image.thumbnail((THUMB, THUMB))
+            # Small images (28-px glyphs) are enlarged to the tile too, without smoothing.
+            resample = Image.Resampling.NEAREST if max(image.size) < THUMB else Image.Resampling.BICUBIC
+            image = ImageOps.contain(image, (THUMB, THUMB), resample)
     except (OSError, ValueError, Image.DecompressionBombError):
         return Image.new("RGB", (THUMB, THUMB), (90, 90, 90))  # unreadable: a grey square, not a failed build
     tile = Image.new("RGB", (THUMB, THUMB), (255, 255, 255))
