@@ -45,15 +45,12 @@ def factories(n: int) -> list[tuple[str, list[dict]]]:
     return [
         ("Flat", [{}]),
         (f"IVF{lists},Flat", [{"nprobe": 4}, {"nprobe": 32}]),
+        (f"IVF{lists},PQ16np", [{"nprobe": 4, "rerank": 0}, {"nprobe": 32, "rerank": 0}, {"nprobe": 64, "rerank": 20}]),
         (
-            f"IVF{lists},PQ16np",
-            [
-                {"nprobe": 4, "rerank": 0},
-                {"nprobe": 32, "rerank": 0},
-                {"nprobe": 32, "rerank": 10},
-                {"nprobe": 64, "rerank": 20},
-            ],
+            f"IVF{lists},PQ32np",
+            [{"nprobe": 32, "rerank": 0}, {"nprobe": 32, "rerank": 10}, {"nprobe": 64, "rerank": 20}],
         ),
+        (f"IVF{lists},PQ64np", [{"nprobe": 32, "rerank": 10}]),
         ("HNSW32", [{"efSearch": 16}, {"efSearch": 128}]),
     ]
 
