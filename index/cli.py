@@ -4,6 +4,7 @@ hold what a person reads — known third-party chatter is quiet unless `--verbos
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
@@ -38,16 +39,23 @@ THIRD_PARTY_NOISE: dict[str, int] = {
     "torch._dynamo": logging.WARNING,
     "torch.export": logging.WARNING,
 }
+# Ray Train's worker context logs every report at INFO under a logger named by its file path,
+# outside `ray.train` (which RunConfig's LoggingConfig quiets).
+NOISE_BY_FILE = ("ray", "train/v2/_internal/execution/context.py")
 VERBOSE_ENV = "SIMSEARCH_VERBOSE"
 
 
 def quiet_third_party() -> None:
     """Raise the known noisy loggers' levels (also Ray's `worker_process_setup_hook`, so the
     actors and workers it starts are as quiet as the driver)."""
-    if os.environ.get(VERBOSE_ENV):
+    if verbose():
         return
     for name, level in THIRD_PARTY_NOISE.items():
         logging.getLogger(name).setLevel(level)
+    package, path = NOISE_BY_FILE
+    spec = importlib.util.find_spec(package)  # located, not imported: serving never loads Ray
+    if spec is not None and spec.origin:  # None: Ray not installed (the serving image)
+        logging.getLogger(os.path.join(os.path.dirname(spec.origin), path)).setLevel(logging.WARNING)
 
 
 def configure_logging(verbose: bool = False) -> None:
@@ -57,6 +65,10 @@ def configure_logging(verbose: bool = False) -> None:
         os.environ[VERBOSE_ENV] = "1"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_third_party()
+
+
+def verbose() -> bool:
+    return bool(os.environ.get(VERBOSE_ENV))
 
 
 def ray_runtime_env() -> dict:

@@ -52,6 +52,10 @@ def start_training(out: Path, *extra: str, base: tuple[str, ...] | list[str] = T
     return process
 
 
+def output_of_run(out: Path) -> str:
+    return out.with_name(f"{out.name}.log").read_text()
+
+
 def output_of(process: subprocess.Popen) -> str:
     return process.log_path.read_text()[-4000:]
 
@@ -150,6 +154,11 @@ def test_training_on_benchmark_replicas(tmp_path):
     assert {p.name for p in (out / "splits").iterdir()} == {"train.csv", "val.csv", "query.csv", "gallery.csv"}
     assert (out / "similarity_histograms.png").stat().st_size > 0
     assert results["history"][-1]["skipped_images"] == 0
+    log = output_of_run(out)
+    assert "start (recipe scratch, before training) val_R@1=" in log and "epoch 2/2 loss=" in log
+    # Ray Train's per-report narration and faiss's loader lines stay out of the log (no --verbose).
+    assert "Reporting training result" not in log and "Checkpoint successfully created" not in log
+    assert "Loading faiss" not in log
 
     cub = write_replica("cub", tmp_path / "cub", images_per_class=3)
     out = tmp_path / "cub-run"

@@ -26,7 +26,7 @@ import torch
 
 from index.artifacts import staging_directory, utc_now, write_json_atomic
 from index.catalog import read_catalog
-from index.cli import ray_runtime_env
+from index.cli import ray_runtime_env, verbose
 from index.config import to_jsonable
 from training.data import (
     AUGMENTATIONS,
@@ -457,6 +457,9 @@ def run_training(cfg: TrainConfig) -> Path:
                 num_to_keep=2, checkpoint_score_attribute=SELECTION_SCORE, checkpoint_score_order="max"
             ),
             failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+            # Ray Train narrates every checkpoint and report at INFO (configured by Ray itself,
+            # in each worker); the epoch lines say what matters.
+            logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose() else "WARNING"),
         ),
     )
     started = time.perf_counter()
