@@ -36,9 +36,14 @@ def free_port() -> int:
 
 
 def stage(title: str, *args: str) -> float:
+    """Run one stage's command; its log and progress (stderr) show, its JSON summary (stdout)
+    goes only to the screen's last line, so the whole demo fits on one screen."""
     print(f"\n=== {title}: python {' '.join(args)}", flush=True)
     started = time.perf_counter()
-    subprocess.run([sys.executable, *args], check=True)
+    done = subprocess.run([sys.executable, *args], check=True, stdout=subprocess.PIPE, text=True)
+    lines = done.stdout.strip().splitlines()
+    if lines and not lines[0].startswith("{"):
+        print(lines[-1])  # a stage that prints its artifact's path
     return time.perf_counter() - started
 
 

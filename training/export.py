@@ -28,6 +28,7 @@ from index.artifacts import (
     write_json_atomic,
 )
 from index.catalog import read_catalog
+from index.cli import verbose
 from index.embedder import OnnxEmbedder
 from index.preprocess import InputContract
 from training.data import load_images
@@ -121,6 +122,7 @@ def export_onnx(model: EmbeddingNet, contract: InputContract, path: Path, opset:
         dynamo=True,
         external_data=False,  # one self-contained file: the artifact is model.onnx alone
         dynamic_shapes={"x": {0: batch}},
+        verbose=verbose(),  # the exporter prints a line per pass otherwise
     )
     onnx.checker.check_model(str(path), full_check=True)
 
