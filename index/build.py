@@ -27,6 +27,7 @@ from index.faiss_index import (
     load_index,
     save_index,
     search,
+    search_leaving_out_self,
     searchable,
     select_device,
     with_default_rerank,
@@ -176,17 +177,13 @@ def quality_figures(index, embeddings: np.ndarray, labels: list[str] | None, cfg
     if labels is None:
         figures.setdefault("probe_source", NO_PROBE)
         return figures
-    # Probe: sampled items query the built index itself, excluding their own row.
     label_array = np.asarray(labels)
-    k = min(max(cfg.ks) + 1, n)
-    _, rows = search(index, embeddings[sample], k)
-    neighbor_labels = np.empty((len(sample), k - 1), dtype=object)
-    for i, (query_row, found) in enumerate(zip(sample, rows, strict=True)):
-        others = [r for r in found if r != query_row and r >= 0][: k - 1]
-        others += [-1] * (k - 1 - len(others))
-        neighbor_labels[i] = [label_array[r] if r >= 0 else None for r in others]
-    ks = [kk for kk in cfg.ks if kk <= k - 1]
+    depth = min(max(cfg.ks), n - 1)
+    ks = [kk for kk in cfg.ks if kk <= depth]
     if not cfg.probe_catalog and ks:
+        # Probe: sampled items query the built index itself, excluding their own row.
+        _, rows = search_leaving_out_self(index, embeddings, sample, depth)
+        neighbor_labels = np.where(rows >= 0, label_array.astype(object)[np.maximum(rows, 0)], None)
         figures["probe_source"] = "leave-one-out sample of the catalog"
         figures["probe_recall_at_k"] = {
             str(kk): v for kk, v in recall_from_neighbor_labels(neighbor_labels, label_array[sample], ks).items()

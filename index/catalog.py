@@ -212,7 +212,8 @@ def _catalog_from_rows(rows: list[dict], path: Path) -> Catalog:
         p = Path(str(row["path"]))
         ids.append(str(row["id"]))
         paths.append(p if p.is_absolute() else base / p)
-        labels.append(str(row[LABEL]) if labelled else "")
+        if labelled:
+            labels.append(str(row[LABEL]))
         metadata.append({k: str(v) for k, v in row.items() if k not in COLUMNS and v is not None})
     return Catalog(ids, paths, labels if labelled else None, metadata, source=str(path))
 

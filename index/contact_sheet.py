@@ -3,14 +3,13 @@ glance, before anyone serves it."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
-log = logging.getLogger(__name__)
+from index.faiss_index import search_leaving_out_self
 
 THUMB = 96
 PAD = 6
@@ -81,14 +80,6 @@ def sample_neighbours(index, embeddings: np.ndarray, queries: int = 12, depth: i
     """(query rows, neighbour rows, scores): a fixed sample of the catalog querying the index
     by their stored vectors, each leaving itself out — the leave-one-out probe, made visible."""
     n = len(embeddings)
-    rng = np.random.default_rng(seed)
-    picked = np.sort(rng.choice(n, size=min(queries, n), replace=False))
-    k = min(depth + 1, n)
-    scores, rows = index.search(np.ascontiguousarray(embeddings[picked], dtype=np.float32), k)
-    found_rows = np.full((len(picked), depth), -1, dtype=np.int64)
-    found_scores = np.zeros((len(picked), depth), dtype=np.float32)
-    for i, query_row in enumerate(picked):
-        keep = [(r, s) for r, s in zip(rows[i], scores[i], strict=True) if r >= 0 and r != query_row][:depth]
-        for j, (r, s) in enumerate(keep):
-            found_rows[i, j], found_scores[i, j] = r, s
-    return picked, found_rows, found_scores
+    picked = np.sort(np.random.default_rng(seed).choice(n, size=min(queries, n), replace=False))
+    scores, rows = search_leaving_out_self(index, embeddings, picked, depth)
+    return picked, rows, scores

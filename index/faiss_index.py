@@ -177,6 +177,21 @@ def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray,
     return index.search(q, min(k, max(index.ntotal, 1)))
 
 
+def search_leaving_out_self(
+    index: faiss.Index, vectors: np.ndarray, query_rows: np.ndarray, depth: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Items of the index querying it by their own vectors (`vectors[query_rows]`): the top
+    `depth` (scores, rows) of each, its own row left out; places past the answers hold -1 (score 0)."""
+    scores, rows = search(index, vectors[query_rows], min(depth + 1, max(index.ntotal, 1)))
+    found_rows = np.full((len(query_rows), depth), -1, dtype=np.int64)
+    found_scores = np.zeros((len(query_rows), depth), dtype=np.float32)
+    for i, query_row in enumerate(query_rows):
+        keep = (rows[i] >= 0) & (rows[i] != query_row)
+        others, their_scores = rows[i][keep][:depth], scores[i][keep][:depth]
+        found_rows[i, : len(others)], found_scores[i, : len(others)] = others, their_scores
+    return found_scores, found_rows
+
+
 def exact_search(database: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Brute-force inner-product search, the reference every ANN index is measured against."""
     data = l2_normalized(database)

@@ -131,7 +131,7 @@ class ItemTable:
         self._set(
             pa.table(
                 {
-                    "id": pa.array(list(ids), type=pa.large_string()),
+                    "id": pa.array(ids, type=pa.large_string()),
                     "label": pa.array(list(labels) if labels is not None else [None] * len(ids), pa.large_string()),
                     "path": pa.array(list(paths), type=pa.large_string()),
                     "metadata": pa.array(

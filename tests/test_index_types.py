@@ -13,6 +13,7 @@ from index.artifacts import read_manifest
 from index.build import BuildConfig, run_build
 from index.catalog import read_catalog
 from protos.simsearch.v1 import search_pb2 as pb
+from tests.test_serving_production import start
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +32,6 @@ def catalog(demo_run):
 
 @pytest.fixture(scope="module", params=list(FACTORIES), ids=list(FACTORIES))
 def served_version(request, demo_run, catalog, tmp_path_factory):
-    from serving.client import SearchClient
-    from serving.server import SearchServer, ServerConfig
-
     factory, params = FACTORIES[request.param]
     root = tmp_path_factory.mktemp(request.param)
     run_build(
@@ -46,20 +44,8 @@ def served_version(request, demo_run, catalog, tmp_path_factory):
         ),
         progress=False,
     )
-    server = SearchServer(
-        ServerConfig(
-            index_root=str(root),
-            port=0,
-            metrics_port=None,
-            admin_token="t",
-            ann_sample_rate=1.0,  # every answer re-run exactly: the ANN gauge covers all of them
-            probe_interval_s=0,  # rounds are run by the test, not a timer
-            probe_size=40,
-        )
-    )
-    server.start()
-    client = SearchClient(f"127.0.0.1:{server.port}", timeout=60.0, admin_token="t")
-    client.wait_ready(60)
+    # Every answer re-run exactly (the ANN gauge covers all of them); probe rounds off, run by the test.
+    server, client = start(root, admin_token="t", ann_sample_rate=1.0, probe_size=40)
     yield request.param, server, client
     client.close()
     server.stop(grace=1)

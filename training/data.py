@@ -283,7 +283,7 @@ class EvalImages:
     @torch.no_grad()
     def embed(self, model: torch.nn.Module, device: str | torch.device = "cpu") -> tuple[np.ndarray, np.ndarray]:
         """(embeddings, label codes) of every readable image, in catalog order."""
-        from training.evaluate import embed_images
+        from training.evaluate import embed_images, eval_mode
 
         if self.memory is not None:
             return embed_images(model, self.memory.images, device=device), self.memory.labels
@@ -294,17 +294,13 @@ class EvalImages:
             num_workers=self.loader_workers,
             collate_fn=_collate_eval,
         )
-        was_training = model.training
-        model.eval()
         parts, labels, skipped = [], [], 0
-        try:
+        with eval_mode(model):
             for x, y, bad in loader:
                 skipped += bad
                 if x is not None:
                     parts.append(model(x.to(device)).float().cpu().numpy())
                     labels.append(y.numpy())
-        finally:
-            model.train(was_training)
         self.skipped = skipped
         if len(self) and skipped / len(self) > self.max_bad_fraction:
             raise ValueError(

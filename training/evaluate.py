@@ -6,7 +6,8 @@ server report); NMI and the pair-similarity histograms are training-only diagnos
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -15,20 +16,27 @@ from torch import nn
 from index.evaluation import map_at_r, query_gallery_recall_at_k, recall_at_k
 
 
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """The model in eval mode for the block, back in the mode it was in after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def embed_images(
     model: nn.Module, images: np.ndarray, batch_size: int = 512, device: str | torch.device = "cpu"
 ) -> np.ndarray:
     """L2-normalised embeddings of preprocessed NCHW images, in eval mode."""
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         parts = [
             model(torch.from_numpy(images[i : i + batch_size]).to(device)).float().cpu().numpy()
             for i in range(0, len(images), batch_size)
         ]
-    finally:
-        model.train(was_training)
     return np.concatenate(parts) if parts else np.zeros((0, 0), np.float32)
 
 

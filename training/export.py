@@ -82,20 +82,18 @@ class ExportConfig:
             raise ValueError(f"unknown variant(s) {', '.join(unknown)}; available: {', '.join(VARIANTS)}")
         if self.parity_images <= 0:
             raise ValueError("parity_images must be positive")
+        if self.parity_catalog is not None and not Path(self.parity_catalog).exists():
+            raise ValueError(f"--parity-catalog {self.parity_catalog} does not exist")
         if self.pretrained is not None or self.backbone is not None:
             if self.run is not None:
                 raise ValueError("export takes --run (a training run) or --backbone with --pretrained, not both")
             if self.pretrained is None or self.backbone is None:
                 raise ValueError("exporting a pretrained network needs both --backbone and --pretrained")
-            if self.parity_catalog is not None and not Path(self.parity_catalog).exists():
-                raise ValueError(f"--parity-catalog {self.parity_catalog} does not exist")
             backbone_spec(self.backbone)
             resolve_weights(self.pretrained)
             if self.variants:
                 raise ValueError("--variants measure their recall on a training run's test split; export a run")
             return
-        if self.parity_catalog is not None and not Path(self.parity_catalog).exists():
-            raise ValueError(f"--parity-catalog {self.parity_catalog} does not exist")
         self.run = self.run or "runs/train"
         if not (Path(self.run) / CHECKPOINT_FILE).is_file():
             raise ValueError(f"{self.run}: no {CHECKPOINT_FILE}; pass a training run directory")

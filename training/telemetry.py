@@ -93,19 +93,20 @@ class EpochClock:
         return per_epoch * (self.epochs - finished_epoch - 1)
 
 
+def _val_recall(metrics: Mapping[str, Any]) -> str:
+    prefix = "val_recall_at_"
+    return " ".join(f"val_R@{k.removeprefix(prefix)}={v:.4f}" for k, v in metrics.items() if k.startswith(prefix))
+
+
 def start_line(metrics: Mapping[str, Any], recipe: str | None) -> str:
     """The line before the first epoch: where training starts on the validation classes."""
-    prefix = "val_recall_at_"
-    recall = " ".join(f"val_R@{k.removeprefix(prefix)}={v:.4f}" for k, v in metrics.items() if k.startswith(prefix))
-    return f"start (recipe {recipe}, before training) {recall}"
+    return f"start (recipe {recipe}, before training) {_val_recall(metrics)}"
 
 
 def epoch_line(metrics: Mapping[str, Any], learning_rates: Mapping[str, float], eta_s: float, epochs: int) -> str:
     """One human line per epoch: what CI logs show when the bar is off."""
     lrs = " ".join(f"lr[{g}]={v:.2e}" for g, v in learning_rates.items())
-    prefix = "val_recall_at_"
-    recall = " ".join(f"val_R@{k.removeprefix(prefix)}={v:.4f}" for k, v in metrics.items() if k.startswith(prefix))
     return (
         f"epoch {metrics['epoch'] + 1}/{epochs} loss={metrics['loss']:.4f} {lrs} "
-        f"{metrics['images_per_s']:.0f} img/s {recall} eta {eta_s:.0f}s"
+        f"{metrics['images_per_s']:.0f} img/s {_val_recall(metrics)} eta {eta_s:.0f}s"
     ).replace("  ", " ")
