@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from index.artifacts import MODEL_FILE, ArtifactError, read_manifest
-from index.preprocess import InputContract
+from index.preprocess import InputContract, rows_per_pass
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,8 @@ class OnnxEmbedder:
         beside = side_by_side and self.side_by_side_session is not None
         session = self.side_by_side_session if beside else self.session
         rows = (self.side_by_side_run_rows if beside else self.run_rows) or len(batch)
+        if measures_run_rows(session.get_providers()):
+            rows = min(rows, rows_per_pass(self.contract.height, self.contract.width))  # memory: see CPU_PASS_PIXELS
         runs = [session.run(None, {self.input_name: batch[i : i + rows]})[0] for i in range(0, len(batch), rows)]
         out = np.asarray(runs[0] if len(runs) == 1 else np.concatenate(runs), dtype=np.float32)
         norms = np.linalg.norm(out, axis=1, keepdims=True)

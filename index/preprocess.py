@@ -43,6 +43,17 @@ class ImageNotFound(ImageDecodeError):
     reason = "missing"
 
 
+# Pixels of one forward pass on a CPU. Activation memory grows with rows × pixels (mobilenet_v2
+# at 224 px: ~17 MB per image in eval, so 256 rows held 4 GB, and ONNX Runtime's arena keeps its
+# peak), while CPU throughput stops improving at a few dozen rows: 32 images of 224 px per pass.
+CPU_PASS_PIXELS = 32 * 224 * 224
+
+
+def rows_per_pass(height: int, width: int, pixels: int = CPU_PASS_PIXELS) -> int:
+    """Images of height × width that fit one CPU forward pass's pixel budget (at least 1)."""
+    return max(1, pixels // (height * width))
+
+
 @dataclass(frozen=True)
 class InputContract:
     """What a model expects as input; written to and read from the model manifest."""

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from index.catalog import Catalog, read_catalog
-from index.preprocess import ImageDecodeError, InputContract, load_image
+from index.preprocess import ImageDecodeError, InputContract, load_image, rows_per_pass
 from training.glyphs import DEFAULT_DATA_DIR, build_glyph_dataset
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ def prepare_splits(
             "val": published["train"].with_classes(c for i, c in enumerate(train_classes) if i in val_positions),
             **{name: cat for name, cat in published.items() if name != "train"},
         }
-        catalogs = {name: _slice(cat, max_classes, max_per_class) for name, cat in catalogs.items()}
+        catalogs = {name: slice_catalog(cat, max_classes, max_per_class) for name, cat in catalogs.items()}
     else:
         if catalog is None:
             source = read_catalog(build_glyph_dataset(data_dir))
@@ -101,14 +101,14 @@ def prepare_splits(
             source = read_catalog(catalog)
             source.require_labels("training (classes to learn from)")
             shuffle_seed = None
-        source = _slice(source, max_classes, max_per_class)
+        source = slice_catalog(source, max_classes, max_per_class)
         split = class_disjoint_split(source.classes, test_fraction, val_fraction, shuffle_seed)
         catalogs = {name: source.with_classes(split[name]) for name in SPLITS}
     out = Path(out_dir) / "splits"
     return {name: cat.write(out / f"{name}.csv") for name, cat in catalogs.items() if len(cat)}
 
 
-def _slice(catalog: Catalog, max_classes: int | None, max_per_class: int | None) -> Catalog:
+def slice_catalog(catalog: Catalog, max_classes: int | None, max_per_class: int | None) -> Catalog:
     """A deterministic slice: classes spread over the class list, the first images of each."""
     if max_classes is not None:
         classes = catalog.classes
@@ -265,12 +265,13 @@ class EvalImages:
         mode: str = "auto",
         loader_workers: int = 2,
         max_bad_fraction: float = 0.01,
-        batch_size: int = 128,
+        batch_size: int | None = None,  # None: as `rows_per_pass` allows the contract's size
     ) -> None:
         if mode not in DATA_MODES:
             raise ValueError(f"data mode must be one of {', '.join(DATA_MODES)}, got {mode!r}")
         self.catalog, self.contract, self.max_bad_fraction = catalog, contract, max_bad_fraction
-        self.loader_workers, self.batch_size = loader_workers, batch_size
+        self.loader_workers = loader_workers
+        self.batch_size = batch_size or rows_per_pass(contract.height, contract.width)
         self.classes = catalog.classes
         self.memory: LoadedImages | None = None
         if mode == "memory" or (mode == "auto" and fits_in_memory(len(catalog), contract)):

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from index.evaluation import map_at_r, query_gallery_recall_at_k, recall_at_k
+from index.preprocess import rows_per_pass
 
 
 @contextmanager
@@ -29,9 +30,12 @@ def eval_mode(model: nn.Module) -> Iterator[nn.Module]:
 
 @torch.no_grad()
 def embed_images(
-    model: nn.Module, images: np.ndarray, batch_size: int = 512, device: str | torch.device = "cpu"
+    model: nn.Module, images: np.ndarray, batch_size: int | None = None, device: str | torch.device = "cpu"
 ) -> np.ndarray:
-    """L2-normalised embeddings of preprocessed NCHW images, in eval mode."""
+    """L2-normalised embeddings of preprocessed NCHW images, in eval mode (None: as many images
+    per pass as `rows_per_pass` allows their size)."""
+    if batch_size is None:
+        batch_size = rows_per_pass(*images.shape[2:4]) if torch.device(device).type == "cpu" else 512
     with eval_mode(model):
         parts = [
             model(torch.from_numpy(images[i : i + batch_size]).to(device)).float().cpu().numpy()

@@ -32,6 +32,7 @@ from index.cli import verbose
 from index.embedder import OnnxEmbedder
 from index.preprocess import InputContract
 from training.data import load_images
+from training.evaluate import embed_images
 from training.models import EmbeddingNet, backbone_spec, input_contract, resolve_weights
 from training.train import CHECKPOINT_FILE, RESULTS_FILE
 
@@ -127,8 +128,7 @@ def export_onnx(model: EmbeddingNet, contract: InputContract, path: Path, opset:
 
 def parity_check(model: EmbeddingNet, model_dir: Path, images: np.ndarray, min_cosine: float) -> dict[str, float]:
     """Cosine between ONNX Runtime and PyTorch embeddings for every image."""
-    with torch.no_grad():
-        reference = model(torch.from_numpy(images)).numpy()
+    reference = embed_images(model, images)
     onnx_out = OnnxEmbedder(model_dir, provider="cpu").embed(images)
     cosine = np.sum(reference * onnx_out, axis=1) / (
         np.linalg.norm(reference, axis=1) * np.linalg.norm(onnx_out, axis=1)
