@@ -38,7 +38,13 @@ THIRD_PARTY_NOISE: dict[str, int] = {
     "torch.onnx": logging.WARNING,
     "torch._dynamo": logging.WARNING,
     "torch.export": logging.WARNING,
+    # "Token authentication is enabled for this Ray cluster" at every local start: the default
+    # since Ray 2.5x, nothing for the user to act on.
+    "ray._private.authentication.authentication_token_setup": logging.ERROR,
 }
+# A single-node local cluster cannot be preempted; Ray Train's preemption watcher there only
+# prints a core-worker error about its restartable constructor arguments.
+LOCAL_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
 # Ray Train's worker context logs every report at INFO under a logger named by its file path,
 # outside `ray.train` (which RunConfig's LoggingConfig quiets).
 NOISE_BY_FILE = ("ray", "train/v2/_internal/execution/context.py")
@@ -74,6 +80,23 @@ def verbose() -> bool:
 def ray_runtime_env() -> dict:
     """What every `ray.init` passes: workers set up their logging like the driver."""
     return {"worker_process_setup_hook": "index.cli.quiet_third_party"}
+
+
+def init_ray(log_to_driver: bool = True, **options) -> None:
+    """Join the cluster at RAY_ADDRESS, or start a local one; every stage starts Ray this way.
+
+    A local cluster also gets `LOCAL_RAY_ENV` (where the user has not set those variables)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    runtime_env = ray_runtime_env()
+    if not address:
+        for name, value in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(name, value)  # read by the driver-side controller too
+        runtime_env["env_vars"] = {name: os.environ[name] for name in LOCAL_RAY_ENV}
+    ray.init(address=address, include_dashboard=False, log_to_driver=log_to_driver, runtime_env=runtime_env, **options)
 
 
 def add_verbose_flag(subparsers: argparse._SubParsersAction) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 from index.artifacts import read_manifest, utc_now, write_json_atomic
 from index.build import BuildConfig, check_bad_rows, default_catalog, publish_index
 from index.catalog import read_catalog
-from index.cli import ray_runtime_env
+from index.cli import init_ray
 from index.preprocess import ImageDecodeError, InputContract, load_image
 
 log = logging.getLogger(__name__)
@@ -95,13 +95,7 @@ def embed_with_ray_data(
 ) -> None:
     import ray
 
-    if not ray.is_initialized():
-        ray.init(
-            address=os.environ.get("RAY_ADDRESS"),
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env=ray_runtime_env(),
-        )
+    init_ray(log_to_driver=False)
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = progress
     manifest = read_manifest(model_dir)

@@ -19,14 +19,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from index.artifacts import write_json_atomic
-from index.cli import ray_runtime_env
+from index.cli import init_ray
 from index.config import ConfigError, resolve_config, to_jsonable
 from training.losses import available_losses, get_loss_class
 from training.train import RESULTS_FILE, TrainConfig, build_loss_for
@@ -127,13 +126,7 @@ def run_benchmark(cfg: BenchmarkConfig) -> Path:
         pending.append(((loss, seed), to_jsonable(dataclasses.replace(run_cfg, resume=resume))))
     log.info("%d runs finished earlier, %d to train", len(done), len(pending))
     if pending:
-        if not ray.is_initialized():
-            ray.init(
-                address=os.environ.get("RAY_ADDRESS"),
-                include_dashboard=False,
-                log_to_driver=True,
-                runtime_env=ray_runtime_env(),
-            )
+        init_ray()
         workers = cfg.protocol.get("num_workers", 1)
         parallel = cfg.parallel or max(1, int(ray.cluster_resources().get("CPU", 1)) // (2 * workers))
         # The task itself only waits on its TorchTrainer, whose workers hold the CPUs.
