@@ -50,6 +50,8 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        if isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args and str not in args:
+            return None  # how a flag spells "unset" where the field is not a string (--embedding-dim none)
         for arg in (a for a in args if a is not type(None)):
             try:
                 return _coerce(name, value, arg)

@@ -226,6 +226,13 @@ def test_checkpoint_selection_uses_validation_recall_or_else_the_last_epoch():
     assert selection_score({"val_recall_at_1": 0.9}, epoch=3) == pytest.approx(0.9)
     # A tie goes to the earlier epoch, the untrained start (-1) included.
     assert selection_score({"val_recall_at_1": 0.9}, epoch=-1) > selection_score({"val_recall_at_1": 0.9}, epoch=0)
+    # ... unless MAP@R says the ranking improved; any step in Recall@1 still outweighs MAP@R.
+    tied = {"val_recall_at_1": 0.659, "val_map_at_r": 0.29}
+    better_ranked = {"val_recall_at_1": 0.659, "val_map_at_r": 0.37}
+    assert selection_score(better_ranked, epoch=8) > selection_score(tied, epoch=2)
+    one_more_hit = {"val_recall_at_1": 0.659 + 1 / 60_000, "val_map_at_r": 0.0}
+    assert selection_score(one_more_hit, epoch=9) > selection_score({**better_ranked, "val_map_at_r": 1.0}, epoch=0)
+    assert selection_score({**tied, "val_map_at_r": 0.3}, epoch=0) > selection_score({**tied, "val_map_at_r": 0.3}, 1)
     assert selection_score({}, epoch=3) == 3.0  # no validation classes: the latest epoch wins
     line = epoch_line({"epoch": 3, "loss": 0.5, "images_per_s": 100.0}, {"head": 1e-3}, 0.0, 5)
     assert "val_R@" not in line  # no invented validation figure

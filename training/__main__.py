@@ -64,6 +64,16 @@ def _parser() -> argparse.ArgumentParser:
 PER_RUN_OPTIONS = ("--loss", "--loss-options", "--seed", "--resume", "--progress", "--metrics-export-port", "--plots")
 
 
+def _dimension(text: str) -> int | str:
+    """An embedding width, or 'none' (kept as the string: None would read as "not given")."""
+    if text.lower() == "none":
+        return "none"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'none', got {text!r}") from None
+
+
 def _option(*flags: str, **kwargs) -> tuple[tuple[str, ...], dict]:
     return flags, kwargs
 
@@ -76,13 +86,15 @@ TRAINING_OPTIONS = [
     _option(
         "--backbone", help="small_cnn, resnet18, resnet50, googlenet, efficientnet_b0, mobilenet_v2, mobilenet_v3_large"
     ),
-    _option("--embedding-dim", dest="embedding_dim", type=int),
+    _option("--embedding-dim", dest="embedding_dim", type=_dimension, help="the head's width, or 'none': no head"),
+    _option("--head-init", dest="head_init", choices=["random", "pca"], help="default: the recipe's"),
+    _option("--proxy-init", dest="proxy_init", choices=["random", "class_means"], help="default: the recipe's"),
     _option("--pooling", choices=["gap", "gmp", "gap+gmp"]),
     _option("--pretrained", help="torchvision state dict: a local file or pkg:<package>/<file> (never downloaded)"),
     _option("--image-size", dest="image_size", type=int),
     _option("--loss", help="loss name from the registry (raw_vthm, proxy_anchor, ...)"),
     _option("--loss-options", dest="loss_options", type=json.loads, help="JSON object, e.g. '{\"alpha\": 2}'"),
-    _option("--epochs", type=int),
+    _option("--epochs", type=int, help="default: the recipe's (scratch 6, finetune 10)"),
     _option("--classes-per-batch", dest="classes_per_batch", type=int),
     _option("--samples-per-class", dest="samples_per_class", type=int),
     _option("--batches-per-epoch", dest="batches_per_epoch", type=int),

@@ -153,7 +153,7 @@ def _trained_source(cfg: ExportConfig) -> tuple[EmbeddingNet, InputContract, dic
     results = _read_json(run / RESULTS_FILE)
     fields = {
         "backbone": train_cfg["backbone"],
-        "embedding_dim": train_cfg["embedding_dim"],
+        "embedding_dim": model.embedding_dim,  # the trunk's width when the run had no head
         "pooling": train_cfg["pooling"],
         "loss": {"name": train_cfg["loss"], "options": train_cfg["loss_options"]},
         "training_data": {

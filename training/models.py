@@ -220,9 +220,23 @@ class EmbeddingNet(nn.Module):
             "head": list(self.head.parameters()),
         }
 
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Pooled trunk features, before the head: what the head's initialisation is fitted on."""
+        return self.pool(self.backbone((x - self.mean) / self.std))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = (x - self.mean) / self.std
-        return F.normalize(self.head(self.pool(self.backbone(x))), dim=1)
+        return F.normalize(self.head(self.features(x)), dim=1)
+
+
+class TrunkFeatures(nn.Module):
+    """A view of an EmbeddingNet that answers its pooled trunk features (for `EvalImages.embed`)."""
+
+    def __init__(self, net: EmbeddingNet) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net.features(x)
 
 
 PACKAGE_PREFIX = "pkg:"
