@@ -238,15 +238,18 @@ def test_checkpoint_selection_uses_validation_recall_or_else_the_last_epoch():
     assert "val_R@" not in line  # no invented validation figure
 
 
-def test_evaluation_streams_large_splits_and_agrees_with_memory(tmp_path):
+def test_evaluation_streams_large_splits_and_agrees_with_memory(tmp_path, caplog):
     """A split too large for memory is embedded batch by batch in loader processes; the
-    embeddings and labels are the ones the in-memory path gives, unreadable images left out."""
+    embeddings and labels are the ones the in-memory path gives, unreadable images left out;
+    its progress reaches a log."""
     catalog = write_images(tmp_path, 23, corrupt=(4, 17))
     net = EmbeddingNet("small_cnn", embedding_dim=8).eval()
     in_memory = EvalImages(catalog, GREY, "memory", max_bad_fraction=0.2)
     streamed = EvalImages(catalog, GREY, "lazy", loader_workers=2, max_bad_fraction=0.2, batch_size=5)
     assert in_memory.memory is not None and streamed.memory is None  # nothing decoded up front
-    (a, a_codes), (b, b_codes) = in_memory.embed(net), streamed.embed(net)
+    with caplog.at_level("INFO", logger="simsearch.progress"):
+        (a, a_codes), (b, b_codes) = in_memory.embed(net), streamed.embed(net)
+    assert any(line.startswith("embed ") and "23/23 img" in line for line in caplog.messages), caplog.messages
     np.testing.assert_allclose(a, b, atol=1e-6)
     assert a_codes.tolist() == b_codes.tolist() and len(b) == 21 and streamed.skipped == 2
     strict = EvalImages(catalog, GREY, "lazy", loader_workers=0, max_bad_fraction=0.05)

@@ -16,6 +16,7 @@ import torch
 
 from index.catalog import Catalog, read_catalog
 from index.preprocess import ImageDecodeError, InputContract, load_image, rows_per_pass
+from index.progress import Progress
 from training.glyphs import DEFAULT_DATA_DIR, build_glyph_dataset
 
 log = logging.getLogger(__name__)
@@ -296,12 +297,14 @@ class EvalImages:
             collate_fn=_collate_eval,
         )
         parts, labels, skipped = [], [], 0
-        with eval_mode(model):
+        # A streamed split is a large one (SOP's test half: minutes): a line every ~30 s in a log.
+        with eval_mode(model), Progress(len(self), f"embed {Path(str(self.catalog.source)).name}") as shown:
             for x, y, bad in loader:
                 skipped += bad
                 if x is not None:
                     parts.append(model(x.to(device)).float().cpu().numpy())
                     labels.append(y.numpy())
+                shown.update(len(y) + bad)
         self.skipped = skipped
         if len(self) and skipped / len(self) > self.max_bad_fraction:
             raise ValueError(
