@@ -88,3 +88,19 @@ def test_setup_installs_every_theme_the_set_reads():
 
     setup = (Path(__file__).resolve().parents[1] / "scripts" / "setup.sh").read_text()
     assert all(package in setup for package in THEMES.values())
+
+
+def test_the_data_command_renders_the_installed_icon_set(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "training", "data", "--set", "icons", "--data-dir", str(tmp_path / "icons")],
+        cwd=root, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    catalog = read_catalog(proc.stdout.strip())
+    assert len(catalog.classes) > 300 and len(catalog) > 1500  # 341 classes, 1,663 images here
+    themes = {row["theme"] for row in catalog.metadata}
+    assert len(themes) == 8

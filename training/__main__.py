@@ -14,8 +14,12 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m training", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    data = sub.add_parser("data", help="render the embedded glyph set (cached) and print its catalog path")
-    data.add_argument("--data-dir", default="data/glyphs", help="where images and catalog.csv go")
+    data = sub.add_parser("data", help="render a built-in data set (cached) and print its catalog path")
+    data.add_argument(
+        "--set", dest="data_set", choices=["glyphs", "icons"], default="glyphs",
+        help="glyphs: font glyphs (the default data); icons: colour icons from Debian icon themes",
+    )  # fmt: skip
+    data.add_argument("--data-dir", help="where images and catalog.csv go (default data/<set>)")
 
     train = sub.add_parser("train", help="train an embedding model with Ray Train")
     train.add_argument("--config", help="YAML/TOML file with any of the options below")
@@ -141,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     def command() -> None:
         if args.command == "data":
             from training.glyphs import build_glyph_dataset
+            from training.icons import build_icon_dataset
 
-            print(build_glyph_dataset(args.data_dir))
+            build = {"glyphs": build_glyph_dataset, "icons": build_icon_dataset}[args.data_set]
+            print(build(args.data_dir or f"data/{args.data_set}"))
         elif args.command == "train":
             from training.train import TrainConfig, run_training
 
