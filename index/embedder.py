@@ -137,6 +137,13 @@ class OnnxEmbedder:
         # None: a batch in one run. See `tune_run_rows`.
         self.run_rows: int | None = None
         self.side_by_side_run_rows: int | None = None
+        # Rows one run may hold at most, whatever the tuning says: activation memory (on CUDA a
+        # whole batch is what makes a run fast, and device memory is the session's own concern).
+        self.max_run_rows: int | None = (
+            rows_per_pass(self.contract.height, self.contract.width)
+            if measures_run_rows(self.session.get_providers())
+            else None
+        )
         log.info(
             "loaded model %s with providers %s%s",
             self.model_id,
@@ -183,9 +190,9 @@ class OnnxEmbedder:
             return np.zeros((0, self.dim), dtype=np.float32)
         beside = side_by_side and self.side_by_side_session is not None
         session = self.side_by_side_session if beside else self.session
-        rows = (self.side_by_side_run_rows if beside else self.run_rows) or len(batch)
-        if measures_run_rows(session.get_providers()):
-            rows = min(rows, rows_per_pass(self.contract.height, self.contract.width))  # memory: see CPU_PASS_PIXELS
+        rows = min(
+            (self.side_by_side_run_rows if beside else self.run_rows) or len(batch), self.max_run_rows or len(batch)
+        )
         runs = [session.run(None, {self.input_name: batch[i : i + rows]})[0] for i in range(0, len(batch), rows)]
         out = np.asarray(runs[0] if len(runs) == 1 else np.concatenate(runs), dtype=np.float32)
         norms = np.linalg.norm(out, axis=1, keepdims=True)

@@ -54,6 +54,10 @@ def test_a_pretrained_network_is_exported_without_a_training_run(pretrained_mode
     assert manifest["pretrained"]["source"] == WEIGHTS and len(manifest["pretrained"]["sha256"]) == 64
     assert manifest["parity"]["images"] == 16 and manifest["parity"]["min_cosine"] > 0.9999
     assert manifest["input"]["height"] == 64 and manifest["output"]["l2_normalized"]
+    # On a CPU one ONNX Runtime run holds at most 32 images' worth of 224 px pixels: 392 of 64 px.
+    from index.embedder import OnnxEmbedder
+
+    assert OnnxEmbedder(pretrained_model, provider="cpu").max_run_rows == 32 * 224 * 224 // (64 * 64)
 
 
 def test_an_unlabelled_folder_is_indexed_and_served(photos, pretrained_model, tmp_path):

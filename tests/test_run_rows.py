@@ -123,3 +123,10 @@ def test_the_largest_run_is_a_batch_or_one_query(tmp_path):
     assert ServerConfig(index_root=str(tmp_path), max_batch_size=24, batching=False).largest_run == 1
     with pytest.raises(ValueError, match="run_rows must be ≥ 0"):
         ServerConfig(index_root=str(tmp_path), run_rows=-1)
+
+
+def test_a_cpu_run_holds_at_most_a_pass_of_224_px_images():
+    from index.preprocess import CPU_PASS_PIXELS, rows_per_pass
+
+    assert rows_per_pass(224, 224) == 32 and rows_per_pass(28, 28) == CPU_PASS_PIXELS // 784
+    assert rows_per_pass(4000, 4000) == 1  # never zero

@@ -61,7 +61,10 @@ class BenchmarkConfig:
         if clash:
             raise ValueError(f"the benchmark sets {', '.join(clash)} per run; leave them out of the protocol")
         for loss in self.losses:  # every run's configuration and loss is checked before anything trains
-            build_loss_for(self.train_config(loss, 0), num_classes=2)
+            cfg = self.train_config(loss, 0)
+            build_loss_for(
+                cfg, num_classes=2, embedding_dim=cfg.embedding_dim or 8
+            )  # a width; the check is the options
 
     def train_config(self, loss: str, seed: int) -> TrainConfig:
         options = {**PROTOCOL_DEFAULTS, **self.protocol}
