@@ -77,9 +77,24 @@ def verbose() -> bool:
     return bool(os.environ.get(VERBOSE_ENV))
 
 
+def ray_worker_setup() -> None:
+    """Ray's `worker_process_setup_hook`: quiet logging like the driver's, and RAY_ADDRESS set to
+    the worker's own cluster. Ray Train's placement-group cleaner calls Ray's state API, which
+    otherwise looks for "the" local cluster and dies of "Found multiple active Ray instances"
+    when two jobs run side by side on one machine (a training beside a rebuild)."""
+    quiet_third_party()
+    if not os.environ.get("RAY_ADDRESS"):
+        try:
+            import ray
+
+            os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+        except Exception:  # noqa: BLE001 — a worker without a context keeps Ray's own lookup
+            logging.getLogger(__name__).debug("no Ray context to read the cluster address from", exc_info=True)
+
+
 def ray_runtime_env() -> dict:
-    """What every `ray.init` passes: workers set up their logging like the driver."""
-    return {"worker_process_setup_hook": "index.cli.quiet_third_party"}
+    """What every `ray.init` passes: workers set up like the driver (`ray_worker_setup`)."""
+    return {"worker_process_setup_hook": "index.cli.ray_worker_setup"}
 
 
 def init_ray(log_to_driver: bool = True, **options) -> None:
