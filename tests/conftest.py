@@ -32,6 +32,7 @@ def demo_run(tmp_path_factory) -> Path:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert json.loads((out / "report.json").read_text())
+    (out / "terminal.txt").write_text(proc.stdout + proc.stderr)  # what a person running it saw
     return out
 
 

@@ -28,6 +28,13 @@ def test_demo_report_has_every_figure_and_training_helps(demo_run):
         assert report["served_recall_at_k"][k] == pytest.approx(report["trained_recall_at_k"][k], abs=0.01)
 
 
+def test_demo_output_fits_a_screen_without_third_party_noise(demo_run):
+    seen = (demo_run / "terminal.txt").read_text()
+    for noise in ("Token authentication", "PreemptionWatcher", "PlacementGroupCleaner", "Loading faiss", "onnxscript"):
+        assert noise not in seen, f"{noise!r} reached the terminal:\n{seen}"
+    assert len(seen.splitlines()) <= 60, seen
+
+
 def test_artifacts_are_published_with_manifests(demo_run):
     model = read_manifest(demo_run / "model")
     assert model["parity"]["min_cosine"] >= 0.9999
