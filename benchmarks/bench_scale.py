@@ -121,9 +121,9 @@ class TreeSampler(threading.Thread):
     """Peak RSS of every process under `pid` (itself included), and the peak of their summed
     PSS, sampled every `interval` seconds until stopped."""
 
-    def __init__(self, pid: int, interval: float = 2.0, extra: list[int] | None = None) -> None:
+    def __init__(self, pid: int, interval: float = 2.0) -> None:
         super().__init__(daemon=True)
-        self.roots = [pid, *(extra or [])]
+        self.pid = pid
         self.interval = interval
         self.peak_rss: dict[int, tuple[int, str]] = {}
         self.peak_total_pss = 0
@@ -138,22 +138,21 @@ class TreeSampler(threading.Thread):
         return " ".join(args[:3])[:60]
 
     def sample(self) -> None:
+        try:
+            top = psutil.Process(self.pid)
+            family = [top, *top.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
         total = 0
-        for root in self.roots:
+        for process in family:
             try:
-                top = psutil.Process(root)
-                family = [top, *top.children(recursive=True)]
-            except psutil.NoSuchProcess:
+                info = process.memory_full_info()
+                label = self.label(process)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
-            for process in family:
-                try:
-                    info = process.memory_full_info()
-                    label = self.label(process)
-                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                    continue
-                total += getattr(info, "pss", info.rss)
-                if info.rss > self.peak_rss.get(process.pid, (0, ""))[0]:
-                    self.peak_rss[process.pid] = (info.rss, label)
+            total += getattr(info, "pss", info.rss)
+            if info.rss > self.peak_rss.get(process.pid, (0, ""))[0]:
+                self.peak_rss[process.pid] = (info.rss, label)
         self.peak_total_pss = max(self.peak_total_pss, total)
 
     def run(self) -> None:

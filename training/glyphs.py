@@ -22,8 +22,8 @@ import numpy as np
 from fontTools.ttLib import TTFont, TTLibError
 from PIL import Image, ImageDraw, ImageFont
 
-from index.artifacts import staging_directory
-from index.catalog import Catalog, read_catalog
+from index.catalog import Catalog
+from training.rendered import rendered_catalog
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ FONT_PACKAGES = (
 IMAGE_SIZE = 28
 DEFAULT_MAX_FACES = 170
 DEFAULT_DATA_DIR = Path(os.environ.get("SIMSEARCH_DATA", "data")) / "glyphs"
-CATALOG_NAME = "catalog.csv"
 
 
 @dataclass(frozen=True)
@@ -118,15 +117,9 @@ def build_glyph_dataset(
             f"{', '.join(map(str, font_dirs))}; install the font packages: "
             f"apt-get install {' '.join(FONT_PACKAGES)}"
         )
-    fingerprint = _fingerprint(characters, faces, size)
-    catalog_path = data_dir / CATALOG_NAME
-    stamp = data_dir / "fingerprint"
-    if catalog_path.is_file() and stamp.is_file() and stamp.read_text().strip() == fingerprint:
-        if not read_catalog(catalog_path).check_files():
-            return catalog_path
-    log.info("rendering %d characters × %d faces into %s", len(characters), len(faces), data_dir)
-    data_dir.parent.mkdir(parents=True, exist_ok=True)
-    with staging_directory(data_dir) as staging:
+
+    def render(staging: Path) -> Catalog:
+        log.info("rendering %d characters × %d faces into %s", len(characters), len(faces), data_dir)
         ids, paths, labels, metadata = [], [], [], []
         for face_number, face in enumerate(faces):
             font = ImageFont.truetype(str(face.path), size=int(size * 0.7))
@@ -139,9 +132,9 @@ def build_glyph_dataset(
                 paths.append(staging / rel)
                 labels.append(codepoint)
                 metadata.append({"font": face.name, "character": character})
-        Catalog(ids, paths, labels, metadata, source="glyphs").write(staging / CATALOG_NAME)
-        (staging / "fingerprint").write_text(fingerprint + "\n")
-    return catalog_path
+        return Catalog(ids, paths, labels, metadata, source="glyphs")
+
+    return rendered_catalog(data_dir, _fingerprint(characters, faces, size), render)
 
 
 # Accented Latin letters (Latin-1 Supplement and Latin Extended-A): distinct classes at 28×28

@@ -8,9 +8,9 @@ set on which the fine-tuning recipe is measured (a pretrained ImageNet network a
 it moderately well, which the glyph set does not show).
 
 Every image file appears once: names that one theme draws with the same file (aliases such as
-``text-plain`` → ``text-x-generic``) would otherwise share an image across classes. Only the largest PNG of at least
-`MIN_SOURCE_SIZE` pixels is used; SVG-only themes are left out because rendering SVG needs a
-library this project does not otherwise use.
+``text-plain`` → ``text-x-generic``) would otherwise share an image across classes. Only the
+largest PNG of at least `MIN_SOURCE_SIZE` pixels is used; SVG-only themes are left out because
+rendering SVG needs a library this project does not otherwise use.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 
 from PIL import Image
 
-from index.artifacts import staging_directory
-from index.catalog import Catalog, read_catalog
+from index.catalog import Catalog
+from training.rendered import rendered_catalog
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,6 @@ MIN_SOURCE_SIZE = 48
 MIN_THEMES = 4
 IMAGE_SIZE = 128
 DEFAULT_DATA_DIR = Path(os.environ.get("SIMSEARCH_DATA", "data")) / "icons"
-CATALOG_NAME = "catalog.csv"
 _SIZE_IN_PATH = re.compile(r"(?:^|/)(\d+)(?:x\d+)?(?:@\d+x)?(?:/|$)")
 
 
@@ -146,7 +145,6 @@ def build_icon_dataset(
     size: int = IMAGE_SIZE,
 ) -> Path:
     """Render (or reuse) the icon set under `data_dir`; return the catalog path."""
-    data_dir = Path(data_dir)
     present = [t for t in themes if (root / t).is_dir()]
     if len(present) < min_themes:
         missing = [THEMES.get(t, t) for t in themes if t not in present]
@@ -155,16 +153,10 @@ def build_icon_dataset(
             f"need {min_themes}: apt-get install {' '.join(missing)}"
         )
     classes = icon_classes(present, root, min_themes)
-    fingerprint = _fingerprint(classes, size)
-    catalog_path = data_dir / CATALOG_NAME
-    stamp = data_dir / "fingerprint"
-    if catalog_path.is_file() and stamp.is_file() and stamp.read_text().strip() == fingerprint:
-        if not read_catalog(catalog_path).check_files():
-            return catalog_path
-    total = sum(len(d) for d in classes.values())
-    log.info("rendering %d icons of %d classes from %d themes into %s", total, len(classes), len(present), data_dir)
-    data_dir.parent.mkdir(parents=True, exist_ok=True)
-    with staging_directory(data_dir) as staging:
+
+    def render(staging: Path) -> Catalog:
+        total = sum(len(d) for d in classes.values())
+        log.info("rendering %d icons of %d classes from %d themes into %s", total, len(classes), len(present), data_dir)
         ids, paths, labels, metadata = [], [], [], []
         for number, (label, drawings) in enumerate(classes.items()):
             for drawing in drawings:
@@ -175,6 +167,6 @@ def build_icon_dataset(
                 paths.append(staging / rel)
                 labels.append(label)
                 metadata.append({"theme": drawing.theme, "icon": drawing.name, "source_px": drawing.size})
-        Catalog(ids, paths, labels, metadata, source="icons").write(staging / CATALOG_NAME)
-        (staging / "fingerprint").write_text(fingerprint + "\n")
-    return catalog_path
+        return Catalog(ids, paths, labels, metadata, source="icons")
+
+    return rendered_catalog(data_dir, _fingerprint(classes, size), render)
