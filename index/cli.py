@@ -107,10 +107,8 @@ def init_ray(log_to_driver: bool = True, **options) -> None:
         return
     address = os.environ.get("RAY_ADDRESS")
     runtime_env = ray_runtime_env()
-    if not address:
-        for name, value in LOCAL_RAY_ENV.items():
-            os.environ.setdefault(name, value)  # read by the driver-side controller too
-        runtime_env["env_vars"] = {name: os.environ[name] for name in LOCAL_RAY_ENV}
+    if not address:  # the user's own setting of a variable wins
+        runtime_env["env_vars"] = {name: os.environ.get(name, value) for name, value in LOCAL_RAY_ENV.items()}
     ray.init(address=address, include_dashboard=False, log_to_driver=log_to_driver, runtime_env=runtime_env, **options)
 
 
