@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serving as bs  # noqa: E402
 
-from index.catalog import read_catalog  # noqa: E402
+from core.catalog import read_catalog  # noqa: E402
 
 
 def parse_config(text: str) -> tuple[str, tuple[str, ...]]:

@@ -27,8 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.catalog import read_catalog  # noqa: E402
 from index.build import embed_catalog  # noqa: E402
-from index.catalog import read_catalog  # noqa: E402
 from index.embedder import OnnxEmbedder  # noqa: E402
 from index.faiss_index import (  # noqa: E402
     apply_search_params,

@@ -25,8 +25,8 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.preprocess import DEFAULT_REDUCING_GAP, InputContract, decode, open_image  # noqa: E402
 from index.embedder import OnnxEmbedder  # noqa: E402
-from index.preprocess import DEFAULT_REDUCING_GAP, InputContract, decode, open_image  # noqa: E402
 from training.models import input_contract  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "runs" / "bench-mobilenet_v2-224" / "model"

@@ -20,10 +20,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.catalog import Catalog, read_catalog  # noqa: E402
+from core.preprocess import load_batch  # noqa: E402
 from index.build import embed_catalog  # noqa: E402
-from index.catalog import Catalog, read_catalog  # noqa: E402
 from index.embedder import OnnxEmbedder  # noqa: E402
-from index.preprocess import load_batch  # noqa: E402
 from index.rebuild import embed_with_ray_data  # noqa: E402
 
 

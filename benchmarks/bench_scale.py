@@ -89,7 +89,7 @@ def _render_chunk(job: tuple[list[tuple[int, str, str, str]], int, int, str]) ->
 
 def write_catalog(out: Path, num_classes: int, per_class: int, size: int) -> Path:
     """The catalog (cached: re-running reuses the images already written)."""
-    from index.catalog import Catalog
+    from core.catalog import Catalog
     from training.glyphs import CHARACTERS, discover_faces
 
     faces = discover_faces(CHARACTERS, max_faces=None)
@@ -190,7 +190,7 @@ def run_stage(name: str, command: list[str], log_dir: Path) -> dict:
 
 def serve_stage(index_root: Path, catalog: Path, queries: int, concurrency: int) -> dict:
     """Start the server over the index, query it with catalog images and item ids, stop it."""
-    from index.catalog import read_catalog
+    from core.catalog import read_catalog
     from serving.client import SearchClient
 
     port, metrics_port = bs.free_port(), bs.free_port()
@@ -382,7 +382,7 @@ def main() -> None:
             config = json.loads((out / "train" / "config.json").read_text())
             from collections import Counter
 
-            from index.catalog import read_catalog
+            from core.catalog import read_catalog
             from training.warm_start import warm_start_per_class
 
             per_class = Counter(read_catalog(out / "train" / "splits" / "train.csv").labels).values()

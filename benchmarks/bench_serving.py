@@ -50,9 +50,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from index import artifacts  # noqa: E402
-from index.catalog import read_catalog  # noqa: E402
-from index.preprocess import load_image  # noqa: E402
+from core import artifacts  # noqa: E402
+from core.catalog import read_catalog  # noqa: E402
+from core.preprocess import load_image  # noqa: E402
 from protos.simsearch.v1 import search_pb2 as pb  # noqa: E402
 from serving.__main__ import server_config  # noqa: E402
 from serving.engine import load_pair  # noqa: E402

@@ -13,7 +13,7 @@ import time
 import grpc
 import numpy as np
 
-from index.catalog import read_catalog
+from core.catalog import read_catalog
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 

@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_serving as bs  # noqa: E402
 
-from index import artifacts  # noqa: E402
-from index.items import ItemTable  # noqa: E402
+from core import artifacts  # noqa: E402
+from core.items import ItemTable  # noqa: E402
 from protos.simsearch.v1 import search_pb2 as pb  # noqa: E402
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc  # noqa: E402
 

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from index.cli import add_verbose_flag, run_cli
-from index.config import from_cli
+from core.cli import add_verbose_flag, run_cli
+from core.config import from_cli
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     def command() -> None:
         from pathlib import Path
 
-        from index import artifacts
+        from core import artifacts
 
         if args.command in ("list", "rollback") and not Path(args.index_root).is_dir():
             raise ValueError(f"index root not found: {args.index_root}")

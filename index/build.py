@@ -13,14 +13,18 @@ from pathlib import Path
 
 import numpy as np
 
-from index import artifacts
-from index.artifacts import ArtifactError, read_manifest, utc_now, write_json_atomic
-from index.catalog import Catalog, CatalogError, read_catalog
-from index.config import to_jsonable
+from core import artifacts
+from core.artifacts import ArtifactError, read_manifest, utc_now, write_json_atomic
+from core.catalog import Catalog, CatalogError, read_catalog
+from core.config import to_jsonable
+from core.items import ItemTable
+from core.metrics import recall_at_k, recall_from_neighbor_labels
+from core.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, load_image
+from core.progress import Progress
 from index.contact_sheet import contact_sheet, sample_neighbours
 from index.embedder import OnnxEmbedder
-from index.evaluation import ann_recall, recall_at_k, recall_from_neighbor_labels
 from index.faiss_index import (
+    ann_recall,
     apply_search_params,
     build_index,
     l2_normalized,
@@ -32,9 +36,6 @@ from index.faiss_index import (
     select_device,
     with_default_rerank,
 )
-from index.items import ItemTable
-from index.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, load_image
-from index.progress import Progress
 
 log = logging.getLogger(__name__)
 

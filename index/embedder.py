@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from index.artifacts import MODEL_FILE, ArtifactError, read_manifest
-from index.preprocess import InputContract, rows_per_pass
+from core.artifacts import MODEL_FILE, ArtifactError, read_manifest
+from core.preprocess import InputContract, rows_per_pass
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,8 @@ from pathlib import Path
 import faiss
 import numpy as np
 
+from core.vectors import as_float32_rows, exact_search, l2_normalized
+
 log = logging.getLogger(__name__)
 
 # A search parameter of our own beside faiss's (nprobe, efSearch, ...): re-score RERANK×k
@@ -33,24 +35,6 @@ def select_device(prefer: str = "auto", num_gpus: int | None = None) -> str:
     if prefer == "gpu" and available == 0:
         raise RuntimeError("device 'gpu' requested but faiss sees no GPU (is faiss-gpu installed?)")
     return "gpu" if prefer != "cpu" and available > 0 else "cpu"
-
-
-def as_float32_rows(vectors: np.ndarray, dim: int | None = None) -> np.ndarray:
-    array = np.ascontiguousarray(vectors, dtype=np.float32)
-    if array.ndim != 2:
-        raise ValueError(f"expected a 2-D array of vectors, got shape {array.shape}")
-    if dim is not None and array.shape[1] != dim:
-        raise ValueError(f"expected vectors of dimension {dim}, got {array.shape[1]}")
-    if not np.isfinite(array).all():
-        raise ValueError("vectors contain NaN or infinity")
-    return array
-
-
-def l2_normalized(vectors: np.ndarray) -> np.ndarray:
-    """A normalised copy (faiss.normalize_L2 works in place and would change the caller's array)."""
-    out = as_float32_rows(vectors).copy()
-    faiss.normalize_L2(out)
-    return out
 
 
 def build_index(
@@ -192,14 +176,6 @@ def search_leaving_out_self(
     return found_scores, found_rows
 
 
-def exact_search(database: np.ndarray, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Brute-force inner-product search, the reference every ANN index is measured against."""
-    data = l2_normalized(database)
-    flat = faiss.IndexFlatIP(data.shape[1])
-    flat.add(data)
-    return search(flat, queries, k)
-
-
 def save_index(index: faiss.Index, path: str | Path) -> None:
     faiss.write_index(index, str(path))
 
@@ -220,3 +196,10 @@ def stores_exact_vectors(index: faiss.Index) -> bool:
     if isinstance(index, faiss.IndexHNSW):
         return stores_exact_vectors(index.storage)
     return False
+
+
+def ann_recall(index, database: np.ndarray, queries: np.ndarray, k: int) -> float:
+    """Fraction of the exact top-k neighbours the ANN index returns (averaged over queries)."""
+    _, exact_rows = exact_search(database, queries, k)
+    _, ann_rows = search(index, queries, k)
+    return float(np.mean([len(set(a) & set(e)) / len(e) for a, e in zip(ann_rows, exact_rows, strict=False)]))

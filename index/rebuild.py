@@ -1,7 +1,7 @@
 """Batch index rebuild on Ray Data: read the catalog, decode and embed on the cluster, publish.
 
 The catalog becomes a Ray Dataset; `map_batches` decodes and preprocesses with the one
-preprocessing implementation (`index.preprocess`), an actor pool embeds with ONNX Runtime
+preprocessing implementation (`core.preprocess`), an actor pool embeds with ONNX Runtime
 (one GPU per actor when the cluster has GPUs, CPU actors otherwise), and the embeddings are
 written as Parquet shards to a work directory keyed by catalog and model. The driver then
 builds the faiss index and publishes it through the same quality gate and atomic publish as
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from index.artifacts import read_manifest, utc_now, write_json_atomic
+from core.artifacts import read_manifest, utc_now, write_json_atomic
+from core.catalog import read_catalog
+from core.cli import init_ray
+from core.preprocess import ImageDecodeError, load_image
 from index.build import BuildConfig, check_bad_rows, default_catalog, publish_index
-from index.catalog import read_catalog
-from index.cli import init_ray
-from index.preprocess import ImageDecodeError, load_image
 
 log = logging.getLogger(__name__)
 

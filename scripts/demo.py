@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from index import artifacts
-from index.catalog import read_catalog
-from index.evaluation import recall_from_neighbor_labels
+from core import artifacts
+from core.catalog import read_catalog
+from core.metrics import recall_from_neighbor_labels
 from serving.client import SearchClient
 
 KS = (1, 2, 4, 8)

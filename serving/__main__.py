@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING  # noqa: E402
 
 import grpc  # noqa: E402
 
-from index.cli import add_verbose_flag, run_cli  # noqa: E402
-from index.config import from_cli  # noqa: E402
+from core.cli import add_verbose_flag, run_cli  # noqa: E402
+from core.config import from_cli  # noqa: E402
 
 if TYPE_CHECKING:
     from serving.server import ServerConfig

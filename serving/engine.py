@@ -20,19 +20,19 @@ import faiss
 import numpy as np
 from PIL import Image
 
-from index import artifacts
-from index.artifacts import ArtifactError, read_manifest
-from index.build import check_model_index_pair
-from index.embedder import OnnxEmbedder
-from index.faiss_index import ExactRerank, apply_search_params, load_index, searchable
-from index.items import ItemTable
-from index.preprocess import (
+from core import artifacts
+from core.artifacts import ArtifactError, read_manifest
+from core.items import ItemTable
+from core.preprocess import (
     DEFAULT_MAX_PIXELS,
     ImageDecodeError,
     ImageTooLarge,
     decode,
     open_image,
 )
+from index.build import check_model_index_pair
+from index.embedder import OnnxEmbedder
+from index.faiss_index import ExactRerank, apply_search_params, load_index, searchable
 from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from index.evaluation import recall_from_neighbor_labels
+from core.metrics import recall_from_neighbor_labels
 from serving.engine import ServingPair
 from serving.metrics import ServiceMetrics
 

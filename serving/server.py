@@ -36,8 +36,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from PIL import Image
 
-from index import artifacts
-from index.artifacts import ArtifactError
+from core import artifacts
+from core.artifacts import ArtifactError
 from index.build import read_probe_catalog
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc

@@ -1,4 +1,4 @@
-"""index.artifacts: atomic publishing, manifests and the index CURRENT pointer.
+"""core.artifacts: atomic publishing, manifests and the index CURRENT pointer.
 
 The kill tests run a real writer process and SIGKILL it mid-write: whatever was published
 before must still be there, complete and readable.
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from index import artifacts
-from index.artifacts import (
+from core import artifacts
+from core.artifacts import (
     ArtifactError,
     current_version,
     file_sha256,
@@ -246,8 +246,8 @@ def test_prune_keeps_newest_and_the_live_one(tmp_path):
 WRITER_PRELUDE = """
 import sys, time, itertools
 from pathlib import Path
-from index import artifacts
-from index.artifacts import *
+from core import artifacts
+from core.artifacts import *
 ready = Path(sys.argv[1]); target = Path(sys.argv[2])
 """
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from index.catalog import read_catalog
-from index.preprocess import load_image
+from core.catalog import read_catalog
+from core.preprocess import load_image
 from serving.batching import DynamicBatcher, Job
 from serving.engine import SearchEngine, load_pair
 from serving.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable

@@ -1,4 +1,4 @@
-"""index.config: defaults ← YAML/TOML file ← command-line flags, with names and types checked."""
+"""core.config: defaults ← YAML/TOML file ← command-line flags, with names and types checked."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from index.build import BuildConfig
-from index.config import (
+from core.config import (
     ConfigError,
     explicit_args,
     from_cli,
@@ -17,6 +16,7 @@ from index.config import (
     resolve_config,
     to_jsonable,
 )
+from index.build import BuildConfig
 
 
 @dataclass

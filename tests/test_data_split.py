@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from index.catalog import Catalog, read_catalog
-from index.preprocess import InputContract, load_image
+from core.catalog import Catalog, read_catalog
+from core.preprocess import InputContract, load_image
 from training.data import class_disjoint_split, load_images, prepare_splits
 
 CLASSES = [f"k{i:02d}" for i in range(20)]

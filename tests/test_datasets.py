@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from index.catalog import Catalog, CatalogError, read_catalog
+from core.catalog import Catalog, CatalogError, read_catalog
 from training.datasets import (
     BenchmarkDataset,
     available_datasets,

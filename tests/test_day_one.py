@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from index import artifacts
-from index.artifacts import read_manifest
+from core import artifacts
+from core.artifacts import read_manifest
+from core.catalog import read_catalog
 from index.build import NO_PROBE
-from index.catalog import read_catalog
 
 pytestmark = pytest.mark.slow
 

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from index.artifacts import read_manifest, version_dir
-from index.catalog import read_catalog
+from core.artifacts import read_manifest, version_dir
+from core.catalog import read_catalog
+from core.preprocess import load_batch
 from index.embedder import OnnxEmbedder
-from index.preprocess import load_batch
 
 pytestmark = pytest.mark.slow
 

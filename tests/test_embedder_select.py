@@ -92,9 +92,9 @@ def test_servers_share_the_threads_among_the_runs_they_make_at_once_unless_told_
 def test_a_session_with_a_share_of_the_threads_for_runs_side_by_side_only_where_it_differs(demo_run):
     import numpy as np
 
-    from index.catalog import read_catalog
+    from core.catalog import read_catalog
+    from core.preprocess import load_batch
     from index.embedder import OnnxEmbedder
-    from index.preprocess import load_batch
 
     model = demo_run / "model"
     embedder = OnnxEmbedder(model, provider="cpu", intra_op_threads=2, runs_at_once=2)

@@ -1,18 +1,17 @@
-"""index.evaluation: Recall@K, MAP@R and ANN recall, checked against brute-force numpy."""
+"""core.metrics: Recall@K, MAP@R and ANN recall, checked against brute-force numpy."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from index.evaluation import (
+from core.metrics import (
     _neighbors_without_self,
-    ann_recall,
     map_at_r,
     recall_at_k,
     recall_from_neighbor_labels,
 )
-from index.faiss_index import apply_search_params, build_index
+from index.faiss_index import ann_recall, apply_search_params, build_index
 
 
 def others_by_similarity(embeddings: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from index.catalog import read_catalog
+from core.catalog import read_catalog
 from training.glyphs import IMAGE_SIZE, build_glyph_dataset
 
 CHARACTERS = "AB"

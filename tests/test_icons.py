@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from index.catalog import read_catalog
+from core.catalog import read_catalog
 from training.icons import build_icon_dataset, icon_classes, render_icon, theme_drawings
 
 

@@ -1,7 +1,9 @@
-"""The layering rule: `index` and `serving` import without torch, so a serving image has none.
+"""The layering rule: `core` is the bottom layer (it imports neither torch nor `training`, `index`
+or `serving`), and `index` and `serving` import without torch, so a serving image has none.
 
 Each check runs in a fresh interpreter (this test process may already have torch loaded). Every
-module under index/ and serving/ is found with pkgutil, so modules added later are covered too.
+module under core/, index/ and serving/ is found with pkgutil, so modules added later are covered
+too.
 """
 
 from __future__ import annotations
@@ -16,17 +18,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 NAMED = [
+    "core",
+    "core.artifacts",
+    "core.catalog",
+    "core.cli",
+    "core.config",
+    "core.items",
+    "core.metrics",
+    "core.preprocess",
+    "core.progress",
+    "core.vectors",
     "index",
     "index.build",
     "index.embedder",
     "index.faiss_index",
-    "index.artifacts",
-    "index.catalog",
-    "index.preprocess",
-    "index.evaluation",
-    "index.items",
-    "index.config",
-    "index.cli",
+    "core.artifacts",
+    "core.catalog",
+    "core.preprocess",
+    "core.metrics",
+    "core.items",
+    "core.config",
+    "core.cli",
 ]
 
 IMPORT_ALL = """
@@ -47,14 +59,14 @@ imported = []
 for name in {named!r}:
     importlib.import_module(name)
     imported.append(name)
-packages = ["index"] + (["serving"] if Path("serving/__init__.py").is_file() else [])
+packages = {packages!r}
 for package in packages:
     module = importlib.import_module(package)
     imported.append(package)
     for info in pkgutil.walk_packages(module.__path__, package + "."):
         importlib.import_module(info.name)
         imported.append(info.name)
-heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "torchvision"))
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in {forbidden!r})
 torch_importable = None
 if BLOCK:
     try:  # the blocker really hides torch (so the blocked run is not vacuous)
@@ -66,8 +78,18 @@ print(json.dumps({{"imported": imported, "heavy": heavy, "torch_importable": tor
 """
 
 
-def run_imports(block_torch: bool) -> dict:
-    code = textwrap.dedent(IMPORT_ALL.format(block=block_torch, named=NAMED))
+TORCH = ("torch", "torchvision")
+
+
+def run_imports(
+    block_torch: bool,
+    named: list[str] = NAMED,
+    packages: tuple[str, ...] = ("core", "index", "serving"),
+    forbidden: tuple[str, ...] = TORCH,
+) -> dict:
+    code = textwrap.dedent(
+        IMPORT_ALL.format(block=block_torch, named=named, packages=list(packages), forbidden=forbidden)
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(REPO)
     proc = subprocess.run(
@@ -82,11 +104,9 @@ def run_imports(block_torch: bool) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def expected_modules() -> set[str]:
+def expected_modules(packages: tuple[str, ...] = ("core", "index", "serving")) -> set[str]:
     found = set()
-    for package in ("index", "serving"):
-        if package == "serving" and not (REPO / "serving" / "__init__.py").is_file():
-            continue
+    for package in packages:
         found.add(package)
         for path in (REPO / package).rglob("*.py"):
             rel = path.relative_to(REPO).with_suffix("")
@@ -109,3 +129,12 @@ def test_index_and_serving_import_when_torch_is_not_installed():
     assert result["torch_importable"] is False
     assert result["heavy"] == []
     assert expected_modules() <= set(result["imported"])
+
+
+def test_core_imports_nothing_above_it_and_no_torch():
+    core_named = [name for name in NAMED if name.split(".")[0] == "core"]
+    result = run_imports(
+        block_torch=True, named=core_named, packages=("core",), forbidden=(*TORCH, "training", "index", "serving")
+    )
+    assert result["heavy"] == []
+    assert expected_modules(("core",)) <= set(result["imported"])

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from index import artifacts
-from index.artifacts import read_manifest
+from core import artifacts
+from core.artifacts import read_manifest
+from core.catalog import read_catalog
 from index.build import BuildConfig, run_build
-from index.catalog import read_catalog
 from protos.simsearch.v1 import search_pb2 as pb
 from tests.test_serving_production import start
 

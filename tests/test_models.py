@@ -9,7 +9,7 @@ import torchvision
 from PIL import Image
 from torch import nn
 
-from index.preprocess import DEFAULT_REDUCING_GAP, load_image
+from core.preprocess import DEFAULT_REDUCING_GAP, load_image
 from training.models import (
     IMAGENET_MEAN,
     IMAGENET_STD,

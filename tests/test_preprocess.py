@@ -1,4 +1,4 @@
-"""index.preprocess: the one decode → model-input implementation every stage calls."""
+"""core.preprocess: the one decode → model-input implementation every stage calls."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import ExifTags, Image
 
-from index.preprocess import (
+from core.preprocess import (
     DEFAULT_MAX_PIXELS,
     DEFAULT_REDUCING_GAP,
     ImageDecodeError,
@@ -242,7 +242,7 @@ def test_colour_modes_are_converted():
 def test_grey_image_for_rgb_model_equals_converting_first(size):
     # Grey sources are resized as one channel and replicated: the numbers must be exactly
     # those of converting to RGB before resizing, upscaled or downscaled, cropped or not.
-    from index.preprocess import to_model_input
+    from core.preprocess import to_model_input
 
     grey = Image.fromarray(np.random.default_rng(0).integers(0, 256, size[::-1], dtype=np.uint8), mode="L")
     contract = InputContract(height=24, width=24, channels=3, resize=32)

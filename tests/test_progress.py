@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from index.progress import Progress, track
+from core.progress import Progress, track
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,7 +40,7 @@ def test_auto_is_lines_when_stderr_is_not_a_terminal():
     assert Progress(1, "x").mode == "lines"  # pytest captures stderr: not a tty
 
 
-CHATTER = "import logging; from index.cli import configure_logging; configure_logging({}); import faiss"
+CHATTER = "import logging; from core.cli import configure_logging; configure_logging({}); import faiss"
 
 
 @pytest.mark.parametrize("verbose", [False, True])

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from index import artifacts
-from index.items import ItemTable
+from core import artifacts
+from core.items import ItemTable
 from serving.client import SearchClient
 from serving.server import SearchServer, ServerConfig
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from index import artifacts
-from index.catalog import read_catalog
+from core import artifacts
+from core.catalog import read_catalog
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

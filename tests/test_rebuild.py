@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from index import artifacts
-from index.catalog import Catalog, read_catalog
-from index.items import ItemTable
+from core import artifacts
+from core.catalog import Catalog, read_catalog
+from core.items import ItemTable
 from index.rebuild import embed_actor_resources
 from tests.test_preprocess import png_header_only
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from index import artifacts
+from core import artifacts
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.memory import reclaim, return_free_heap
 from tests.conftest import ROOT

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from index.catalog import read_catalog
+from core.catalog import read_catalog
+from core.preprocess import load_batch
 from index.embedder import CPU, CUDA, OnnxEmbedder, fastest_run_rows, measures_run_rows
-from index.preprocess import load_batch
 from serving.engine import load_pair
 from serving.server import ServerConfig
 
@@ -126,7 +126,7 @@ def test_the_largest_run_is_a_batch_or_one_query(tmp_path):
 
 
 def test_a_cpu_run_holds_at_most_a_pass_of_224_px_images():
-    from index.preprocess import CPU_PASS_PIXELS, rows_per_pass
+    from core.preprocess import CPU_PASS_PIXELS, rows_per_pass
 
     assert rows_per_pass(224, 224) == 32 and rows_per_pass(28, 28) == CPU_PASS_PIXELS // 784
     assert rows_per_pass(4000, 4000) == 1  # never zero

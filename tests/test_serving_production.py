@@ -32,9 +32,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from index import artifacts
+from core import artifacts
+from core.items import ItemTable
 from index.faiss_index import build_index, save_index
-from index.items import ItemTable
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient
 from serving.server import SearchServer, ServerConfig

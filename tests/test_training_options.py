@@ -11,9 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from index.catalog import Catalog
-from index.evaluation import query_gallery_recall_at_k
-from index.preprocess import InputContract
+from core.catalog import Catalog
+from core.metrics import query_gallery_recall_at_k
+from core.preprocess import InputContract
 from training.data import (
     EvalImages,
     LazyImages,
@@ -136,7 +136,7 @@ def test_lazy_images_skip_and_count_unreadable_ones(tmp_path):
 def test_benchmark_splits_keep_the_published_split_and_carve_validation(tmp_path, name):
     root = write_replica(name, tmp_path / "data")
     splits = prepare_splits(None, tmp_path / "work", dataset=name, data_root=root, val_fraction=0.1)
-    from index.catalog import read_catalog
+    from core.catalog import read_catalog
 
     catalogs = {k: read_catalog(v) for k, v in splits.items()}
     if name == "cub":

@@ -94,7 +94,7 @@ def test_recipes_choose_the_start_and_a_head_can_be_left_out():
 
 
 def test_no_head_and_the_start_are_flags():
-    from index.config import from_cli
+    from core.config import from_cli
     from training.__main__ import _parser
 
     cfg = from_cli(TrainConfig, _parser().parse_args(["train", "--embedding-dim", "none", "--proxy-init", "random"]))

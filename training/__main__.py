@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from index.cli import add_verbose_flag, run_cli
-from index.config import from_cli
+from core.cli import add_verbose_flag, run_cli
+from core.config import from_cli
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             out = run_training(from_cli(TrainConfig, args))
             print(json.dumps({"run": str(out), **_summary(out)}, indent=2))
         elif args.command == "benchmark":
-            from index.config import explicit_args, load_config_file
+            from core.config import explicit_args, load_config_file
             from training.benchmark import BenchmarkConfig, run_benchmark
 
             values = {**(load_config_file(args.config) if args.config else {}), **explicit_args(args)}

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from index.artifacts import write_json_atomic
-from index.cli import init_ray
-from index.config import ConfigError, resolve_config, to_jsonable
+from core.artifacts import write_json_atomic
+from core.cli import init_ray
+from core.config import ConfigError, resolve_config, to_jsonable
 from training.losses import available_losses, get_loss_class
 from training.train import RESULTS_FILE, TrainConfig, build_loss_for
 

@@ -1,6 +1,6 @@
 """Training data: catalogs split by class into train/val/test, and images decoded for torch.
 
-Evaluation images go through the one preprocessing implementation in `index.preprocess`.
+Evaluation images go through the one preprocessing implementation in `core.preprocess`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from index.catalog import Catalog, read_catalog
-from index.preprocess import ImageDecodeError, InputContract, load_image, rows_per_pass
-from index.progress import Progress
+from core.catalog import Catalog, read_catalog
+from core.preprocess import ImageDecodeError, InputContract, load_image, rows_per_pass
+from core.progress import Progress
 from training.glyphs import DEFAULT_DATA_DIR, build_glyph_dataset
 
 log = logging.getLogger(__name__)

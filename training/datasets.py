@@ -1,7 +1,7 @@
 """Readers for the four deep-metric-learning benchmarks, in their layouts exactly as published.
 
 Nothing is downloaded: point a reader at a local copy and it returns the dataset's standard
-class-disjoint split as project catalogs (`index.catalog.Catalog`), one per split::
+class-disjoint split as project catalogs (`core.catalog.Catalog`), one per split::
 
     from training.datasets import load_benchmark
 
@@ -70,7 +70,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 from PIL import Image
 
-from index.catalog import Catalog, CatalogError
+from core.catalog import Catalog, CatalogError
 
 log = logging.getLogger(__name__)
 

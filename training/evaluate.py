@@ -1,6 +1,6 @@
 """Evaluation of an embedding model: embed with torch, score with the shared index metrics.
 
-Recall@K and MAP@R come from `index.evaluation` (the same numbers the index gate and the
+Recall@K and MAP@R come from `core.metrics` (the same numbers the index gate and the
 server report); NMI and the pair-similarity histograms are training-only diagnostics.
 """
 
@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from index.evaluation import map_at_r, query_gallery_recall_at_k, recall_at_k
-from index.preprocess import rows_per_pass
+from core.metrics import map_at_r, query_gallery_recall_at_k, recall_at_k
+from core.preprocess import rows_per_pass
 
 
 @contextmanager

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import torch
 
-from index.artifacts import (
+from core.artifacts import (
     MANIFEST,
     MODEL_FILE,
     ArtifactError,
@@ -27,10 +27,10 @@ from index.artifacts import (
     utc_now,
     write_json_atomic,
 )
-from index.catalog import read_catalog
-from index.cli import verbose
+from core.catalog import read_catalog
+from core.cli import verbose
+from core.preprocess import InputContract
 from index.embedder import OnnxEmbedder
-from index.preprocess import InputContract
 from training.data import load_images
 from training.evaluate import embed_images
 from training.models import EmbeddingNet, backbone_spec, input_contract, resolve_weights
@@ -227,8 +227,8 @@ def run_export(cfg: ExportConfig) -> Path:
 
 def export_variant(base: Path, name: str, test_catalog: Path, ks: list[int]) -> Path:
     """Publish `<base>-<name>`: a reduced-precision copy with its Recall@K drop measured."""
-    from index.artifacts import read_manifest
-    from index.evaluation import recall_at_k
+    from core.artifacts import read_manifest
+    from core.metrics import recall_at_k
 
     manifest = read_manifest(base)
     target = base.with_name(f"{base.name}-{name}")

@@ -22,7 +22,7 @@ import numpy as np
 from fontTools.ttLib import TTFont, TTLibError
 from PIL import Image, ImageDraw, ImageFont
 
-from index.catalog import Catalog
+from core.catalog import Catalog
 from training.rendered import rendered_catalog
 
 log = logging.getLogger(__name__)

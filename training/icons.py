@@ -27,7 +27,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from index.catalog import Catalog
+from core.catalog import Catalog
 from training.rendered import rendered_catalog
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from index.preprocess import DEFAULT_REDUCING_GAP, InputContract
+from core.preprocess import DEFAULT_REDUCING_GAP, InputContract
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

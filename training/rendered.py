@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from index.artifacts import staging_directory
-from index.catalog import Catalog, read_catalog
+from core.artifacts import staging_directory
+from core.catalog import Catalog, read_catalog
 
 CATALOG_NAME = "catalog.csv"
 FINGERPRINT_NAME = "fingerprint"

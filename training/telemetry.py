@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
-from index.progress import track
+from core.progress import track
 
 
 def epoch_logger() -> logging.Logger:

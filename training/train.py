@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from index.artifacts import staging_directory, utc_now, write_json_atomic
-from index.catalog import read_catalog
-from index.cli import init_ray, verbose
-from index.config import to_jsonable
+from core.artifacts import staging_directory, utc_now, write_json_atomic
+from core.catalog import read_catalog
+from core.cli import init_ray, verbose
+from core.config import to_jsonable
 from training.data import (
     AUGMENTATIONS,
     DATA_MODES,

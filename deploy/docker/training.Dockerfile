@@ -9,6 +9,7 @@ RUN apt-get update && apt-get install -y --no-install-recommends \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY training/ training/
+COPY core/ core/
 COPY index/ index/
 COPY serving/ serving/
 COPY protos/ protos/

@@ -10,10 +10,10 @@ import os
 import sys
 from collections.abc import Callable
 
-from index.artifacts import ArtifactError
-from index.catalog import CatalogError
-from index.config import ConfigError
-from index.preprocess import ImageDecodeError
+from core.artifacts import ArtifactError
+from core.catalog import CatalogError
+from core.config import ConfigError
+from core.preprocess import ImageDecodeError
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ArtifactError,
@@ -94,7 +94,7 @@ def ray_worker_setup() -> None:
 
 def ray_runtime_env() -> dict:
     """What every `ray.init` passes: workers set up like the driver (`ray_worker_setup`)."""
-    return {"worker_process_setup_hook": "index.cli.ray_worker_setup"}
+    return {"worker_process_setup_hook": "core.cli.ray_worker_setup"}
 
 
 def init_ray(log_to_driver: bool = True, **options) -> None:

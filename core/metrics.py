@@ -1,4 +1,4 @@
-"""Retrieval quality: Recall@K, MAP@R and ANN recall, with exact faiss search as reference.
+"""Retrieval quality: Recall@K and MAP@R, with exact faiss search as reference.
 
 Training evaluation, index quality gates and the server's online monitor all use these, so a
 Recall@K means the same thing at every stage.
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from index.faiss_index import exact_search, search
+from core.vectors import exact_search
 
 
 def recall_from_neighbor_labels(
@@ -94,10 +94,3 @@ def map_at_r(embeddings: np.ndarray, labels: Sequence) -> float:
     within_r = ranks[None, :] <= r_per_query[:, None]
     ap = (precision_at_i * hits * within_r).sum(axis=1) / np.maximum(r_per_query, 1)
     return float(ap[r_per_query > 0].mean())
-
-
-def ann_recall(index, database: np.ndarray, queries: np.ndarray, k: int) -> float:
-    """Fraction of the exact top-k neighbours the ANN index returns (averaged over queries)."""
-    _, exact_rows = exact_search(database, queries, k)
-    _, ann_rows = search(index, queries, k)
-    return float(np.mean([len(set(a) & set(e)) / len(e) for a, e in zip(ann_rows, exact_rows, strict=False)]))
