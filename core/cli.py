@@ -120,6 +120,20 @@ def add_verbose_flag(subparsers: argparse._SubParsersAction) -> None:
         )
 
 
+def add_config_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML/TOML file with any of the options below (flags win)")
+
+
+def add_progress_flag(parser: argparse.ArgumentParser) -> None:
+    """How a long stage shows progress is the terminal's business, not the artifact's: a flag only."""
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a bar on a terminal, a line every ~30 s otherwise (default: on)",
+    )
+
+
 def run_cli(command: Callable[[], None], verbose: bool = False) -> int:
     """Run a command; print user errors without a traceback (exit 2), keep tracebacks for bugs."""
     configure_logging(verbose)

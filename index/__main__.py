@@ -3,81 +3,39 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from core.cli import add_verbose_flag, run_cli
-from core.config import from_cli
+from core.cli import add_config_flag, add_progress_flag, add_verbose_flag, run_cli
+from core.config import add_options, from_cli
+from index.build import BuildConfig
+from index.rebuild import RebuildConfig
+
+# command → (help, configuration class, its options this command does not take)
+COMMANDS = {
+    "build": ("embed a catalog and publish a new faiss index version", BuildConfig, ()),
+    "rebuild": (
+        "batch rebuild on Ray Data (RAY_ADDRESS for a cluster), then publish",
+        RebuildConfig,
+        ("decode_threads", "ks"),
+    ),
+    "add": (
+        "publish live version + new catalog rows, embedding only the new ones (ids already indexed are skipped)",
+        BuildConfig,
+        # The live version fixes these: its factory, parameters and model.
+        ("factory", "search_params", "train_size", "device", "decode_threads", "max_pixels", "ks"),
+    ),
+}
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m index", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    build = sub.add_parser("build", help="embed a catalog and publish a new faiss index version")
-    build.add_argument("--config", help="YAML/TOML file with any of the options below")
-    build.add_argument("--model", help="model artifact directory (model.onnx + manifest.json)")
-    build.add_argument("--index-root", dest="index_root", help="index root (versions/ and CURRENT)")
-    build.add_argument("--catalog", help="catalog to index (default: the model's test split)")
-    build.add_argument("--probe-catalog", dest="probe_catalog", help="held-out labelled images for probe Recall@K")
-    build.add_argument("--factory", help="faiss factory string: Flat, IVF256,Flat, IVF256,PQ16, HNSW32, ...")
-    build.add_argument("--search-params", dest="search_params", type=json.loads, help="JSON, e.g. '{\"nprobe\": 16}'")
-    build.add_argument("--train-size", dest="train_size", type=int, help="vectors sampled to train IVF/PQ")
-    build.add_argument("--device", choices=["auto", "cpu", "gpu"], help="where faiss builds")
-    build.add_argument("--provider", choices=["auto", "cpu", "cuda"], help="ONNX Runtime provider")
-    build.add_argument("--batch-size", dest="batch_size", type=int)
-    build.add_argument("--decode-threads", dest="decode_threads", type=int)
-    build.add_argument("--max-pixels", dest="max_pixels", type=int, help="larger images are skipped as oversized")
-    build.add_argument("--max-bad-fraction", dest="max_bad_fraction", type=float)
-    build.add_argument("--ks", help="comma-separated K values for probe Recall@K")
-    build.add_argument("--min-ann-recall", dest="min_ann_recall", type=float)
-    build.add_argument("--min-probe-recall-at-1", dest="min_probe_recall_at_1", type=float)
-    build.add_argument("--max-recall-drop", dest="max_recall_drop", type=float)
-    build.add_argument("--force", action="store_const", const=True, help="publish even if the quality gate fails")
-    build.add_argument("--keep", type=int, help="versions to retain")
-    build.add_argument("--no-progress", action="store_true", default=None)
-
-    rebuild = sub.add_parser("rebuild", help="batch rebuild on Ray Data (RAY_ADDRESS for a cluster), then publish")
-    for flag, kwargs in (
-        ("--config", {}),
-        ("--model", {}),
-        ("--index-root", {"dest": "index_root"}),
-        ("--catalog", {}),
-        ("--probe-catalog", {"dest": "probe_catalog", "help": "held-out labelled images for probe Recall@K"}),
-        ("--factory", {}),
-        ("--search-params", {"dest": "search_params", "type": json.loads}),
-        ("--train-size", {"dest": "train_size", "type": int}),
-        ("--device", {"choices": ["auto", "cpu", "gpu"]}),
-        ("--provider", {"choices": ["auto", "cpu", "cuda"]}),
-        ("--batch-size", {"dest": "batch_size", "type": int}),
-        ("--max-bad-fraction", {"dest": "max_bad_fraction", "type": float}),
-        ("--max-pixels", {"dest": "max_pixels", "type": int}),
-        ("--min-ann-recall", {"dest": "min_ann_recall", "type": float}),
-        ("--min-probe-recall-at-1", {"dest": "min_probe_recall_at_1", "type": float}),
-        ("--max-recall-drop", {"dest": "max_recall_drop", "type": float}),
-        ("--keep", {"type": int}),
-    ):
-        rebuild.add_argument(flag, **kwargs)
-    rebuild.add_argument("--force", action="store_const", const=True)
-    rebuild.add_argument("--workers", type=int, default=2, help="embedding actors (and decode tasks)")
-    rebuild.add_argument("--work-dir", help="where embedding shards go (default INDEX_ROOT/.rebuild)")
-    rebuild.add_argument("--no-progress", action="store_true", default=None)
-
-    add = sub.add_parser("add", help="publish live version + new catalog rows, embedding only the new ones")
-    add.add_argument("--config", help="YAML/TOML file with any of the options below")
-    add.add_argument("--model", help="model artifact directory (must be the live index's model)")
-    add.add_argument("--index-root", dest="index_root", help="index root (versions/ and CURRENT)")
-    add.add_argument("--catalog", help="catalog with the new rows (ids already indexed are skipped)")
-    add.add_argument("--probe-catalog", dest="probe_catalog", help="held-out labelled images for probe Recall@K")
-    add.add_argument("--provider", choices=["auto", "cpu", "cuda"])
-    add.add_argument("--batch-size", dest="batch_size", type=int)
-    add.add_argument("--max-bad-fraction", dest="max_bad_fraction", type=float)
-    add.add_argument("--min-ann-recall", dest="min_ann_recall", type=float)
-    add.add_argument("--min-probe-recall-at-1", dest="min_probe_recall_at_1", type=float)
-    add.add_argument("--max-recall-drop", dest="max_recall_drop", type=float)
-    add.add_argument("--force", action="store_const", const=True)
-    add.add_argument("--keep", type=int)
-    add.add_argument("--no-progress", action="store_true", default=None)
+    for name, (text, cls, exclude) in COMMANDS.items():
+        command = sub.add_parser(name, help=text)
+        add_config_flag(command)
+        add_options(command, cls, exclude=exclude)
+        add_progress_flag(command)
 
     listing = sub.add_parser("list", help="list index versions, marking the live one")
     listing.add_argument("--index-root", required=True)
@@ -102,17 +60,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("build", "add"):
             from index.build import BuildConfig, run_add, run_build
 
-            no_progress = args.no_progress
-            del args.no_progress
+            progress = args.progress
+            del args.progress
             run = run_build if args.command == "build" else run_add
-            print(run(from_cli(BuildConfig, args), progress=not no_progress))
+            print(run(from_cli(BuildConfig, args), progress=progress))
         elif args.command == "rebuild":
-            from index.build import BuildConfig
-            from index.rebuild import run_rebuild
+            from index.rebuild import RebuildConfig, run_rebuild
 
-            options = {"workers": args.workers, "work_dir": args.work_dir, "progress": not args.no_progress}
-            del args.workers, args.work_dir, args.no_progress
-            print(run_rebuild(from_cli(BuildConfig, args), **options))
+            progress = args.progress
+            del args.progress
+            cfg = from_cli(RebuildConfig, args)
+            print(run_rebuild(cfg, workers=cfg.workers, work_dir=cfg.work_dir, progress=progress))
         elif args.command == "list":
             live = artifacts.current_version(args.index_root)
             for version in artifacts.list_versions(args.index_root):

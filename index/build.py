@@ -8,7 +8,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +16,7 @@ import numpy as np
 from core import artifacts
 from core.artifacts import ArtifactError, read_manifest, utc_now, write_json_atomic
 from core.catalog import Catalog, CatalogError, read_catalog
-from core.config import to_jsonable
+from core.config import DEVICES, option, to_jsonable
 from core.items import ItemTable
 from core.metrics import recall_at_k, recall_from_neighbor_labels
 from core.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, load_image
@@ -46,27 +46,35 @@ class QualityGateError(ValueError):
 
 @dataclass
 class BuildConfig:
-    model: str = "runs/model"
-    index_root: str = "runs/index"
-    catalog: str | None = None  # None: the test split recorded in the model manifest
-    probe_catalog: str | None = None  # labelled images not in the index; None: leave-one-out
-    factory: str = "Flat"
-    search_params: dict[str, float] = field(default_factory=dict)
-    train_size: int | None = None
-    device: str = "auto"
-    provider: str = "auto"
-    batch_size: int = 256
-    decode_threads: int = 4
-    max_pixels: int = DEFAULT_MAX_PIXELS
-    max_bad_fraction: float = 0.01
-    ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    quality_sample: int = 1000
-    ann_k: int = 10
-    min_ann_recall: float = 0.0
-    min_probe_recall_at_1: float = 0.0
-    max_recall_drop: float | None = None
-    force: bool = False
-    keep: int = 5
+    """`index build` and `index add` (and, with RebuildConfig's two more, `index rebuild`)."""
+
+    model: str = option("runs/model", help="model artifact directory (model.onnx + manifest.json)")
+    index_root: str = option("runs/index", help="index root (versions/ and CURRENT)")
+    catalog: str | None = option(None, help="catalog to index (default: the test split the model manifest records)")
+    probe_catalog: str | None = option(
+        None, help="held-out labelled images for probe Recall@K (default: leave-one-out over the index)"
+    )
+    factory: str = option("Flat", help="faiss factory string: Flat, IVF256,Flat, IVF4000,PQ32, HNSW32, ...")
+    search_params: dict[str, float] = option(
+        default_factory=dict, help='faiss search parameters as JSON, e.g. \'{"nprobe": 16, "rerank": 10}\''
+    )
+    train_size: int | None = option(None, help="vectors sampled to train IVF/PQ (default: all)")
+    device: str = option("auto", choices=DEVICES, help="where faiss builds")
+    provider: str = option("auto", choices=DEVICES, help="where ONNX Runtime embeds")
+    batch_size: int = option(256, help="images embedded per batch")
+    decode_threads: int = option(4, help="threads decoding images")
+    max_pixels: int = option(DEFAULT_MAX_PIXELS, help="larger images are skipped as oversized")
+    max_bad_fraction: float = option(0.01, help="fail when more of the catalog than this cannot be read")
+    ks: list[int] = option(default_factory=lambda: [1, 2, 4, 8], help="K values for probe Recall@K")
+    quality_sample: int = option(1000, cli=False, help="queries sampled for the ANN recall measurement")
+    ann_k: int = option(10, cli=False, help="k of the ANN recall measurement")
+    min_ann_recall: float = option(0.0, help="quality gate: least ANN recall@10 against exact search")
+    min_probe_recall_at_1: float = option(0.0, help="quality gate: least probe Recall@1")
+    max_recall_drop: float | None = option(
+        None, help="quality gate: most probe Recall@1 may fall below the live version's"
+    )
+    force: bool = option(False, help="publish even if the quality gate fails")
+    keep: int = option(5, help="versions to retain")
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0 or self.decode_threads <= 0 or self.quality_sample <= 0:
@@ -78,8 +86,11 @@ class BuildConfig:
         if not self.ks or min(self.ks) <= 0:
             raise ValueError(f"ks must be positive, got {self.ks}")
         select_device(self.device, num_gpus=1)  # validates the name only
+
+    def check_inputs(self) -> None:
+        """What reads files, before any image is embedded: the probe catalog exists and is labelled."""
         if self.probe_catalog is not None:
-            read_probe_catalog(self.probe_catalog)  # before any image is embedded
+            read_probe_catalog(self.probe_catalog)
 
 
 def default_catalog(model_manifest: dict) -> str:
@@ -234,6 +245,7 @@ def check_bad_rows(total: int, kept: int, skipped: dict[str, int], max_bad_fract
 
 def run_build(cfg: BuildConfig, progress: bool = True) -> Path:
     """Embed a catalog in this process, build a new index and publish it; returns its directory."""
+    cfg.check_inputs()
     started = time.perf_counter()
     embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
     catalog_path = cfg.catalog or default_catalog(embedder.manifest)
@@ -335,6 +347,7 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     live faiss index is extended in place of a rebuild, so IVF/PQ keep their trained quantisers.
     Rows whose id is already indexed are skipped and counted, not re-embedded.
     """
+    cfg.check_inputs()
     started = time.perf_counter()
     if cfg.catalog is None:
         raise ValueError("index add needs --catalog with the new rows")

@@ -13,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from core.artifacts import MODEL_FILE, ArtifactError, read_manifest
+from core.config import DEVICES
 from core.preprocess import InputContract, rows_per_pass
 
 log = logging.getLogger(__name__)
@@ -23,10 +24,11 @@ CPU = "CPUExecutionProvider"
 
 def select_providers(prefer: str = "auto", available: Sequence[str] | None = None) -> list[str]:
     """Execution providers in priority order: CUDA first when present and allowed, CPU last."""
-    if prefer not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"provider must be auto, cpu or cuda, got {prefer!r}")
+    prefer = "gpu" if prefer == "cuda" else prefer  # TODO(issue 24): serving still spells it cuda
+    if prefer not in DEVICES:
+        raise ValueError(f"provider must be one of {', '.join(DEVICES)}, got {prefer!r}")
     available = list(ort.get_available_providers() if available is None else available)
-    if prefer == "cuda" and CUDA not in available:
+    if prefer == "gpu" and CUDA not in available:
         raise RuntimeError(
             "CUDA provider requested but ONNX Runtime has no CUDAExecutionProvider (install onnxruntime-gpu)"
         )

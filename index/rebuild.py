@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ import numpy as np
 from core.artifacts import read_manifest, utc_now, write_json_atomic
 from core.catalog import read_catalog
 from core.cli import init_ray
+from core.config import option
 from core.preprocess import ImageDecodeError, load_image
 from index.build import BuildConfig, check_bad_rows, default_catalog, publish_index
 
@@ -32,10 +34,18 @@ log = logging.getLogger(__name__)
 DONE = "DONE"
 
 
+@dataclass
+class RebuildConfig(BuildConfig):
+    """`index rebuild`: `index build`'s options, embedded by a pool of Ray Data actors."""
+
+    workers: int = option(2, help="embedding actors, each decoding its own images")
+    work_dir: str | None = option(None, help="where embedding shards go (default: INDEX_ROOT/.rebuild)")
+
+
 def embed_actor_resources(cluster_gpus: float, provider: str = "auto") -> dict[str, float]:
     """One GPU per embedding actor when the cluster has GPUs (and CUDA is allowed), else a CPU."""
-    if provider == "cuda" and cluster_gpus < 1:
-        raise RuntimeError("provider 'cuda' requested but the Ray cluster reports no GPUs")
+    if provider in ("gpu", "cuda") and cluster_gpus < 1:
+        raise RuntimeError(f"provider {provider!r} requested but the Ray cluster reports no GPUs")
     if provider != "cpu" and cluster_gpus >= 1:
         return {"num_gpus": 1, "num_cpus": 1}
     return {"num_gpus": 0, "num_cpus": 1}
@@ -142,6 +152,7 @@ def read_shards(work: Path, n_rows: int) -> tuple[np.ndarray, list[int], dict[st
 
 def run_rebuild(cfg: BuildConfig, workers: int = 2, work_dir: str | None = None, progress: bool = True) -> Path:
     """Embed the catalog with Ray Data, then build, gate and publish like `index build`."""
+    cfg.check_inputs()
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
     started = time.perf_counter()

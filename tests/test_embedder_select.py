@@ -18,7 +18,7 @@ WITHOUT_CUDA = ["AzureExecutionProvider", CPU]
         ("auto", WITHOUT_CUDA, [CPU]),
         ("cpu", WITH_CUDA, [CPU]),
         ("cpu", WITHOUT_CUDA, [CPU]),
-        ("cuda", WITH_CUDA, [CUDA, CPU]),
+        ("gpu", WITH_CUDA, [CUDA, CPU]),
         ("auto", [CUDA, CPU], [CUDA, CPU]),
         ("auto", (CPU,), [CPU]),
     ],
@@ -29,12 +29,12 @@ def test_select_providers(prefer, available, expected):
 
 def test_cuda_requested_without_cuda_is_an_error():
     with pytest.raises(RuntimeError, match="CUDAExecutionProvider"):
-        select_providers("cuda", WITHOUT_CUDA)
+        select_providers("gpu", WITHOUT_CUDA)
 
 
-@pytest.mark.parametrize("prefer", ["gpu", "CUDA", "", "tensorrt"])
+@pytest.mark.parametrize("prefer", ["GPU", "CUDA", "", "tensorrt"])
 def test_unknown_preference(prefer):
-    with pytest.raises(ValueError, match="auto, cpu or cuda"):
+    with pytest.raises(ValueError, match="auto, cpu, gpu"):
         select_providers(prefer, WITH_CUDA)
 
 
