@@ -73,7 +73,8 @@ class Option:
 
     @property
     def is_bool(self) -> bool:
-        return self.annotation is bool
+        """A switch (--x / --no-x), unset (None) meaning the default's own rule where it allows None."""
+        return self.annotation is bool or set(typing.get_args(self.annotation)) == {bool, type(None)}
 
 
 def _is_section(f: dataclasses.Field, hint: Any) -> bool:
@@ -114,7 +115,9 @@ def options(cls: type, _section: tuple[str, ...] = ()) -> Iterator[Option]:
 def _flag_type(opt: Option) -> Callable[[str], Any]:
     def convert(text: str) -> Any:
         try:
-            return _coerce(opt.flag, text, opt.annotation)
+            value = _coerce(opt.flag, text, opt.annotation)
+            # "--embedding-dim none" is given, not absent: keep the word, resolve_config reads it as None.
+            return text if value is None else value
         except ConfigError as exc:
             raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{opt.flag}: ")) from None
 

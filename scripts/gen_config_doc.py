@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from core.config import options_table  # noqa: E402
+from training.benchmark import PER_RUN_FIELDS  # noqa: E402
 
 DOC = ROOT / "docs" / "configuration.md"
 
@@ -32,9 +33,10 @@ third-party log lines: faiss, Ray, ONNX); long stages take `--progress/--no-prog
 def command_tables() -> list[tuple[str, str, type, tuple[str, ...]]]:
     """(command, help, configuration class, options it does not take), in pipeline order."""
     from index.__main__ import COMMANDS as INDEX
+    from training.__main__ import COMMANDS as TRAINING
 
     rows = []
-    for prefix, commands in (("python -m index", INDEX),):
+    for prefix, commands in (("python -m training", TRAINING), ("python -m index", INDEX)):
         for name, (text, cls, exclude) in commands.items():
             rows.append((f"{prefix} {name}", text, cls, tuple(exclude)))
     return rows
@@ -44,6 +46,11 @@ def render() -> str:
     parts = [HEADER]
     for command, text, cls, exclude in command_tables():
         parts.append(f"## `{command}`\n\n{text[0].upper() + text[1:]}.\n\n{options_table(cls, exclude)}\n")
+        if command.endswith(" benchmark"):
+            parts.append(
+                "It also takes every `training train` option above except the ones it sets per run "
+                f"({', '.join(f'`{name}`' for name in sorted(PER_RUN_FIELDS))}): the protocol all its runs share.\n"
+            )
     return "\n".join(parts)
 
 

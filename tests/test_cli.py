@@ -22,7 +22,7 @@ def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 BAD_INPUT = [
     (("training", "train", "--catalog", "/no/such/catalog.csv"), "catalog not found"),
     (("training", "train", "--epochs", "0"), "epochs must be positive"),
-    (("training", "train", "--use-gpu", "maybe"), "invalid choice"),
+    (("training", "train", "--device", "maybe"), "invalid choice"),
     (("training", "train", "--backbone", "vgg99", "--catalog", "."), "unknown backbone"),
     (("training", "train", "--pretrained", "/no/weights.pth"), "pretrained weights file not found"),
     (("training", "train", "--pretrained", "pkg:no_such_pkg/w.pth"), "package 'no_such_pkg' is not installed"),

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from dataclasses import dataclass, field
 
 import pytest
 
 from core.config import (
+    DEVICES,
     ConfigError,
+    add_options,
     explicit_args,
     from_cli,
     load_config_file,
+    option,
+    options_table,
     resolve_config,
+    section,
     to_jsonable,
 )
 from index.build import BuildConfig
@@ -178,3 +184,72 @@ def test_to_jsonable():
     out = to_jsonable(Cfg(sizes=(1, 2)))
     assert out["sizes"] == [1, 2] and out["limit"] is None
     assert json.loads(json.dumps(out)) == out
+
+
+# ---------------------------------------------------------------- options declared once
+
+
+@dataclasses.dataclass
+class Limits:
+    max_k: int = option(100, help="most neighbours a query may ask for")
+    strict: bool = option(False, help="refuse instead of clamping")
+
+
+@dataclasses.dataclass
+class Declared:
+    name: str = option("x", help="a name")
+    width: int | None = option(8, help="a width, or none")
+    device: str = option("auto", choices=DEVICES, help="where it runs")
+    ks: list[int] = option(default_factory=lambda: [1, 2], help="Ks")
+    hidden: int = option(3, cli=False, help="files only")
+    limits: Limits = section(Limits, help="limits")
+
+
+def _parse(*argv: str) -> Declared:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config")
+    add_options(parser, Declared)
+    return from_cli(Declared, parser.parse_args(list(argv)))
+
+
+def test_flags_come_from_the_schema_and_nested_sections_stay_flat_on_the_command_line():
+    cfg = _parse("--name", "y", "--max-k", "7", "--strict", "--ks", "1,5", "--device", "gpu")
+    assert cfg == Declared(name="y", device="gpu", ks=[1, 5], limits=Limits(max_k=7, strict=True))
+    assert _parse() == Declared()
+    assert _parse("--no-strict").limits.strict is False
+
+
+def test_none_on_the_command_line_unsets_an_optional_value():
+    assert _parse("--width", "none").width is None
+
+
+def test_a_bad_flag_value_is_a_usage_error_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        _parse("--max-k", "many")
+    assert "argument --max-k: expected int, got 'many'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _parse("--device", "cuda")
+    assert "invalid choice: 'cuda'" in capsys.readouterr().err
+
+
+def test_a_config_file_may_nest_sections_or_name_options_flat(tmp_path):
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("name: file\nlimits:\n  max-k: 5\nhidden: 9\n")
+    assert _parse("--config", str(nested)) == Declared(name="file", hidden=9, limits=Limits(max_k=5))
+    flat = tmp_path / "flat.toml"
+    flat.write_text('max_k = 6\ndevice = "cpu"\n')
+    assert _parse("--config", str(flat), "--max-k", "4") == Declared(device="cpu", limits=Limits(max_k=4))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("device: tpu\n")
+    with pytest.raises(ConfigError, match="device: 'tpu' is not one of auto, cpu, gpu"):
+        _parse("--config", str(bad))
+
+
+def test_options_only_in_files_have_no_flag_and_the_reference_lists_every_option():
+    parser = argparse.ArgumentParser()
+    add_options(parser, Declared)
+    assert "--hidden" not in parser.format_help()
+    table = options_table(Declared)
+    for key in ("`name`", "`width`", "`limits.max_k`", "`limits.strict`", "`hidden`"):
+        assert key in table
+    assert "`--strict` / `--no-strict`" in table and "auto/cpu/gpu" in table and "`100`" in table

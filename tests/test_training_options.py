@@ -156,7 +156,7 @@ def test_train_config_rejects_bad_combinations(tmp_path):
     with pytest.raises(ValueError, match="unknown dataset"):
         TrainConfig(dataset="imagenet", data_root=str(tmp_path))
     with pytest.raises(ValueError, match="needs data_root"):
-        TrainConfig(dataset="cub", data_root=str(tmp_path / "nowhere"))
+        TrainConfig(dataset="cub", data_root=str(tmp_path / "nowhere")).check_inputs()
     with pytest.raises(ValueError, match="either catalog or dataset"):
         (tmp_path / "c.csv").write_text("id,path,label\n")
         TrainConfig(dataset="cub", data_root=str(tmp_path), catalog=str(tmp_path / "c.csv"))

@@ -20,13 +20,13 @@ import dataclasses
 import json
 import logging
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from core.artifacts import write_json_atomic
 from core.cli import init_ray
-from core.config import ConfigError, resolve_config, to_jsonable
+from core.config import ConfigError, option, resolve_config, to_jsonable
 from training.losses import available_losses, get_loss_class
 from training.train import RESULTS_FILE, TrainConfig, build_loss_for
 
@@ -41,12 +41,19 @@ PROTOCOL_DEFAULTS: dict[str, Any] = {"proxy_lr": 1e-2}
 
 @dataclass
 class BenchmarkConfig:
-    out: str = "runs/loss-benchmark"
-    losses: list[str] = field(default_factory=lambda: ["all"])
-    seeds: int = 3
-    per_loss_options: dict[str, Any] = field(default_factory=dict)
-    parallel: int | None = None  # None: as many as Ray's CPUs allow at 2 per training worker
-    protocol: dict[str, Any] = field(default_factory=dict)  # TrainConfig options shared by all runs
+    """`training benchmark`: its own options, and the training options every run shares (the
+    protocol: any of `training train`'s but those it sets per run, PER_RUN_FIELDS)."""
+
+    out: str = option("runs/loss-benchmark", help="benchmark directory; re-run to resume")
+    losses: list[str] = option(default_factory=lambda: ["all"], help="registry names, or 'all' (the papers' losses)")
+    seeds: int = option(3, help="runs per loss, seeds 0..N-1")
+    per_loss_options: dict[str, Any] = option(
+        default_factory=dict, help='JSON {"loss": {"option": value}} for options of one loss (defaults: the papers\')'
+    )
+    parallel: int | None = option(None, help="training jobs at once (default: as Ray's CPUs allow, 2 per job)")
+    protocol: dict[str, Any] = option(
+        default_factory=dict, cli=False, help="TrainConfig options shared by all runs (flat in files and flags)"
+    )
 
     def __post_init__(self) -> None:
         if self.seeds <= 0:

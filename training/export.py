@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import platform
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +29,12 @@ from core.artifacts import (
 )
 from core.catalog import read_catalog
 from core.cli import verbose
+from core.config import option
 from core.preprocess import InputContract
 from index.embedder import OnnxEmbedder
 from training.data import load_images
 from training.evaluate import embed_images
-from training.models import EmbeddingNet, backbone_spec, input_contract, resolve_weights
+from training.models import POOLINGS, EmbeddingNet, backbone_spec, input_contract, resolve_weights
 from training.train import CHECKPOINT_FILE, RESULTS_FILE
 
 log = logging.getLogger(__name__)
@@ -64,18 +65,22 @@ class ExportError(RuntimeError):
 
 @dataclass
 class ExportConfig:
-    run: str | None = None  # a training run; default runs/train unless --pretrained is given
-    # Day one, no labels: the pretrained trunk and its pooling, L2-normalised, no head.
-    backbone: str | None = None
-    pretrained: str | None = None
-    pooling: str = "gap"
-    image_size: int | None = None
-    parity_catalog: str | None = None  # images for the parity check (default: the run's test split)
-    out: str = "runs/model"
-    opset: int = DEFAULT_OPSET
-    parity_images: int = 256
-    min_cosine: float = MIN_PARITY_COSINE
-    variants: list[str] = field(default_factory=list)  # reduced precision: fp16, int8
+    """`training export`: a training run, or a pretrained network as it is (day one, no labels:
+    the trunk and its pooling, L2-normalised, no head), to a verified ONNX model artifact."""
+
+    run: str | None = option(None, help="training run directory (default: runs/train unless --pretrained is given)")
+    backbone: str | None = option(None, help="with --pretrained: export this network with no training run")
+    pretrained: str | None = option(None, help="torchvision state dict: a local file or pkg:<package>/<file>")
+    pooling: str = option("gap", choices=POOLINGS, help="with --pretrained: how the feature map becomes a vector")
+    image_size: int | None = option(None, help="with --pretrained: input side in px (default: the backbone's)")
+    parity_catalog: str | None = option(
+        None, help="images to check ONNX against PyTorch on (default: the run's test split)"
+    )
+    out: str = option("runs/model", help="model artifact directory to publish")
+    opset: int = option(DEFAULT_OPSET, help="ONNX opset")
+    parity_images: int = option(256, help="images the parity check embeds with both runtimes")
+    min_cosine: float = option(MIN_PARITY_COSINE, help="least cosine between ONNX and PyTorch embeddings")
+    variants: list[str] = option(default_factory=list, help="reduced-precision copies to publish beside it: fp16,int8")
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.variants) - set(VARIANTS))
@@ -83,20 +88,24 @@ class ExportConfig:
             raise ValueError(f"unknown variant(s) {', '.join(unknown)}; available: {', '.join(VARIANTS)}")
         if self.parity_images <= 0:
             raise ValueError("parity_images must be positive")
-        if self.parity_catalog is not None and not Path(self.parity_catalog).exists():
-            raise ValueError(f"--parity-catalog {self.parity_catalog} does not exist")
         if self.pretrained is not None or self.backbone is not None:
             if self.run is not None:
                 raise ValueError("export takes --run (a training run) or --backbone with --pretrained, not both")
             if self.pretrained is None or self.backbone is None:
                 raise ValueError("exporting a pretrained network needs both --backbone and --pretrained")
             backbone_spec(self.backbone)
-            resolve_weights(self.pretrained)
             if self.variants:
                 raise ValueError("--variants measure their recall on a training run's test split; export a run")
             return
         self.run = self.run or "runs/train"
-        if not (Path(self.run) / CHECKPOINT_FILE).is_file():
+
+    def check_inputs(self) -> None:
+        """What reads files, before anything is built: the run, the weights, the parity images."""
+        if self.parity_catalog is not None and not Path(self.parity_catalog).exists():
+            raise ValueError(f"--parity-catalog {self.parity_catalog} does not exist")
+        if self.pretrained is not None:
+            resolve_weights(self.pretrained)
+        elif not (Path(self.run) / CHECKPOINT_FILE).is_file():
             raise ValueError(f"{self.run}: no {CHECKPOINT_FILE}; pass a training run directory")
 
 
@@ -191,6 +200,7 @@ def _pretrained_source(cfg: ExportConfig) -> tuple[EmbeddingNet, InputContract, 
 
 
 def run_export(cfg: ExportConfig) -> Path:
+    cfg.check_inputs()
     source = _pretrained_source if cfg.pretrained else _trained_source
     model, contract, fields, test_split = source(cfg)
     parity_catalog = Path(cfg.parity_catalog) if cfg.parity_catalog else test_split

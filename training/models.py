@@ -150,13 +150,16 @@ for _name in (
     )
 
 
+POOLINGS = ("gap", "gmp", "gap+gmp")
+
+
 class Pooling(nn.Module):
     """Global average, global max, or their sum (GAP+GMP, the thesis's 'hidden trick')."""
 
     def __init__(self, kind: str = "gap") -> None:
         super().__init__()
-        if kind not in ("gap", "gmp", "gap+gmp"):
-            raise ValueError(f"pooling must be gap, gmp or gap+gmp, got {kind!r}")
+        if kind not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {kind!r}")
         self.kind = kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch
 from core.artifacts import staging_directory, utc_now, write_json_atomic
 from core.catalog import read_catalog
 from core.cli import init_ray, verbose
-from core.config import to_jsonable
+from core.config import DEVICES, option, to_jsonable
 from training.data import (
     AUGMENTATIONS,
     DATA_MODES,
@@ -46,7 +46,15 @@ from training.evaluate import (
     retrieval_metrics,
 )
 from training.losses import build_loss, get_loss_class, loss_requires_num_classes
-from training.models import PACKAGE_PREFIX, EmbeddingNet, TrunkFeatures, backbone_spec, input_contract, resolve_weights
+from training.models import (
+    PACKAGE_PREFIX,
+    POOLINGS,
+    EmbeddingNet,
+    TrunkFeatures,
+    backbone_spec,
+    input_contract,
+    resolve_weights,
+)
 from training.samplers import ClassBalancedBatchSampler
 from training.telemetry import EpochClock, TrainingMetrics, epoch_line, epoch_logger, progress, start_line
 from training.warm_start import HEAD_INITS, PROXY_INITS, initialise_from_features, warm_start_per_class
@@ -90,49 +98,74 @@ RECIPES: dict[str, dict[str, Any]] = {
 
 @dataclass
 class TrainConfig:
-    out: str = "runs/train"
-    catalog: str | None = None  # None: the embedded glyph set
-    dataset: str | None = None  # a benchmark layout (cub, cars196, sop, inshop) under data_root
-    data_root: str | None = None
-    data_dir: str = "data/glyphs"
-    backbone: str = "small_cnn"
-    embedding_dim: int | None = 128  # None: no head, the trunk's pooled features
-    pooling: str = "gap"
-    pretrained: str | None = None
-    image_size: int | None = None
-    loss: str = "raw_vthm"
-    loss_options: dict[str, Any] = field(default_factory=dict)
-    epochs: int | None = None  # None: the recipe's (scratch 6, finetune 10)
-    classes_per_batch: int = 20
-    samples_per_class: int = 5
-    batches_per_epoch: int | None = None
-    recipe: str | None = None  # scratch | finetune; None: finetune with --pretrained, else scratch
-    lr: float | None = None  # the embedding head's rate (None: the recipe's)
-    backbone_lr: float | None = None  # None: the recipe's (scratch: same as lr)
-    proxy_lr: float | None = None  # None: the recipe's (scratch: same as lr)
-    weight_decay: float = 1e-4
-    warmup_epochs: int | None = None  # epochs with the backbone frozen (lr 0, BatchNorm statistics kept)
-    freeze_bn: bool | None = None
-    head_init: str | None = None  # random | pca (fitted to the start's features); None: the recipe's
-    proxy_init: str | None = None  # random | class_means (of the start's embeddings); None: the recipe's
-    augment: str | None = None  # None: crop+flip for photos, none for the glyph set
-    data_mode: str = "auto"  # memory, lazy (decode per batch), auto (memory when it fits 1 GiB)
-    loader_workers: int = 2  # decoding processes per Ray worker in lazy mode
-    seed: int = 0
-    split_seed: int = 0
-    test_fraction: float = 0.5
-    val_fraction: float = 0.1
-    max_classes: int | None = None
-    max_per_class: int | None = None
-    ks: list[int] | None = None  # None: the dataset's usual Ks (glyphs and catalogs: 1,2,4,8)
-    num_workers: int = 1
-    use_gpu: str = "auto"
-    max_bad_fraction: float = 0.01
-    max_failures: int = 2  # worker failures Ray Train recovers from (from the last checkpoint)
-    resume: bool = False  # continue the stopped run that left its work directory beside `out`
-    progress: bool | None = None  # None: a progress bar when stderr is a terminal
-    metrics_export_port: int | None = None  # local Ray: export its (and training's) metrics here
-    plots: bool = True
+    """`training train`: one Ray Train run, from data to the published run directory."""
+
+    out: str = option("runs/train", help="run directory to publish")
+    catalog: str | None = option(None, help="catalog file or class-folder tree (default: the embedded glyph set)")
+    dataset: str | None = option(None, help="a benchmark in its published layout: cub, cars196, sop, inshop")
+    data_root: str | None = option(None, help="folder holding the --dataset (never downloaded)")
+    data_dir: str = option("data/glyphs", help="glyph set cache directory")
+    backbone: str = option(
+        "small_cnn",
+        help="small_cnn, resnet18, resnet50, googlenet, efficientnet_b0, mobilenet_v2, mobilenet_v3_large",
+    )
+    embedding_dim: int | None = option(128, help="the head's width, or 'none': no head (the trunk's pooled features)")
+    pooling: str = option("gap", choices=POOLINGS, help="how the trunk's feature map becomes a vector")
+    pretrained: str | None = option(
+        None, help="torchvision state dict: a local file or pkg:<package>/<file> (never downloaded)"
+    )
+    image_size: int | None = option(None, help="input side in px (default: the backbone's)")
+    loss: str = option("raw_vthm", help="loss name from the registry (raw_vthm, proxy_anchor, ...)")
+    loss_options: dict[str, Any] = option(
+        default_factory=dict, help="the loss's options as JSON, e.g. '{\"alpha\": 2}'"
+    )
+    epochs: int | None = option(None, help="default: the recipe's (scratch 6, finetune 10)")
+    classes_per_batch: int = option(20, help="classes in a batch (C of the C×K sampler)")
+    samples_per_class: int = option(5, help="images of each class in a batch (K)")
+    batches_per_epoch: int | None = option(None, help="an epoch's length (default: the training images once)")
+    recipe: str | None = option(
+        None,
+        choices=tuple(RECIPES),
+        help="named defaults for the rates, warm-up and BatchNorm (default: finetune with --pretrained, else scratch)",
+    )
+    lr: float | None = option(None, help="the head's rate (default: the recipe's)")
+    backbone_lr: float | None = option(None, help="the backbone's rate (default: the recipe's; scratch: --lr)")
+    proxy_lr: float | None = option(None, help="the proxies' rate (default: the recipe's; scratch: --lr)")
+    weight_decay: float = option(1e-4, help="AdamW weight decay")
+    warmup_epochs: int | None = option(
+        None, help="epochs with the backbone frozen (rate 0, BatchNorm statistics kept; default: the recipe's)"
+    )
+    freeze_bn: bool | None = option(None, help="BatchNorm frozen throughout (default: the recipe's)")
+    head_init: str | None = option(
+        None, choices=HEAD_INITS, help="random, or pca: fitted to the start's features (default: the recipe's)"
+    )
+    proxy_init: str | None = option(
+        None,
+        choices=PROXY_INITS,
+        help="random, or class_means: of the start's embeddings (default: the recipe's)",
+    )
+    augment: str | None = option(
+        None, choices=AUGMENTATIONS, help="default: crop+flip for photos, none for the glyph set"
+    )
+    data_mode: str = option(
+        "auto", choices=DATA_MODES, help="memory, lazy (decode per batch), auto (memory when it fits 1 GiB)"
+    )
+    loader_workers: int = option(2, help="decoding processes per Ray worker in lazy mode")
+    seed: int = option(0, help="model initialisation and sampling seed")
+    split_seed: int = option(0, help="seed of the class-disjoint train/val/test split")
+    test_fraction: float = option(0.5, help="fraction of the classes held out for testing")
+    val_fraction: float = option(0.1, help="fraction of the training classes held out for model selection")
+    max_classes: int | None = option(None, help="use a slice of the classes (quick runs)")
+    max_per_class: int | None = option(None, help="use at most N images per class")
+    ks: list[int] | None = option(None, help="K values for Recall@K (default: the dataset's usual; else 1,2,4,8)")
+    num_workers: int = option(1, help="Ray Train workers")
+    device: str = option("auto", choices=DEVICES, help="where Ray Train's workers run: gpu when the cluster has GPUs")
+    max_bad_fraction: float = option(0.01, help="fail when more of the images than this cannot be read")
+    max_failures: int = option(2, help="worker failures Ray Train recovers from (from the last checkpoint)")
+    resume: bool = option(False, help="continue the stopped run that left its work directory beside --out")
+    progress: bool | None = option(None, help="progress bar and lines (default: a bar when stderr is a terminal)")
+    metrics_export_port: int | None = option(None, help="local Ray: export its (and training's) metrics on this port")
+    plots: bool = option(True, help="write PNG plots beside the results")
 
     def __post_init__(self) -> None:
         self._apply_recipe()
@@ -148,14 +181,12 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
-        if self.use_gpu not in ("auto", "true", "false"):
-            raise ValueError(f"use_gpu must be auto, true or false, got {self.use_gpu!r}")
         backbone_spec(self.backbone)  # unknown names fail here, before any data is touched
         get_loss_class(self.loss)
-        if self.pooling not in ("gap", "gmp", "gap+gmp"):
-            raise ValueError(f"pooling must be gap, gmp or gap+gmp, got {self.pooling!r}")
-        if self.catalog is not None and not Path(self.catalog).exists():
-            raise ValueError(f"catalog not found: {self.catalog}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.catalog is not None and self.dataset is not None:
             raise ValueError("give either catalog or dataset, not both")
         if self.dataset is not None:
@@ -163,8 +194,6 @@ class TrainConfig:
 
             if self.dataset not in available_datasets():
                 raise ValueError(f"unknown dataset {self.dataset!r}; available: {', '.join(available_datasets())}")
-            if self.data_root is None or not Path(self.data_root).is_dir():
-                raise ValueError(f"dataset {self.dataset} needs data_root, an existing folder; got {self.data_root}")
         if self.ks is None:
             from training.datasets import get_dataset
 
@@ -183,6 +212,13 @@ class TrainConfig:
             raise ValueError(f"augment must be one of {', '.join(AUGMENTATIONS)}, got {self.augment!r}")
         if self.data_mode not in DATA_MODES:
             raise ValueError(f"data_mode must be one of {', '.join(DATA_MODES)}, got {self.data_mode!r}")
+
+    def check_inputs(self) -> None:
+        """What reads files, before Ray starts: the catalog, the dataset's folder, the weights."""
+        if self.catalog is not None and not Path(self.catalog).exists():
+            raise ValueError(f"catalog not found: {self.catalog}")
+        if self.dataset is not None and (self.data_root is None or not Path(self.data_root).is_dir()):
+            raise ValueError(f"dataset {self.dataset} needs data_root, an existing folder; got {self.data_root}")
         if self.pretrained is not None:
             try:
                 resolve_weights(self.pretrained)
@@ -210,11 +246,11 @@ class TrainConfig:
         return "none" if self.catalog is None and self.dataset is None else "crop+flip"
 
 
-def resolve_use_gpu(setting: str, cluster_gpus: float) -> bool:
-    """'auto' trains on GPUs when the Ray cluster has any; 'true' insists on them."""
-    if setting == "true" and cluster_gpus < 1:
-        raise RuntimeError("use_gpu=true but the Ray cluster reports no GPUs")
-    return setting == "true" or (setting == "auto" and cluster_gpus >= 1)
+def resolve_use_gpu(device: str, cluster_gpus: float) -> bool:
+    """'auto' trains on GPUs when the Ray cluster has any; 'gpu' insists on them."""
+    if device == "gpu" and cluster_gpus < 1:
+        raise RuntimeError("device gpu requested but the Ray cluster reports no GPUs")
+    return device == "gpu" or (device == "auto" and cluster_gpus >= 1)
 
 
 def build_model(cfg: TrainConfig) -> EmbeddingNet:
@@ -457,6 +493,7 @@ def run_training(cfg: TrainConfig) -> Path:
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    cfg.check_inputs()
     if cfg.progress is None:
         cfg = dataclasses.replace(cfg, progress=sys.stderr.isatty())
     cfg = _absolute_paths(cfg)
@@ -495,7 +532,7 @@ def run_training(cfg: TrainConfig) -> Path:
         )
     local = not os.environ.get("RAY_ADDRESS")
     init_ray(**({"_metrics_export_port": cfg.metrics_export_port} if cfg.metrics_export_port and local else {}))
-    use_gpu = resolve_use_gpu(cfg.use_gpu, ray.cluster_resources().get("GPU", 0))
+    use_gpu = resolve_use_gpu(cfg.device, ray.cluster_resources().get("GPU", 0))
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"train": to_jsonable(cfg), "splits": {k: str(v) for k, v in splits.items()}},
