@@ -285,7 +285,7 @@ class EvalImages:
     @torch.no_grad()
     def embed(self, model: torch.nn.Module, device: str | torch.device = "cpu") -> tuple[np.ndarray, np.ndarray]:
         """(embeddings, label codes) of every readable image, in catalog order."""
-        from training.evaluate import embed_images, eval_mode
+        from training.evaluate import embed_images, eval_mode, model_input
 
         if self.memory is not None:
             return embed_images(model, self.memory.images, device=device), self.memory.labels
@@ -302,7 +302,7 @@ class EvalImages:
             for x, y, bad in loader:
                 skipped += bad
                 if x is not None:
-                    parts.append(model(x.to(device)).float().cpu().numpy())
+                    parts.append(model(model_input(x, device)).float().cpu().numpy())
                     labels.append(y.numpy())
                 shown.update(len(y) + bad)
         self.skipped = skipped
