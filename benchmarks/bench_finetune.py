@@ -6,7 +6,7 @@ installed weights package, ProxyAnchor. Each variant is one training run; the ta
 Recall@K on the unseen classes against the pretrained start (the trunk's pooled features, no
 head: what `python -m training export --pretrained` publishes), measured in the same run.
 
-    python benchmarks/bench_finetune.py                       # the recipe's steps, 3 seeds (~1.5 h)
+    python benchmarks/bench_finetune.py                       # the recipe's steps, 3 seeds (over an hour on 2 cores)
     python benchmarks/bench_finetune.py --variants defaults,glyph-defaults --seeds 1
 
 Variants add one step each, so each row's gain over the row above is that step's.

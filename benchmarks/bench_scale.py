@@ -20,7 +20,7 @@ process; "total" sums proportional set sizes, so shared libraries and Ray's obje
 once). Run it twice at different sizes (`--classes`) and it extrapolates time and memory per
 stage to 1M and 10M images from the two points.
 
-    python benchmarks/bench_scale.py                                  # SOP size (~1.5 h on 2 cores)
+    python benchmarks/bench_scale.py                                  # SOP size (over an hour on 2 cores)
     python benchmarks/bench_scale.py --classes 1160 --out runs/bench-scale-small   # a tenth
     python benchmarks/bench_scale.py --report runs/bench-scale-small,runs/bench-scale   # table + fit
 """

@@ -6,7 +6,7 @@ trained with Ray Train over the same split, backbone, sampler, epochs and seeds;
 Recall@K as mean ± std over the seeds, beside the untrained network. Then `raw_vthm` with 1 and
 with 2 Ray Train workers: Recall@1 and images/s of each.
 
-    python benchmarks/bench_training.py            # 3 seeds, full glyph set (~20 min on 2 cores)
+    python benchmarks/bench_training.py            # 3 seeds, full glyph set (~25 min on 2 cores)
     python benchmarks/bench_training.py --quick    # 1 seed, a slice (a check that it runs)
 """
 

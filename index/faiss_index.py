@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 # A search parameter of our own beside faiss's (nprobe, efSearch, ...): re-score RERANK×k
 # candidates exactly against the stored vectors. 0 turns it off.
 RERANK = "rerank"
-DEFAULT_RERANK = 10  # for an index of approximate codes (PQ, SQ): the README's index-choice table
+DEFAULT_RERANK = 10  # for an index of approximate codes (PQ, SQ): docs/benchmarks.md, index choice
 
 
 def gpu_count() -> int:
