@@ -22,4 +22,4 @@ USER 10001
 VOLUME ["/data", "/runs"]
 ENV SIMSEARCH_DATA=/data
 ENTRYPOINT ["python3", "-m"]
-CMD ["training", "train", "--out", "/runs/train", "--use-gpu", "auto"]
+CMD ["training", "train", "--out", "/runs/train", "--device", "auto"]
