@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from core.artifacts import read_manifest, utc_now, write_json_atomic
-from core.catalog import read_catalog
+from core.catalog import Catalog, read_catalog
 from core.cli import init_ray
 from core.config import option
 from core.preprocess import ImageDecodeError, load_image
@@ -85,9 +85,12 @@ class EmbedImages:
         return {"row": batch["row"], "reason": reasons.astype(str), "embedding": embeddings}
 
 
-def work_key(catalog_path: Path, model_id: str) -> str:
-    digest = hashlib.sha256(Path(catalog_path).read_bytes())
-    digest.update(model_id.encode())
+def work_key(catalog: Catalog, model_id: str) -> str:
+    """Where a catalog's shards for a model go: its rows (id and path), not its file's bytes, so a
+    folder of images has a key too."""
+    digest = hashlib.sha256(model_id.encode())
+    for item_id, path in zip(catalog.ids, catalog.paths, strict=True):
+        digest.update(f"{item_id}\t{path}\n".encode())
     return digest.hexdigest()[:16]
 
 
@@ -160,7 +163,7 @@ def run_rebuild(cfg: BuildConfig, workers: int = 2, work_dir: str | None = None,
     model = read_manifest(model_dir)
     catalog_path = Path(cfg.catalog or default_catalog(model))
     catalog = read_catalog(catalog_path)
-    work = Path(work_dir or Path(cfg.index_root) / ".rebuild") / work_key(catalog_path, model["model_id"])
+    work = Path(work_dir or Path(cfg.index_root) / ".rebuild") / work_key(catalog, model["model_id"])
     if (work / DONE).is_file():
         log.info("reusing completed embedding shards in %s", work)
     else:

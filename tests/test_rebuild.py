@@ -107,3 +107,21 @@ def test_rerun_after_a_crash_discards_partial_shards(demo_run, planted_catalog, 
     assert done.returncode == 0, done.stderr
     assert artifacts.read_manifest(artifacts.version_dir(root))["size"] == 200
     assert not work.exists()  # cleaned after publishing
+
+
+@pytest.mark.slow
+def test_rebuild_takes_a_plain_folder_of_images(demo_run, tmp_path):
+    """An unlabelled catalog that is a folder, not a file, is rebuilt like any other."""
+    import shutil
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    test = read_catalog(demo_run / "train" / "splits" / "test.csv")
+    for i in range(0, 600, 10):
+        shutil.copy(test.paths[i], folder / f"image{i:04d}.png")
+    root = tmp_path / "index"
+    done = index_cli("rebuild", "--model", str(demo_run / "model"), "--catalog", str(folder), "--index-root",
+                     str(root), "--workers", "1")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    manifest = artifacts.read_manifest(artifacts.version_dir(root))
+    assert manifest["quality"]["labelled"] is False and manifest["rows"]["indexed"] == 60
