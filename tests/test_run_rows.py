@@ -10,8 +10,9 @@ import pytest
 
 from core.catalog import read_catalog
 from core.preprocess import load_batch
-from index.embedder import CPU, CUDA, OnnxEmbedder, fastest_run_rows, measures_run_rows
+from index.embedder import CPU, CUDA, OnnxEmbedder, measures_run_rows
 from serving.engine import load_pair
+from serving.query_embedder import QueryEmbedder, fastest_run_rows
 from serving.server import ServerConfig
 
 
@@ -80,7 +81,7 @@ def images(demo_run):
 
 
 def test_a_batch_in_several_runs_embeds_as_in_one(demo_run, images):
-    embedder = OnnxEmbedder(demo_run / "model", provider="cpu", intra_op_threads=2, runs_at_once=2)
+    embedder = QueryEmbedder(demo_run / "model", provider="cpu", intra_op_threads=2, runs_at_once=2)
     whole, whole_beside = embedder.embed(images), embedder.embed(images, side_by_side=True)
     runs = {"full": noting_rows(embedder.session), "beside": noting_rows(embedder.side_by_side_session)}
     embedder.run_rows, embedder.side_by_side_run_rows = 3, 2
