@@ -244,18 +244,9 @@ def run_build(cfg: BuildConfig, progress: bool = True) -> Path:
         catalog, embedder, cfg.batch_size, cfg.decode_threads, cfg.max_pixels, progress
     )
     check_bad_rows(len(catalog), len(kept), skipped, cfg.max_bad_fraction)
-    return publish_index_version(
-        cfg,
-        NewVersion(
-            model_id=embedder.model_id,
-            embeddings=embeddings,
-            items=catalog.subset(kept),
-            catalog=catalog_path,
-            rows=RowCounts(catalog=len(catalog), indexed=len(kept), skipped=skipped),
-            started=started,
-            embed_seconds=time.perf_counter() - started,
-        ),
-    )
+    seconds = time.perf_counter() - started
+    new = NewVersion.of_catalog(embedder.model_id, catalog_path, catalog, embeddings, kept, skipped, started, seconds)
+    return publish_index_version(cfg, new)
 
 
 @dataclass
@@ -272,6 +263,31 @@ class NewVersion:
     index: faiss.Index | None = None  # None: built from `embeddings` with the config's factory
     parent_version: str | None = None  # `index add`: the version it extends
     engine: dict | None = None  # `index rebuild`: what embedded the catalog
+
+    @classmethod
+    def of_catalog(
+        cls,
+        model_id: str,
+        catalog_path: str | Path,
+        catalog: Catalog,
+        embeddings: np.ndarray,
+        kept: list[int],
+        skipped: dict[str, int],
+        started: float,
+        embed_seconds: float,
+        engine: dict | None = None,
+    ) -> NewVersion:
+        """A whole catalog embedded (`embed_catalog`'s answer): its `kept` rows, `skipped` counted."""
+        return cls(
+            model_id=model_id,
+            embeddings=embeddings,
+            items=catalog.subset(kept),
+            catalog=catalog_path,
+            rows=RowCounts(catalog=len(catalog), indexed=len(kept), skipped=skipped),
+            started=started,
+            embed_seconds=embed_seconds,
+            engine=engine,
+        )
 
 
 def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:

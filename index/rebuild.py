@@ -24,7 +24,7 @@ import numpy as np
 from core.artifacts import utc_now, write_json_atomic
 from core.catalog import read_catalog
 from core.cli import init_ray
-from core.manifests import ModelManifest, RowCounts
+from core.manifests import ModelManifest
 from core.preprocess import ImageDecodeError, load_image
 from index.build import BuildConfig, NewVersion, check_bad_rows, default_catalog, publish_index_version
 
@@ -162,18 +162,10 @@ def run_rebuild(cfg: BuildConfig, workers: int = 2, work_dir: str | None = None,
     embed_seconds = time.perf_counter() - started
     embeddings, kept, skipped = read_shards(work, len(catalog))
     check_bad_rows(len(catalog), len(kept), skipped, cfg.max_bad_fraction)
-    target = publish_index_version(
-        cfg,
-        NewVersion(
-            model_id=model.model_id,
-            embeddings=embeddings,
-            items=catalog.subset(kept),
-            catalog=catalog_path,
-            rows=RowCounts(catalog=len(catalog), indexed=len(kept), skipped=skipped),
-            started=started,
-            embed_seconds=embed_seconds,
-            engine={"name": "ray_data", "workers": workers},
-        ),
+    engine = {"name": "ray_data", "workers": workers}
+    new = NewVersion.of_catalog(
+        model.model_id, catalog_path, catalog, embeddings, kept, skipped, started, embed_seconds, engine
     )
+    target = publish_index_version(cfg, new)
     shutil.rmtree(work, ignore_errors=True)
     return target
