@@ -395,8 +395,10 @@ def main() -> None:
                 "start_test_recall_at_1": train["untrained"]["recall_at_k"]["1"],
             }
         if stage == "export":
-            manifest = json.loads((out / "model" / "manifest.json").read_text())
-            run["parity_images"] = manifest.get("parity", {}).get("images", 0)
+            from core.manifests import ModelManifest
+
+            parity = ModelManifest.read(out / "model").parity
+            run["parity_images"] = parity["images"] if parity else 0
         results_path.write_text(json.dumps(run, indent=2))
         peak = result["peak_total_pss_gb"]
         print(f"[{stage}] {result['seconds'] / 60:.1f} min, peak total {peak:.2f} GB", flush=True)

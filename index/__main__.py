@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         from pathlib import Path
 
         from core import artifacts
+        from core.manifests import IndexManifest
 
         if args.command in ("list", "rollback") and not Path(args.index_root).is_dir():
             raise ValueError(f"index root not found: {args.index_root}")
@@ -74,13 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "list":
             live = artifacts.current_version(args.index_root)
             for version in artifacts.list_versions(args.index_root):
-                m = artifacts.read_manifest(artifacts.version_dir(args.index_root, version))
-                probe = m.get("quality", {}).get("probe_recall_at_k", {}).get("1")
+                m = IndexManifest.read(artifacts.version_dir(args.index_root, version))
+                probe = m.quality.probe_recall_at_1 if m.quality is not None else None
                 mark = "*" if version == live else " "
-                print(
-                    f"{mark} {version}  size={m['size']}  factory={m['factory']}  "
-                    f"model={m['model_id']}  probe_R@1={probe}"
-                )
+                print(f"{mark} {version}  size={m.size}  factory={m.factory}  model={m.model_id}  probe_R@1={probe}")
         elif args.command == "rollback":
             versions = artifacts.list_versions(args.index_root)
             live = artifacts.current_version(args.index_root)

@@ -11,13 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import faiss
 import numpy as np
 
 from core import artifacts
-from core.artifacts import ArtifactError, read_manifest, utc_now, write_json_atomic
+from core.artifacts import ArtifactError, utc_now
 from core.catalog import Catalog, CatalogError, read_catalog
 from core.config import DEVICES, option, to_jsonable
 from core.items import ItemTable
+from core.manifests import IndexManifest, ModelManifest, QualityGate, QualityReport, RowCounts
 from core.metrics import recall_at_k, recall_from_neighbor_labels
 from core.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, load_image
 from core.progress import Progress
@@ -25,10 +27,8 @@ from index.contact_sheet import contact_sheet, sample_neighbours
 from index.embedder import OnnxEmbedder
 from index.faiss_index import (
     ann_recall,
-    apply_search_params,
     build_index,
     l2_normalized,
-    load_index,
     save_index,
     search,
     search_leaving_out_self,
@@ -36,6 +36,7 @@ from index.faiss_index import (
     select_device,
     with_default_rerank,
 )
+from index.version import IndexVersion
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +94,13 @@ class BuildConfig:
             read_probe_catalog(self.probe_catalog)
 
 
-def default_catalog(model_manifest: dict) -> str:
-    splits = (model_manifest.get("training_data") or {}).get("splits", {})
-    if "test" not in splits:
+def default_catalog(model_manifest: ModelManifest) -> str:
+    if model_manifest.test_split is None:
         raise ValueError(
             "no --catalog given and the model manifest records no test split "
             "(a pretrained export has no training run): pass --catalog"
         )
-    return splits["test"]
+    return model_manifest.test_split
 
 
 def embed_catalog(
@@ -175,20 +175,24 @@ def probe_catalog_recall(index, labels: list[str] | None, cfg: BuildConfig) -> t
 NO_PROBE = "none: the catalog has no labels and no --probe-catalog was given"
 
 
-def quality_figures(index, embeddings: np.ndarray, labels: list[str] | None, cfg: BuildConfig) -> dict:
+def quality_figures(index, embeddings: np.ndarray, labels: list[str] | None, cfg: BuildConfig) -> QualityReport:
     """ANN recall vs exact search, and probe Recall@K, on a fixed sample of the catalog.
     Without labels (`labels` None) the probe comes from --probe-catalog or is absent."""
     n = len(embeddings)
     rng = np.random.default_rng(0)
     sample = np.sort(rng.choice(n, size=min(cfg.quality_sample, n), replace=False))
     ann_k = min(cfg.ann_k, n)
-    figures: dict = {"sample_size": int(len(sample)), "ann_k": ann_k, "labelled": labels is not None}
-    figures["ann_recall_at_k"] = ann_recall(index, embeddings, embeddings[sample], ann_k)
+    report = QualityReport(
+        sample_size=int(len(sample)),
+        ann_k=ann_k,
+        ann_recall_at_k=ann_recall(index, embeddings, embeddings[sample], ann_k),
+        labelled=labels is not None,
+    )
     if cfg.probe_catalog:
-        figures["probe_recall_at_k"], figures["probe_source"] = probe_catalog_recall(index, labels, cfg)
+        report.probe_recall_at_k, report.probe_source = probe_catalog_recall(index, labels, cfg)
     if labels is None:
-        figures.setdefault("probe_source", NO_PROBE)
-        return figures
+        report.probe_source = report.probe_source or NO_PROBE
+        return report
     label_array = np.asarray(labels)
     depth = min(max(cfg.ks), n - 1)
     ks = [kk for kk in cfg.ks if kk <= depth]
@@ -196,15 +200,13 @@ def quality_figures(index, embeddings: np.ndarray, labels: list[str] | None, cfg
         # Probe: sampled items query the built index itself, excluding their own row.
         _, rows = search_leaving_out_self(index, embeddings, sample, depth)
         neighbor_labels = np.where(rows >= 0, label_array.astype(object)[np.maximum(rows, 0)], None)
-        figures["probe_source"] = "leave-one-out sample of the catalog"
-        figures["probe_recall_at_k"] = {
+        report.probe_source = "leave-one-out sample of the catalog"
+        report.probe_recall_at_k = {
             str(kk): v for kk, v in recall_from_neighbor_labels(neighbor_labels, label_array[sample], ks).items()
         }
     if n <= 20000:
-        figures["exact_recall_at_k"] = (
-            {str(kk): v for kk, v in recall_at_k(embeddings, labels, ks).items()} if ks else {}
-        )
-    return figures
+        report.exact_recall_at_k = {str(kk): v for kk, v in recall_at_k(embeddings, labels, ks).items()} if ks else {}
+    return report
 
 
 def write_contact_sheet(path: Path, index, embeddings: np.ndarray, paths: list[str], labels: list[str] | None) -> None:
@@ -214,18 +216,18 @@ def write_contact_sheet(path: Path, index, embeddings: np.ndarray, paths: list[s
     contact_sheet([paths[r] for r in picked], query_labels, rows, scores, paths, labels).save(path)
 
 
-def check_quality(figures: dict, cfg: BuildConfig, live: dict | None) -> list[str]:
+def check_quality(figures: QualityReport, cfg: BuildConfig, live: IndexManifest | None) -> list[str]:
     """Reasons to refuse publishing (empty when the gate passes)."""
     reasons = []
-    if figures["ann_recall_at_k"] < cfg.min_ann_recall:
-        reasons.append(f"ANN recall@{figures['ann_k']} {figures['ann_recall_at_k']:.4f} < floor {cfg.min_ann_recall}")
-    probe = figures.get("probe_recall_at_k", {}).get("1")
+    if figures.ann_recall_at_k < cfg.min_ann_recall:
+        reasons.append(f"ANN recall@{figures.ann_k} {figures.ann_recall_at_k:.4f} < floor {cfg.min_ann_recall}")
+    probe = figures.probe_recall_at_1
     if probe is None and cfg.min_probe_recall_at_1 > 0:
         reasons.append(f"a probe Recall@1 floor is set ({cfg.min_probe_recall_at_1}) but there is no probe: {NO_PROBE}")
     if probe is not None and probe < cfg.min_probe_recall_at_1:
         reasons.append(f"probe Recall@1 {probe:.4f} < floor {cfg.min_probe_recall_at_1}")
     if cfg.max_recall_drop is not None and live is not None and probe is not None:
-        live_probe = live.get("quality", {}).get("probe_recall_at_k", {}).get("1")
+        live_probe = live.quality.probe_recall_at_1 if live.quality is not None else None
         if live_probe is not None and probe < live_probe - cfg.max_recall_drop:
             reasons.append(
                 f"probe Recall@1 {probe:.4f} is more than {cfg.max_recall_drop} below the live "
@@ -254,46 +256,70 @@ def run_build(cfg: BuildConfig, progress: bool = True) -> Path:
         catalog, embedder, cfg.batch_size, cfg.decode_threads, cfg.max_pixels, progress
     )
     check_bad_rows(len(catalog), len(kept), skipped, cfg.max_bad_fraction)
-    rows = {"catalog": len(catalog), "indexed": len(kept), "skipped": skipped}
-    return publish_index(
-        cfg,
-        embedder.model_id,
-        embeddings,
-        catalog.subset(kept),
-        catalog_path,
-        rows,
-        started,
-        embed_seconds=time.perf_counter() - started,
-    )
+    seconds = time.perf_counter() - started
+    new = NewVersion.of_catalog(embedder.model_id, catalog_path, catalog, embeddings, kept, skipped, started, seconds)
+    return publish_index_version(cfg, new)
 
 
-def publish_index(
-    cfg: BuildConfig,
-    model_id: str,
-    embeddings: np.ndarray,
-    items: Catalog | ItemTable,
-    catalog_path: str | Path,
-    rows: dict,
-    started: float,
-    embed_seconds: float,
-    index=None,
-    extra: dict | None = None,
-) -> Path:
-    """Build the faiss index (unless given), gate it on quality, and publish a new version."""
+@dataclass
+class NewVersion:
+    """What `index build`, `add` and `rebuild` each hand to `publish_index_version`."""
+
+    model_id: str
+    embeddings: np.ndarray  # the exact vectors, row for row with `items`
+    items: Catalog | ItemTable
+    catalog: str | Path  # the catalog the rows came from
+    rows: RowCounts
+    started: float  # time.perf_counter() when the command started
+    embed_seconds: float
+    index: faiss.Index | None = None  # None: built from `embeddings` with the config's factory
+    parent_version: str | None = None  # `index add`: the version it extends
+    engine: dict | None = None  # `index rebuild`: what embedded the catalog
+
+    @classmethod
+    def of_catalog(
+        cls,
+        model_id: str,
+        catalog_path: str | Path,
+        catalog: Catalog,
+        embeddings: np.ndarray,
+        kept: list[int],
+        skipped: dict[str, int],
+        started: float,
+        embed_seconds: float,
+        engine: dict | None = None,
+    ) -> NewVersion:
+        """A whole catalog embedded (`embed_catalog`'s answer): its `kept` rows, `skipped` counted."""
+        return cls(
+            model_id=model_id,
+            embeddings=embeddings,
+            items=catalog.subset(kept),
+            catalog=catalog_path,
+            rows=RowCounts(catalog=len(catalog), indexed=len(kept), skipped=skipped),
+            started=started,
+            embed_seconds=embed_seconds,
+            engine=engine,
+        )
+
+
+def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
+    """Build the faiss index (unless given), gate it on quality, and publish a new version of
+    `cfg.index_root`: the one publish path of build, add and rebuild; returns its directory."""
     device = select_device(cfg.device)
+    embeddings = new.embeddings
+    index = new.index
     if index is None:
         index = build_index(embeddings, cfg.factory, cfg.search_params, cfg.train_size, device)
     search_params = with_default_rerank(index, cfg.search_params)
+    items = new.items
     labels = list(items.labels) if items.labelled else None
     searched = searchable(index, search_params, embeddings)
-    figures = quality_figures(searched, embeddings, labels, cfg)
+    quality = quality_figures(searched, embeddings, labels, cfg)
     root = Path(cfg.index_root)
-    live = None
-    if artifacts.current_version(root):
-        live = read_manifest(artifacts.version_dir(root))
-        if live.get("model_id") != model_id:
-            live = None  # a different model's recall is no baseline for this one
-    reasons = check_quality(figures, cfg, live)
+    live = IndexVersion.live(root)
+    # A different model's recall is no baseline for this one.
+    baseline = live.manifest if live is not None and live.manifest.model_id == new.model_id else None
+    reasons = check_quality(quality, cfg, baseline)
     if reasons and not cfg.force:
         raise QualityGateError("quality gate refused to publish: " + "; ".join(reasons))
 
@@ -308,29 +334,29 @@ def publish_index(
         write_contact_sheet(staging / artifacts.NEIGHBOURS_FILE, searched, embeddings, paths, labels)
         index_id = artifacts.file_sha256(staging / artifacts.INDEX_FILE)[:16]
         version = artifacts.new_version_name(index_id)
-        manifest = {
-            "index_id": index_id,
-            "version": version,
-            "model_id": model_id,
-            "model_dir": str(Path(cfg.model).resolve()),
-            "factory": cfg.factory,
-            "metric": "inner_product",
-            "normalized": True,
-            "size": int(index.ntotal),
-            "dimension": int(index.d),
-            "search_params": search_params,
-            "built_on": device,
-            "build_seconds": time.perf_counter() - started,
-            "embed_seconds": embed_seconds,
-            "created": utc_now(),
-            "catalog": str(Path(catalog_path).resolve()),
-            "rows": rows,
-            "quality": figures,
-            "quality_gate": {"passed": not reasons, "forced": bool(reasons), "reasons": reasons},
-            "config": to_jsonable(cfg),
-            **(extra or {}),
-        }
-        write_json_atomic(staging / artifacts.MANIFEST, manifest)
+        IndexManifest(
+            index_id=index_id,
+            version=version,
+            model_id=new.model_id,
+            model_dir=str(Path(cfg.model).resolve()),
+            factory=cfg.factory,
+            metric="inner_product",
+            normalized=True,
+            size=int(index.ntotal),
+            dimension=int(index.d),
+            search_params=search_params,
+            built_on=device,
+            build_seconds=time.perf_counter() - new.started,
+            embed_seconds=new.embed_seconds,
+            created=utc_now(),
+            catalog=str(Path(new.catalog).resolve()),
+            rows=new.rows,
+            quality=quality,
+            quality_gate=QualityGate(passed=not reasons, forced=bool(reasons), reasons=reasons),
+            config=to_jsonable(cfg),
+            parent_version=new.parent_version,
+            engine=new.engine,
+        ).write(staging)
         target = artifacts.publish_version(root, staging, version)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -351,35 +377,30 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     started = time.perf_counter()
     if cfg.catalog is None:
         raise ValueError("index add needs --catalog with the new rows")
-    root = Path(cfg.index_root)
-    live_dir = artifacts.version_dir(root)
-    live = read_manifest(live_dir)
+    live = IndexVersion.open(cfg.index_root)
     embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
-    check_model_index_pair(embedder.manifest, live)
-    old_items = ItemTable.read(live_dir / artifacts.ITEMS_FILE)
-    old_vectors = np.load(live_dir / artifacts.EMBEDDINGS_FILE, mmap_mode="r")
+    check_model_index_pair(embedder.manifest, live.manifest)
+    old_items = live.items
     catalog = read_catalog(cfg.catalog)
     if catalog.labelled != old_items.labelled:
         has, lacks = (
-            (catalog.source, f"version {live['version']}")
+            (catalog.source, f"version {live.manifest.version}")
             if catalog.labelled
-            else (f"version {live['version']}", catalog.source)
+            else (f"version {live.manifest.version}", catalog.source)
         )
         raise CatalogError(f"{has} has labels and {lacks} has none: a version's items are all labelled or none are")
     new_rows = [r for r, item_id in enumerate(catalog.ids) if old_items.row_of(item_id) is None]
     already = len(catalog) - len(new_rows)
     if not new_rows:
-        raise ValueError(f"all {len(catalog)} rows of {cfg.catalog} are already in version {live['version']}")
+        raise ValueError(f"all {len(catalog)} rows of {cfg.catalog} are already in version {live.manifest.version}")
     fresh = catalog.subset(new_rows)
     vectors, kept, skipped = embed_catalog(
         fresh, embedder, cfg.batch_size, cfg.decode_threads, cfg.max_pixels, progress
     )
     check_bad_rows(len(fresh), len(kept), skipped, cfg.max_bad_fraction)
     added = fresh.subset(kept)
-    index = load_index(live_dir / artifacts.INDEX_FILE)
+    index = live.read_index()
     index.add(l2_normalized(vectors))
-    if live.get("search_params"):
-        apply_search_params(index, live["search_params"])
     items = old_items.concat(
         ItemTable(
             ids=added.ids,
@@ -388,31 +409,29 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
             metadata=added.metadata,
         )
     )
-    cfg = dataclasses.replace(cfg, factory=live["factory"], search_params=live.get("search_params", {}))
-    rows = {
-        "catalog": len(catalog),
-        "indexed": len(items),
-        "added": len(kept),
-        "already_indexed": already,
-        "skipped": skipped,
-    }
-    return publish_index(
+    cfg = dataclasses.replace(cfg, factory=live.manifest.factory, search_params=live.manifest.search_params)
+    rows = RowCounts(
+        catalog=len(catalog), indexed=len(items), skipped=skipped, added=len(kept), already_indexed=already
+    )
+    return publish_index_version(
         cfg,
-        embedder.model_id,
-        np.concatenate([old_vectors, vectors]),
-        items,
-        cfg.catalog,
-        rows,
-        started,
-        embed_seconds=time.perf_counter() - started,
-        index=index,
-        extra={"parent_version": live["version"]},
+        NewVersion(
+            model_id=embedder.model_id,
+            embeddings=np.concatenate([live.vectors, vectors]),
+            items=items,
+            catalog=cfg.catalog,
+            rows=rows,
+            started=started,
+            embed_seconds=time.perf_counter() - started,
+            index=index,
+            parent_version=live.manifest.version,
+        ),
     )
 
 
-def check_model_index_pair(model_manifest: dict, index_manifest: dict) -> None:
-    if model_manifest["model_id"] != index_manifest["model_id"]:
+def check_model_index_pair(model_manifest: ModelManifest, index_manifest: IndexManifest) -> None:
+    if model_manifest.model_id != index_manifest.model_id:
         raise ArtifactError(
-            f"index {index_manifest.get('version')} was built with model {index_manifest['model_id']}, "
-            f"not the loaded model {model_manifest['model_id']}"
+            f"index {index_manifest.version} was built with model {index_manifest.model_id}, "
+            f"not the loaded model {model_manifest.model_id}"
         )

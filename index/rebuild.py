@@ -22,12 +22,13 @@ from pathlib import Path
 
 import numpy as np
 
-from core.artifacts import read_manifest, utc_now, write_json_atomic
+from core.artifacts import utc_now, write_json_atomic
 from core.catalog import Catalog, read_catalog
 from core.cli import init_ray
 from core.config import option
+from core.manifests import ModelManifest
 from core.preprocess import ImageDecodeError, load_image
-from index.build import BuildConfig, check_bad_rows, default_catalog, publish_index
+from index.build import BuildConfig, NewVersion, check_bad_rows, default_catalog, publish_index_version
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +161,10 @@ def run_rebuild(cfg: BuildConfig, workers: int = 2, work_dir: str | None = None,
         raise ValueError(f"workers must be at least 1, got {workers}")
     started = time.perf_counter()
     model_dir = Path(cfg.model)
-    model = read_manifest(model_dir)
+    model = ModelManifest.read(model_dir)
     catalog_path = Path(cfg.catalog or default_catalog(model))
     catalog = read_catalog(catalog_path)
-    work = Path(work_dir or Path(cfg.index_root) / ".rebuild") / work_key(catalog, model["model_id"])
+    work = Path(work_dir or Path(cfg.index_root) / ".rebuild") / work_key(catalog, model.model_id)
     if (work / DONE).is_file():
         log.info("reusing completed embedding shards in %s", work)
     else:
@@ -175,17 +176,10 @@ def run_rebuild(cfg: BuildConfig, workers: int = 2, work_dir: str | None = None,
     embed_seconds = time.perf_counter() - started
     embeddings, kept, skipped = read_shards(work, len(catalog))
     check_bad_rows(len(catalog), len(kept), skipped, cfg.max_bad_fraction)
-    rows = {"catalog": len(catalog), "indexed": len(kept), "skipped": skipped}
-    target = publish_index(
-        cfg,
-        model["model_id"],
-        embeddings,
-        catalog.subset(kept),
-        catalog_path,
-        rows,
-        started,
-        embed_seconds,
-        extra={"engine": {"name": "ray_data", "workers": workers}},
+    engine = {"name": "ray_data", "workers": workers}
+    new = NewVersion.of_catalog(
+        model.model_id, catalog_path, catalog, embeddings, kept, skipped, started, embed_seconds, engine
     )
+    target = publish_index_version(cfg, new)
     shutil.rmtree(work, ignore_errors=True)
     return target

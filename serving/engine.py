@@ -10,19 +10,19 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
 
 import faiss
 import numpy as np
 from PIL import Image
 
 from core import artifacts
-from core.artifacts import ArtifactError, read_manifest
+from core.artifacts import ArtifactError
 from core.items import ItemTable
+from core.manifests import IndexManifest, ModelManifest
 from core.preprocess import (
     DEFAULT_MAX_PIXELS,
     ImageDecodeError,
@@ -31,12 +31,12 @@ from core.preprocess import (
     open_image,
 )
 from index.build import check_model_index_pair
-from index.embedder import OnnxEmbedder
-from index.faiss_index import ExactRerank, apply_search_params, load_index, searchable
+from index.faiss_index import ExactRerank
+from index.version import IndexVersion
 from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
+from serving.query_embedder import QueryEmbedder
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -52,19 +52,36 @@ _load_serials = itertools.count(1)
 
 @dataclass(frozen=True)
 class ServingPair:
-    """A loaded model and the index built with it. `serial` tells one load from every other,
-    the same version loaded twice included: what outlives a request (the Feedback window, a
-    sampled query waiting for its exact re-run) keeps the serial, never the pair, so a pair
-    swapped out is freed once the requests that took it have finished."""
+    """A loaded model and the index version built with it. `serial` tells one load from every
+    other, the same version loaded twice included: what outlives a request (the Feedback
+    window, a sampled query waiting for its exact re-run) keeps the serial, never the pair, so
+    a pair swapped out is freed once the requests that took it have finished."""
 
-    embedder: OnnxEmbedder
-    index: faiss.Index | ExactRerank  # as searched: re-ranked against `vectors` when the manifest asks
-    items: ItemTable
-    vectors: np.ndarray  # the exact vectors indexed (embeddings.npy, memory-mapped): what an index may only approximate
-    manifest: dict
-    version: str
-    directory: Path
+    embedder: QueryEmbedder
+    index: faiss.Index | ExactRerank  # as searched: re-ranked against the exact vectors when the manifest asks
+    index_version: IndexVersion
     serial: int = field(default_factory=lambda: next(_load_serials))
+
+    @property
+    def items(self) -> ItemTable:
+        return self.index_version.items
+
+    @property
+    def vectors(self) -> np.ndarray:
+        """The exact vectors indexed (embeddings.npy, memory-mapped): what an index may only approximate."""
+        return self.index_version.vectors
+
+    @property
+    def manifest(self) -> IndexManifest:
+        return self.index_version.manifest
+
+    @property
+    def version(self) -> str:
+        return self.index_version.name
+
+    @property
+    def directory(self) -> Path:
+        return self.index_version.directory
 
     @property
     def model_id(self) -> str:
@@ -72,7 +89,7 @@ class ServingPair:
 
     @property
     def index_id(self) -> str:
-        return self.manifest["index_id"]
+        return self.manifest.index_id
 
     @property
     def dim(self) -> int:
@@ -93,59 +110,27 @@ def load_pair(
 ) -> ServingPair:
     """Load an index version and its model, refusing a pair built with different models.
     `runs_at_once`: how many ORT runs the server makes at once (batch streams, or unbatched
-    queries); above 1 the model also gets a session for runs beside others (see `OnnxEmbedder`).
+    queries); above 1 the model also gets a session for runs beside others (see `QueryEmbedder`).
     `run_rows`: at most this many images per ORT run (0: a batch in one run); None: the fastest
     for batches of up to `batch_rows` images, measured — or, when the `previous` pair has the
     same model (a new index for it), the rows that pair measured."""
-    directory = artifacts.version_dir(index_root, version)
-    manifest = read_manifest(directory)
-    model_dir = Path(model_dir or manifest.get("model_dir") or "")
+    opened = IndexVersion.open(index_root, version)
+    model_dir = Path(model_dir or opened.manifest.model_dir or "")
     if not (model_dir / artifacts.MANIFEST).is_file():
         raise ArtifactError(f"model directory {model_dir} has no {artifacts.MANIFEST}")
-    model_manifest = read_manifest(model_dir)
-    check_model_index_pair(model_manifest, manifest)
+    model_manifest = ModelManifest.read(model_dir)
+    check_model_index_pair(model_manifest, opened.manifest)
     # The index and items before the model's sessions, the costliest part: a damaged version
     # fails before any session is made.
-    index = _read_artifact(load_index, directory / artifacts.INDEX_FILE, "a faiss index")
-    if manifest.get("search_params"):
-        apply_search_params(index, manifest["search_params"])
-    items = _read_artifact(ItemTable.read, directory / artifacts.ITEMS_FILE, "an items table")
-    vectors = _read_artifact(_map_vectors, directory / artifacts.EMBEDDINGS_FILE, "a float32 vector array")
-    dim = int(model_manifest["embedding_dim"])
-    if not (len(items) == index.ntotal == len(vectors)) or not (index.d == dim == vectors.shape[1]):
-        raise ArtifactError(
-            f"{directory}: index has {index.ntotal} vectors of dim {index.d}, items table "
-            f"{len(items)} rows, {artifacts.EMBEDDINGS_FILE} {len(vectors)}×{vectors.shape[1]}, model dim {dim}"
-        )
-    embedder = OnnxEmbedder(model_dir, provider, intra_op_threads, ort_spinning, runs_at_once)
+    opened.load(dim=model_manifest.embedding_dim)
+    embedder = QueryEmbedder(model_dir, provider, intra_op_threads, ort_spinning, runs_at_once)
     if run_rows is not None:
-        embedder.run_rows = embedder.side_by_side_run_rows = run_rows or None
+        embedder.set_run_rows(run_rows or None, run_rows or None)
     elif previous is not None and previous.model_id == embedder.model_id:
-        embedder.run_rows = previous.embedder.run_rows
-        embedder.side_by_side_run_rows = previous.embedder.side_by_side_run_rows
+        embedder.set_run_rows(previous.embedder.run_rows, previous.embedder.side_by_side_run_rows)
     else:
         embedder.tune_run_rows(batch_rows, -(-batch_rows // runs_at_once))
-    index = searchable(index, manifest.get("search_params") or {}, vectors)
-    return ServingPair(embedder, index, items, vectors, manifest, directory.name, directory)
-
-
-def _map_vectors(path: Path) -> np.ndarray:
-    vectors = np.load(path, mmap_mode="r")
-    if vectors.dtype != np.float32 or vectors.ndim != 2:
-        raise ValueError(f"holds {vectors.dtype} of shape {vectors.shape}, not float32 rows")
-    return vectors
-
-
-def _read_artifact(read: Callable[[Path], T], path: Path, what: str) -> T:
-    """`read(path)`, with a file that is missing, cut short or not what it should be reported
-    as an `ArtifactError` naming it (faiss and Arrow raise their own types, worded for C++)."""
-    if not path.is_file():
-        raise ArtifactError(f"{path} is missing")
-    try:
-        return read(path)
-    except Exception as exc:  # noqa: BLE001 - whatever the reader raises, the file is damaged
-        detail = str(exc).rsplit("Error: ", 1)[-1].strip()
-        raise ArtifactError(f"{path} is damaged: cannot be read as {what} ({detail})") from exc
+    return ServingPair(embedder, opened.searchable(), opened)
 
 
 @dataclass
@@ -216,7 +201,7 @@ class SearchEngine:
         row = pair.items.row_of(item_id)
         if row is None:
             raise InvalidArgument(f"unknown item id {item_id!r}")
-        return np.array(pair.vectors[row]), row
+        return pair.index_version.vector(row), row
 
     def search(self, pair: ServingPair, vectors: np.ndarray, k: int, exclude: list[set[int]]) -> list[list[Hit]]:
         """Top-k per query, leaving out excluded rows (searching deeper to make up for them)."""

@@ -20,6 +20,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from core.manifests import IndexManifest
+
 LATENCY_BUCKETS = (
     0.0005,
     0.001,
@@ -123,20 +125,18 @@ class ServiceMetrics:
         self.index_size.set(size)
         self.loaded.set(1)
 
-    def set_build_figures(self, manifest: dict) -> None:
-        quality = manifest.get("quality", {})
-        rows = manifest.get("rows", {})
-        self.build_seconds.set(float(manifest.get("build_seconds", 0.0)))
-        self.build_rows.labels("indexed").set(float(rows.get("indexed", manifest.get("size", 0))))
-        self.build_rows.labels("skipped").set(float(sum(rows.get("skipped", {}).values())))
-        self.build_ann_recall.set(float(quality.get("ann_recall_at_k", 0.0)))
+    def set_build_figures(self, manifest: IndexManifest) -> None:
+        quality = manifest.quality
+        self.build_seconds.set(manifest.build_seconds or 0.0)
+        self.build_rows.labels("indexed").set(float(manifest.indexed_rows))
+        self.build_rows.labels("skipped").set(float(manifest.rows.skipped_total if manifest.rows else 0))
+        self.build_ann_recall.set(quality.ann_recall_at_k if quality is not None else 0.0)
         self.build_probe_recall.clear()
-        for k, value in quality.get("probe_recall_at_k", {}).items():
-            self.build_probe_recall.labels(str(k)).set(float(value))
-        self.build_gate_forced.set(1.0 if manifest.get("quality_gate", {}).get("forced") else 0.0)
-        created = manifest.get("created")
-        if created:
-            self.build_created.set(_dt.datetime.fromisoformat(created).timestamp())
+        for k, value in ((quality.probe_recall_at_k if quality is not None else None) or {}).items():
+            self.build_probe_recall.labels(str(k)).set(value)
+        self.build_gate_forced.set(1.0 if manifest.quality_gate is not None and manifest.quality_gate.forced else 0.0)
+        if manifest.created:
+            self.build_created.set(_dt.datetime.fromisoformat(manifest.created).timestamp())
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)

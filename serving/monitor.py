@@ -210,7 +210,7 @@ class RecallMonitor:
         pair = self._live
         if pair is None or pair.serial != serial:  # sampled before a reload: it no longer describes the index served
             return
-        scores = np.asarray(pair.vectors @ vector, dtype=np.float32)
+        scores = pair.index_version.exact_scores(vector)
         if exclude:
             scores[list(exclude)] = -np.inf
         for k in self.config.ks:

@@ -428,7 +428,7 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
                 index_id=pair.index_id,
                 index_size=pair.index.ntotal,
                 embedding_dim=pair.dim,
-                factory=pair.manifest.get("factory", ""),
+                factory=pair.manifest.factory,
                 providers=pair.embedder.session.get_providers(),
                 limits=pb.Limits(
                     max_k=limits.max_k,
@@ -632,9 +632,7 @@ class SearchServer:
                 raise
             old = self.engine.swap(new)
         self.metrics.reloads.inc()
-        self.metrics.set_live(
-            new.version, new.index_id, new.model_id, new.manifest.get("factory", ""), new.index.ntotal
-        )
+        self.metrics.set_live(new.version, new.index_id, new.model_id, new.manifest.factory, new.index.ntotal)
         self.metrics.set_build_figures(new.manifest)
         self.monitor.reset(new)
         self._call(self._set_health(True))

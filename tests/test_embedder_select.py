@@ -94,18 +94,18 @@ def test_a_session_with_a_share_of_the_threads_for_runs_side_by_side_only_where_
 
     from core.catalog import read_catalog
     from core.preprocess import load_batch
-    from index.embedder import OnnxEmbedder
+    from serving.query_embedder import QueryEmbedder
 
     model = demo_run / "model"
-    embedder = OnnxEmbedder(model, provider="cpu", intra_op_threads=2, runs_at_once=2)
+    embedder = QueryEmbedder(model, provider="cpu", intra_op_threads=2, runs_at_once=2)
     assert embedder.side_by_side_session.get_session_options().intra_op_num_threads == 1
-    shared = OnnxEmbedder(model, provider="cpu", intra_op_threads=8, runs_at_once=3)
+    shared = QueryEmbedder(model, provider="cpu", intra_op_threads=8, runs_at_once=3)
     assert shared.side_by_side_session.get_session_options().intra_op_num_threads == 2
     paths = read_catalog(demo_run / "train" / "splits" / "test.csv").paths[:4]
     images = load_batch(list(paths), embedder.contract)
     np.testing.assert_allclose(embedder.embed(images, side_by_side=True), embedder.embed(images), atol=1e-5)
     # Nothing to gain where the sessions would be the same, or no run is made side by side.
-    assert OnnxEmbedder(model, provider="cpu", intra_op_threads=1, runs_at_once=2).side_by_side_session is None
-    plain = OnnxEmbedder(model, provider="cpu", intra_op_threads=2)
+    assert QueryEmbedder(model, provider="cpu", intra_op_threads=1, runs_at_once=2).side_by_side_session is None
+    plain = QueryEmbedder(model, provider="cpu", intra_op_threads=2)
     assert plain.side_by_side_session is None
     np.testing.assert_array_equal(plain.embed(images, side_by_side=True), plain.embed(images))

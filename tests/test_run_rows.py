@@ -10,8 +10,9 @@ import pytest
 
 from core.catalog import read_catalog
 from core.preprocess import load_batch
-from index.embedder import CPU, CUDA, OnnxEmbedder, fastest_run_rows, measures_run_rows
+from index.embedder import CPU, CUDA, OnnxEmbedder, measures_run_rows
 from serving.engine import load_pair
+from serving.query_embedder import QueryEmbedder, fastest_run_rows
 from serving.server import ServerConfig
 
 
@@ -80,7 +81,7 @@ def images(demo_run):
 
 
 def test_a_batch_in_several_runs_embeds_as_in_one(demo_run, images):
-    embedder = OnnxEmbedder(demo_run / "model", provider="cpu", intra_op_threads=2, runs_at_once=2)
+    embedder = QueryEmbedder(demo_run / "model", provider="cpu", intra_op_threads=2, runs_at_once=2)
     whole, whole_beside = embedder.embed(images), embedder.embed(images, side_by_side=True)
     runs = {"full": noting_rows(embedder.session), "beside": noting_rows(embedder.side_by_side_session)}
     embedder.run_rows, embedder.side_by_side_run_rows = 3, 2
@@ -95,7 +96,7 @@ def test_rows_per_run_are_measured_set_or_whole_at_load(demo_run, images, caplog
     assert (pair.embedder.run_rows, pair.embedder.side_by_side_run_rows) == (3, 3)
     pair = load_pair(index_root, provider="cpu", intra_op_threads=2, runs_at_once=2, run_rows=0, batch_rows=8)
     assert (pair.embedder.run_rows, pair.embedder.side_by_side_run_rows) == (None, None)
-    with caplog.at_level("INFO", logger="index.embedder"):
+    with caplog.at_level("INFO", logger="serving.query_embedder"):
         pair = load_pair(index_root, provider="cpu", intra_op_threads=2, runs_at_once=2, run_rows=None, batch_rows=8)
     # Measured: a batch of 8 on the full session, 4 (a stream's share) on the other.
     assert pair.embedder.run_rows in (None, 1, 2, 4)
@@ -109,7 +110,7 @@ def test_a_new_index_for_the_same_model_keeps_the_measured_rows(demo_run, caplog
     index_root = demo_run / "index"
     options = dict(provider="cpu", intra_op_threads=2, runs_at_once=2, batch_rows=8)
     live = load_pair(index_root, run_rows=3, **options)
-    with caplog.at_level("INFO", logger="index.embedder"):
+    with caplog.at_level("INFO", logger="serving.query_embedder"):
         again = load_pair(index_root, run_rows=None, previous=live, **options)
         assert (again.embedder.run_rows, again.embedder.side_by_side_run_rows) == (3, 3)
         assert not [r for r in caplog.records if "rows per ONNX Runtime run" in r.getMessage()]

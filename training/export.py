@@ -9,6 +9,7 @@ disagree on real images.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
 from dataclasses import dataclass
@@ -18,18 +19,11 @@ import numpy as np
 import onnx
 import torch
 
-from core.artifacts import (
-    MANIFEST,
-    MODEL_FILE,
-    ArtifactError,
-    file_sha256,
-    staging_directory,
-    utc_now,
-    write_json_atomic,
-)
+from core.artifacts import MODEL_FILE, ArtifactError, file_sha256, staging_directory, utc_now
 from core.catalog import read_catalog
 from core.cli import verbose
 from core.config import option
+from core.manifests import ModelManifest
 from core.preprocess import InputContract
 from index.embedder import OnnxEmbedder
 from training.data import load_images
@@ -209,17 +203,17 @@ def run_export(cfg: ExportConfig) -> Path:
         export_onnx(model, contract, staging / MODEL_FILE, cfg.opset)
         model_id = file_sha256(staging / MODEL_FILE)[:16]
         config = fields.pop("config")
-        manifest = {
-            "model_id": model_id,
+        manifest = ModelManifest(
+            model_id=model_id,
             **fields,
-            "input": contract.to_dict(),
-            "output": {"name": "embeddings", "l2_normalized": True},
-            "opset": cfg.opset,
-            "created": utc_now(),
-            "exporter": {"torch": torch.__version__, "onnx": onnx.__version__, "python": platform.python_version()},
-            "config": {**config, "export": {k: v for k, v in vars(cfg).items()}},
-        }
-        write_json_atomic(staging / MANIFEST, manifest)
+            input=contract,
+            output={"name": "embeddings", "l2_normalized": True},
+            opset=cfg.opset,
+            created=utc_now(),
+            exporter={"torch": torch.__version__, "onnx": onnx.__version__, "python": platform.python_version()},
+            config={**config, "export": {k: v for k, v in vars(cfg).items()}},
+        )
+        manifest.write(staging)
         if parity_catalog is not None and parity_catalog.is_file():
             catalog = read_catalog(parity_catalog)
             step = max(1, len(catalog) // cfg.parity_images)
@@ -227,9 +221,9 @@ def run_export(cfg: ExportConfig) -> Path:
             images = load_images(sample, contract, max_bad_fraction=1.0).images
         else:
             images = np.random.default_rng(0).random((cfg.parity_images, *contract.input_shape), dtype=np.float32)
-        manifest["parity"] = parity_check(model, staging, images, cfg.min_cosine)
-        write_json_atomic(staging / MANIFEST, manifest)
-    log.info("exported model %s to %s (parity %s)", model_id, out, manifest["parity"])
+        manifest.parity = parity_check(model, staging, images, cfg.min_cosine)
+        manifest.write(staging)
+    log.info("exported model %s to %s (parity %s)", model_id, out, manifest.parity)
     for name in cfg.variants:
         export_variant(out, name, test_split, config["train"].get("ks", [1, 2, 4, 8]))
     return out
@@ -237,29 +231,23 @@ def run_export(cfg: ExportConfig) -> Path:
 
 def export_variant(base: Path, name: str, test_catalog: Path, ks: list[int]) -> Path:
     """Publish `<base>-<name>`: a reduced-precision copy with its Recall@K drop measured."""
-    from core.artifacts import read_manifest
     from core.metrics import recall_at_k
 
-    manifest = read_manifest(base)
+    manifest = ModelManifest.read(base)
     target = base.with_name(f"{base.name}-{name}")
     if not test_catalog.is_file():
         raise ExportError(f"variant {name}: no test split at {test_catalog} to measure its recall on")
-    contract = InputContract.from_dict(manifest["input"])
-    test = load_images(read_catalog(test_catalog), contract, max_bad_fraction=1.0)
+    test = load_images(read_catalog(test_catalog), manifest.input, max_bad_fraction=1.0)
     base_recall = recall_at_k(OnnxEmbedder(base, provider="cpu").embed(test.images), test.labels, ks)
     with staging_directory(target) as staging:
         VARIANTS[name](base / MODEL_FILE, staging / MODEL_FILE)
         onnx.checker.check_model(str(staging / MODEL_FILE))
         variant_id = file_sha256(staging / MODEL_FILE)[:16]
-        variant_manifest = {
-            **manifest,
-            "model_id": variant_id,
-            "variant": {"name": name, "base_model_id": manifest["model_id"]},
-            "created": utc_now(),
-        }
-        write_json_atomic(staging / MANIFEST, variant_manifest)
+        variant = {"name": name, "base_model_id": manifest.model_id}
+        variant_manifest = dataclasses.replace(manifest, model_id=variant_id, variant=variant, created=utc_now())
+        variant_manifest.write(staging)
         recall = recall_at_k(OnnxEmbedder(staging, provider="cpu").embed(test.images), test.labels, ks)
-        variant_manifest["variant"].update(
+        variant.update(
             test_images=len(test.ids),
             recall_at_k={str(k): v for k, v in recall.items()},
             base_recall_at_k={str(k): v for k, v in base_recall.items()},
@@ -267,8 +255,8 @@ def export_variant(base: Path, name: str, test_catalog: Path, ks: list[int]) -> 
             size_bytes=(staging / MODEL_FILE).stat().st_size,
             base_size_bytes=(base / MODEL_FILE).stat().st_size,
         )
-        write_json_atomic(staging / MANIFEST, variant_manifest)
-    log.info("variant %s: Recall@K drop %s", name, variant_manifest["variant"]["recall_drop"])
+        variant_manifest.write(staging)
+    log.info("variant %s: Recall@K drop %s", name, variant["recall_drop"])
     return target
 
 

@@ -1,0 +1,366 @@
+"""Typed manifests: the model artifact's, an index version's, and the quality report inside it.
+
+Each is the one reader and the one writer of its `manifest.json`: the keys on disk are those
+the stages have always written, plus `schema_version` (a manifest without one is version 1).
+A key this code does not know is kept (`extra`) and written back unchanged. A manifest that is
+not what it should be raises `ArtifactError` naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from core.artifacts import MANIFEST, ArtifactError, read_manifest, write_json_atomic
+from core.preprocess import InputContract
+
+SCHEMA_VERSION = 1  # the version these classes write; files without the field are version 1
+SCHEMA_KEY = "schema_version"
+
+_NUMBER = (int, float)
+M = TypeVar("M", bound="_Manifest")
+
+
+class _Fields:
+    """Reads the fields of one manifest dict, each checked, with errors naming file and field."""
+
+    def __init__(self, data: Mapping[str, Any], source: str, section: str = "") -> None:
+        if not isinstance(data, Mapping):
+            what = section or "the manifest"
+            raise ArtifactError(f"{source}: {what} must be a JSON object, got {type(data).__name__}")
+        self.data, self.source, self.section = data, source, section
+        self.used: set[str] = set()
+
+    def get(self, name: str, types: type | tuple[type, ...], required: bool = True, default: Any = None) -> Any:
+        self.used.add(name)
+        where = f"{self.section}.{name}" if self.section else name
+        if name not in self.data:
+            if required:
+                raise ArtifactError(f"{self.source}: field {where!r} is missing")
+            return default
+        value = self.data[name]
+        if value is None and not required:
+            return None
+        # bool is an int in Python, never a count or a figure in a manifest
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in _tuple(types)):
+            wanted = " or ".join(t.__name__ for t in _tuple(types))
+            raise ArtifactError(f"{self.source}: field {where!r} must be {wanted}, got {value!r}")
+        return value
+
+    def section_of(self, name: str, required: bool = True) -> _Fields | None:
+        value = self.get(name, dict, required)
+        if value is None:
+            return None
+        return _Fields(value, self.source, f"{self.section}.{name}" if self.section else name)
+
+    def rest(self) -> dict[str, Any]:
+        return {k: v for k, v in self.data.items() if k not in self.used}
+
+
+def _tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def _without_none(d: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """`d` less those of `keys` that are None: fields written only when they have a value."""
+    return {k: v for k, v in d.items() if not (k in keys and v is None)}
+
+
+class _Manifest:
+    """The file-level half every manifest shares: schema version, read, write."""
+
+    schema_version: int
+    extra: dict[str, Any]
+
+    @classmethod
+    def from_dict(cls: type[M], data: Mapping[str, Any], source: str | Path = MANIFEST) -> M:
+        fields = _Fields(data, str(source))
+        version = fields.get(SCHEMA_KEY, int, required=False, default=1)
+        if not 1 <= version <= SCHEMA_VERSION:
+            raise ArtifactError(
+                f"{source}: field {SCHEMA_KEY!r} is {version}; this simsearch reads versions 1 to {SCHEMA_VERSION}"
+            )
+        return cls._parse(fields, version)
+
+    @classmethod
+    def _parse(cls: type[M], fields: _Fields, version: int) -> M:
+        raise NotImplementedError
+
+    def _dict(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.extra, **self._dict(), SCHEMA_KEY: SCHEMA_VERSION}
+
+    def _values(self) -> dict[str, Any]:
+        """The dataclass fields as they are (not yet JSON), less the file-level ones."""
+        skip = ("extra", "schema_version")
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+
+    @classmethod
+    def read(cls: type[M], directory: str | Path) -> M:
+        return cls.from_dict(read_manifest(directory), Path(directory) / MANIFEST)
+
+    def write(self, directory: str | Path) -> Path:
+        return write_json_atomic(Path(directory) / MANIFEST, self.to_dict())
+
+
+@dataclass
+class ModelManifest(_Manifest):
+    """`manifest.json` of a model artifact (training/export.py writes it)."""
+
+    model_id: str
+    embedding_dim: int
+    input: InputContract
+    backbone: str | None = None
+    pooling: str | None = None
+    loss: dict[str, Any] | None = None  # None: a pretrained trunk, no training
+    training_data: dict[str, Any] | None = None  # {"catalog", "splits": {name: csv path}}
+    evaluation: dict[str, Any] | None = None
+    output: dict[str, Any] = field(default_factory=lambda: {"name": "embeddings", "l2_normalized": True})
+    opset: int | None = None
+    created: str | None = None
+    exporter: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    # Written only when they have a value:
+    pretrained: dict[str, Any] | None = None  # {"source", "sha256"} of a pretrained export
+    parity: dict[str, Any] | None = None  # ONNX Runtime vs PyTorch, once measured
+    variant: dict[str, Any] | None = None  # a reduced-precision copy: its name, base and recall drop
+    schema_version: int = SCHEMA_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    _OPTIONAL: ClassVar[tuple[str, ...]] = ("pretrained", "parity", "variant")
+
+    @property
+    def test_split(self) -> str | None:
+        """The test split's catalog of the training run (None: a pretrained export has none)."""
+        splits = self.training_data.get("splits") if self.training_data else None
+        return splits.get("test") if splits else None
+
+    @classmethod
+    def _parse(cls, fields: _Fields, version: int) -> ModelManifest:
+        source = fields.source
+        raw_input = fields.get("input", dict)
+        try:
+            contract = InputContract.from_dict(raw_input)
+        except (TypeError, ValueError) as exc:
+            raise ArtifactError(f"{source}: field 'input' is not an input contract ({exc})") from exc
+        dim = fields.get("embedding_dim", int)
+        if dim <= 0:
+            raise ArtifactError(f"{source}: field 'embedding_dim' must be positive, got {dim}")
+        model_id = fields.get("model_id", str)
+        if not model_id:
+            raise ArtifactError(f"{source}: field 'model_id' is empty")
+        training_data = fields.section_of("training_data", required=False)
+        if training_data is not None:
+            training_data.get("splits", dict, required=False)
+        return cls(
+            model_id=model_id,
+            embedding_dim=dim,
+            input=contract,
+            backbone=fields.get("backbone", str, required=False),
+            pooling=fields.get("pooling", str, required=False),
+            loss=fields.get("loss", dict, required=False),
+            training_data=None if training_data is None else dict(training_data.data),
+            evaluation=fields.get("evaluation", dict, required=False),
+            output=fields.get("output", dict, required=False, default={"name": "embeddings", "l2_normalized": True}),
+            opset=fields.get("opset", int, required=False),
+            created=fields.get("created", str, required=False),
+            exporter=fields.get("exporter", dict, required=False, default={}),
+            config=fields.get("config", dict, required=False, default={}),
+            pretrained=fields.get("pretrained", dict, required=False),
+            parity=fields.get("parity", dict, required=False),
+            variant=fields.get("variant", dict, required=False),
+            schema_version=version,
+            extra=fields.rest(),
+        )
+
+    def _dict(self) -> dict[str, Any]:
+        d = self._values()
+        d["input"] = self.input.to_dict()
+        return _without_none(d, self._OPTIONAL)
+
+
+@dataclass
+class QualityReport:
+    """The `quality` section of an index manifest: figures measured before publishing.
+
+    `ann_recall_at_k`: overlap of the index's top `ann_k` with exact search on a sample;
+    `probe_recall_at_k` (by str(k)): Recall@K of probe queries, from `probe_source`;
+    `exact_recall_at_k`: Recall@K of exact search over the whole catalog (small catalogs only)."""
+
+    sample_size: int
+    ann_k: int
+    ann_recall_at_k: float
+    labelled: bool = True
+    probe_source: str | None = None
+    probe_recall_at_k: dict[str, float] | None = None
+    exact_recall_at_k: dict[str, float] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    _OPTIONAL: ClassVar[tuple[str, ...]] = ("probe_source", "probe_recall_at_k", "exact_recall_at_k")
+
+    @property
+    def probe_recall_at_1(self) -> float | None:
+        return (self.probe_recall_at_k or {}).get("1")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str | Path = "quality report") -> QualityReport:
+        return cls._parse(_Fields(data, str(source), "quality"))
+
+    @classmethod
+    def _parse(cls, fields: _Fields) -> QualityReport:
+        return cls(
+            sample_size=fields.get("sample_size", int),
+            ann_k=fields.get("ann_k", int),
+            ann_recall_at_k=float(fields.get("ann_recall_at_k", _NUMBER)),
+            labelled=fields.get("labelled", bool, required=False, default=True),
+            probe_source=fields.get("probe_source", str, required=False),
+            probe_recall_at_k=_figures(fields, "probe_recall_at_k"),
+            exact_recall_at_k=_figures(fields, "exact_recall_at_k"),
+            extra=fields.rest(),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return {**self.extra, **_without_none(d, self._OPTIONAL)}
+
+
+def _figures(fields: _Fields, name: str) -> dict[str, float] | None:
+    section = fields.section_of(name, required=False)
+    if section is None:
+        return None
+    return {k: float(section.get(k, _NUMBER)) for k in section.data}
+
+
+@dataclass
+class QualityGate:
+    """Whether a version passed the quality gate, and if not, why it was published anyway."""
+
+    passed: bool
+    forced: bool = False
+    reasons: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "forced": self.forced, "reasons": list(self.reasons)}
+
+
+@dataclass
+class RowCounts:
+    """Catalog rows of a build: read, indexed, skipped by reason; for `index add`, also the rows
+    it added and those it found already indexed."""
+
+    catalog: int
+    indexed: int
+    skipped: dict[str, int] = field(default_factory=dict)
+    added: int | None = None
+    already_indexed: int | None = None
+
+    _OPTIONAL: ClassVar[tuple[str, ...]] = ("added", "already_indexed")
+
+    @property
+    def skipped_total(self) -> int:
+        return sum(self.skipped.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return _without_none(dataclasses.asdict(self), self._OPTIONAL)
+
+
+@dataclass
+class IndexManifest(_Manifest):
+    """`manifest.json` of an index version (index/build.py writes it for build, add and rebuild);
+    a field without a value (None) is not written."""
+
+    index_id: str
+    version: str
+    model_id: str
+    size: int
+    dimension: int
+    factory: str
+    search_params: dict[str, float] = field(default_factory=dict)
+    model_dir: str | None = None
+    metric: str = "inner_product"
+    normalized: bool = True
+    built_on: str | None = None
+    build_seconds: float | None = None
+    embed_seconds: float | None = None
+    created: str | None = None
+    catalog: str | None = None
+    rows: RowCounts | None = None
+    quality: QualityReport | None = None
+    quality_gate: QualityGate | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    parent_version: str | None = None  # `index add`: the version it extended
+    engine: dict[str, Any] | None = None  # `index rebuild`: what embedded the catalog
+    schema_version: int = SCHEMA_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def indexed_rows(self) -> int:
+        return self.rows.indexed if self.rows is not None else self.size
+
+    @classmethod
+    def _parse(cls, fields: _Fields, version: int) -> IndexManifest:
+        rows = fields.section_of("rows", required=False)
+        quality = fields.section_of("quality", required=False)
+        gate = fields.section_of("quality_gate", required=False)
+        params = fields.section_of("search_params", required=False)
+        manifest = cls(
+            index_id=fields.get("index_id", str),
+            version=fields.get("version", str),
+            model_id=fields.get("model_id", str),
+            size=fields.get("size", int),
+            dimension=fields.get("dimension", int),
+            factory=fields.get("factory", str),
+            search_params={} if params is None else {k: params.get(k, _NUMBER) for k in params.data},
+            model_dir=fields.get("model_dir", str, required=False),
+            metric=fields.get("metric", str, required=False, default="inner_product"),
+            normalized=fields.get("normalized", bool, required=False, default=True),
+            built_on=fields.get("built_on", str, required=False),
+            build_seconds=_float_or_none(fields.get("build_seconds", _NUMBER, required=False)),
+            embed_seconds=_float_or_none(fields.get("embed_seconds", _NUMBER, required=False)),
+            created=fields.get("created", str, required=False),
+            catalog=fields.get("catalog", str, required=False),
+            rows=None if rows is None else _row_counts(rows),
+            quality=None if quality is None else QualityReport._parse(quality),
+            quality_gate=None if gate is None else _quality_gate(gate),
+            config=fields.get("config", dict, required=False, default={}),
+            parent_version=fields.get("parent_version", str, required=False),
+            engine=fields.get("engine", dict, required=False),
+            schema_version=version,
+        )
+        manifest.extra = fields.rest()
+        return manifest
+
+    def _dict(self) -> dict[str, Any]:
+        d = self._values()
+        for name in ("rows", "quality", "quality_gate"):
+            if d[name] is not None:
+                d[name] = d[name].to_dict()
+        return {k: v for k, v in d.items() if v is not None}
+
+
+def _float_or_none(value: float | int | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def _row_counts(fields: _Fields) -> RowCounts:
+    skipped = fields.section_of("skipped", required=False)
+    return RowCounts(
+        catalog=fields.get("catalog", int),
+        indexed=fields.get("indexed", int),
+        skipped={} if skipped is None else {k: skipped.get(k, int) for k in skipped.data},
+        added=fields.get("added", int, required=False),
+        already_indexed=fields.get("already_indexed", int, required=False),
+    )
+
+
+def _quality_gate(fields: _Fields) -> QualityGate:
+    return QualityGate(
+        passed=fields.get("passed", bool),
+        forced=fields.get("forced", bool, required=False, default=False),
+        reasons=fields.get("reasons", list, required=False, default=[]),
+    )

@@ -1,0 +1,113 @@
+"""An index version opened: its manifest, faiss index, items table and exact vectors.
+
+`<root>/versions/<version>/` holds `manifest.json`, `index.faiss`, `items.parquet` and
+`embeddings.npy` (the exact vectors indexed, row for row). `index add` extends one, the quality
+gate compares against one, and a server serves one; each opens it through `IndexVersion`.
+The files are read when first used, so reading the manifest alone costs only the manifest.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import faiss
+import numpy as np
+
+from core import artifacts
+from core.artifacts import ArtifactError
+from core.items import ItemTable
+from core.manifests import IndexManifest
+from index.faiss_index import ExactRerank, apply_search_params, load_index, searchable
+
+T = TypeVar("T")
+
+
+class IndexVersion:
+    """One published index version. `index`, `items` and `vectors` are read on first use, each
+    a missing or damaged file reported as an `ArtifactError` naming it; `load()` reads all three
+    and checks they agree."""
+
+    def __init__(self, directory: str | Path, manifest: IndexManifest | None = None) -> None:
+        self.directory = Path(directory)
+        self.manifest = manifest if manifest is not None else IndexManifest.read(self.directory)
+
+    @classmethod
+    def open(cls, root: str | Path, version: str | None = None) -> IndexVersion:
+        """`version` of the index root, or its live version when None."""
+        return cls(artifacts.version_dir(root, version))
+
+    @classmethod
+    def live(cls, root: str | Path) -> IndexVersion | None:
+        """The live version of `root`, or None when nothing has been published there."""
+        return cls.open(root) if artifacts.current_version(root) else None
+
+    @property
+    def name(self) -> str:
+        return self.directory.name
+
+    def read_index(self) -> faiss.Index:
+        """A fresh copy of the faiss index, its search parameters applied (`index add` extends it)."""
+        index = _read_artifact(load_index, self.directory / artifacts.INDEX_FILE, "a faiss index")
+        if self.manifest.search_params:
+            apply_search_params(index, self.manifest.search_params)
+        return index
+
+    @functools.cached_property
+    def index(self) -> faiss.Index:
+        return self.read_index()
+
+    @functools.cached_property
+    def items(self) -> ItemTable:
+        return _read_artifact(ItemTable.read, self.directory / artifacts.ITEMS_FILE, "an items table")
+
+    @functools.cached_property
+    def vectors(self) -> np.ndarray:
+        """The exact vectors, memory-mapped: what an index may only approximate."""
+        return _read_artifact(_map_vectors, self.directory / artifacts.EMBEDDINGS_FILE, "a float32 vector array")
+
+    def load(self, dim: int | None = None) -> IndexVersion:
+        """Read index, items and vectors (in that order: the cheap checks first) and check that
+        they hold the same rows, of the dimension `dim` when given (the model's)."""
+        index, items, vectors = self.index, self.items, self.vectors
+        dims = {index.d, vectors.shape[1]} | ({dim} if dim is not None else set())
+        if not (len(items) == index.ntotal == len(vectors)) or len(dims) != 1:
+            raise ArtifactError(
+                f"{self.directory}: index has {index.ntotal} vectors of dim {index.d}, items table "
+                f"{len(items)} rows, {artifacts.EMBEDDINGS_FILE} {len(vectors)}×{vectors.shape[1]}"
+                + (f", model dim {dim}" if dim is not None else "")
+            )
+        return self
+
+    def searchable(self) -> faiss.Index | ExactRerank:
+        """The index as searched: re-ranked against the exact vectors when the manifest asks."""
+        return searchable(self.index, self.manifest.search_params, self.vectors)
+
+    def vector(self, row: int) -> np.ndarray:
+        """Row `row`'s exact vector, a copy (not a view into the memory map)."""
+        return np.array(self.vectors[row])
+
+    def exact_scores(self, query: np.ndarray) -> np.ndarray:
+        """Inner product of `query` with every row's exact vector: exact search, unranked."""
+        return np.asarray(self.vectors @ query, dtype=np.float32)
+
+
+def _map_vectors(path: Path) -> np.ndarray:
+    vectors = np.load(path, mmap_mode="r")
+    if vectors.dtype != np.float32 or vectors.ndim != 2:
+        raise ValueError(f"holds {vectors.dtype} of shape {vectors.shape}, not float32 rows")
+    return vectors
+
+
+def _read_artifact(read: Callable[[Path], T], path: Path, what: str) -> T:
+    """`read(path)`, with a file that is missing, cut short or not what it should be reported
+    as an `ArtifactError` naming it (faiss and Arrow raise their own types, worded for C++)."""
+    if not path.is_file():
+        raise ArtifactError(f"{path} is missing")
+    try:
+        return read(path)
+    except Exception as exc:  # noqa: BLE001 - whatever the reader raises, the file is damaged
+        detail = str(exc).rsplit("Error: ", 1)[-1].strip()
+        raise ArtifactError(f"{path} is damaged: cannot be read as {what} ({detail})") from exc

@@ -1,0 +1,131 @@
+"""Query embedding for the server: the model's ONNX Runtime sessions and their run sizes.
+
+A server makes several runs at once (batch streams, or unbatched queries), and on a CPU the
+rows per run that embed a batch fastest depend on the model and the machine, so serving keeps
+a pool of sessions and measures its run sizes at load; `index` embeds catalogs with the one
+session of `OnnxEmbedder`, which this class builds on.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from index.embedder import CPU, OnnxEmbedder, measures_run_rows, session_options
+
+log = logging.getLogger(__name__)
+
+
+def fastest_run_rows(
+    run: Callable[[np.ndarray], object], batch: np.ndarray, budget_s: float = 2.0, min_gain: float = 0.03
+) -> tuple[int | None, dict[int, float]]:
+    """How many rows per `run` call process `batch` fastest: None for the whole batch in one
+    call, else the row count; and each candidate's median seconds for the whole batch.
+
+    Candidates are the powers of two below the batch size and the batch itself. Each runs once
+    unmeasured (ONNX Runtime plans a shape on its first run), then in rounds, in alternating
+    order, for as many rounds as fit in `budget_s` (at least one, at most five). A split must
+    beat the whole batch by `min_gain` to be chosen: a noisy machine must not pick one that
+    is no faster."""
+    total = len(batch)
+    candidates = [rows for rows in (2**i for i in range(total.bit_length())) if rows < total] + [total]
+
+    def one_pass(rows: int) -> float:
+        started = time.perf_counter()
+        for i in range(0, total, rows):
+            run(batch[i : i + rows])
+        return time.perf_counter() - started
+
+    for rows in candidates:
+        one_pass(rows)
+    passes: dict[int, list[float]] = {rows: [] for rows in candidates}
+    started = time.perf_counter()
+    for i in range(5):
+        for rows in candidates if i % 2 == 0 else reversed(candidates):
+            passes[rows].append(one_pass(rows))
+        per_round = (time.perf_counter() - started) / (i + 1)
+        if time.perf_counter() - started + per_round > budget_s:
+            break
+    seconds = {rows: statistics.median(times) for rows, times in passes.items()}
+    best = min(seconds, key=seconds.__getitem__)
+    if best == total or seconds[best] > (1 - min_gain) * seconds[total]:
+        return None, seconds
+    return best, seconds
+
+
+class QueryEmbedder(OnnxEmbedder):
+    """The model's sessions for queries, and the rows per run each embeds fastest.
+
+    `runs_at_once` > 1: the caller makes that many runs at once, so a second CPU session of the
+    same model, with the intra-op threads shared out among them, takes the runs made while others
+    are under way (`embed(..., side_by_side=True)`): runs sharing one multi-threaded session
+    fight over its one intra-op pool, while runs on their own share of the threads do not — on
+    two cores, 16% more mobilenet_v2 queries/s than sharing the pool — yet a run made alone
+    still gets every thread. Only kept where the two sessions differ: CPU, and more intra-op
+    threads than a share."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        provider: str = "auto",
+        intra_op_threads: int | None = None,
+        spinning: bool = True,
+        runs_at_once: int = 1,
+    ) -> None:
+        super().__init__(model_dir, provider, intra_op_threads, spinning)
+        self.side_by_side_session: ort.InferenceSession | None = None
+        threads = self.options.intra_op_num_threads
+        share = max(1, threads // max(1, runs_at_once))
+        if self.session.get_providers()[0] == CPU and share < threads:
+            self.side_by_side_session = ort.InferenceSession(
+                str(self.model_path), sess_options=session_options(share, spinning), providers=[CPU]
+            )
+            log.info("model %s: a %d-thread session for runs side by side", self.model_id, share)
+        # At most this many rows per ORT run, for the full session and the side-by-side one;
+        # None: a batch in one run. See `tune_run_rows`.
+        self.run_rows: int | None = None
+        self.side_by_side_run_rows: int | None = None
+
+    def tune_run_rows(self, batch_rows: int, side_by_side_rows: int, budget_s: float = 2.0) -> None:
+        """Set `run_rows` and `side_by_side_run_rows` to the rows per run that embed batches of
+        `batch_rows` (on the full session) and `side_by_side_rows` (on the other) fastest here,
+        measured on random input (`fastest_run_rows`). On a CPU a large batch of a
+        convolutional network can run slower per image than a few small runs, its activations
+        spilling out of the caches (mobilenet_v2 at 224×224 on two cores: 8.0 ms of CPU an
+        image in one run of 32, 7.4 in runs of 4), while a small model pays ORT's cost per run.
+        A CUDA session keeps whole batches, unmeasured (`measures_run_rows`)."""
+        self.run_rows = self.side_by_side_run_rows = None
+        if not measures_run_rows(self.session.get_providers()):
+            return
+        batch = np.random.default_rng(0).standard_normal((batch_rows, *self.contract.input_shape), dtype=np.float32)
+        measured = []
+
+        def fastest(session: ort.InferenceSession, rows: int) -> int | None:
+            best, seconds = fastest_run_rows(lambda x: session.run(None, {self.input_name: x}), batch[:rows], budget_s)
+            per_run = ", ".join(f"{r}: {t * 1e3:.1f} ms" for r, t in seconds.items())
+            measured.append(
+                f"{session.get_session_options().intra_op_num_threads}-thread session, "
+                f"{rows} rows in runs of {best or rows} ({per_run})"
+            )
+            return best
+
+        self.run_rows = fastest(self.session, batch_rows)
+        if self.side_by_side_session is not None:
+            self.side_by_side_run_rows = fastest(self.side_by_side_session, min(side_by_side_rows, batch_rows))
+        log.info("rows per ONNX Runtime run, measured: %s", "; ".join(measured))
+
+    def set_run_rows(self, run_rows: int | None, side_by_side_run_rows: int | None) -> None:
+        self.run_rows, self.side_by_side_run_rows = run_rows, side_by_side_run_rows
+
+    def embed(self, batch: np.ndarray, side_by_side: bool = False) -> np.ndarray:
+        """L2-normalised float32 embeddings of an NCHW batch; `side_by_side`: other runs are under
+        way on other threads (the session with a share of the threads takes it, where there is one)."""
+        if side_by_side and self.side_by_side_session is not None:
+            return self.embed_on(self.side_by_side_session, batch, self.side_by_side_run_rows)
+        return self.embed_on(self.session, batch, self.run_rows)

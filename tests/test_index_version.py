@@ -1,0 +1,58 @@
+"""index.version.IndexVersion: a published version opened, its files read when first used."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core import artifacts
+from core.artifacts import ArtifactError
+from core.items import ItemTable
+from core.manifests import IndexManifest
+from index.faiss_index import build_index, l2_normalized, save_index
+from index.version import IndexVersion
+
+
+def publish(root, vectors: np.ndarray, factory: str = "Flat") -> str:
+    staging = artifacts.index_staging_dir(root)
+    index = build_index(vectors, factory, {})
+    save_index(index, staging / artifacts.INDEX_FILE)
+    np.save(staging / artifacts.EMBEDDINGS_FILE, vectors)
+    n = len(vectors)
+    ItemTable([f"id{i}" for i in range(n)], None, [f"/{i}.png" for i in range(n)], [{}] * n).write(
+        staging / artifacts.ITEMS_FILE
+    )
+    version = artifacts.new_version_name("0123456789abcdef")
+    IndexManifest(
+        index_id="0123456789abcdef", version=version, model_id="m", size=n, dimension=vectors.shape[1], factory=factory
+    ).write(staging)
+    artifacts.publish_version(root, staging, version)
+    return version
+
+
+def test_a_version_opened_gives_its_files_and_a_row_s_exact_vector(tmp_path):
+    assert IndexVersion.live(tmp_path) is None
+    vectors = l2_normalized(np.random.default_rng(0).standard_normal((20, 8)))
+    version = publish(tmp_path, vectors)
+    opened = IndexVersion.live(tmp_path).load(dim=8)
+    assert opened.name == version == opened.manifest.version and opened.manifest.schema_version == 1
+    assert opened.index.ntotal == len(opened.items) == len(opened.vectors) == 20
+    row = opened.vector(3)
+    np.testing.assert_array_equal(row, vectors[3])
+    assert not np.shares_memory(row, opened.vectors)  # a copy, not a view into the memory map
+    np.testing.assert_allclose(opened.exact_scores(vectors[3]), vectors @ vectors[3], atol=1e-6)
+    assert opened.read_index() is not opened.index  # `index add` extends a copy of its own
+    with pytest.raises(ArtifactError, match="model dim 16"):
+        IndexVersion.open(tmp_path, version).load(dim=16)
+
+
+def test_a_missing_or_damaged_file_is_named(tmp_path):
+    version = publish(tmp_path, l2_normalized(np.random.default_rng(0).standard_normal((5, 4))))
+    directory = artifacts.version_dir(tmp_path, version)
+    (directory / artifacts.ITEMS_FILE).unlink()
+    (directory / artifacts.EMBEDDINGS_FILE).write_bytes(b"\x00garbage")
+    opened = IndexVersion.open(tmp_path)
+    with pytest.raises(ArtifactError, match="items.parquet is missing"):
+        opened.load()
+    with pytest.raises(ArtifactError, match="embeddings.npy is damaged"):
+        _ = opened.vectors
