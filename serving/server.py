@@ -134,6 +134,26 @@ class ServerConfig:
         unbatched (a SearchBatch call's queries run one by one then)."""
         return self.max_batch_size if self.batching else 1
 
+    def load(
+        self, version: str | None = None, model_dir: str | None = None, previous: ServingPair | None = None
+    ) -> ServingPair:
+        """The pair this configuration serves: `version` of the index (default: the one CURRENT
+        names) with `model_dir` (default: `model`, else the one the index records), loaded for
+        its provider and its runs at once. `previous`: the live pair, whose measured rows per ORT run
+        a new index for the same model reuses."""
+        return load_pair(
+            self.index_root,
+            version,
+            model_dir or self.model,
+            self.provider,
+            self.intra_op_threads,
+            self.ort_spinning,
+            runs_at_once=self.runs_at_once,
+            run_rows=self.run_rows,
+            batch_rows=self.largest_run,
+            previous=previous,
+        )
+
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port"):
             value = getattr(self, name)
@@ -301,19 +321,7 @@ class SearchApp:
         """Load a pair off the loop and swap it in; on failure the old pair keeps serving."""
         config = self.config
         async with self._reload_lock:
-            load = functools.partial(
-                load_pair,
-                config.index_root,
-                version,
-                model_dir or config.model,
-                config.provider,
-                config.intra_op_threads,
-                config.ort_spinning,
-                runs_at_once=config.runs_at_once,
-                run_rows=config.run_rows,
-                batch_rows=config.largest_run,
-                previous=self.engine.pair if self.engine.loaded else None,
-            )
+            load = functools.partial(config.load, version, model_dir, self.engine.pair if self.engine.loaded else None)
             try:  # loading takes seconds: the loop keeps answering queries meanwhile
                 new = await asyncio.get_running_loop().run_in_executor(None, load)
             except Exception:
