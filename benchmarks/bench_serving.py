@@ -55,7 +55,6 @@ from core.catalog import read_catalog  # noqa: E402
 from core.preprocess import load_image  # noqa: E402
 from protos.simsearch.v1 import search_pb2 as pb  # noqa: E402
 from serving.__main__ import server_config  # noqa: E402
-from serving.engine import load_pair  # noqa: E402
 from serving.server import ServerConfig  # noqa: E402
 
 LEVELS = [1, 8, 32, 64]
@@ -123,17 +122,7 @@ class Ceiling:
 
     @staticmethod
     def _load(config: ServerConfig) -> tuple:
-        pair = load_pair(
-            config.index_root,
-            None,
-            config.model,
-            config.provider,
-            config.intra_op_threads,
-            config.ort_spinning,
-            runs_at_once=config.runs_at_once,
-            run_rows=config.run_rows,
-            batch_rows=config.largest_run,
-        )
+        pair = config.load()
         return pair.embedder, pair.index
 
     def measure(self, batches: set[int]) -> dict[int, dict]:

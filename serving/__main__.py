@@ -11,10 +11,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import logging  # noqa: E402
-import signal  # noqa: E402
 import sys  # noqa: E402
-import threading  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
 import grpc  # noqa: E402
@@ -183,23 +180,10 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
 
 def _serve(args: argparse.Namespace) -> None:
     from serving import logs
-    from serving.server import SearchServer
+    from serving.server import run
 
     logs.configure(args.log_format)
-    config = _server_config(args)
-    server = SearchServer(config)
-    server.start()
-    print(json.dumps({"port": server.port, "metrics_port": config.metrics_port}), flush=True)
-    stopped = threading.Event()
-
-    def shutdown(signum, frame):  # drain in-flight requests, then exit
-        logging.getLogger("serving").info("signal %d: draining and stopping", signum)
-        stopped.set()
-
-    signal.signal(signal.SIGTERM, shutdown)
-    signal.signal(signal.SIGINT, shutdown)
-    stopped.wait()
-    server.stop(grace=10.0)
+    run(_server_config(args))
 
 
 def _query(args: argparse.Namespace) -> None:

@@ -35,3 +35,14 @@ class DeadlineExceeded(ServiceError):
 
 class Unauthenticated(ServiceError):
     code = grpc.StatusCode.UNAUTHENTICATED
+
+
+INTERNAL_MESSAGE = "internal error; see server logs"
+
+
+def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and message an RPC that raised `exc` is answered with: a service error's own;
+    anything else is a bug, INTERNAL, its details kept for the server's log."""
+    if isinstance(exc, ServiceError):
+        return exc.code, exc.message
+    return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE

@@ -40,7 +40,8 @@ def demo_run(tmp_path_factory) -> Path:
 def served(demo_run):
     """A real SearchServer on a loopback port over the demo's model and index."""
     from serving.client import SearchClient
-    from serving.server import SearchServer, ServerConfig
+    from serving.server import ServerConfig
+    from tests.server_support import SearchServer
 
     server = SearchServer(
         ServerConfig(

@@ -14,7 +14,7 @@ from PIL import Image
 
 from core.catalog import read_catalog
 from core.preprocess import load_image
-from serving.batching import DynamicBatcher, Job
+from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
 from serving.engine import SearchEngine, load_pair
 from serving.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from serving.metrics import ServiceMetrics
@@ -44,8 +44,8 @@ def batcher(engine: SearchEngine, **kwargs) -> DynamicBatcher:
     return DynamicBatcher(engine, ServiceMetrics(), **{**defaults, **kwargs})
 
 
-def answer_all(engine: SearchEngine, jobs: list[Job], **kwargs) -> list:
-    """Run the jobs at once through a started batcher; their answers (exceptions returned)."""
+def answer_all(engine: SearchEngine, jobs: list[Query], **kwargs) -> list[Result | BaseException]:
+    """Run the queries at once through a started batcher; their results (exceptions returned)."""
 
     async def main():
         b = batcher(engine, **kwargs)
@@ -66,8 +66,13 @@ async def until(predicate, timeout: float = 60.0) -> None:
             await asyncio.sleep(0.005)
 
 
-def job(pair, array, k: int = 5, deadline: float | None = None) -> Job:
-    return Job(pair=pair, k=k, exclude=set(), array=array, deadline=deadline)
+def in_batcher(b: DynamicBatcher) -> bool:
+    """Whether an image too large for the loop would be decoded by the inference thread now."""
+    return b.decode_placement is DecodePlacement.IN_BATCHER
+
+
+def job(pair, array, k: int = 5, deadline: float | None = None) -> Query:
+    return Query(pair=pair, k=k, array=array, deadline=deadline)
 
 
 def exact(engine: SearchEngine, pair, array, k: int = 5) -> list[int]:
@@ -94,11 +99,12 @@ def test_batched_answers_equal_one_at_a_time_and_pairs_never_mix(engine_and_pair
     jobs = [job(p, a) for p, a in zip(pairs, arrays, strict=True)]
 
     answers = answer_all(engine, jobs)
-    for j, hits in zip(jobs, answers, strict=True):
-        assert [h.row for h in hits] == exact(engine, j.pair, j.array)
+    for j, r in zip(jobs, answers, strict=True):
+        assert [h.row for h in r.hits] == exact(engine, j.pair, j.array)
     # All were queued before the first batch was taken: one batch per pair, never mixed.
-    assert {j.batch_size for j in jobs if j.pair is first} == {sum(p is first for p in pairs)}
-    assert {j.batch_size for j in jobs if j.pair is second} == {sum(p is second for p in pairs)}
+    sizes = [(j.pair, r.batch_size) for j, r in zip(jobs, answers, strict=True)]
+    assert {n for p, n in sizes if p is first} == {sum(p is first for p in pairs)}
+    assert {n for p, n in sizes if p is second} == {sum(p is second for p in pairs)}
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -107,20 +113,20 @@ def test_embed_only_jobs_share_the_batch_and_are_not_searched(engine_and_pairs, 
     jobs = [job(pair, a, k=0 if i % 2 else 5) for i, a in enumerate(arrays[:8])]
 
     answers = answer_all(engine, jobs, enabled=enabled, workers=2)
-    for j, hits in zip(jobs, answers, strict=True):
-        np.testing.assert_allclose(j.vector, engine.embed(pair, [j.array])[0], atol=1e-5)
-        assert j.embed_s > 0
+    for j, r in zip(jobs, answers, strict=True):
+        np.testing.assert_allclose(r.vector, engine.embed(pair, [j.array])[0], atol=1e-5)
+        assert r.embed_s > 0
         if j.k:
-            assert [h.row for h in hits] == exact(engine, pair, j.array) and j.search_s > 0
+            assert [h.row for h in r.hits] == exact(engine, pair, j.array) and r.search_s > 0
         else:
-            assert hits == [] and j.search_s == 0.0
-    assert {j.batch_size for j in jobs} == ({8} if enabled else {1})  # embeds ride in the queries' batch
+            assert r.hits == [] and r.search_s == 0.0
+    assert {r.batch_size for r in answers} == ({8} if enabled else {1})  # embeds ride in the queries' batch
 
 
 def test_wait_window_coalesces_staggered_queries_and_zero_wait_does_not(engine_and_pairs, arrays):
     engine, pair, _ = engine_and_pairs
 
-    async def staggered(max_wait_s: float, max_batch_size: int = 4, n: int = 4) -> list[Job]:
+    async def staggered(max_wait_s: float, max_batch_size: int = 4, n: int = 4) -> list[Result]:
         b = batcher(engine, max_wait_s=max_wait_s, max_batch_size=max_batch_size)
         b.start()
         jobs = [job(pair, a) for a in arrays[:n]]
@@ -130,10 +136,9 @@ def test_wait_window_coalesces_staggered_queries_and_zero_wait_does_not(engine_a
                 tasks.append(asyncio.ensure_future(b.run(j)))
                 await asyncio.sleep(0.01)
             async with asyncio.timeout(120):  # a window that never closed would hang here
-                await asyncio.gather(*tasks)
+                return await asyncio.gather(*tasks)
         finally:
             await b.stop()
-        return jobs
 
     # A window far longer than the arrivals take, however slow the machine: the batch leaves
     # when full, the four in it.
@@ -179,10 +184,11 @@ def test_cancelled_and_expired_jobs_cost_no_work(engine_and_pairs, arrays):
         try:
             with pytest.raises(DeadlineExceeded, match="queued"):
                 await expired
-            assert [h.row for h in await answer] == exact(engine, pair, arrays[2])
+            result = await answer
+            assert [h.row for h in result.hits] == exact(engine, pair, arrays[2])
         finally:
             await b.stop()
-        return live, b
+        return result, b
 
     live, b = asyncio.run(main())
     assert live.batch_size == 1  # neither the cancelled nor the expired query was embedded
@@ -195,9 +201,9 @@ def test_unbatched_mode_answers_each_query_alone(engine_and_pairs, arrays):
     jobs = [job(pair, a) for a in arrays[:6]]
 
     answers = answer_all(engine, jobs, enabled=False, workers=3)
-    assert all(j.batch_size == 1 for j in jobs)
-    for j, hits in zip(jobs, answers, strict=True):
-        assert [h.row for h in hits] == exact(engine, pair, j.array)
+    assert all(r.batch_size == 1 for r in answers)
+    for j, r in zip(jobs, answers, strict=True):
+        assert [h.row for h in r.hits] == exact(engine, pair, j.array)
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -206,17 +212,17 @@ def test_images_left_to_the_inference_thread_are_decoded_there_and_a_corrupt_one
 ):
     engine, pair, _ = engine_and_pairs
     blobs = [p.read_bytes() for p in read_catalog(demo_run / "train" / "splits" / "test.csv").paths[:3]]
-    good = [Job(pair=pair, k=5, exclude=set(), image=engine.open_image(b)) for b in blobs[:2]]
+    good = [Query(pair=pair, k=5, image=engine.open_image(b)) for b in blobs[:2]]
     truncated = blobs[2][: len(blobs[2]) // 2]  # the header reads fine, the pixels do not
-    broken = Job(pair=pair, k=5, exclude=set(), image=engine.open_image(truncated))
+    broken = Query(pair=pair, k=5, image=engine.open_image(truncated))
 
     first, failed, second = answer_all(engine, [good[0], broken, good[1]], enabled=enabled, workers=2)
     assert isinstance(failed, InvalidArgument), failed
     assert "cannot decode image" in str(failed)
-    for j, blob, hits in zip(good, blobs[:2], (first, second), strict=True):
-        assert [h.row for h in hits] == exact(engine, pair, engine.model_input(pair, engine.open_image(blob)))
-        assert j.image is None and j.decode_s > 0
-        assert j.batch_size == (2 if enabled else 1)  # the broken one took no place in the batch
+    for blob, r in zip(blobs[:2], (first, second), strict=True):
+        assert [h.row for h in r.hits] == exact(engine, pair, engine.model_input(pair, engine.open_image(blob)))
+        assert r.decode_s > 0  # decoded by the inference thread: the query carried no pixels
+        assert r.batch_size == (2 if enabled else 1)  # the broken one took no place in the batch
 
 
 def test_images_go_to_the_inference_thread_only_when_it_would_take_them_at_once(engine_and_pairs, arrays):
@@ -227,24 +233,24 @@ def test_images_go_to_the_inference_thread_only_when_it_would_take_them_at_once(
         b = batcher(engine, max_wait_s=60.0, max_batch_size=2)
         b.start()
         try:
-            idle = b.decodes_cheaply
+            idle = in_batcher(b)
             first = asyncio.ensure_future(b.run(job(pair, arrays[0])))
-            await until(lambda: not b.decodes_cheaply and b.queued == 0)  # taken into a batch, which waits
-            filling = b.decodes_cheaply  # the batch waits for more: images should decode meanwhile
+            await until(lambda: not in_batcher(b) and b.queued == 0)  # taken into a batch, which waits
+            filling = in_batcher(b)  # the batch waits for more: images should decode meanwhile
             b.pause()
             second = asyncio.ensure_future(b.run(job(pair, arrays[1])))
             third = asyncio.ensure_future(b.run(job(pair, arrays[2])))
             await asyncio.gather(first, second)  # the filling batch takes one, and runs; the third waits
-            queued = b.decodes_cheaply  # a query queued: the next batch will not start at once
+            queued = in_batcher(b)  # a query queued: the next batch will not start at once
             b.resume()
             await until(lambda: b.queued == 0)
             await asyncio.gather(third, b.run(job(pair, arrays[3])))
-            return idle, filling, queued, b.decodes_cheaply
+            return idle, filling, queued, in_batcher(b)
         finally:
             await b.stop()
 
     assert asyncio.run(main()) == (True, False, False, True)
-    assert batcher(engine, enabled=False).decodes_cheaply  # unbatched: a free thread takes it
+    assert in_batcher(batcher(engine, enabled=False))  # unbatched: a free thread takes it
 
 
 class RecordingSession:
@@ -283,8 +289,8 @@ def test_unbatched_queries_run_side_by_side_single_threaded_and_alone_on_every_t
     # Six at once on two threads: all but the first to start (and the last, should it find the
     # others answered) run beside another query.
     assert used[2:].count("single-threaded") >= 4, used
-    for j, hits in zip(jobs, answers, strict=True):
-        assert [h.row for h in hits] == exact(engine, pair, j.array)
+    for j, r in zip(jobs, answers, strict=True):
+        assert [h.row for h in r.hits] == exact(engine, pair, j.array)
 
 
 class MeetingSession(RecordingSession):
@@ -316,16 +322,16 @@ def test_batch_streams_share_out_the_queue_and_run_side_by_side_single_threaded(
     # Queued at once, the twelve are two full shares: split between the two streams, whose
     # batches meet inside the single-threaded session, so they ran at the same time.
     assert used == ["single-threaded", "single-threaded"]
-    assert {j.batch_size for j in jobs} == {6}
-    for j, hits in zip(jobs, answers, strict=True):
-        assert [h.row for h in hits] == exact(engine, pair, j.array)
+    assert {r.batch_size for r in answers} == {6}
+    for j, r in zip(jobs, answers, strict=True):
+        assert [h.row for h in r.hits] == exact(engine, pair, j.array)
 
     # A batch alone gets every thread; so does a lone query with a stream to spare.
     del used[:]
     lone = job(pair, arrays[0])
     answer = answer_all(engine, [lone], streams=2)[0]
     assert used == ["all threads"]
-    assert [h.row for h in answer] == exact(engine, pair, lone.array)
+    assert [h.row for h in answer.hits] == exact(engine, pair, lone.array)
 
 
 @pytest.mark.parametrize(
@@ -336,8 +342,8 @@ def test_the_queue_is_shared_out_in_full_shares(engine_and_pairs, arrays, stream
     jobs = [job(pair, a) for a in arrays[:12]]
     # A share is the batch size over the streams: 12 queued make 3 shares of 4 with 2 streams
     # (split in 2), 4 of 3 with 3 streams (split in 3), but less than 2 of 8 (not split).
-    answer_all(engine, jobs, streams=streams, max_batch_size=max_batch_size)
-    assert {j.batch_size for j in jobs} == sizes
+    answers = answer_all(engine, jobs, streams=streams, max_batch_size=max_batch_size)
+    assert {r.batch_size for r in answers} == sizes
 
 
 class GatedSession(RecordingSession):
@@ -388,15 +394,15 @@ def test_jobs_beside_a_running_batch_start_one_once_half_a_share_is_queued(
             await until(lambda: b.queued == left and len(used) == len(before_the_first_ends))
             started = list(used)
             gate.set()
-            await asyncio.gather(running, *waiting)
-            return started
+            return started, await asyncio.gather(running, *waiting)
         finally:
             gate.set()
             await b.stop()
 
-    assert asyncio.run(main()) == before_the_first_ends
+    started, (first_result, *later_results) = asyncio.run(main())
+    assert started == before_the_first_ends
     assert used == runs
-    assert first.batch_size == 1 and {j.batch_size for j in later} == {beside}
+    assert first_result.batch_size == 1 and {r.batch_size for r in later_results} == {beside}
 
 
 def test_a_batcher_needs_at_least_one_stream(engine_and_pairs):

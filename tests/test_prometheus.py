@@ -19,7 +19,8 @@ import yaml
 from core import artifacts
 from core.items import ItemTable
 from serving.client import SearchClient
-from serving.server import SearchServer, ServerConfig
+from serving.server import ServerConfig
+from tests.server_support import SearchServer
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM = ROOT / "deploy" / "prometheus"

@@ -130,7 +130,8 @@ def test_admin_reload_requires_token(served):
 
 def test_server_without_index_is_unavailable_and_not_healthy(tmp_path):
     from serving.client import SearchClient
-    from serving.server import SearchServer, ServerConfig
+    from serving.server import ServerConfig
+    from tests.server_support import SearchServer
 
     server = SearchServer(ServerConfig(index_root=str(tmp_path), port=0, metrics_port=None, probe_interval_s=0))
     server.start()

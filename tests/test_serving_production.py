@@ -36,8 +36,10 @@ from core import artifacts
 from core.items import ItemTable
 from index.faiss_index import build_index, save_index
 from protos.simsearch.v1 import search_pb2 as pb
+from serving.batching import DecodePlacement
 from serving.client import SearchClient
-from serving.server import SearchServer, ServerConfig
+from serving.server import ServerConfig
+from tests.server_support import SearchServer
 from tests.test_preprocess import encode
 
 pytestmark = pytest.mark.slow
@@ -228,13 +230,13 @@ def test_every_decode_placement_answers_like_a_single_query(index_root, placemen
     requests = image_requests(index_root, 24)
     server, client = start(index_root, max_batch_size=8, **flags)
     placed: list[str] = []
-    decoder = server.servicer.decoder
+    place = server.service.placement
 
     def noting(pair, image):  # the real choice, noted
-        placed.append(decoder(pair, image))
+        placed.append(place(pair, image))
         return placed[-1]
 
-    server.servicer.decoder = noting
+    server.service.placement = noting
     batched, single = concurrent_then_single(server, client, requests)
     # The pool takes images only while the batcher is busy (here: queries queued while it is
     # paused, all but the first): a query alone goes to the inference thread.
@@ -261,13 +263,13 @@ def test_images_decode_where_they_cost_least(index_root):
     server, client = start(
         index_root, max_batch_size=2, batch_streams=1, max_wait_ms=60_000, inference_decode_pixels=100 * 100
     )
-    servicer, pair, batcher = server.servicer, server.engine.pair, server.batcher
+    service, pair, batcher = server.service, server.engine.pair, server.batcher
     sizes = {"tiny": (28, 28), "small": (100, 100), "large": (101, 100)}
     images = {name: server.engine.open_image(encode(Image.new("L", size))) for name, size in sizes.items()}
     a, b = image_requests(index_root, 2)
 
     def decoders() -> dict[str, str]:
-        return {name: servicer.decoder(pair, image) for name, image in images.items()}
+        return {name: service.placement(pair, image) for name, image in images.items()}
 
     busy: dict[str, dict[str, str]] = {}
     gate = hold_inference(server, closed=False)
@@ -276,7 +278,7 @@ def test_images_decode_where_they_cost_least(index_root):
             idle = decoders()
             # Filling: the first query of a batch of two, the batch waiting for the second.
             first = pool.submit(client.search, a)
-            _wait_for(lambda: not batcher.decodes_cheaply and batcher.queued == 0)
+            _wait_for(lambda: batcher.decode_placement is DecodePlacement.IN_POOL and batcher.queued == 0)
             busy["filling"] = decoders()
             second = pool.submit(client.search, b)  # fills the batch, which runs
             assert first.result().neighbors and second.result().neighbors
@@ -296,7 +298,7 @@ def test_images_decode_where_they_cost_least(index_root):
             busy["running"] = decoders()
             gate.open()
             assert first.result().neighbors and second.result().neighbors
-            assert batcher.decodes_cheaply  # idle again
+            assert batcher.decode_placement is DecodePlacement.IN_BATCHER  # idle again
     finally:
         gate.open()
         batcher.resume()
@@ -411,6 +413,21 @@ def answered_codes(server: SearchServer, method: str) -> dict[str, float]:
 
 def failed(server: SearchServer, method: str) -> float:
     return sum(n for code, n in answered_codes(server, method).items() if code != "OK")
+
+
+def test_reload_is_counted_with_its_code_like_every_rpc(index_root):
+    server, client = start(index_root, admin_token="tok")
+    try:
+        assert client.reload().index_version == server.engine.pair.version
+        with pytest.raises(grpc.RpcError) as err:
+            client.reload(index_version="20991231T000000000000-nosuchversion00")
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        _wait_for(lambda: answered_codes(server, "Reload") == {"OK": 1.0, "FAILED_PRECONDITION": 1.0})
+        latency = server.metrics.latency.collect()[0].samples
+        assert any(s.name.endswith("_count") and s.labels == {"method": "Reload"} and s.value == 2 for s in latency)
+    finally:
+        client.close()
+        server.stop(0)
 
 
 def test_request_past_its_deadline_is_cancelled(index_root):
@@ -725,13 +742,13 @@ def test_tls_and_search_token(index_root, tmp_path):
 SERVE_PAUSED_UNTIL_DRAIN = """
 import asyncio, sys
 from serving import __main__ as cli
-from serving.server import SearchServer
+from serving.server import SearchApp
 
-start = SearchServer.start
+start = SearchApp.start
 
-def start_paused(self):
+async def start_paused(self):
     self.batcher.pause()
-    start(self)
+    await start(self)
     stop_grpc = self.grpc_server.stop
 
     async def stop_then_resume(grace):
@@ -742,7 +759,7 @@ def start_paused(self):
 
     self.grpc_server.stop = stop_then_resume
 
-SearchServer.start = start_paused
+SearchApp.start = start_paused
 sys.exit(cli.main(["serve", *sys.argv[1:]]))
 """
 

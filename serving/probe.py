@@ -1,0 +1,73 @@
+"""Probe rounds' queries, for the recall monitor (`serving.monitor`, source 1): labelled images
+through decode → batcher → search, exactly as client queries go, scored as offline evaluation
+scores them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from index.build import read_probe_catalog
+from protos.simsearch.v1 import search_pb2 as pb
+from serving.engine import SearchEngine, ServingPair
+from serving.monitor import probe_recall
+from serving.service import SearchService
+
+
+class ProbeRunner:
+    """One probe round on demand: `run(loop)` from any thread but the loop's own."""
+
+    def __init__(
+        self,
+        service: SearchService,
+        engine: SearchEngine,
+        ks: Sequence[int],
+        probe_size: int,
+        max_batch_queries: int,
+        probe_catalog: str | None = None,
+    ) -> None:
+        self.service = service
+        self.engine = engine
+        self.ks = tuple(ks)
+        self.probe_size = probe_size
+        self.max_batch_queries = max_batch_queries
+        self.probe_catalog = probe_catalog
+
+    def probe_set(self, pair: ServingPair) -> tuple[list[Path], list[str], list[list[str]]]:
+        """(image paths, labels, ids to exclude): a held-out catalog, or a fixed sample of items."""
+        if not pair.items.labelled:
+            return [], [], []  # answers without labels cannot be scored (build-time figures say so)
+        if self.probe_catalog:
+            catalog = read_probe_catalog(self.probe_catalog)
+            rows = np.random.default_rng(0).permutation(len(catalog))[: self.probe_size]
+            return [catalog.paths[r] for r in rows], [catalog.labels[r] for r in rows], [[] for _ in rows]
+        items = pair.items
+        rows = np.random.default_rng(0).permutation(len(items))[: self.probe_size]
+        rows = [r for r in rows if Path(items.paths[r]).is_file()]
+        return [Path(items.paths[r]) for r in rows], [items.labels[r] for r in rows], [[items.ids[r]] for r in rows]
+
+    def run(self, loop: asyncio.AbstractEventLoop) -> dict[int, float] | None:
+        """Recall@K of one round, its queries answered on `loop`; None with nothing to score."""
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:  # waiting here would block the very loop that must answer the queries
+            raise RuntimeError("a probe round is run from another thread than the server's loop")
+        if not self.engine.loaded:
+            return None
+        paths, labels, excludes = self.probe_set(self.engine.pair)
+        if not paths:
+            return None
+        k = max(self.ks)
+        requests = [
+            pb.SearchRequest(image=p.read_bytes(), k=k, exclude_ids=ex) for p, ex in zip(paths, excludes, strict=True)
+        ]
+        answers = []
+        for start in range(0, len(requests), self.max_batch_queries):
+            chunk = requests[start : start + self.max_batch_queries]
+            answers += asyncio.run_coroutine_threadsafe(self.service.search_many(chunk, 60.0), loop).result()
+        return probe_recall([[n.label for n in a.neighbors] for a in answers], labels, self.ks)

@@ -1,0 +1,284 @@
+"""The search service behind the gRPC servicers: plain classes, protobuf messages in and out, no
+gRPC status or context in their logic (a failure is a `serving.errors.ServiceError`, which the
+servicer turns into a status).
+
+`SearchService` prepares each query (checks, exclusions, where its image decodes), hands it to
+the batcher, and builds the answer (neighbours, stage timings, what the recall monitor and the
+Feedback log keep of it). `AdminService` reloads and says what changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from array import array
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor
+from contextlib import asynccontextmanager
+
+from PIL import Image
+
+from core.artifacts import ArtifactError
+from protos.simsearch.v1 import search_pb2 as pb
+from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
+from serving.engine import SearchEngine, ServingPair
+from serving.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from serving.metrics import ServiceMetrics
+from serving.monitor import RecallMonitor
+
+
+@asynccontextmanager
+async def _deadline(timeout: float | None) -> AsyncIterator[float | None]:
+    """The call's deadline over what it awaits: past it, DEADLINE_EXCEEDED. Yields the deadline
+    as a `time.monotonic()` value (None without one), for the queries that must not start late."""
+    try:
+        async with asyncio.timeout(timeout):
+            yield None if timeout is None else time.monotonic() + timeout
+    except TimeoutError:
+        raise DeadlineExceeded("deadline exceeded before the answer was ready") from None
+
+
+class FeedbackLog:
+    """The last `window` answers by request id, for Feedback calls naming one of them.
+
+    Each answer is kept as (serial of the load that gave it, rows it returned): the serial, not
+    the pair, or the log would keep every pair it saw answering alive; rows, not ids, one small
+    array an answer instead of a list of strings (the log holds thousands of answers, and churns
+    with every query). Only the loop thread touches it: no lock."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._recent: OrderedDict[str, tuple[int, array]] = OrderedDict()
+
+    def remember(self, request_id: str, serial: int, rows: list[int]) -> None:
+        self._recent[request_id] = (serial, array("l", rows))
+        while len(self._recent) > self.window:
+            self._recent.popitem(last=False)
+
+    def returned_ids(self, request_id: str, live: ServingPair) -> tuple[int, list[str]]:
+        """(serial of the load that answered `request_id`, the ids it returned); no ids when
+        that load is not `live` (its rows may name other items now)."""
+        answer = self._recent.get(request_id)
+        if answer is None:
+            raise InvalidArgument(f"unknown or expired request_id {request_id!r}")
+        serial, rows = answer
+        return serial, [live.items.ids[r] for r in rows] if live.serial == serial else []
+
+
+class SearchService:
+    """Search, SearchBatch, Embed, Feedback and GetInfo over the engine, batcher and monitor."""
+
+    def __init__(
+        self,
+        engine: SearchEngine,
+        batcher: DynamicBatcher,
+        monitor: RecallMonitor,
+        metrics: ServiceMetrics,
+        decode_pool: Executor,
+        inline_decode_pixels: int,
+        inference_decode_pixels: int,
+        feedback_window: int,
+    ) -> None:
+        self.engine = engine
+        self.batcher = batcher
+        self.monitor = monitor
+        self.metrics = metrics
+        self.decode_pool = decode_pool
+        self.inline_decode_pixels = inline_decode_pixels
+        self.inference_decode_pixels = inference_decode_pixels
+        self.feedback_log = FeedbackLog(feedback_window)
+
+    # -- query preparation ------------------------------------------------------------------
+
+    def placement(self, pair: ServingPair, image: Image.Image) -> DecodePlacement:
+        """Where an opened image's pixels are decoded: on the loop when image and model input are
+        both tiny (a thread hop costs more than decoding them); by the inference thread that
+        embeds it when the image is small (the hop to a decode thread costs about what decoding
+        it does: a 28×28 glyph PNG for a 224×224 model, 0.2 ms) or the batcher would take the
+        query at once; else in a decode thread, in parallel with the others, while the query
+        waits for its batch."""
+        contract = pair.embedder.contract
+        pixels = image.width * image.height
+        if max(pixels, contract.height * contract.width) <= self.inline_decode_pixels:
+            return DecodePlacement.ON_LOOP
+        if pixels <= self.inference_decode_pixels:
+            return DecodePlacement.IN_BATCHER
+        return self.batcher.decode_placement
+
+    async def _image_query(
+        self, pair: ServingPair, data: bytes, k: int, exclude: frozenset[int], deadline: float | None, received: float
+    ) -> Query:
+        """A query for an image: decoded here or in the decode pool, or only opened, for the
+        inference thread to decode."""
+        image = self.engine.open_image(data)
+        placement = self.placement(pair, image)
+        array = None
+        if placement == DecodePlacement.ON_LOOP:
+            array = self.engine.model_input(pair, image)
+        elif placement == DecodePlacement.IN_POOL:
+            loop = asyncio.get_running_loop()
+            array = await loop.run_in_executor(self.decode_pool, self.engine.model_input, pair, image)
+        return Query(
+            pair,
+            k,
+            exclude,
+            array=array,
+            image=image if array is None else None,
+            deadline=deadline,
+            received=received,
+            decode_s=time.perf_counter() - received,
+        )
+
+    async def _prepare(self, request: pb.SearchRequest, pair: ServingPair, deadline: float | None) -> Query:
+        engine = self.engine
+        engine.check_k(request.k)
+        exclude = frozenset(engine.exclude_rows(pair, list(request.exclude_ids)))
+        received = time.perf_counter()
+        kind = request.WhichOneof("query")
+        if kind == "image":
+            return await self._image_query(pair, request.image, request.k, exclude, deadline, received)
+        if kind == "embedding":
+            vector = engine.check_embedding(pair, request.embedding.values)
+            return Query(pair, request.k, exclude, vector=vector, deadline=deadline, received=received)
+        if kind == "item_id":
+            vector, row = engine.item_vector(pair, request.item_id)
+            return Query(pair, request.k, exclude | {row}, vector=vector, deadline=deadline, received=received)
+        raise InvalidArgument("request has no query: set image, embedding or item_id")
+
+    # -- answers ----------------------------------------------------------------------------
+
+    async def _answer(self, request: pb.SearchRequest, pair: ServingPair, deadline: float | None) -> pb.SearchResponse:
+        query = await self._prepare(request, pair, deadline)
+        return self._respond(request, query, await self.batcher.run(query))
+
+    def _respond(self, request: pb.SearchRequest, query: Query, result: Result) -> pb.SearchResponse:
+        pair = query.pair
+        items = pair.items
+        request_id = request.request_id or uuid.uuid4().hex
+        neighbors = [
+            pb.Neighbor(id=items.ids[h.row], score=h.score, label=items.labels[h.row], metadata=items.metadata[h.row])
+            for h in result.hits
+        ]
+        rows = [h.row for h in result.hits]
+        self.feedback_log.remember(request_id, pair.serial, rows)
+        if request.HasField("label") and items.labelled:
+            self.monitor.record_labelled(pair.serial, request.label, [n.label for n in neighbors])
+        self.monitor.maybe_sample_ann(pair.serial, result.vector, rows, query.exclude)
+        return pb.SearchResponse(
+            neighbors=neighbors,
+            request_id=request_id,
+            index_version=pair.version,
+            index_id=pair.index_id,
+            model_id=pair.model_id,
+            timings=self._timings(query, result),
+        )
+
+    def _timings(self, query: Query, result: Result) -> pb.StageTimings:
+        """The query's stage times, observed in the stage histograms and returned for its answer."""
+        for stage, seconds in (
+            ("decode", result.decode_s),
+            ("queue", result.queue_s),
+            ("embed", result.embed_s),
+            ("search", result.search_s),
+        ):
+            if seconds:
+                self.metrics.stage_latency.labels(stage).observe(seconds)
+        return pb.StageTimings(
+            decode_ms=result.decode_s * 1e3,
+            queue_ms=result.queue_s * 1e3,
+            embed_ms=result.embed_s * 1e3,
+            search_ms=result.search_s * 1e3,
+            total_ms=(time.perf_counter() - query.received) * 1e3,
+        )
+
+    # -- the calls --------------------------------------------------------------------------
+
+    async def search_many(self, requests: list[pb.SearchRequest], timeout: float | None) -> list[pb.SearchResponse]:
+        """Queries answered on one pair (the one live when they arrived), batched with others."""
+        pair = self.engine.pair
+        async with _deadline(timeout) as deadline:
+            if len(requests) == 1:
+                return [await self._answer(requests[0], pair, deadline)]
+            tasks = [asyncio.ensure_future(self._answer(r, pair, deadline)) for r in requests]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:  # one bad query fails the call: its siblings stop costing work
+                for task in tasks:
+                    task.cancel()
+                raise
+
+    async def search(self, request: pb.SearchRequest, timeout: float | None) -> pb.SearchResponse:
+        return (await self.search_many([request], timeout))[0]
+
+    async def search_batch(self, request: pb.SearchBatchRequest, timeout: float | None) -> pb.SearchBatchResponse:
+        limit = self.engine.limits.max_batch_queries
+        if len(request.requests) > limit:
+            raise InvalidArgument(f"{len(request.requests)} queries exceed the batch limit of {limit}")
+        return pb.SearchBatchResponse(responses=await self.search_many(list(request.requests), timeout))
+
+    async def embed(self, request: pb.EmbedRequest, timeout: float | None) -> pb.EmbedResponse:
+        """An image embedded in a batch with the queries (a query searched for nothing)."""
+        pair = self.engine.pair
+        async with _deadline(timeout) as deadline:
+            query = await self._image_query(pair, request.image, 0, frozenset(), deadline, time.perf_counter())
+            result = await self.batcher.run(query)
+        return pb.EmbedResponse(
+            embedding=result.vector.tolist(),
+            model_id=pair.model_id,
+            request_id=request.request_id or uuid.uuid4().hex,
+            timings=self._timings(query, result),
+        )
+
+    async def feedback(self, request: pb.FeedbackRequest) -> pb.FeedbackResponse:
+        # Not accepted when the answer came from a pair swapped out since: it no longer
+        # describes what is served.
+        serial, ids = self.feedback_log.returned_ids(request.request_id, self.engine.pair)
+        return pb.FeedbackResponse(accepted=self.monitor.record_feedback(serial, ids, list(request.relevant_ids)))
+
+    async def info(self) -> pb.GetInfoResponse:
+        pair = self.engine.pair
+        limits = self.engine.limits
+        recall = [
+            pb.RecallFigure(source=source, k=k, value=v)
+            for source, values in self.monitor.figures().items()
+            for k, v in values.items()
+        ]
+        ann = [pb.RecallFigure(source="ann", k=k, value=v) for k, v in self.monitor.ann_values().items()]
+        return pb.GetInfoResponse(
+            model_id=pair.model_id,
+            index_version=pair.version,
+            index_id=pair.index_id,
+            index_size=pair.index.ntotal,
+            embedding_dim=pair.dim,
+            factory=pair.manifest.factory,
+            providers=pair.embedder.session.get_providers(),
+            limits=pb.Limits(
+                max_k=limits.max_k,
+                max_message_bytes=limits.max_message_bytes,
+                max_image_pixels=limits.max_image_pixels,
+                max_batch_queries=limits.max_batch_queries,
+            ),
+            recall_at_k=recall,
+            ann_recall_at_k=ann,
+        )
+
+
+Reloader = Callable[[str | None, str | None], Awaitable[tuple[ServingPair | None, ServingPair]]]
+
+
+class AdminService:
+    """Reload: a new pair swapped in, or FAILED_PRECONDITION with the old one still serving."""
+
+    def __init__(self, reload: Reloader) -> None:
+        self._reload = reload
+
+    async def reload(self, request: pb.ReloadRequest) -> pb.ReloadResponse:
+        try:
+            old, new = await self._reload(request.index_version or None, request.model_dir or None)
+        except (ArtifactError, FileNotFoundError, ValueError) as exc:
+            raise FailedPrecondition(f"reload failed, still serving the old pair: {exc}") from None
+        return pb.ReloadResponse(
+            index_version=new.version, model_id=new.model_id, previous_index_version=old.version if old else ""
+        )
