@@ -46,7 +46,6 @@ from training.losses.pair_based import (
     ContrastiveLoss,
     LiftedStructureLoss,
     MarginLoss,
-    MultiSimilarityLoss,
     NPairLoss,
     TripletLoss,
 )
@@ -486,7 +485,7 @@ def pml_multi_similarity(x: torch.Tensor, y: torch.Tensor, mining: bool = True) 
 @pytest.mark.parametrize("name", sorted(PAIR_CASES))
 def test_multi_similarity_matches_pml_and_raw_vthm(name: str, mining: bool) -> None:
     x, y = PAIR_CASES[name]
-    ours = MultiSimilarityLoss(mining=mining)
+    ours = build_loss("multi_similarity", mining=mining)
     v, (g,) = value_and_grads(lambda e: ours(e, y), x)
     v_ref, (g_ref,) = value_and_grads(lambda e: pml_multi_similarity(e, y, mining), x)
     assert_close(v, v_ref)
@@ -1101,7 +1100,6 @@ def test_weight_view_api() -> None:
         "histogram",
         "lifted_structure",
         "margin",
-        "multi_similarity",
         "npair",
         "raw_vthm",
         "triplet",
@@ -1143,11 +1141,11 @@ PAPER_DEFAULTS: dict[str, dict[str, object]] = {
     "lifted_structure": {"margin": 0.5, "reduction": "sum"},
     "npair": {"reduction": "mean", "l2_reg": 0.0},
     "margin": {"margin": 0.5, "beta": 1.2, "learn_beta": False, "reduction": "mean"},
-    "multi_similarity": {
+    "raw_vthm": {
         "alpha": 2.0,
         "beta": 50.0,
-        "margin": 0.5,
-        "epsilon": 0.1,
+        "gamma": 0.5,
+        "margin": 0.1,
         "mining": True,
         "reduction": "mean",
     },
@@ -1183,7 +1181,7 @@ ZOO = sorted(PAPER_DEFAULTS)
 # Single-class batch: zero where the paper's formula has no term (no negative → no triplet, no
 # hinge term, no histogram overlap); contrastive, margin and binomial deviance keep their
 # positive-pair terms; proxy losses still have the other classes' proxies.
-ZERO_ON_ONE_CLASS = {"triplet", "lifted_structure", "npair", "multi_similarity", "histogram", "direct_gradient"}
+ZERO_ON_ONE_CLASS = {"triplet", "lifted_structure", "npair", "raw_vthm", "histogram", "direct_gradient"}
 
 
 def make(name: str, num_classes: int = 6, dim: int = 8, **options: object) -> torch.nn.Module:

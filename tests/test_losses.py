@@ -557,6 +557,7 @@ def test_registry_lists_and_builds() -> None:
         "gamma": 0.5,
         "margin": 0.1,
         "mining": True,
+        "reduction": "mean",
     }
 
 
@@ -576,7 +577,7 @@ def test_registry_errors() -> None:
 
 
 def test_register_loss_rejects_conflicts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(losses_pkg, "_REGISTRY", dict(losses_pkg._REGISTRY))
+    monkeypatch.setattr(losses_pkg, "LOSSES", losses_pkg.LOSSES.copy())
 
     @register_loss("test_only_loss")
     class Dummy(torch.nn.Module):

@@ -159,10 +159,9 @@ class TrainConfig:
         if self.catalog is not None and self.dataset is not None:
             raise ValueError("give either catalog or dataset, not both")
         if self.dataset is not None:
-            from training.datasets import available_datasets
+            from training.datasets import get_dataset
 
-            if self.dataset not in available_datasets():
-                raise ValueError(f"unknown dataset {self.dataset!r}; available: {', '.join(available_datasets())}")
+            get_dataset(self.dataset)  # unknown names fail here, listing the known ones
             if self.data_root is None or not Path(self.data_root).is_dir():
                 raise ValueError(f"dataset {self.dataset} needs data_root, an existing folder; got {self.data_root}")
         if self.ks is None:
