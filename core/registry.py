@@ -17,6 +17,8 @@ Rules, the same for every registry:
 * ``create`` checks keyword options against the entry's signature before calling it, so a typo
   in a configuration is a ``TypeError`` that lists the valid options rather than a traceback
   from deep inside a constructor.
+* ``build`` accepts a name or a ready-made instance of ``base`` (a configuration's string or an
+  object passed in code).
 * An alias is an old spelling of a name, with optional option renames, resolved here and
   nowhere else; ``names()`` lists only canonical names, so iterating a registry never yields
   the same entry twice.
@@ -143,6 +145,16 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         """The entry registered under ``name`` (or under the name it aliases)."""
         return self._entries[self.resolve(name)]
+
+    def build(self, value: Any) -> Any:
+        """``value`` itself if it is already an instance of ``base``, else ``create(value)`` with no
+        options: how a configuration's name for a default-configured object (a miner, a
+        reducer) and a ready-made object are accepted alike."""
+        if self.base is not None and isinstance(value, self.base):
+            return value
+        if not isinstance(value, str) or value not in self:
+            raise ValueError(f"{self.kind} must be one of {self.names()} or a {self.base_label} object, got {value!r}")
+        return self.create(value)
 
     def create(self, name: str, /, **options: Any) -> Any:
         """Call the entry for ``name`` with keyword ``options`` (renamed if ``name`` is an alias).

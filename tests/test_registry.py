@@ -112,3 +112,13 @@ def test_copy_is_independent() -> None:
         pass
 
     assert "extra" in copy and "extra" not in registry
+
+
+def test_build_takes_a_name_or_an_instance() -> None:
+    registry = make_registry()
+    assert isinstance(registry.build("plain"), registry.get("plain"))
+    ready = registry.create("plain", size=7)
+    assert registry.build(ready) is ready
+    for bad in ("nope", 3):
+        with pytest.raises(ValueError, match=r"widget must be one of \['needs_size', 'plain'\] or a Base object"):
+            registry.build(bad)

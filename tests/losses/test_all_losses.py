@@ -6,19 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-# pytorch-metric-learning is a dev dependency (setup installs it): a missing library fails, never skips.
-from tests.losses.helpers import (
-    F64,
-    PAIR_CASES,
-    PROXY_CASES,
-    assert_close,
-    value_and_grads,
-)
-from training.losses import (
-    build_loss,
-    get_loss_class,
-    loss_requires_num_classes,
-)
+from tests.losses.helpers import F64, PAIR_CASES, PROXY_CASES, assert_close, value_and_grads
+from training.losses import build_loss, get_loss_class, loss_requires_num_classes
 
 PAPER_DEFAULTS: dict[str, dict[str, object]] = {
     "contrastive": {"margin": 0.5, "reduction": "mean"},

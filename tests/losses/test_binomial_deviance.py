@@ -6,19 +6,9 @@ import math
 
 import pytest
 
-# pytorch-metric-learning is a dev dependency (setup installs it): a missing library fails, never skips.
-from tests.losses.helpers import (
-    PAIR_CASES,
-    negatives,
-    positives,
-    sim_list,
-)
-from training.losses import (
-    cosine_similarity_matrix,
-)
-from training.losses.pair_based import (
-    BinomialDevianceLoss,
-)
+from tests.losses.helpers import PAIR_CASES, negatives, positives, sim_list
+from training.losses import cosine_similarity_matrix
+from training.losses.pair_based import BinomialDevianceLoss
 from training.losses.weights import pair_weights
 
 

@@ -6,25 +6,13 @@ import pytest
 import torch
 
 # pytorch-metric-learning is a dev dependency (setup installs it): a missing library fails, never skips.
-from pytorch_metric_learning import losses as pml_losses  # noqa: E402
-from pytorch_metric_learning.distances import CosineSimilarity  # noqa: E402
-from pytorch_metric_learning.reducers import SumReducer  # noqa: E402
+from pytorch_metric_learning import losses as pml_losses
+from pytorch_metric_learning.distances import CosineSimilarity
+from pytorch_metric_learning.reducers import SumReducer
 
-from tests.losses.helpers import (
-    EXACT,
-    F64,
-    PAIR_CASES,
-    assert_close,
-    counts,
-    sim_list,
-    value_and_grads,
-)
-from training.losses import (
-    cosine_similarity_matrix,
-)
-from training.losses.pair_based import (
-    ContrastiveLoss,
-)
+from tests.losses.helpers import EXACT, F64, PAIR_CASES, assert_close, counts, sim_list, value_and_grads
+from training.losses import cosine_similarity_matrix
+from training.losses.pair_based import ContrastiveLoss
 from training.losses.weights import pair_weights
 
 

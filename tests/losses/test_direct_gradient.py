@@ -9,16 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-# pytorch-metric-learning is a dev dependency (setup installs it): a missing library fails, never skips.
-from tests.losses.helpers import (
-    EXACT,
-    F64,
-    PAIR_CASES,
-    negatives,
-    per_anchor_reference,
-    positives,
-    sim_list,
-)
+from tests.losses.helpers import EXACT, F64, PAIR_CASES, negatives, per_anchor_reference, positives, sim_list
 from training.losses.direct_gradient import (
     PRESETS,
     DirectGradientConfig,

@@ -9,17 +9,10 @@ import pytest
 import torch
 
 # pytorch-metric-learning is a dev dependency (setup installs it): a missing library fails, never skips.
-from pytorch_metric_learning import losses as pml_losses  # noqa: E402
-from pytorch_metric_learning.distances import CosineSimilarity  # noqa: E402
+from pytorch_metric_learning import losses as pml_losses
+from pytorch_metric_learning.distances import CosineSimilarity
 
-from tests.losses.helpers import (
-    EXACT,
-    F64,
-    PAIR_CASES,
-    assert_close,
-    sim_list,
-    value_and_grads,
-)
+from tests.losses.helpers import EXACT, F64, PAIR_CASES, assert_close, sim_list, value_and_grads
 from training.losses.histogram import HistogramLoss, histogram_overlap, similarity_histogram
 
 

@@ -7,9 +7,9 @@ import math
 import pytest
 
 # pytorch-metric-learning is a dev dependency (setup installs it): a missing library fails, never skips.
-from pytorch_metric_learning import losses as pml_losses  # noqa: E402
-from pytorch_metric_learning.distances import CosineSimilarity  # noqa: E402
-from pytorch_metric_learning.reducers import SumReducer  # noqa: E402
+from pytorch_metric_learning import losses as pml_losses
+from pytorch_metric_learning.distances import CosineSimilarity
+from pytorch_metric_learning.reducers import SumReducer
 
 from tests.losses.helpers import (
     PAIR_CASES,
@@ -20,12 +20,8 @@ from tests.losses.helpers import (
     sim_list,
     value_and_grads,
 )
-from training.losses import (
-    cosine_similarity_matrix,
-)
-from training.losses.pair_based import (
-    LiftedStructureLoss,
-)
+from training.losses import cosine_similarity_matrix
+from training.losses.pair_based import LiftedStructureLoss
 from training.losses.weights import pair_weights
 
 

@@ -9,23 +9,13 @@ import torch
 import torch.nn.functional as F
 
 # pytorch-metric-learning is a dev dependency (setup installs it): a missing library fails, never skips.
-from pytorch_metric_learning import losses as pml_losses  # noqa: E402
-from pytorch_metric_learning.reducers import SumReducer  # noqa: E402
+from pytorch_metric_learning import losses as pml_losses
+from pytorch_metric_learning.reducers import SumReducer
 
-from tests.losses.helpers import (
-    F64,
-    PAIR_CASES,
-    assert_close,
-    counts,
-    value_and_grads,
-)
-from training.losses import (
-    cosine_similarity_matrix,
-)
+from tests.losses.helpers import F64, PAIR_CASES, assert_close, counts, value_and_grads
+from training.losses import cosine_similarity_matrix
 from training.losses._common import pairwise_distance
-from training.losses.pair_based import (
-    MarginLoss,
-)
+from training.losses.pair_based import MarginLoss
 
 
 def margin_reference(x: torch.Tensor, y: list[int], margin: float, beta: float) -> float:

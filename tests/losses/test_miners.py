@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 # pytorch-metric-learning is a dev dependency (setup installs it): a missing library fails, never skips.
-from pytorch_metric_learning import miners as pml_miners  # noqa: E402
-from pytorch_metric_learning.distances import CosineSimilarity  # noqa: E402
-from pytorch_metric_learning.utils import loss_and_miner_utils as lmu  # noqa: E402
+from pytorch_metric_learning import miners as pml_miners
+from pytorch_metric_learning.distances import CosineSimilarity
+from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
 from tests.losses.helpers import (
     PAIR_CASES,
@@ -19,9 +19,7 @@ from tests.losses.helpers import (
     sim_list,
     triplet_set,
 )
-from training.losses import (
-    cosine_similarity_matrix,
-)
+from training.losses import cosine_similarity_matrix
 from training.losses.mining import TRIPLET_MINERS, BatchHardMiner, VthmMiner, all_pairs, mine_triplets
 from training.losses.pair_based import ContrastiveLoss, TripletLoss
 from training.losses.raw_vthm import RawVthmLoss
@@ -84,7 +82,8 @@ def test_miners_are_objects_composed_with_the_losses() -> None:
     every = all_pairs(y, sim.device)
     assert ContrastiveLoss()(x, y, every).item() == ContrastiveLoss()(x, y).item()
     assert ContrastiveLoss()(x, y, masks).item() != ContrastiveLoss()(x, y).item()
-    with pytest.raises(ValueError, match=r"miner must be one of \['all', 'ephn', 'hard', 'semihard'\], got 'random'"):
+    known = r"triplet miner must be one of \['all', 'ephn', 'hard', 'semihard'\] or a TripletMiner object"
+    with pytest.raises(ValueError, match=known + ", got 'random'"):
         mine_triplets("random", sim, y)
     assert TRIPLET_MINERS.names() == ["all", "ephn", "hard", "semihard"]
 

@@ -7,17 +7,10 @@ import math
 import pytest
 
 # pytorch-metric-learning is a dev dependency (setup installs it): a missing library fails, never skips.
-from pytorch_metric_learning import losses as pml_losses  # noqa: E402
+from pytorch_metric_learning import losses as pml_losses
 
-from tests.losses.helpers import (
-    PROXY_CASES,
-    assert_close,
-    seeded,
-    value_and_grads,
-)
-from training.losses import (
-    cosine_similarity_matrix,
-)
+from tests.losses.helpers import PROXY_CASES, assert_close, seeded, value_and_grads
+from training.losses import cosine_similarity_matrix
 from training.losses.proxy_based import NormalizedSoftmaxLoss
 
 

@@ -7,18 +7,11 @@ import math
 import pytest
 
 # pytorch-metric-learning is a dev dependency (setup installs it): a missing library fails, never skips.
-from pytorch_metric_learning import losses as pml_losses  # noqa: E402
-from pytorch_metric_learning.distances import CosineSimilarity  # noqa: E402
+from pytorch_metric_learning import losses as pml_losses
+from pytorch_metric_learning.distances import CosineSimilarity
 
-from tests.losses.helpers import (
-    PAIR_CASES,
-    negatives,
-    positives,
-    sim_list,
-)
-from training.losses.pair_based import (
-    NPairLoss,
-)
+from tests.losses.helpers import PAIR_CASES, negatives, positives, sim_list
+from training.losses.pair_based import NPairLoss
 
 
 def npair_reference(s: list[list[float]], y: list[int]) -> float:

@@ -8,17 +8,10 @@ import pytest
 import torch
 
 # pytorch-metric-learning is a dev dependency (setup installs it): a missing library fails, never skips.
-from pytorch_metric_learning import losses as pml_losses  # noqa: E402
+from pytorch_metric_learning import losses as pml_losses
 
-from tests.losses.helpers import (
-    assert_close,
-    clustered,
-    value_and_grads,
-)
-from training.losses import (
-    build_loss,
-    cosine_similarity_matrix,
-)
+from tests.losses.helpers import assert_close, clustered, value_and_grads
+from training.losses import build_loss, cosine_similarity_matrix
 from training.losses.proxy_anchor import ProxyAnchorLoss
 
 

@@ -12,20 +12,11 @@ import pytest
 import torch
 
 # pytorch-metric-learning is a dev dependency (setup installs it): a missing library fails, never skips.
-from pytorch_metric_learning import losses as pml_losses  # noqa: E402
-from pytorch_metric_learning import miners as pml_miners  # noqa: E402
-from pytorch_metric_learning.utils import loss_and_miner_utils as lmu  # noqa: E402
+from pytorch_metric_learning import losses as pml_losses
+from pytorch_metric_learning import miners as pml_miners
+from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
-from tests.losses.helpers import (
-    EXACT,
-    F64,
-    PAIR_CASES,
-    assert_close,
-    clustered,
-    on_circle,
-    shuffled,
-    value_and_grads,
-)
+from tests.losses.helpers import EXACT, F64, PAIR_CASES, assert_close, clustered, on_circle, shuffled, value_and_grads
 from training.losses import (
     available_losses,
     build_loss,

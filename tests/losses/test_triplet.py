@@ -6,10 +6,10 @@ import pytest
 import torch
 
 # pytorch-metric-learning is a dev dependency (setup installs it): a missing library fails, never skips.
-from pytorch_metric_learning import losses as pml_losses  # noqa: E402
-from pytorch_metric_learning import miners as pml_miners  # noqa: E402
-from pytorch_metric_learning.distances import CosineSimilarity  # noqa: E402
-from pytorch_metric_learning.reducers import MeanReducer, SumReducer  # noqa: E402
+from pytorch_metric_learning import losses as pml_losses
+from pytorch_metric_learning import miners as pml_miners
+from pytorch_metric_learning.distances import CosineSimilarity
+from pytorch_metric_learning.reducers import MeanReducer, SumReducer
 
 from tests.losses.helpers import (
     EXACT,
@@ -21,13 +21,9 @@ from tests.losses.helpers import (
     sim_list,
     value_and_grads,
 )
-from training.losses import (
-    cosine_similarity_matrix,
-)
+from training.losses import cosine_similarity_matrix
 from training.losses.mining import mine_triplets
-from training.losses.pair_based import (
-    TripletLoss,
-)
+from training.losses.pair_based import TripletLoss
 from training.losses.weights import pair_weights
 
 

@@ -7,17 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-# pytorch-metric-learning is a dev dependency (setup installs it): a missing library fails, never skips.
-from tests.losses.helpers import (
-    F64,
-    PAIR_CASES,
-)
-from training.losses import (
-    cosine_similarity_matrix,
-)
-from training.losses.pair_based import (
-    ContrastiveLoss,
-)
+from tests.losses.helpers import F64, PAIR_CASES
+from training.losses import cosine_similarity_matrix
+from training.losses.pair_based import ContrastiveLoss
 from training.losses.plot_weights import plot_pair_weights, weight_curve
 from training.losses.proxy_based import ArcFaceLoss
 from training.losses.weights import pair_based_losses, pair_weights

@@ -179,11 +179,7 @@ class SemihardMiner(TripletMiner):
 
 def build_triplet_miner(miner: str | TripletMiner) -> TripletMiner:
     """A triplet miner object, or the one a configuration names (a ``TRIPLET_MINERS`` key)."""
-    if isinstance(miner, TripletMiner):
-        return miner
-    if not isinstance(miner, str) or miner not in TRIPLET_MINERS:
-        raise ValueError(f"miner must be one of {TRIPLET_MINERS.names()}, got {miner!r}")
-    return TRIPLET_MINERS.create(miner)
+    return TRIPLET_MINERS.build(miner)
 
 
 def mine_triplets(kind: str, sim: torch.Tensor, labels: torch.Tensor) -> Triplets:

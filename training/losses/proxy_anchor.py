@@ -12,7 +12,7 @@ the proxies in W+, the negative one every proxy. (pytorch-metric-learning gets t
 with a ``DivisorReducer``.)
 
 The proxies are the ``proxies`` parameter so the optimiser can put them in their own parameter
-group: the authors train them about 100x faster than the backbone.
+group: the authors give them a learning rate about 100 times the backbone's.
 """
 
 from __future__ import annotations

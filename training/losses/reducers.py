@@ -62,8 +62,4 @@ class SumReducer(BaseReducer):
 
 def build_reducer(reduction: str | BaseReducer) -> BaseReducer:
     """A reducer object, or the one a configuration names (``"mean"``, ``"sum"``)."""
-    if isinstance(reduction, BaseReducer):
-        return reduction
-    if not isinstance(reduction, str) or reduction not in REDUCERS:
-        raise ValueError(f"reduction must be one of {tuple(REDUCERS.names())}, got {reduction!r}")
-    return REDUCERS.create(reduction)
+    return REDUCERS.build(reduction)
