@@ -92,8 +92,13 @@ class PairBasedLoss(BaseMetricLoss):
     def mine(self, sim: torch.Tensor, labels: torch.Tensor) -> PairMasks | Triplets:
         """The loss's miner on ``sim``, or every pair without one."""
         check_similarity(sim, labels)
+        return self._mine(sim, labels)
+
+    @torch.no_grad()
+    def _mine(self, sim: torch.Tensor, labels: torch.Tensor) -> PairMasks | Triplets:
+        # Inputs already checked: the training step validates a batch once.
         if self.miner is not None:
-            return self.miner(sim, labels)
+            return self.miner.mine(sim.detach(), labels)
         return all_pairs(labels, sim.device)
 
     def element_losses(
@@ -103,7 +108,7 @@ class PairBasedLoss(BaseMetricLoss):
         check_similarity(sim, labels)
         if sim.shape[0] == 0:
             raise ValueError(f"{type(self).__name__} got an empty batch")
-        indices = self.mine(sim, labels) if indices_tuple is None else indices_tuple
+        indices = self._mine(sim, labels) if indices_tuple is None else indices_tuple
         return self.compute_loss(sim, labels, indices)
 
     def loss_from_similarity(

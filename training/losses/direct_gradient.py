@@ -88,7 +88,7 @@ import torch
 from . import LOSSES
 from ._common import check_batch, check_positive, distance_from_similarity, normalized_embeddings
 from .base import ElementLosses, PairBasedLoss
-from .mining import TRIPLET_MINERS, Triplets, VthmMiner, build_triplet_miner
+from .mining import TRIPLET_MINERS, TripletMiner, Triplets, VthmMiner, build_triplet_miner
 from .reducers import MeanReducer
 from .similarity import cosine_similarity_matrix
 
@@ -204,11 +204,12 @@ def _relative_terms(
 
 @torch.no_grad()
 def triplet_weights(
-    sim: torch.Tensor, labels: torch.Tensor, cfg: DirectGradientConfig, triplets: Triplets | None = None
+    sim: torch.Tensor, labels: torch.Tensor, cfg: DirectGradientConfig, indices: Triplets | TripletMiner | None = None
 ) -> TripletWeights:
-    """Pair and triplet weights (no gradient) of ``triplets``, by default mined on ``sim`` with ``cfg.miner``."""
+    """Pair and triplet weights (no gradient) of the triplets ``indices``, or of those a miner
+    finds on ``sim`` (``indices`` itself, by default ``cfg.miner``)."""
     sim = sim.detach()
-    t = build_triplet_miner(cfg.miner)(sim, labels) if triplets is None else triplets
+    t = indices if isinstance(indices, Triplets) else (indices or build_triplet_miner(cfg.miner)).mine(sim, labels)
     s_ap, s_an = sim[t.anchor, t.positive], sim[t.anchor, t.negative]
     if cfg.pair_weight == "con":
         p_pos, p_neg = torch.ones_like(s_ap), torch.ones_like(s_an)
@@ -261,12 +262,13 @@ def _surrogate_terms(sim: torch.Tensor, w: TripletWeights) -> torch.Tensor:
 
 @torch.no_grad()
 def designed_gradient(
-    f: torch.Tensor, labels: torch.Tensor, cfg: DirectGradientConfig, triplets: Triplets | None = None
+    f: torch.Tensor, labels: torch.Tensor, cfg: DirectGradientConfig, indices: Triplets | TripletMiner | None = None
 ) -> DesignedGradient:
-    """The designed ``∂L/∂f`` for unit-norm features ``f`` (m×d), and the surrogate value."""
+    """The designed ``∂L/∂f`` for unit-norm features ``f`` (m×d), and the surrogate value
+    (``indices`` as in ``triplet_weights``)."""
     f = f.detach()
     sim = cosine_similarity_matrix(f)
-    w = triplet_weights(sim, labels, cfg, triplets)
+    w = triplet_weights(sim, labels, cfg, indices)
     a, p, n = w.triplets
     fa, fp, fn = f[a], f[p], f[n]
     if cfg.direction.startswith("cos"):
@@ -292,9 +294,13 @@ class _DirectGradientFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, f: torch.Tensor, labels: torch.Tensor, cfg: DirectGradientConfig, triplets: Triplets | None
+        ctx: Any,
+        f: torch.Tensor,
+        labels: torch.Tensor,
+        cfg: DirectGradientConfig,
+        indices: Triplets | TripletMiner | None,
     ) -> torch.Tensor:
-        designed = designed_gradient(f, labels, cfg, triplets)
+        designed = designed_gradient(f, labels, cfg, indices)
         ctx.save_for_backward(designed.grad)
         return designed.value
 
@@ -305,10 +311,10 @@ class _DirectGradientFunction(torch.autograd.Function):
 
 
 def direct_gradient(
-    f: torch.Tensor, labels: torch.Tensor, cfg: DirectGradientConfig, triplets: Triplets | None = None
+    f: torch.Tensor, labels: torch.Tensor, cfg: DirectGradientConfig, indices: Triplets | TripletMiner | None = None
 ) -> torch.Tensor:
-    """Apply the autograd function to unit-norm features ``f`` (triplets mined with ``cfg.miner`` by default)."""
-    return _DirectGradientFunction.apply(f, labels, cfg, triplets)
+    """Apply the autograd function to unit-norm features ``f`` (``indices`` as in ``triplet_weights``)."""
+    return _DirectGradientFunction.apply(f, labels, cfg, indices)
 
 
 @LOSSES.register("direct_gradient")
@@ -376,7 +382,6 @@ class DirectGradientLoss(PairBasedLoss):
         self, embeddings: torch.Tensor, labels: torch.Tensor, indices_tuple: Triplets | None = None
     ) -> torch.Tensor:
         check_batch(embeddings, labels, type(self).__name__)
-        f = normalized_embeddings(embeddings)
-        if indices_tuple is None:
-            indices_tuple = self.miner(cosine_similarity_matrix(f.detach()), labels)
-        return direct_gradient(f, labels, self.config, indices_tuple)
+        # The loss's miner runs on the similarities designed_gradient computes anyway.
+        indices = self.miner if indices_tuple is None else indices_tuple
+        return direct_gradient(normalized_embeddings(embeddings), labels, self.config, indices)
