@@ -16,7 +16,9 @@ pytorch-metric-learning's ``MeanReducer``. Pair losses read the pairs from their
 miner (``mining.py``).
 
 The thesis's multi-similarity loss (Eq. 2.24 with multi-similarity mining) is RAW + VTHM
-(``raw_vthm.py``); the registry keeps ``multi_similarity`` as an alias of ``raw_vthm``.
+(``raw_vthm.py``); the registry keeps ``multi_similarity`` as an alias of ``raw_vthm``. Where it
+and the library disagree (pytorch-metric-learning returns 0 when mining leaves at most one
+positive and one negative pair; Eq. 2.24 keeps their terms) is noted there.
 
 Where the papers and pytorch-metric-learning disagree (the tests pin the paper):
 

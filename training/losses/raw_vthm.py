@@ -20,7 +20,12 @@ the samples of other classes:
   so ``∂L/∂s_ij = -w_ij/m`` for a kept positive and ``+w_ij/m`` for a kept negative, with
   ``w_ij`` from Eq. 15/16 (``pair_weights``).
 
-Defaults are the paper's: α=2, β=50, γ=0.5, λ=0.1.
+Defaults are the paper's: α=2, β=50, γ=0.5, λ=0.1. They are also the thesis's Table 4 values for
+multi-similarity (α 2, β 50, "margin λ" 0.5 = γ, ε 0.1 = λ), in whose notation Eq. 2.24 reads::
+
+      L = 1/m Σ_i { 1/α log[1 + Σ_{k∈P_i} e^{-α(S_ik - λ)}] + 1/β log[1 + Σ_{k∈N_i} e^{β(S_ik - λ)}] }
+
+with ``P_i``/``N_i`` the pairs kept by multi-similarity mining with margin ε.
 
 Edge cases and how this implementation handles them
 ----------------------------------------------------
