@@ -27,6 +27,7 @@ NAMED = [
     "core.metrics",
     "core.preprocess",
     "core.progress",
+    "core.registry",
     "core.vectors",
     "index",
     "index.build",

@@ -71,10 +71,12 @@ import numpy as np
 from PIL import Image
 
 from core.catalog import Catalog, CatalogError
+from core.registry import Registry
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "DATASETS",
     "BenchmarkDataset",
     "available_datasets",
     "get_dataset",
@@ -125,28 +127,16 @@ _Row = tuple[str, str, Path, str, dict[str, str]]
 
 _DatasetT = TypeVar("_DatasetT", bound=type[BenchmarkDataset])
 
-_REGISTRY: dict[str, type[BenchmarkDataset]] = {}
-
-
-def _qualified_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+DATASETS: Registry[type[BenchmarkDataset]] = Registry("dataset", base=BenchmarkDataset)
 
 
 def register_dataset(name: str) -> Callable[[_DatasetT], _DatasetT]:
     """Class decorator adding a `BenchmarkDataset` subclass to the registry under `name`."""
-    if not name or name != name.strip():
-        raise ValueError(f"invalid dataset name {name!r}")
+    add = DATASETS.register(name)
 
     def decorator(cls: _DatasetT) -> _DatasetT:
-        if not (isinstance(cls, type) and issubclass(cls, BenchmarkDataset)):
-            raise TypeError(f"register_dataset({name!r}) expects a BenchmarkDataset subclass, got {cls!r}")
-        existing = _REGISTRY.get(name)
-        # Same rule as the loss registry: re-registering one class (a reload) is harmless, two
-        # classes under one name would make configurations ambiguous.
-        if existing is not None and _qualified_name(existing) != _qualified_name(cls):
-            raise ValueError(f"dataset name {name!r} is already registered to {_qualified_name(existing)}")
+        add(cls)
         cls.name = name
-        _REGISTRY[name] = cls
         return cls
 
     return decorator
@@ -154,16 +144,12 @@ def register_dataset(name: str) -> Callable[[_DatasetT], _DatasetT]:
 
 def available_datasets() -> list[str]:
     """Sorted names of every registered benchmark reader."""
-    return sorted(_REGISTRY)
+    return DATASETS.names()
 
 
 def get_dataset(name: str) -> type[BenchmarkDataset]:
     """The reader class registered under `name`; ValueError listing the known names otherwise."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        known = ", ".join(available_datasets()) or "(none)"
-        raise ValueError(f"unknown dataset {name!r}; known datasets: {known}") from None
+    return DATASETS.get(name)
 
 
 def load_benchmark(name: str, root: str | Path) -> dict[str, Catalog]:

@@ -1,6 +1,7 @@
 """Embedding networks: a backbone from a registry, pooling, a linear head, L2-normalised output.
 
-Backbones are looked up by name (timm style) rather than chosen by an if-chain. Pretrained
+Backbones are looked up by name (timm style, `core.registry.Registry`) rather than chosen by an
+if-chain. Pretrained
 weights are only ever read from a local file or an installed package, never downloaded.
 """
 
@@ -17,6 +18,7 @@ import torchvision
 from torch import nn
 
 from core.preprocess import DEFAULT_REDUCING_GAP, InputContract
+from core.registry import Registry
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -36,24 +38,21 @@ class BackboneSpec:
     load_weights: Callable[[nn.Module, dict], None] | None = None
 
 
-_BACKBONES: dict[str, BackboneSpec] = {}
+BACKBONES: Registry[BackboneSpec] = Registry("backbone")
 
 
 def register_backbone(name: str, spec: BackboneSpec) -> None:
-    if name in _BACKBONES:
-        raise ValueError(f"backbone {name!r} is already registered")
-    _BACKBONES[name] = spec
+    """Add a backbone under `name`; a name is registered once."""
+    BACKBONES.register(name, spec)
 
 
 def available_backbones() -> list[str]:
-    return sorted(_BACKBONES)
+    return BACKBONES.names()
 
 
 def backbone_spec(name: str) -> BackboneSpec:
-    try:
-        return _BACKBONES[name]
-    except KeyError:
-        raise ValueError(f"unknown backbone {name!r}; available: {', '.join(available_backbones())}") from None
+    """The spec registered under `name`; ValueError listing the known backbones otherwise."""
+    return BACKBONES.get(name)
 
 
 class SmallCNN(nn.Module):

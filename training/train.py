@@ -190,10 +190,9 @@ class TrainConfig:
         if self.catalog is not None and self.dataset is not None:
             raise ValueError("give either catalog or dataset, not both")
         if self.dataset is not None:
-            from training.datasets import available_datasets
+            from training.datasets import get_dataset
 
-            if self.dataset not in available_datasets():
-                raise ValueError(f"unknown dataset {self.dataset!r}; available: {', '.join(available_datasets())}")
+            get_dataset(self.dataset)  # unknown names fail here, listing the known ones
         if self.ks is None:
             from training.datasets import get_dataset
 

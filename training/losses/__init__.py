@@ -1,4 +1,4 @@
-"""Metric-learning losses behind a name registry (timm style).
+"""Metric-learning losses behind a name registry (timm style), in pytorch-metric-learning's shape.
 
     from training.losses import build_loss, loss_requires_num_classes
 
@@ -7,24 +7,31 @@
         options.update(num_classes=n_train_classes, embedding_dim=dim)
     criterion = build_loss(cfg.loss, **options)
 
-A loss module registers itself with ``@register_loss("name")``. A loss with learnable
-per-class parameters (proxies) sets the class attribute ``requires_num_classes = True`` and
-takes ``num_classes`` and ``embedding_dim`` as constructor options, so the training loop needs
-no if-chain on loss names. Every loss is an ``nn.Module`` whose ``forward(embeddings, labels)``
-returns a scalar.
+A loss module registers itself with ``@LOSSES.register("name")`` (``core.registry.Registry``, the
+registry backbones and datasets use too). Every loss derives from ``base.BaseMetricLoss``:
+``PairBasedLoss`` (functions of the cosine-similarity matrix, with an optional miner from
+``mining.py``: ``loss(embeddings, labels, indices_tuple=None)``) or ``ProxyBasedLoss`` (learnable
+per-class ``proxies``; ``requires_num_classes = True``, taking ``num_classes`` and
+``embedding_dim`` as constructor options, so the training loop needs no if-chain on loss
+names). Per-element terms become the returned scalar through a reducer (``reducers.py``).
+
+``multi_similarity`` is an alias of ``raw_vthm`` (the thesis's multi-similarity loss and mining
+are RAW + VTHM) that keeps the thesis's option names: its ``margin`` is γ and its ``epsilon`` is
+λ (raw_vthm's ``margin``).
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch.nn as nn
+
+from core.registry import Registry
 
 from .similarity import cosine_similarity_matrix, log1p_sum_exp
 
 __all__ = [
+    "LOSSES",
     "available_losses",
     "build_loss",
     "cosine_similarity_matrix",
@@ -34,63 +41,28 @@ __all__ = [
     "register_loss",
 ]
 
-_LossT = TypeVar("_LossT", bound=type[nn.Module])
-
-_REGISTRY: dict[str, type[nn.Module]] = {}
+LOSSES: Registry[type[nn.Module]] = Registry("loss", plural="losses", base=nn.Module, base_label="nn.Module")
 
 
-def _qualified_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def register_loss(name: str) -> Callable[[_LossT], _LossT]:
+# The functions below look LOSSES up when called, so a test can swap in a copy of the registry.
+def register_loss(name: str) -> Any:
     """Class decorator adding a loss to the registry under ``name``."""
-    if not name or name != name.strip():
-        raise ValueError(f"invalid loss name {name!r}")
-
-    def decorator(cls: _LossT) -> _LossT:
-        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise TypeError(f"register_loss({name!r}) expects an nn.Module subclass, got {cls!r}")
-        existing = _REGISTRY.get(name)
-        # Re-registering the same class (e.g. importlib.reload) is harmless; two different
-        # classes under one name would make configs silently ambiguous.
-        if existing is not None and _qualified_name(existing) != _qualified_name(cls):
-            raise ValueError(f"loss name {name!r} is already registered to {_qualified_name(existing)}")
-        _REGISTRY[name] = cls
-        return cls
-
-    return decorator
+    return LOSSES.register(name)
 
 
 def available_losses() -> list[str]:
-    """Sorted names of every registered loss."""
-    return sorted(_REGISTRY)
+    """Sorted names of every registered loss (aliases excluded)."""
+    return LOSSES.names()
 
 
 def get_loss_class(name: str) -> type[nn.Module]:
-    """The class registered under ``name``; ``ValueError`` listing the known names otherwise."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        known = ", ".join(available_losses()) or "(none)"
-        raise ValueError(f"unknown loss {name!r}; known losses: {known}") from None
+    """The class registered under ``name`` (or the name it aliases); ``ValueError`` listing the known names."""
+    return LOSSES.get(name)
 
 
 def loss_requires_num_classes(name: str) -> bool:
     """Whether the loss needs ``num_classes`` and ``embedding_dim`` (proxy-based losses)."""
     return bool(getattr(get_loss_class(name), "requires_num_classes", False))
-
-
-def _constructor_options(cls: type[nn.Module]) -> tuple[dict[str, inspect.Parameter], bool]:
-    params = dict(inspect.signature(cls.__init__).parameters)
-    params.pop("self", None)
-    takes_var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    named = {
-        n: p
-        for n, p in params.items()
-        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    }
-    return named, takes_var_kw
 
 
 def build_loss(name: str, **options: Any) -> nn.Module:
@@ -101,21 +73,11 @@ def build_loss(name: str, **options: Any) -> nn.Module:
     the message lists the valid options). Invalid option values raise the loss's own
     ``ValueError``.
     """
-    cls = get_loss_class(name)
-    named, takes_var_kw = _constructor_options(cls)
-    if not takes_var_kw:
-        unknown = sorted(set(options) - set(named))
-        if unknown:
-            valid = ", ".join(named) or "(none)"
-            raise TypeError(
-                f"loss {name!r} got unknown option(s) {', '.join(map(repr, unknown))}; valid options: {valid}"
-            )
-    missing = [n for n, p in named.items() if p.default is inspect.Parameter.empty and n not in options]
-    if missing:
-        raise TypeError(f"loss {name!r} requires option(s) {', '.join(map(repr, missing))}")
-    return cls(**options)
+    return LOSSES.create(name, **options)
 
 
-# The loss modules import register_loss from this package, so they are imported only after the
-# registry above exists; importing them here is what populates the registry.
+# The loss modules register into LOSSES, so they are imported only after it exists; importing
+# them here is what populates the registry.
 from . import direct_gradient, histogram, pair_based, proxy_anchor, proxy_based, raw_vthm, reference  # noqa: E402, F401
+
+LOSSES.alias("multi_similarity", "raw_vthm", options={"margin": "gamma", "epsilon": "margin"})

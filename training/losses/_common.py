@@ -1,23 +1,25 @@
-"""Input checks, label masks, reductions and a proxy base shared by the loss-zoo modules.
+"""Input checks, label masks and distances shared by the losses and miners.
 
-Private to ``training.losses``: the public surface is the registry. Label validation is
-``raw_vthm``'s so every loss rejects the same inputs with the same message.
+Private to ``training.losses``: the public surface is the registry. Every loss validates its
+inputs here, so all of them reject the same inputs with the same message.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from .raw_vthm import _check_labels
-from .similarity import cosine_similarity_matrix
-
-REDUCTIONS = ("mean", "sum")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def check_labels(labels: torch.Tensor, m: int) -> None:
+    """``labels`` is a tensor of shape (m,)."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    if labels.ndim != 1 or labels.shape[0] != m:
+        raise ValueError(f"labels must have shape ({m},) to match the batch, got {tuple(labels.shape)}")
 
 
 def check_batch(embeddings: torch.Tensor, labels: torch.Tensor, loss_name: str) -> None:
@@ -25,7 +27,7 @@ def check_batch(embeddings: torch.Tensor, labels: torch.Tensor, loss_name: str) 
     if not isinstance(embeddings, torch.Tensor) or embeddings.ndim != 2:
         shape = tuple(embeddings.shape) if isinstance(embeddings, torch.Tensor) else type(embeddings).__name__
         raise ValueError(f"embeddings must be (batch, dim), got {shape}")
-    _check_labels(labels, embeddings.shape[0])
+    check_labels(labels, embeddings.shape[0])
     if embeddings.shape[0] == 0:
         raise ValueError(f"{loss_name} got an empty batch")
 
@@ -33,13 +35,7 @@ def check_batch(embeddings: torch.Tensor, labels: torch.Tensor, loss_name: str) 
 def check_similarity(sim: torch.Tensor, labels: torch.Tensor) -> None:
     if sim.ndim != 2 or sim.shape[0] != sim.shape[1]:
         raise ValueError(f"sim must be a square matrix, got shape {tuple(sim.shape)}")
-    _check_labels(labels, sim.shape[0])
-
-
-def check_reduction(reduction: str) -> str:
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    return reduction
+    check_labels(labels, sim.shape[0])
 
 
 def check_positive(**values: float) -> None:
@@ -61,19 +57,6 @@ def label_masks(labels: torch.Tensor, device: torch.device) -> tuple[torch.Tenso
     same = labels.unsqueeze(0) == labels.unsqueeze(1)
     eye = torch.eye(len(labels), dtype=torch.bool, device=device)
     return same & ~eye, ~same
-
-
-def reduce(total: torch.Tensor, count: torch.Tensor | int, reduction: str) -> torch.Tensor:
-    """``total`` (already summed) as a sum or a mean over ``count`` terms.
-
-    An empty mean is 0 rather than 0/0: ``total`` is then a masked sum that is exactly 0 and
-    still carries the graph, so backward yields zeros instead of NaN.
-    """
-    if reduction == "sum":
-        return total
-    if isinstance(count, torch.Tensor):
-        return total / count.clamp_min(1).to(total.dtype)
-    return total / max(int(count), 1)
 
 
 def masked_logsumexp(logits: torch.Tensor, keep: torch.Tensor, dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,91 +101,3 @@ def distance_from_similarity(sim: torch.Tensor) -> torch.Tensor:
     slightly above 1, where the gradient is then 0 (like ``torch.cdist``'s at zero distance).
     """
     return torch.sqrt(torch.clamp(2.0 - 2.0 * sim, min=torch.finfo(sim.dtype).eps))
-
-
-class ProxyLoss(nn.Module):
-    """Base of the losses with learnable per-class parameters (``requires_num_classes``).
-
-    ``proxies`` holds ``proxies_per_class`` rows per class, class-major. Only directions matter
-    (every loss here L2-normalises them), so the initialisation is ProxyAnchor's
-    ``kaiming_normal_(mode="fan_out")``: isotropic, i.e. uniformly random directions.
-    """
-
-    requires_num_classes = True
-
-    def __init__(self, num_classes: int, embedding_dim: int, proxies_per_class: int = 1) -> None:
-        super().__init__()
-        for name, value in (
-            ("num_classes", num_classes),
-            ("embedding_dim", embedding_dim),
-            ("proxies_per_class", proxies_per_class),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        self.num_classes = num_classes
-        self.embedding_dim = embedding_dim
-        self.proxies = nn.Parameter(torch.empty(num_classes * proxies_per_class, embedding_dim))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.kaiming_normal_(self.proxies, mode="fan_out")
-
-    def hyperparameters(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.hyperparameters().items())
-
-    def loss_from_cosines(self, cos: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        cos, labels = self.proxy_similarity(embeddings, labels)
-        return self.loss_from_cosines(cos, labels)
-
-    def proxy_similarity(self, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Validated inputs → (cosine to every proxy (m, rows), labels as long on the device)."""
-        check_batch(embeddings, labels, type(self).__name__)
-        if embeddings.shape[1] != self.embedding_dim:
-            raise ValueError(f"embeddings must have shape (batch, {self.embedding_dim}), got {tuple(embeddings.shape)}")
-        if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
-            raise ValueError(f"labels must be an integer tensor, got dtype {labels.dtype}")
-        # One host sync per step: an out-of-range label would otherwise be a cryptic indexing
-        # error (or a device-side assert on CUDA).
-        lo, hi = int(labels.min()), int(labels.max())
-        if lo < 0 or hi >= self.num_classes:
-            raise ValueError(f"labels must lie in [0, {self.num_classes}); got values in [{lo}, {hi}]")
-        labels = labels.to(device=embeddings.device, dtype=torch.long)
-        return cosine_similarity_matrix(embeddings, self.proxies), labels
-
-
-class SimilarityLoss(nn.Module):
-    """Base of the pair-based losses: a function of the m×m cosine-similarity matrix.
-
-    ``forward`` normalises the embeddings (norm-invariant) and hands the matrix to
-    ``loss_from_similarity``, which is public so the pair-weight view (``weights.py``) can
-    differentiate a loss with respect to the similarities themselves.
-    """
-
-    requires_num_classes = False
-
-    def hyperparameters(self) -> dict[str, Any]:
-        """Resolved hyper-parameters, for run manifests."""
-        raise NotImplementedError
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.hyperparameters().items())
-
-    def _loss(self, sim: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def loss_from_similarity(self, sim: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The loss on a precomputed m×m similarity matrix."""
-        check_similarity(sim, labels)
-        if sim.shape[0] == 0:
-            raise ValueError(f"{type(self).__name__} got an empty batch")
-        return self._loss(sim, labels)
-
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        check_batch(embeddings, labels, type(self).__name__)
-        return self.loss_from_similarity(cosine_similarity_matrix(embeddings), labels)

@@ -60,10 +60,13 @@ Presets (``PRESETS``) give Table 1's rows and section 6's best combination, the 
 Other choices the paper leaves open:
 
 * Triplets come from easy-positive/hard-negative mining (section 4: the most similar positive
-  and the most similar negative of each anchor), ``miner="ephn"``; any miner of ``mining.py``
-  works.
-* The batch gradient is the mean over triplets (the paper does not say; the scale only
-  rescales the learning rate). No triplet, no gradient: the value is 0 and backward gives 0.
+  and the most similar negative of each anchor), ``miner="ephn"``; any triplet miner of
+  ``mining.py`` works, and triplets passed to ``forward`` (``indices_tuple``) replace it.
+* The relative terms' kept pairs (Eq. 12) are VTHM's (``mining.VthmMiner`` with ε), minus the
+  triplet's own positive and negative.
+* The batch gradient is the mean over triplets (``MeanReducer``; the paper does not say; the
+  scale only rescales the learning rate). No triplet, no gradient: the value is 0 and backward
+  gives 0.
 * Constants that only rescale a whole gradient are dropped (Eq. 5's factor 2, Eq. 6's τ), so
   ``(euc, euc, con)`` is ¼ of Eq. 3's gradient and ``(cos, con, cos)`` is ``1/τ`` of Eq. 4's.
 * Hyper-parameters: α=2, β=10, λ=0.5, ε=0.1 (appendix 4); τ=1, the only value the paper gives
@@ -81,18 +84,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn as nn
 
-from . import register_loss
-from ._common import (
-    check_batch,
-    check_positive,
-    check_similarity,
-    distance_from_similarity,
-    label_masks,
-    normalized_embeddings,
-)
-from .mining import TRIPLET_MINERS, Triplets, mine_triplets
+from . import LOSSES
+from ._common import check_batch, check_positive, distance_from_similarity, normalized_embeddings
+from .base import ElementLosses, PairBasedLoss
+from .mining import TRIPLET_MINERS, TripletMiner, Triplets, VthmMiner, build_triplet_miner
+from .reducers import MeanReducer
 from .similarity import cosine_similarity_matrix
 
 __all__ = [
@@ -151,7 +148,7 @@ class DirectGradientConfig:
             ("pair_weight", self.pair_weight, PAIR_WEIGHTS),
             ("triplet_weight", self.triplet_weight, TRIPLET_WEIGHTS),
             ("selective", self.selective, SELECTIVE),
-            ("miner", self.miner, tuple(sorted(TRIPLET_MINERS))),
+            ("miner", self.miner, tuple(TRIPLET_MINERS.names())),
         ):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
@@ -182,18 +179,14 @@ def _relative_terms(
     sim: torch.Tensor, labels: torch.Tensor, t: Triplets, cfg: DirectGradientConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``m₊`` and ``m₋`` of Eq. 13 (sigmoid form) or Eq. 14 (linear form), one per triplet."""
-    pos, neg = label_masks(labels, sim.device)
+    kept = VthmMiner(cfg.epsilon).mine(sim, labels)  # Eq. 12's rule is VTHM's
     rows = sim[t.anchor]  # (T, m): the anchor's similarity to everything
     s_ap, s_an = sim[t.anchor, t.positive].unsqueeze(1), sim[t.anchor, t.negative].unsqueeze(1)
-    hardest_neg = rows.masked_fill(~neg[t.anchor], float("-inf")).amax(dim=1, keepdim=True)
-    hardest_pos = rows.masked_fill(~pos[t.anchor], float("inf")).amin(dim=1, keepdim=True)
     arange = torch.arange(len(t.anchor), device=sim.device)
-    others_pos = pos[t.anchor].clone()
-    others_pos[arange, t.positive] = False
-    others_neg = neg[t.anchor].clone()
-    others_neg[arange, t.negative] = False
-    keep_pos = others_pos & (rows < hardest_neg + cfg.epsilon)
-    keep_neg = others_neg & (rows > hardest_pos - cfg.epsilon)
+    keep_pos = kept.positive[t.anchor].clone()
+    keep_pos[arange, t.positive] = False
+    keep_neg = kept.negative[t.anchor].clone()
+    keep_neg[arange, t.negative] = False
     n_pos, n_neg = keep_pos.sum(dim=1), keep_neg.sum(dim=1)
     if cfg.pair_weight == "sig-ms":
         # torch.where rather than a product: exp of a dropped pair may overflow to inf.
@@ -210,10 +203,13 @@ def _relative_terms(
 
 
 @torch.no_grad()
-def triplet_weights(sim: torch.Tensor, labels: torch.Tensor, cfg: DirectGradientConfig) -> TripletWeights:
-    """Mine triplets on ``sim`` and compute their pair and triplet weights (no gradient)."""
+def triplet_weights(
+    sim: torch.Tensor, labels: torch.Tensor, cfg: DirectGradientConfig, indices: Triplets | TripletMiner | None = None
+) -> TripletWeights:
+    """Pair and triplet weights (no gradient) of the triplets ``indices``, or of those a miner
+    finds on ``sim`` (``indices`` itself, by default ``cfg.miner``)."""
     sim = sim.detach()
-    t = mine_triplets(cfg.miner, sim, labels)
+    t = indices if isinstance(indices, Triplets) else (indices or build_triplet_miner(cfg.miner)).mine(sim, labels)
     s_ap, s_an = sim[t.anchor, t.positive], sim[t.anchor, t.negative]
     if cfg.pair_weight == "con":
         p_pos, p_neg = torch.ones_like(s_ap), torch.ones_like(s_an)
@@ -258,18 +254,21 @@ def _orthogonal(v: torch.Tensor, axis: torch.Tensor) -> torch.Tensor:
     return torch.where(has_axis, projected, v)
 
 
-def _surrogate(sim: torch.Tensor, w: TripletWeights) -> torch.Tensor:
+def _surrogate_terms(sim: torch.Tensor, w: TripletWeights) -> torch.Tensor:
+    """Per triplet, ``T (P₋ S_an - P₊ S_ap)`` with the weights held constant."""
     t = w.triplets
-    terms = w.triplet * (w.pair_neg * sim[t.anchor, t.negative] - w.pair_pos * sim[t.anchor, t.positive])
-    return terms.sum() / max(len(terms), 1)
+    return w.triplet * (w.pair_neg * sim[t.anchor, t.negative] - w.pair_pos * sim[t.anchor, t.positive])
 
 
 @torch.no_grad()
-def designed_gradient(f: torch.Tensor, labels: torch.Tensor, cfg: DirectGradientConfig) -> DesignedGradient:
-    """The designed ``∂L/∂f`` for unit-norm features ``f`` (m×d), and the surrogate value."""
+def designed_gradient(
+    f: torch.Tensor, labels: torch.Tensor, cfg: DirectGradientConfig, indices: Triplets | TripletMiner | None = None
+) -> DesignedGradient:
+    """The designed ``∂L/∂f`` for unit-norm features ``f`` (m×d), and the surrogate value
+    (``indices`` as in ``triplet_weights``)."""
     f = f.detach()
     sim = cosine_similarity_matrix(f)
-    w = triplet_weights(sim, labels, cfg)
+    w = triplet_weights(sim, labels, cfg, indices)
     a, p, n = w.triplets
     fa, fp, fn = f[a], f[p], f[n]
     if cfg.direction.startswith("cos"):
@@ -287,31 +286,39 @@ def designed_gradient(f: torch.Tensor, labels: torch.Tensor, cfg: DirectGradient
     grad.index_add_(0, n, tn * g_neg)
     grad.index_add_(0, a, tp * g_anchor_pos + tn * g_anchor_neg)
     grad /= max(len(a), 1)
-    return DesignedGradient(_surrogate(sim, w), grad, w)
+    return DesignedGradient(MeanReducer()(_surrogate_terms(sim, w)), grad, w)
 
 
 class _DirectGradientFunction(torch.autograd.Function):
     """Forward: the surrogate value. Backward: ``grad_output ×`` the designed gradient."""
 
     @staticmethod
-    def forward(ctx: Any, f: torch.Tensor, labels: torch.Tensor, cfg: DirectGradientConfig) -> torch.Tensor:
-        designed = designed_gradient(f, labels, cfg)
+    def forward(
+        ctx: Any,
+        f: torch.Tensor,
+        labels: torch.Tensor,
+        cfg: DirectGradientConfig,
+        indices: Triplets | TripletMiner | None,
+    ) -> torch.Tensor:
+        designed = designed_gradient(f, labels, cfg, indices)
         ctx.save_for_backward(designed.grad)
         return designed.value
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (grad,) = ctx.saved_tensors
-        return grad_output * grad, None, None
+        return grad_output * grad, None, None, None
 
 
-def direct_gradient(f: torch.Tensor, labels: torch.Tensor, cfg: DirectGradientConfig) -> torch.Tensor:
-    """Apply the autograd function to unit-norm features ``f``."""
-    return _DirectGradientFunction.apply(f, labels, cfg)
+def direct_gradient(
+    f: torch.Tensor, labels: torch.Tensor, cfg: DirectGradientConfig, indices: Triplets | TripletMiner | None = None
+) -> torch.Tensor:
+    """Apply the autograd function to unit-norm features ``f`` (``indices`` as in ``triplet_weights``)."""
+    return _DirectGradientFunction.apply(f, labels, cfg, indices)
 
 
-@register_loss("direct_gradient")
-class DirectGradientLoss(nn.Module):
+@LOSSES.register("direct_gradient")
+class DirectGradientLoss(PairBasedLoss):
     """Train with a directly designed gradient (see the module docstring for every option).
 
     Args:
@@ -325,10 +332,8 @@ class DirectGradientLoss(nn.Module):
         tau: τ of ``T^cos``/``T^cir`` (1, Figure 3).
         alpha, beta, lam, epsilon: α, β, λ, ε of the sigmoid and MS weights (appendix 4: 2, 10,
             0.5, 0.1).
-        miner: triplet miner (section 4: "ephn").
+        miner: triplet miner name (section 4: "ephn").
     """
-
-    requires_num_classes = False
 
     def __init__(
         self,
@@ -344,7 +349,7 @@ class DirectGradientLoss(nn.Module):
         epsilon: float = 0.1,
         miner: str = "ephn",
     ) -> None:
-        super().__init__()
+        super().__init__("mean", miner=build_triplet_miner(miner))
         if preset not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
         d, p, t, s = PRESETS[preset]
@@ -363,21 +368,20 @@ class DirectGradientLoss(nn.Module):
         )
 
     def hyperparameters(self) -> dict[str, Any]:
-        """Resolved hyper-parameters, for run manifests."""
         return {"preset": self.preset, **dataclasses.asdict(self.config)}
 
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.hyperparameters().items())
-
-    def loss_from_similarity(self, sim: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The weight-view surrogate on a similarity matrix: its gradient is ``T·P`` per pair.
+    def compute_loss(self, sim: torch.Tensor, labels: torch.Tensor, indices: Triplets) -> dict[str, ElementLosses]:
+        """The weight-view surrogate per triplet: its gradient is ``T·P`` per pair.
 
         The direction component is not a function of the similarities, so this is the pair
         view of every direction (and the exact designed gradient only for ``"cos"``).
         """
-        check_similarity(sim, labels)
-        return _surrogate(sim, triplet_weights(sim, labels, self.config))
+        return {"loss": ElementLosses(_surrogate_terms(sim, triplet_weights(sim, labels, self.config, indices)))}
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, embeddings: torch.Tensor, labels: torch.Tensor, indices_tuple: Triplets | None = None
+    ) -> torch.Tensor:
         check_batch(embeddings, labels, type(self).__name__)
-        return direct_gradient(normalized_embeddings(embeddings), labels, self.config)
+        # The loss's miner runs on the similarities designed_gradient computes anyway.
+        indices = self.miner if indices_tuple is None else indices_tuple
+        return direct_gradient(normalized_embeddings(embeddings), labels, self.config, indices)

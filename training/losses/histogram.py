@@ -35,8 +35,10 @@ from typing import Any
 
 import torch
 
-from . import register_loss
-from ._common import SimilarityLoss
+from . import LOSSES
+from .base import ElementLosses, PairBasedLoss
+from .mining import PairMasks
+from .reducers import SumReducer
 
 __all__ = ["HistogramLoss", "histogram_overlap", "similarity_histogram"]
 
@@ -55,14 +57,23 @@ def similarity_histogram(values: torch.Tensor, nodes: int) -> torch.Tensor:
     return hist / values.numel()
 
 
+def _overlap_terms(h_pos: torch.Tensor, h_neg: torch.Tensor) -> torch.Tensor:
+    """Eq. 2's per-node terms ``h⁻_r Σ_{q≤r} h⁺_q``."""
+    return h_neg * torch.cumsum(h_pos, dim=0)
+
+
 def histogram_overlap(h_pos: torch.Tensor, h_neg: torch.Tensor) -> torch.Tensor:
     """Eq. 2: ``Σ_r h⁻_r Σ_{q≤r} h⁺_q``."""
-    return (h_neg * torch.cumsum(h_pos, dim=0)).sum()
+    return SumReducer()(_overlap_terms(h_pos, h_neg))
 
 
-@register_loss("histogram")
-class HistogramLoss(SimilarityLoss):
-    """Histogram loss over all positive and negative pairs of the batch.
+@LOSSES.register("histogram")
+class HistogramLoss(PairBasedLoss):
+    """Histogram loss over all positive and negative pairs of the batch (or the ``PairMasks``
+    passed to it, read on the upper triangle).
+
+    Its elements are Eq. 2's per-node terms and its reducer is ``SumReducer``: the loss is
+    already a probability, with no batch size to divide by.
 
     Args:
         step: Δ, the node spacing (the poster: "bin size of 0.01", i.e. 201 nodes). ``2/step``
@@ -72,7 +83,7 @@ class HistogramLoss(SimilarityLoss):
     """
 
     def __init__(self, step: float = 0.01, bins: int | None = None) -> None:
-        super().__init__()
+        super().__init__("sum")
         if bins is not None:
             if isinstance(bins, bool) or not isinstance(bins, int) or bins < 2:
                 raise ValueError(f"bins must be an int >= 2, got {bins!r}")
@@ -89,13 +100,13 @@ class HistogramLoss(SimilarityLoss):
     def hyperparameters(self) -> dict[str, Any]:
         return {"step": self.step, "bins": self.nodes}
 
-    def _loss(self, sim: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def compute_loss(self, sim: torch.Tensor, labels: torch.Tensor, indices: PairMasks) -> dict[str, ElementLosses]:
+        """Eq. 2's per-node terms (a zero, still in the graph, without both kinds of pair)."""
         m = sim.shape[0]
         i, j = torch.triu_indices(m, m, offset=1, device=sim.device)
-        labels = labels.to(sim.device)
-        same = labels[i] == labels[j]
         s = sim[i, j]
-        s_pos, s_neg = s[same], s[~same]
+        s_pos, s_neg = s[indices.positive[i, j]], s[indices.negative[i, j]]
         if s_pos.numel() == 0 or s_neg.numel() == 0:
-            return s.sum() * 0.0
-        return histogram_overlap(similarity_histogram(s_pos, self.nodes), similarity_histogram(s_neg, self.nodes))
+            return {"loss": ElementLosses(s.sum() * 0.0)}
+        h_pos, h_neg = similarity_histogram(s_pos, self.nodes), similarity_histogram(s_neg, self.nodes)
+        return {"loss": ElementLosses(_overlap_terms(h_pos, h_neg))}

@@ -6,10 +6,19 @@ deep metric learning via gradient analysis" (Eq. 12, hyper-parameters in section
 is the cosine similarity, ``P_i`` the other samples of anchor i's class, ``N_i`` the samples of
 other classes. Every loss normalises its input, so it is invariant to embedding norms.
 
-Reduction: where the paper writes a sum over anchors the default is ``reduction="sum"``; where
-it writes ``1/m`` or gives only the per-pair/per-triplet term the default is the mean over
-those terms. ``reduction="mean"`` always divides by the number of terms (anchors, pairs or
-triplets), which is pytorch-metric-learning's ``MeanReducer``.
+Each loss computes per-element terms (per anchor, pair or triplet; ``base.PairBasedLoss``) and
+its reducer turns them into the scalar. Where the paper writes a sum over anchors the default
+is ``reduction="sum"`` (``SumReducer``); where it writes ``1/m`` or gives only the
+per-pair/per-triplet term the default is the mean over those terms. ``reduction="mean"``
+always divides by the number of terms (anchors, pairs or triplets), which is
+pytorch-metric-learning's ``MeanReducer``. Pair losses read the pairs from their indices
+(every pair unless a pair miner's ``PairMasks`` are passed); the triplet loss owns a triplet
+miner (``mining.py``).
+
+The thesis's multi-similarity loss (Eq. 2.24 with multi-similarity mining) is RAW + VTHM
+(``raw_vthm.py``); the registry keeps ``multi_similarity`` as an alias of ``raw_vthm``. Where it
+and the library disagree (pytorch-metric-learning returns 0 when mining leaves at most one
+positive and one negative pair; Eq. 2.24 keeps their terms) is noted there.
 
 Where the papers and pytorch-metric-learning disagree (the tests pin the paper):
 
@@ -33,8 +42,6 @@ Where the papers and pytorch-metric-learning disagree (the tests pin the paper):
   embeddings (Eq. 2.23 as printed, with ``I_ij ∈ {0, 1}`` and ``S``, would make every negative a
   constant ``λ``). The library sums the terms over triplets, so a pair counts once per triplet
   it appears in; here each pair counts once.
-* multi-similarity: pytorch-metric-learning returns 0 when mining leaves at most one positive
-  and one negative pair; Eq. 2.24 keeps their terms.
 """
 
 from __future__ import annotations
@@ -45,29 +52,25 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import register_loss
+from . import LOSSES
 from ._common import (
-    SimilarityLoss,
     check_batch,
     check_finite,
     check_positive,
-    check_reduction,
     check_similarity,
     distance_from_similarity,
-    label_masks,
     masked_logsumexp,
     pairwise_distance,
-    reduce,
 )
-from .mining import TRIPLET_MINERS, mine_triplets, multi_similarity_pairs
-from .similarity import log1p_sum_exp
+from .base import ElementLosses, PairBasedLoss
+from .mining import PairMasks, TripletMiner, Triplets, all_pairs, build_triplet_miner
+from .reducers import BaseReducer
 
 __all__ = [
     "BinomialDevianceLoss",
     "ContrastiveLoss",
     "LiftedStructureLoss",
     "MarginLoss",
-    "MultiSimilarityLoss",
     "NPairLoss",
     "TripletLoss",
 ]
@@ -79,8 +82,8 @@ def _softplus(x: torch.Tensor) -> torch.Tensor:
     return torch.logaddexp(x, torch.zeros_like(x))
 
 
-@register_loss("contrastive")
-class ContrastiveLoss(SimilarityLoss):
+@LOSSES.register("contrastive")
+class ContrastiveLoss(PairBasedLoss):
     """Contrastive loss, thesis Eq. 2.15: ``(1 - I_ij)[S_ij - λ]_+ - I_ij S_ij`` per pair.
 
     Every ordered pair ``(i, j)``, ``i != j``, is a term. Weight view (unified view, Eq. 6):
@@ -92,52 +95,53 @@ class ContrastiveLoss(SimilarityLoss):
         reduction: "mean" over all pairs (default) or "sum".
     """
 
-    def __init__(self, margin: float = 0.5, reduction: str = "mean") -> None:
-        super().__init__()
+    def __init__(self, margin: float = 0.5, reduction: str | BaseReducer = "mean") -> None:
         check_finite(margin=margin)
+        super().__init__(reduction)
         self.margin = float(margin)
-        self.reduction = check_reduction(reduction)
 
     def hyperparameters(self) -> dict[str, Any]:
         return {"margin": self.margin, "reduction": self.reduction}
 
-    def _loss(self, sim: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        pos, neg = label_masks(labels, sim.device)
-        total = -sim[pos].sum() + F.relu(sim[neg] - self.margin).sum()
-        return reduce(total, pos.sum() + neg.sum(), self.reduction)
+    def compute_loss(self, sim: torch.Tensor, labels: torch.Tensor, indices: PairMasks) -> dict[str, ElementLosses]:
+        """m×m per-pair terms; the pairs counted are the positive and negative ones."""
+        pos, neg = indices
+        zero = torch.zeros_like(sim)
+        terms = torch.where(pos, -sim, zero) + torch.where(neg, F.relu(sim - self.margin), zero)
+        return {"loss": ElementLosses(terms, pos | neg)}
 
 
-@register_loss("triplet")
-class TripletLoss(SimilarityLoss):
+@LOSSES.register("triplet")
+class TripletLoss(PairBasedLoss):
     """Triplet loss, thesis Eq. 2.17: ``[S_an - S_ap + λ]_+`` over mined triplets.
 
     Args:
         margin: λ (Table 4: 0.1).
-        miner: "semihard" (Table 5; Eq. 2.20), "hard" (Eq. 2.18-2.19), "all", or "ephn"
-            (see ``mining.py``).
+        miner: a triplet miner, or its name: "semihard" (Table 5; Eq. 2.20), "hard"
+            (Eq. 2.18-2.19), "all", or "ephn" (see ``mining.py``).
         reduction: "mean" over mined triplets (default) or "sum".
     """
 
-    def __init__(self, margin: float = 0.1, miner: str = "semihard", reduction: str = "mean") -> None:
-        super().__init__()
+    miner: TripletMiner
+
+    def __init__(
+        self, margin: float = 0.1, miner: str | TripletMiner = "semihard", reduction: str | BaseReducer = "mean"
+    ) -> None:
         check_finite(margin=margin)
-        if miner not in TRIPLET_MINERS:
-            raise ValueError(f"miner must be one of {sorted(TRIPLET_MINERS)}, got {miner!r}")
+        super().__init__(reduction, miner=build_triplet_miner(miner))
         self.margin = float(margin)
-        self.miner = miner
-        self.reduction = check_reduction(reduction)
 
     def hyperparameters(self) -> dict[str, Any]:
-        return {"margin": self.margin, "miner": self.miner, "reduction": self.reduction}
+        return {"margin": self.margin, "miner": self.miner.name, "reduction": self.reduction}
 
-    def _loss(self, sim: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        a, p, n = mine_triplets(self.miner, sim, labels)
-        losses = F.relu(sim[a, n] - sim[a, p] + self.margin)
-        return reduce(losses.sum(), len(losses), self.reduction)
+    def compute_loss(self, sim: torch.Tensor, labels: torch.Tensor, indices: Triplets) -> dict[str, ElementLosses]:
+        """One term per mined triplet."""
+        a, p, n = indices
+        return {"loss": ElementLosses(F.relu(sim[a, n] - sim[a, p] + self.margin))}
 
 
-@register_loss("lifted_structure")
-class LiftedStructureLoss(SimilarityLoss):
+@LOSSES.register("lifted_structure")
+class LiftedStructureLoss(PairBasedLoss):
     """Generalized lifted structure loss, thesis Eq. 2.21::
 
         L = Σ_i [ log Σ_{k∈P_i} e^{λ - S_ik} + log Σ_{k∈N_i} e^{S_ik} ]_+
@@ -151,25 +155,25 @@ class LiftedStructureLoss(SimilarityLoss):
         reduction: "sum" over anchors (default, as Eq. 2.21) or "mean".
     """
 
-    def __init__(self, margin: float = 0.5, reduction: str = "sum") -> None:
-        super().__init__()
+    def __init__(self, margin: float = 0.5, reduction: str | BaseReducer = "sum") -> None:
         check_finite(margin=margin)
+        super().__init__(reduction)
         self.margin = float(margin)
-        self.reduction = check_reduction(reduction)
 
     def hyperparameters(self) -> dict[str, Any]:
         return {"margin": self.margin, "reduction": self.reduction}
 
-    def _loss(self, sim: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        pos, neg = label_masks(labels, sim.device)
+    def compute_loss(self, sim: torch.Tensor, labels: torch.Tensor, indices: PairMasks) -> dict[str, ElementLosses]:
+        """One term per anchor."""
+        pos, neg = indices
         pos_lse, has_pos = masked_logsumexp(self.margin - sim, pos)
         neg_lse, has_neg = masked_logsumexp(sim, neg)
         per_anchor = torch.where(has_pos & has_neg, F.relu(pos_lse + neg_lse), torch.zeros_like(pos_lse))
-        return reduce(per_anchor.sum(), sim.shape[0], self.reduction)
+        return {"loss": ElementLosses(per_anchor)}
 
 
-@register_loss("npair")
-class NPairLoss(SimilarityLoss):
+@LOSSES.register("npair")
+class NPairLoss(PairBasedLoss):
     """Multi-class N-pair loss, thesis Eq. 2.22::
 
         L = 1/m Σ_i log(1 + Σ_{k∈N_i} Σ_{j∈P_i} e^{S_ik - S_ij})
@@ -183,33 +187,35 @@ class NPairLoss(SimilarityLoss):
             uses 0.02). Off by default: it is the only term that sees embedding norms.
     """
 
-    def __init__(self, reduction: str = "mean", l2_reg: float = 0.0) -> None:
-        super().__init__()
+    def __init__(self, reduction: str | BaseReducer = "mean", l2_reg: float = 0.0) -> None:
         check_finite(l2_reg=l2_reg)
         if l2_reg < 0:
             raise ValueError(f"l2_reg must be >= 0, got {l2_reg!r}")
-        self.reduction = check_reduction(reduction)
+        super().__init__(reduction)
         self.l2_reg = float(l2_reg)
 
     def hyperparameters(self) -> dict[str, Any]:
         return {"reduction": self.reduction, "l2_reg": self.l2_reg}
 
-    def _loss(self, sim: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        pos, neg = label_masks(labels, sim.device)
+    def compute_loss(self, sim: torch.Tensor, labels: torch.Tensor, indices: PairMasks) -> dict[str, ElementLosses]:
+        """One term per anchor."""
+        pos, neg = indices
         neg_lse, has_neg = masked_logsumexp(sim, neg)
         pos_lse, has_pos = masked_logsumexp(-sim, pos)
         per_anchor = torch.where(has_pos & has_neg, _softplus(neg_lse + pos_lse), torch.zeros_like(neg_lse))
-        return reduce(per_anchor.sum(), sim.shape[0], self.reduction)
+        return {"loss": ElementLosses(per_anchor)}
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = super().forward(embeddings, labels)
+    def forward(
+        self, embeddings: torch.Tensor, labels: torch.Tensor, indices_tuple: PairMasks | None = None
+    ) -> torch.Tensor:
+        loss = super().forward(embeddings, labels, indices_tuple)
         if self.l2_reg:
             loss = loss + self.l2_reg * embeddings.pow(2).sum(dim=1).mean().to(loss.dtype)
         return loss
 
 
-@register_loss("margin")
-class MarginLoss(SimilarityLoss):
+@LOSSES.register("margin")
+class MarginLoss(PairBasedLoss):
     """Margin loss (Wu et al., "Sampling matters"), thesis 2.3.1.5, per pair::
 
         ℓ_ij = [λ + y_ij (D_ij - β)]_+,   y_ij = +1 (positive) / -1 (negative),
@@ -228,10 +234,10 @@ class MarginLoss(SimilarityLoss):
     """
 
     def __init__(
-        self, margin: float = 0.5, beta: float = 1.2, learn_beta: bool = False, reduction: str = "mean"
+        self, margin: float = 0.5, beta: float = 1.2, learn_beta: bool = False, reduction: str | BaseReducer = "mean"
     ) -> None:
-        super().__init__()
         check_finite(margin=margin, beta=beta)
+        super().__init__(reduction)
         self.margin = float(margin)
         self.learn_beta = bool(learn_beta)
         self.beta: torch.Tensor | float
@@ -239,7 +245,6 @@ class MarginLoss(SimilarityLoss):
             self.beta = nn.Parameter(torch.tensor(float(beta)))
         else:
             self.beta = float(beta)
-        self.reduction = check_reduction(reduction)
 
     def hyperparameters(self) -> dict[str, Any]:
         return {
@@ -252,87 +257,33 @@ class MarginLoss(SimilarityLoss):
     def pair_terms(self, dist: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """m×m matrix of the per-pair terms ``ℓ_ij`` for a distance matrix (0 on the diagonal)."""
         check_similarity(dist, labels)
-        pos, neg = label_masks(labels, dist.device)
+        return self._pair_terms(dist, all_pairs(labels, dist.device))
+
+    def _pair_terms(self, dist: torch.Tensor, pairs: PairMasks) -> torch.Tensor:
         beta = self.beta.to(dist.dtype) if isinstance(self.beta, torch.Tensor) else self.beta
         zero = torch.zeros_like(dist)
-        return torch.where(pos, F.relu(self.margin + dist - beta), zero) + torch.where(
-            neg, F.relu(self.margin - dist + beta), zero
+        return torch.where(pairs.positive, F.relu(self.margin + dist - beta), zero) + torch.where(
+            pairs.negative, F.relu(self.margin - dist + beta), zero
         )
 
-    def _from_distance(self, dist: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        pos, neg = label_masks(labels, dist.device)
-        return reduce(self.pair_terms(dist, labels).sum(), pos.sum() + neg.sum(), self.reduction)
+    def _from_distance(self, dist: torch.Tensor, pairs: PairMasks) -> dict[str, ElementLosses]:
+        return {"loss": ElementLosses(self._pair_terms(dist, pairs), pairs.positive | pairs.negative)}
 
-    def _loss(self, sim: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self._from_distance(distance_from_similarity(sim), labels)
+    def compute_loss(self, sim: torch.Tensor, labels: torch.Tensor, indices: PairMasks) -> dict[str, ElementLosses]:
+        """m×m per-pair terms with ``D = sqrt(2 - 2S)``; the pairs counted are the positive and negative ones."""
+        return self._from_distance(distance_from_similarity(sim), indices)
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, embeddings: torch.Tensor, labels: torch.Tensor, indices_tuple: PairMasks | None = None
+    ) -> torch.Tensor:
         # Distances from the coordinates, not sqrt(2 - 2S): see _common.pairwise_distance.
         check_batch(embeddings, labels, type(self).__name__)
-        return self._from_distance(pairwise_distance(embeddings), labels)
+        pairs = all_pairs(labels, embeddings.device) if indices_tuple is None else indices_tuple
+        return self.reduce(self._from_distance(pairwise_distance(embeddings), pairs))
 
 
-@register_loss("multi_similarity")
-class MultiSimilarityLoss(SimilarityLoss):
-    """Multi-similarity loss, thesis Eq. 2.24, over multi-similarity mined pairs::
-
-        L = 1/m Σ_i { 1/α log[1 + Σ_{k∈P_i} e^{-α(S_ik - λ)}] + 1/β log[1 + Σ_{k∈N_i} e^{β(S_ik - λ)}] }
-
-    with ``P_i``/``N_i`` the pairs kept by ``mining.multi_similarity_pairs`` (ε). Per the texts
-    this mining rule is the unified view's VTHM and Eq. 2.24 its Eq. 17, so with the same
-    hyper-parameters this loss equals ``raw_vthm`` (the tests check it); it is kept as its own
-    entry so configs can name the thesis's loss with the thesis's parameter names.
-
-    Args:
-        alpha: α (Table 4: 2).
-        beta: β (Table 4: 50).
-        margin: λ, the similarity threshold (Table 4 "margin λ": 0.5).
-        epsilon: ε, the mining margin (Table 4: 0.1).
-        mining: mine pairs (Table 5: "hard"); ``False`` uses every pair.
-        reduction: "mean" over anchors (default, as Eq. 2.24) or "sum".
-    """
-
-    def __init__(
-        self,
-        alpha: float = 2.0,
-        beta: float = 50.0,
-        margin: float = 0.5,
-        epsilon: float = 0.1,
-        mining: bool = True,
-        reduction: str = "mean",
-    ) -> None:
-        super().__init__()
-        check_positive(alpha=alpha, beta=beta)
-        check_finite(margin=margin, epsilon=epsilon)
-        self.alpha = float(alpha)
-        self.beta = float(beta)
-        self.margin = float(margin)
-        self.epsilon = float(epsilon)
-        self.mining = bool(mining)
-        self.reduction = check_reduction(reduction)
-
-    def hyperparameters(self) -> dict[str, Any]:
-        return {
-            "alpha": self.alpha,
-            "beta": self.beta,
-            "margin": self.margin,
-            "epsilon": self.epsilon,
-            "mining": self.mining,
-            "reduction": self.reduction,
-        }
-
-    def _loss(self, sim: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.mining:
-            keep_pos, keep_neg = multi_similarity_pairs(sim, labels, self.epsilon)
-        else:
-            keep_pos, keep_neg = label_masks(labels, sim.device)
-        pos_term = log1p_sum_exp(-self.alpha * (sim - self.margin), keep_pos, dim=1) / self.alpha
-        neg_term = log1p_sum_exp(self.beta * (sim - self.margin), keep_neg, dim=1) / self.beta
-        return reduce((pos_term + neg_term).sum(), sim.shape[0], self.reduction)
-
-
-@register_loss("binomial_deviance")
-class BinomialDevianceLoss(SimilarityLoss):
+@LOSSES.register("binomial_deviance")
+class BinomialDevianceLoss(PairBasedLoss):
     """Binomial deviance loss, unified view Eq. 12::
 
         L = Σ_i { 1/|P_i| Σ_{k∈P_i} log[1 + e^{α(γ - S_ik)}] + 1/|N_i| Σ_{k∈N_i} log[1 + e^{β(S_ik - γ)}] }
@@ -348,22 +299,24 @@ class BinomialDevianceLoss(SimilarityLoss):
         reduction: "sum" over anchors (default, as Eq. 12) or "mean".
     """
 
-    def __init__(self, alpha: float = 2.0, beta: float = 50.0, gamma: float = 0.5, reduction: str = "sum") -> None:
-        super().__init__()
+    def __init__(
+        self, alpha: float = 2.0, beta: float = 50.0, gamma: float = 0.5, reduction: str | BaseReducer = "sum"
+    ) -> None:
         check_positive(alpha=alpha, beta=beta)
         check_finite(gamma=gamma)
+        super().__init__(reduction)
         self.alpha = float(alpha)
         self.beta = float(beta)
         self.gamma = float(gamma)
-        self.reduction = check_reduction(reduction)
 
     def hyperparameters(self) -> dict[str, Any]:
         return {"alpha": self.alpha, "beta": self.beta, "gamma": self.gamma, "reduction": self.reduction}
 
-    def _loss(self, sim: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        pos, neg = label_masks(labels, sim.device)
+    def compute_loss(self, sim: torch.Tensor, labels: torch.Tensor, indices: PairMasks) -> dict[str, ElementLosses]:
+        """One term per anchor."""
+        pos, neg = indices
         zero = torch.zeros_like(sim)
         pos_terms = torch.where(pos, _softplus(self.alpha * (self.gamma - sim)), zero).sum(dim=1)
         neg_terms = torch.where(neg, _softplus(self.beta * (sim - self.gamma)), zero).sum(dim=1)
         per_anchor = pos_terms / pos.sum(dim=1).clamp_min(1) + neg_terms / neg.sum(dim=1).clamp_min(1)
-        return reduce(per_anchor.sum(), sim.shape[0], self.reduction)
+        return {"loss": ElementLosses(per_anchor)}

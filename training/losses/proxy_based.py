@@ -4,9 +4,11 @@ Each loss holds learnable per-class vectors in ``proxies`` (``requires_num_class
 on cosine similarities: embeddings and proxies are both L2-normalised, so the losses are
 invariant to embedding norms and ``w^T x`` in the thesis's formulas is ``cos θ``.
 
-Reduction: Eq. 2.27, 2.29 and 2.30 sum over the batch, so ProxyNCA, ArcFace and SoftTriple
-default to ``reduction="sum"``; Eq. 2.26 is per sample and normalized softmax defaults to the
-mean. pytorch-metric-learning averages all four.
+Reduction: each loss computes one term per sample (``base.ProxyBasedLoss``) and its reducer
+turns them into the scalar. Eq. 2.27, 2.29 and 2.30 sum over the batch, so ProxyNCA, ArcFace and
+SoftTriple default to ``reduction="sum"`` (``SumReducer``); Eq. 2.26 is per sample and
+normalized softmax defaults to the mean (``MeanReducer``). pytorch-metric-learning averages all
+four.
 
 Where the thesis and pytorch-metric-learning disagree (the tests pin the thesis):
 
@@ -28,8 +30,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import register_loss
-from ._common import ProxyLoss, check_finite, check_positive, check_reduction, masked_logsumexp, reduce
+from . import LOSSES
+from ._common import check_finite, check_positive, masked_logsumexp
+from .base import ElementLosses, ProxyBasedLoss
+from .reducers import BaseReducer
 
 __all__ = ["ArcFaceLoss", "NormalizedSoftmaxLoss", "ProxyNCALoss", "SoftTripleLoss"]
 
@@ -42,8 +46,8 @@ def _target_mask(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
     return F.one_hot(labels, num_classes).bool()
 
 
-@register_loss("normalized_softmax")
-class NormalizedSoftmaxLoss(ProxyLoss):
+@LOSSES.register("normalized_softmax")
+class NormalizedSoftmaxLoss(ProxyBasedLoss):
     """Softmax cross-entropy (thesis Eq. 2.25-2.26) on normalised embeddings and class weights.
 
     ``-log softmax(cos(x_i, w_j) / T)_{y_i}``: Eq. 2.26 with ``w`` and ``x`` L2-normalised and
@@ -57,12 +61,11 @@ class NormalizedSoftmaxLoss(ProxyLoss):
     """
 
     def __init__(
-        self, num_classes: int, embedding_dim: int, temperature: float = 0.05, reduction: str = "mean"
+        self, num_classes: int, embedding_dim: int, temperature: float = 0.05, reduction: str | BaseReducer = "mean"
     ) -> None:
-        super().__init__(num_classes, embedding_dim)
+        super().__init__(num_classes, embedding_dim, reduction=reduction)
         check_positive(temperature=temperature)
         self.temperature = float(temperature)
-        self.reduction = check_reduction(reduction)
 
     def hyperparameters(self) -> dict[str, Any]:
         return {
@@ -72,14 +75,13 @@ class NormalizedSoftmaxLoss(ProxyLoss):
             "reduction": self.reduction,
         }
 
-    def loss_from_cosines(self, cos: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The loss on (m, C) cosines to the class weights and long labels."""
-        loss = F.cross_entropy(cos / self.temperature, labels, reduction="sum")
-        return reduce(loss, cos.shape[0], self.reduction)
+    def compute_loss(self, cos: torch.Tensor, labels: torch.Tensor) -> dict[str, ElementLosses]:
+        """One term per sample on (m, C) cosines to the class weights."""
+        return {"loss": ElementLosses(F.cross_entropy(cos / self.temperature, labels, reduction="none"))}
 
 
-@register_loss("proxy_nca")
-class ProxyNCALoss(ProxyLoss):
+@LOSSES.register("proxy_nca")
+class ProxyNCALoss(ProxyBasedLoss):
     """ProxyNCA, thesis Eq. 2.27::
 
         L = Σ_i -log( e^{s·cos(x_i, w_{y_i})} / Σ_{j≠y_i} e^{s·cos(x_i, w_j)} )
@@ -103,15 +105,14 @@ class ProxyNCALoss(ProxyLoss):
         embedding_dim: int,
         scale: float = 1.0,
         exclude_positive: bool = True,
-        reduction: str = "sum",
+        reduction: str | BaseReducer = "sum",
     ) -> None:
-        super().__init__(num_classes, embedding_dim)
+        super().__init__(num_classes, embedding_dim, reduction=reduction)
         check_positive(scale=scale)
         if exclude_positive and num_classes < 2:
             raise ValueError("ProxyNCA with exclude_positive=True needs num_classes >= 2")
         self.scale = float(scale)
         self.exclude_positive = bool(exclude_positive)
-        self.reduction = check_reduction(reduction)
 
     def hyperparameters(self) -> dict[str, Any]:
         return {
@@ -122,18 +123,17 @@ class ProxyNCALoss(ProxyLoss):
             "reduction": self.reduction,
         }
 
-    def loss_from_cosines(self, cos: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The loss on (m, C) cosines to the proxies and long labels."""
+    def compute_loss(self, cos: torch.Tensor, labels: torch.Tensor) -> dict[str, ElementLosses]:
+        """One term per sample on (m, C) cosines to the proxies."""
         logits = self.scale * cos
         target = _target_mask(labels, self.num_classes)
         keep = ~target if self.exclude_positive else torch.ones_like(target)
         denominator, _ = masked_logsumexp(logits, keep, dim=1)
-        per_sample = denominator - logits[target]
-        return reduce(per_sample.sum(), cos.shape[0], self.reduction)
+        return {"loss": ElementLosses(denominator - logits[target])}
 
 
-@register_loss("arcface")
-class ArcFaceLoss(ProxyLoss):
+@LOSSES.register("arcface")
+class ArcFaceLoss(ProxyBasedLoss):
     """ArcFace, thesis Eq. 2.29::
 
         L = Σ_i -log( e^{s cos(θ_{y_i} + λ)} / (e^{s cos(θ_{y_i} + λ)} + Σ_{j≠y_i} e^{s cos θ_j}) )
@@ -154,14 +154,13 @@ class ArcFaceLoss(ProxyLoss):
         embedding_dim: int,
         margin: float = 28.6,
         scale: float = 64.0,
-        reduction: str = "sum",
+        reduction: str | BaseReducer = "sum",
     ) -> None:
-        super().__init__(num_classes, embedding_dim)
+        super().__init__(num_classes, embedding_dim, reduction=reduction)
         check_finite(margin=margin)
         check_positive(scale=scale)
         self.margin = float(margin)
         self.scale = float(scale)
-        self.reduction = check_reduction(reduction)
 
     def hyperparameters(self) -> dict[str, Any]:
         return {
@@ -172,17 +171,17 @@ class ArcFaceLoss(ProxyLoss):
             "reduction": self.reduction,
         }
 
-    def loss_from_cosines(self, cos: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The loss on (m, C) cosines to the class weights and long labels."""
+    def compute_loss(self, cos: torch.Tensor, labels: torch.Tensor) -> dict[str, ElementLosses]:
+        """One term per sample on (m, C) cosines to the class weights."""
         index = labels.unsqueeze(1)
         target_cos = cos.gather(1, index).clamp(-1.0 + _ACOS_EPS, 1.0 - _ACOS_EPS)
         target_logit = torch.cos(torch.acos(target_cos) + math.radians(self.margin))
         logits = self.scale * cos.scatter(1, index, target_logit)
-        return reduce(F.cross_entropy(logits, labels, reduction="sum"), cos.shape[0], self.reduction)
+        return {"loss": ElementLosses(F.cross_entropy(logits, labels, reduction="none"))}
 
 
-@register_loss("soft_triple")
-class SoftTripleLoss(ProxyLoss):
+@LOSSES.register("soft_triple")
+class SoftTripleLoss(ProxyBasedLoss):
     """SoftTriple, thesis Eq. 2.30, with K centres per class::
 
         L = Σ_i -log( e^{α(S'_{i,y_i} - λ)} / (e^{α(S'_{i,y_i} - λ)} + Σ_{j≠y_i} e^{α S'_{i,j}}) )  +  τ R
@@ -214,9 +213,9 @@ class SoftTripleLoss(ProxyLoss):
         gamma: float = 10.0,
         margin: float = 0.1,
         tau: float = 0.2,
-        reduction: str = "sum",
+        reduction: str | BaseReducer = "sum",
     ) -> None:
-        super().__init__(num_classes, embedding_dim, proxies_per_class=centers_per_class)
+        super().__init__(num_classes, embedding_dim, proxies_per_class=centers_per_class, reduction=reduction)
         check_positive(scale=scale, gamma=gamma)
         check_finite(margin=margin, tau=tau)
         if tau < 0:
@@ -226,7 +225,6 @@ class SoftTripleLoss(ProxyLoss):
         self.gamma = float(gamma)
         self.margin = float(margin)
         self.tau = float(tau)
-        self.reduction = check_reduction(reduction)
 
     def hyperparameters(self) -> dict[str, Any]:
         return {
@@ -253,11 +251,11 @@ class SoftTripleLoss(ProxyLoss):
         upper = torch.triu(torch.ones(k, k, dtype=torch.bool, device=cos.device), diagonal=1)
         return torch.sqrt(2.0 + 1e-5 - 2.0 * cos[:, upper]).sum() / (self.num_classes * k * (k - 1))
 
-    def loss_from_cosines(self, cos: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The classification term on (m, C·K) cosines to the centres (without ``τ R``)."""
+    def compute_loss(self, cos: torch.Tensor, labels: torch.Tensor) -> dict[str, ElementLosses]:
+        """The classification term per sample on (m, C·K) cosines to the centres (without ``τ R``)."""
         sim = self.relaxed_similarity(cos)
         logits = self.scale * (sim - self.margin * _target_mask(labels, self.num_classes).to(sim.dtype))
-        return reduce(F.cross_entropy(logits, labels, reduction="sum"), cos.shape[0], self.reduction)
+        return {"loss": ElementLosses(F.cross_entropy(logits, labels, reduction="none"))}
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = super().forward(embeddings, labels)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import register_loss
+from . import LOSSES
 
 try:
     from pytorch_metric_learning import losses as pml_losses
@@ -21,7 +21,7 @@ except ImportError:  # production installs: the comparison losses are simply abs
 
 if pml_losses is not None:
 
-    @register_loss("pml_multi_similarity")
+    @LOSSES.register("pml_multi_similarity")
     class PMLMultiSimilarity(nn.Module):
         """MultiSimilarityMiner(epsilon=margin) + MultiSimilarityLoss(α, β, base=γ): RAW+VTHM's library twin."""
 
@@ -33,7 +33,7 @@ if pml_losses is not None:
         def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             return self.loss(embeddings, labels, self.miner(embeddings, labels))
 
-    @register_loss("pml_proxy_anchor")
+    @LOSSES.register("pml_proxy_anchor")
     class PMLProxyAnchor(nn.Module):
         """The library's ProxyAnchorLoss (α=32, δ=0.1) with its own proxy initialisation."""
 

@@ -1,58 +1,33 @@
-"""Losses against pytorch-metric-learning (test-only oracle), the papers' formulas, and edge cases.
+"""RAW + VTHM (the unified view, 5.1-5.2) against pytorch-metric-learning, the paper and edge cases.
 
-All oracle comparisons run in float64 and compare values and gradients (embeddings, proxies).
+``multi_similarity`` is an alias of ``raw_vthm``: its tests are here too. Library comparisons run
+in float64 and compare values and gradients.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import pytest
 import torch
 
 # pytorch-metric-learning is a dev dependency (setup installs it): a missing library fails, never skips.
-from pytorch_metric_learning import losses as pml_losses  # noqa: E402
-from pytorch_metric_learning import miners as pml_miners  # noqa: E402
+from pytorch_metric_learning import losses as pml_losses
+from pytorch_metric_learning import miners as pml_miners
+from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 
-import training.losses as losses_pkg
+from tests.losses.helpers import EXACT, F64, PAIR_CASES, assert_close, clustered, on_circle, shuffled, value_and_grads
 from training.losses import (
     available_losses,
     build_loss,
     cosine_similarity_matrix,
     get_loss_class,
     loss_requires_num_classes,
-    register_loss,
 )
-from training.losses.proxy_anchor import ProxyAnchorLoss
 from training.losses.raw_vthm import RawVthmLoss
-
-F64 = torch.float64
-RTOL = 1e-5
-ATOL = 1e-10  # gradients of pairs/rows that are exactly 0 in one implementation
+from training.losses.weights import pair_weights
 
 ALPHA, BETA, GAMMA, LAM = 2.0, 50.0, 0.5, 0.1
-
-
-# --------------------------------------------------------------------------------------------
-# helpers
-# --------------------------------------------------------------------------------------------
-
-
-def value_and_grads(
-    fn: Callable[[torch.Tensor], torch.Tensor],
-    x: torch.Tensor,
-    extra: list[torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    x = x.detach().clone().requires_grad_(True)
-    params = [x, *(extra or [])]
-    value = fn(x)
-    grads = torch.autograd.grad(value, params, allow_unused=True)
-    return value.detach(), [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
-
-
-def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
-    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
 def pml_raw_vthm(
@@ -78,8 +53,6 @@ def pml_raw_vthm(
     if mining:
         pairs = pml_miners.MultiSimilarityMiner(epsilon=lam)(x, labels)
     else:
-        from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
-
         pairs = lmu.get_all_pairs_indices(labels)
     if not paper_semantics:
         return loss_fn(x, labels, pairs)
@@ -93,66 +66,33 @@ def pml_shortcut_fires(x: torch.Tensor, labels: torch.Tensor, lam: float = LAM) 
     return all(len(t) <= 1 for t in pairs)
 
 
-def clustered(
-    labels: list[int] | torch.Tensor,
-    seed: int,
-    d: int = 16,
-    spread: float = 0.7,
-    norm_spread: float = 2.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Embeddings around per-class centres, so VTHM keeps some pairs and drops others."""
-    g = torch.Generator().manual_seed(seed)
-    labels = torch.as_tensor(labels, dtype=torch.long)
-    classes, idx = torch.unique(labels, return_inverse=True)
-    centres = torch.randn(len(classes), d, generator=g, dtype=F64)
-    centres = centres / centres.norm(dim=1, keepdim=True)
-    x = centres[idx] + spread / math.sqrt(d) * torch.randn(len(labels), d, generator=g, dtype=F64)
-    # Norms over several orders of magnitude: the losses normalise internally.
-    x = x * torch.exp(norm_spread * torch.randn(len(labels), 1, generator=g, dtype=F64))
-    return x, labels
-
-
-def on_circle(cosines_to_anchor: list[float], signs: list[int], d: int, seed: int) -> torch.Tensor:
-    """Row 0 is the anchor; row j has cosine ``cosines_to_anchor[j-1]`` to it (exact up to
-    rounding), placed on a random 2-D plane of R^d."""
-    g = torch.Generator().manual_seed(seed)
-    angles = [0.0] + [sgn * math.acos(c) for c, sgn in zip(cosines_to_anchor, signs, strict=True)]
-    pts = torch.tensor([[math.cos(a), math.sin(a)] for a in angles], dtype=F64)
-    q, _ = torch.linalg.qr(torch.randn(d, 2, generator=g, dtype=F64))
-    return pts @ q.t()
-
-
-def _shuffle(x: torch.Tensor, labels: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
-    return x[perm], labels[perm]
-
-
 def raw_vthm_cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     cases: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     # Paper-style P×K batch.
-    cases["pk_8x4"] = clustered([c for c in range(8) for _ in range(4)], seed=1)
+    cases["pk_8x4"] = clustered([c for c in range(8) for _ in range(4)], seed=1, d=16)
     # Uneven class sizes including singletons, labels unsorted and non-contiguous.
     sizes = {1000: 1, -3: 2, 7: 3, 42: 5, 5: 7, 9: 1}
     lab = [c for c, n in sizes.items() for _ in range(n)]
-    cases["uneven_unsorted"] = _shuffle(*clustered(lab, seed=2), seed=3)
-    cases["mostly_singletons"] = _shuffle(*clustered([0, 1, 2, 3, 4, 5, 6, 6, 7, 7, 7], 4), 5)
-    cases["random_labels"] = clustered(torch.randint(0, 6, (24,), generator=torch.Generator().manual_seed(6)), seed=7)
-    cases["wide_spread"] = clustered([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3], seed=8, spread=3.0)
+    cases["uneven_unsorted"] = shuffled(*clustered(lab, seed=2, d=16), seed=3)
+    cases["mostly_singletons"] = shuffled(*clustered([0, 1, 2, 3, 4, 5, 6, 6, 7, 7, 7], 4, d=16), 5)
+    labels = torch.randint(0, 6, (24,), generator=torch.Generator().manual_seed(6))
+    cases["random_labels"] = clustered(labels, seed=7, d=16)
+    cases["wide_spread"] = clustered([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3], seed=8, spread=3.0, d=16)
     # Duplicated embeddings: within a class (s=1 positive) and across classes (s=1 negative).
-    x, y = clustered([0, 0, 0, 1, 1, 2, 2, 2], seed=9)
+    x, y = clustered([0, 0, 0, 1, 1, 2, 2, 2], seed=9, d=16)
     x = torch.cat([x, x[1:2] * 3.0, x[3:4] * 0.5, x[5:6]])
     y = torch.cat([y, torch.tensor([0, 2, 1])])
-    cases["duplicates"] = _shuffle(x, y, seed=10)
+    cases["duplicates"] = shuffled(x, y, seed=10)
     # Ties: several positives equally far, several negatives equally close (exact copies).
-    base, _ = clustered([0, 1, 2], seed=11, norm_spread=0.0)
+    base, _ = clustered([0, 1, 2], seed=11, norm_spread=0.0, d=16)
     x = torch.stack([base[0], base[1], base[1], base[1], base[2], base[2], base[2], base[0]])
     y = torch.tensor([0, 0, 0, 1, 1, 2, 2, 0])
     cases["ties"] = (x * torch.linspace(0.5, 4.0, len(y), dtype=F64).unsqueeze(1), y)
-    cases["two_same"] = clustered([3, 3], seed=12)
-    cases["two_different"] = clustered([3, 4], seed=13)
-    cases["one_class"] = clustered([5] * 6, seed=14)
-    cases["all_distinct"] = clustered(list(range(7)), seed=15)
-    cases["single_sample"] = clustered([0], seed=16)
+    cases["two_same"] = clustered([3, 3], seed=12, d=16)
+    cases["two_different"] = clustered([3, 4], seed=13, d=16)
+    cases["one_class"] = clustered([5] * 6, seed=14, d=16)
+    cases["all_distinct"] = clustered(list(range(7)), seed=15, d=16)
+    cases["single_sample"] = clustered([0], seed=16, d=16)
     # Similarities within 1e-9 / 1e-7 of both VTHM thresholds for anchor 0.
     for eps in (1e-9, 1e-7):
         s_n_star, s_p_star = 0.3, 0.2
@@ -165,18 +105,13 @@ def raw_vthm_cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             s_p_star - LAM - eps,  # negative just outside
             -0.4,  # easy negative
         ]
-        x = on_circle(cos, signs=[1, -1, 1, -1, 1, -1, 1], d=6, seed=17)
+        x = on_circle(cos, signs=[1, -1, 1, -1, 1, -1, 1], d=6, seed=17, scaled=False)
         y = torch.tensor([0, 0, 0, 0, 1, 2, 1, 3])
         cases[f"near_threshold_{eps:g}"] = (x, y)
     return cases
 
 
 RAW_CASES = raw_vthm_cases()
-
-
-# --------------------------------------------------------------------------------------------
-# RAW + VTHM vs pytorch-metric-learning
-# --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", sorted(RAW_CASES))
@@ -205,7 +140,7 @@ def test_raw_vthm_random_batches_and_hparams(seed: int, alpha: float, beta: floa
     m = int(torch.randint(2, 40, (1,), generator=g))
     n_classes = int(torch.randint(1, max(2, m // 2), (1,), generator=g))
     y = torch.randint(0, n_classes, (m,), generator=g) * 17 - 5
-    x, y = clustered(y, seed=200 + seed, spread=float(torch.rand(1, generator=g)) * 3)
+    x, y = clustered(y, seed=200 + seed, spread=float(torch.rand(1, generator=g)) * 3, d=16)
     ours = RawVthmLoss(alpha=alpha, beta=beta, gamma=gamma, margin=lam)
     v, (gr,) = value_and_grads(lambda e: ours(e, y), x)
     v_ref, (g_ref,) = value_and_grads(lambda e: pml_raw_vthm(e, y, alpha=alpha, beta=beta, gamma=gamma, lam=lam), x)
@@ -273,11 +208,6 @@ def test_pml_zero_shortcut_disagreement_paper_wins() -> None:
     v_ref, (g_ref,) = value_and_grads(lambda e: pml_raw_vthm(e, y), x)
     assert_close(v, v_ref)
     assert_close(g, g_ref)
-
-
-# --------------------------------------------------------------------------------------------
-# RAW + VTHM: formulas, gradients, edge cases
-# --------------------------------------------------------------------------------------------
 
 
 def eq17_reference(sim: torch.Tensor, y: torch.Tensor, loss: RawVthmLoss) -> float:
@@ -417,188 +347,56 @@ def test_raw_vthm_input_validation() -> None:
             RawVthmLoss(**bad)
 
 
-# --------------------------------------------------------------------------------------------
-# ProxyAnchor
-# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["pk_4x4", "uneven_unsorted", "ties"])
+def test_raw_vthm_weights_are_eq_15_16(name: str) -> None:
+    x, y = PAIR_CASES[name]
+    sim = cosine_similarity_matrix(x)
+    w = pair_weights("raw_vthm", sim, y)
+    expected = RawVthmLoss().pair_weights(x, y)
+    torch.testing.assert_close(w.positive, expected.positive / len(y), **EXACT)
+    torch.testing.assert_close(w.negative, expected.negative / len(y), **EXACT)
 
 
-def proxy_pair(
-    num_classes: int, dim: int, alpha: float = 32.0, margin: float = 0.1, seed: int = 0
-) -> tuple[ProxyAnchorLoss, torch.nn.Module]:
-    torch.manual_seed(seed)
-    ours = ProxyAnchorLoss(num_classes, dim, alpha=alpha, margin=margin).double()
-    ref = pml_losses.ProxyAnchorLoss(num_classes, dim, margin=margin, alpha=alpha)
-    ref.proxies.data = ours.proxies.detach().clone()
-    return ours, ref
+def pml_multi_similarity(x: torch.Tensor, y: torch.Tensor, mining: bool = True) -> torch.Tensor:
+    """pml's MS loss through its matrix path: skips the "at most one pair → 0" shortcut."""
+    loss_fn = pml_losses.MultiSimilarityLoss(alpha=2.0, beta=50.0, base=0.5)
+    pairs = pml_miners.MultiSimilarityMiner(epsilon=0.1)(x, y) if mining else lmu.get_all_pairs_indices(y)
+    return loss_fn.mat_based_loss(loss_fn.distance(x), pairs)["loss"]["losses"].mean()
 
 
-def proxy_cases() -> dict[str, tuple[int, torch.Tensor, torch.Tensor]]:
-    cases: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
-    x, y = clustered([c for c in range(6) for _ in range(4)], seed=30, d=12)
-    cases["pk_6x4_of_10"] = (10, x, y)
-    x, y = clustered([9, 0, 3, 3, 9, 9, 9, 1, 3, 0, 7], seed=31, d=12)
-    cases["uneven_unsorted"] = (12, x, y)
-    x, y = clustered([2] * 5, seed=32, d=12)
-    cases["one_class"] = (4, x, y)
-    x, y = clustered(list(range(8)), seed=33, d=12)
-    cases["all_classes_once"] = (8, x, y)
-    x, y = clustered([5], seed=34, d=12)
-    cases["single_sample"] = (6, x, y)
-    x, y = clustered([0, 1, 1, 2], seed=35, d=12)
-    cases["duplicates"] = (3, torch.cat([x, x[:2] * 7.0]), torch.cat([y, torch.tensor([0, 2])]))
-    return cases
-
-
-PROXY_CASES = proxy_cases()
-
-
-@pytest.mark.parametrize("name", sorted(PROXY_CASES))
-@pytest.mark.parametrize(("alpha", "margin"), [(32.0, 0.1), (8.0, 0.3)])
-def test_proxy_anchor_matches_pml(name: str, alpha: float, margin: float) -> None:
-    num_classes, x, y = PROXY_CASES[name]
-    ours, ref = proxy_pair(num_classes, x.shape[1], alpha=alpha, margin=margin)
-    v, (gx, gp) = value_and_grads(lambda e: ours(e, y), x, [ours.proxies])
-    v_ref, (gx_ref, gp_ref) = value_and_grads(lambda e: ref(e, y), x, [ref.proxies])
+@pytest.mark.parametrize("mining", [True, False])
+@pytest.mark.parametrize("name", sorted(PAIR_CASES))
+def test_multi_similarity_matches_pml_and_raw_vthm(name: str, mining: bool) -> None:
+    x, y = PAIR_CASES[name]
+    ours = build_loss("multi_similarity", mining=mining)
+    v, (g,) = value_and_grads(lambda e: ours(e, y), x)
+    v_ref, (g_ref,) = value_and_grads(lambda e: pml_multi_similarity(e, y, mining), x)
     assert_close(v, v_ref)
-    assert_close(gx, gx_ref)
-    assert_close(gp, gp_ref)
+    assert_close(g, g_ref)
+    # The texts' MS mining is VTHM and Eq. 2.24 is Eq. 17: the same loss.
+    v_raw, (g_raw,) = value_and_grads(lambda e: RawVthmLoss(mining=mining)(e, y), x)
+    torch.testing.assert_close(v, v_raw, **EXACT)
+    torch.testing.assert_close(g, g_raw, **EXACT)
 
 
-def eq231_reference(cos: torch.Tensor, y: torch.Tensor, alpha: float, delta: float) -> float:
-    m, c = cos.shape
-    pos_total, neg_total, n_pos = 0.0, 0.0, 0
-    for w in range(c):
-        pos = [i for i in range(m) if y[i] == w]
-        neg = [i for i in range(m) if y[i] != w]
-        if pos:
-            n_pos += 1
-            pos_total += math.log1p(sum(math.exp(-alpha * (float(cos[i, w]) - delta)) for i in pos))
-        neg_total += math.log1p(sum(math.exp(alpha * (float(cos[i, w]) + delta)) for i in neg))
-    return pos_total / n_pos + neg_total / c
-
-
-@pytest.mark.parametrize("name", sorted(PROXY_CASES))
-def test_proxy_anchor_matches_eq_2_31(name: str) -> None:
-    num_classes, x, y = PROXY_CASES[name]
-    ours, _ = proxy_pair(num_classes, x.shape[1])
-    cos = cosine_similarity_matrix(x, ours.proxies.detach())
-    assert ours(x, y).item() == pytest.approx(eq231_reference(cos, y, 32.0, 0.1), rel=1e-12)
-
-
-def test_proxy_init_matches_official_code() -> None:
-    torch.manual_seed(123)
-    loss = build_loss("proxy_anchor", num_classes=50, embedding_dim=64)
-    torch.manual_seed(123)
-    expected = torch.empty(50, 64)
-    torch.nn.init.kaiming_normal_(expected, mode="fan_out")
-    assert isinstance(loss.proxies, torch.nn.Parameter)
-    assert dict(loss.named_parameters()).keys() == {"proxies"}
-    torch.testing.assert_close(loss.proxies.detach(), expected, rtol=0, atol=0)
-    # The proxies can get their own learning rate.
-    opt = torch.optim.AdamW([{"params": [loss.proxies], "lr": 1e-2}])
-    assert opt.param_groups[0]["params"][0] is loss.proxies
-
-
-def test_proxy_anchor_label_validation() -> None:
-    loss = ProxyAnchorLoss(num_classes=4, embedding_dim=3)
-    x = torch.randn(3, 3)
-    with pytest.raises(ValueError, match=r"labels must lie in \[0, 4\).*\[0, 4\]"):
-        loss(x, torch.tensor([0, 4, 1]))
-    with pytest.raises(ValueError, match=r"labels must lie in \[0, 4\)"):
-        loss(x, torch.tensor([-1, 0, 1]))
-    with pytest.raises(ValueError, match="integer"):
-        loss(x, torch.tensor([0.0, 1.0, 2.0]))
-    with pytest.raises(ValueError, match="shape"):
-        loss(x, torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match=r"\(batch, 3\)"):
-        loss(torch.randn(3, 5), torch.tensor([0, 1, 2]))
-    with pytest.raises(ValueError, match="empty batch"):
-        loss(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long))
-    for bad in (
-        {"num_classes": 0, "embedding_dim": 3},
-        {"num_classes": 2, "embedding_dim": 3, "alpha": 0},
-    ):
-        with pytest.raises(ValueError):
-            ProxyAnchorLoss(**bad)
-
-
-def test_proxy_anchor_dtypes_and_gradcheck() -> None:
-    loss = ProxyAnchorLoss(num_classes=5, embedding_dim=6)
-    x = torch.randn(7, 6)
-    y = torch.tensor([0, 1, 1, 4, 4, 4, 2])
-    assert loss(x, y).dtype == torch.float32
-    assert loss(x.bfloat16(), y).dtype == torch.float32
-    loss64 = loss.double()
-    x64 = x.double().requires_grad_(True)
-    p64 = loss64.proxies.detach().clone().requires_grad_(True)
-
-    def fn(e: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(loss64, {"proxies": p}, (e, y))
-
-    assert torch.autograd.gradcheck(fn, (x64, p64))
-
-
-# --------------------------------------------------------------------------------------------
-# Registry
-# --------------------------------------------------------------------------------------------
-
-
-def test_registry_lists_and_builds() -> None:
-    assert {"raw_vthm", "proxy_anchor"} <= set(available_losses())
-    assert available_losses() == sorted(available_losses())
-    loss = build_loss("raw_vthm", alpha=3.0, mining=False)
-    assert isinstance(loss, RawVthmLoss) and loss.alpha == 3.0 and not loss.mining
-    assert get_loss_class("proxy_anchor") is ProxyAnchorLoss
-    assert loss_requires_num_classes("proxy_anchor") is True
-    assert loss_requires_num_classes("raw_vthm") is False
-    assert RawVthmLoss().hyperparameters() == {
-        "alpha": 2.0,
-        "beta": 50.0,
-        "gamma": 0.5,
-        "margin": 0.1,
-        "mining": True,
+def test_multi_similarity_is_an_alias_with_the_thesis_option_names() -> None:
+    """``multi_similarity`` is registered once, as an alias of ``raw_vthm``: the thesis's margin
+    λ (0.5) is γ and its ε (0.1) is raw_vthm's mining margin λ."""
+    assert "multi_similarity" not in available_losses()
+    assert get_loss_class("multi_similarity") is RawVthmLoss
+    assert loss_requires_num_classes("multi_similarity") is False
+    assert build_loss("multi_similarity").hyperparameters() == RawVthmLoss().hyperparameters()
+    loss = build_loss("multi_similarity", alpha=3.0, beta=40.0, margin=0.4, epsilon=0.2, mining=False, reduction="sum")
+    assert loss.hyperparameters() == {
+        "alpha": 3.0,
+        "beta": 40.0,
+        "gamma": 0.4,
+        "margin": 0.2,
+        "mining": False,
+        "reduction": "sum",
     }
-
-
-def test_registry_errors() -> None:
-    with pytest.raises(ValueError, match=r"unknown loss 'nope'.*proxy_anchor.*raw_vthm"):
-        build_loss("nope")
-    with pytest.raises(ValueError, match="unknown loss"):
-        loss_requires_num_classes("nope")
-    with pytest.raises(TypeError, match=r"'raw_vthm' got unknown option\(s\) 'lamda'.*margin"):
-        build_loss("raw_vthm", lamda=0.1)
-    with pytest.raises(TypeError, match=r"'raw_vthm' got unknown option\(s\) 'num_classes'"):
-        build_loss("raw_vthm", num_classes=10)
-    with pytest.raises(TypeError, match=r"'proxy_anchor' requires option\(s\) 'num_classes'"):
-        build_loss("proxy_anchor", embedding_dim=8)
-    with pytest.raises(ValueError, match="alpha"):
-        build_loss("raw_vthm", alpha=-1.0)
-
-
-def test_register_loss_rejects_conflicts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(losses_pkg, "_REGISTRY", dict(losses_pkg._REGISTRY))
-
-    @register_loss("test_only_loss")
-    class Dummy(torch.nn.Module):
-        def __init__(self, scale: float = 1.0) -> None:
-            super().__init__()
-            self.scale = scale
-
-    assert "test_only_loss" in available_losses()
-    assert build_loss("test_only_loss", scale=2.0).scale == 2.0
-    with pytest.raises(ValueError, match="already registered"):
-
-        @register_loss("raw_vthm")
-        class Other(torch.nn.Module):
-            pass
-
-    with pytest.raises(TypeError, match="nn.Module"):
-        register_loss("not_a_module")(int)  # type: ignore[arg-type]
-
-
-# --------------------------------------------------------------------------------------------
-# Device parity
-# --------------------------------------------------------------------------------------------
+    with pytest.raises(TypeError, match=r"'multi_similarity' got unknown option\(s\) 'gamma'.*margin, epsilon"):
+        build_loss("multi_similarity", gamma=0.5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -613,14 +411,6 @@ def test_cuda_matches_cpu() -> None:
         assert_close(g_cuda.cpu(), g)
     v_deg = RawVthmLoss()(x[:3].cuda().requires_grad_(True), torch.tensor([1, 1, 1]).cuda())
     assert v_deg.item() == 0.0 and v_deg.grad_fn is not None
-    num_classes, xp, yp = PROXY_CASES["uneven_unsorted"]
-    ours, _ = proxy_pair(num_classes, xp.shape[1])
-    v, (gx, gp) = value_and_grads(lambda e: ours(e, yp), xp, [ours.proxies])
-    ours_cuda = ours.cuda()
-    v_c, (gx_c, gp_c) = value_and_grads(lambda e: ours_cuda(e, yp), xp.cuda(), [ours_cuda.proxies])
-    assert_close(v_c.cpu(), v)
-    assert_close(gx_c.cpu(), gx)
-    assert_close(gp_c.cpu(), gp)
     with torch.autocast("cuda", dtype=torch.float16):
         v_amp = RawVthmLoss()(x.float().cuda(), y.cuda())
     assert v_amp.dtype == torch.float32
