@@ -133,25 +133,47 @@ def embed_with_ray_data(
     write_json_atomic(work / DONE, {"rows": len(rows), "created": utc_now()})
 
 
+def _embedding_rows(column) -> np.ndarray:
+    """An Arrow column of fixed-width embeddings as an (n, d) float32 array, without a Python
+    object per row (Ray Data stores a tensor column as an extension type over a list array)."""
+    import pyarrow as pa
+
+    if isinstance(column.type, pa.ExtensionType):
+        column = column.storage
+    if pa.types.is_fixed_size_list(column.type) or pa.types.is_list(column.type):
+        flat = column.flatten().to_numpy(zero_copy_only=False)
+        return flat.reshape(len(column), -1).astype(np.float32, copy=False)
+    values = column.to_numpy(zero_copy_only=False)
+    return np.stack(values).astype(np.float32, copy=False) if values.dtype == object else values
+
+
 def read_shards(work: Path, n_rows: int) -> tuple[np.ndarray, list[int], dict[str, int]]:
+    """The embeddings of every readable row, in catalog order, read shard batch by shard batch
+    into one array: memory is the catalog's embeddings once, plus a batch (at SOP size with
+    1,280-d vectors, reading the whole table and stacking it held five copies, 3.3 GB)."""
     import pyarrow.dataset as pads
 
-    table = pads.dataset(str(work / "shards"), format="parquet").to_table()
-    rows = table.column("row").to_numpy()
-    order = np.argsort(rows, kind="stable")
-    rows = rows[order]
-    if len(rows) != n_rows or not np.array_equal(rows, np.arange(n_rows)):
-        raise RuntimeError(f"{work}: shards hold {len(rows)} rows, the catalog {n_rows}; delete the work dir")
-    reasons = np.asarray(table.column("reason").to_pylist(), dtype=object)[order]
-    # Parquet gives the fixed-size embedding column back as one array per row.
-    parts = [chunk.to_numpy(zero_copy_only=False) for chunk in table.column("embedding").chunks]
-    vectors = np.concatenate([np.stack(p) if p.dtype == object else p for p in parts]).astype(np.float32)
-    vectors = vectors.reshape(n_rows, -1)[order]
-    kept = [int(r) for r in np.flatnonzero(reasons == "")]
+    vectors: np.ndarray | None = None
+    reasons = np.full(n_rows, "", dtype=object)
+    seen = np.zeros(n_rows, dtype=bool)
+    for batch in pads.dataset(str(work / "shards"), format="parquet").to_batches():
+        rows = batch.column("row").to_numpy()
+        if len(rows) and (rows.min() < 0 or rows.max() >= n_rows or seen[rows].any()):
+            raise RuntimeError(f"{work}: shards hold rows the catalog of {n_rows} does not; delete the work dir")
+        embeddings = _embedding_rows(batch.column("embedding"))
+        if vectors is None:
+            vectors = np.empty((n_rows, embeddings.shape[1]), dtype=np.float32)
+        vectors[rows] = embeddings
+        reasons[rows] = batch.column("reason").to_pylist()
+        seen[rows] = True
+    if vectors is None or not seen.all():
+        raise RuntimeError(f"{work}: shards hold {int(seen.sum())} rows, the catalog {n_rows}; delete the work dir")
+    bad = reasons != ""
+    kept = [int(r) for r in np.flatnonzero(~bad)]
     skipped: dict[str, int] = {}
-    for reason in reasons[reasons != ""]:
+    for reason in reasons[bad]:
         skipped[reason] = skipped.get(reason, 0) + 1
-    return vectors[kept], kept, skipped
+    return (vectors if not bad.any() else vectors[~bad]), kept, skipped
 
 
 def run_rebuild(cfg: BuildConfig, workers: int = 2, work_dir: str | None = None, progress: bool = True) -> Path:

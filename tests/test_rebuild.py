@@ -14,7 +14,7 @@ from PIL import Image
 from core import artifacts
 from core.catalog import Catalog, read_catalog
 from core.items import ItemTable
-from index.rebuild import embed_actor_resources
+from index.rebuild import embed_actor_resources, read_shards
 from tests.test_preprocess import png_header_only
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +26,33 @@ def test_actor_resources_select_gpu_when_present():
     assert embed_actor_resources(2, provider="cpu") == {"num_gpus": 0, "num_cpus": 1}
     with pytest.raises(RuntimeError, match="no GPUs"):
         embed_actor_resources(0, provider="cuda")
+
+
+@pytest.mark.parametrize("fixed_size", [True, False])
+def test_shards_are_read_back_in_catalog_order_with_bad_rows_counted(tmp_path, fixed_size):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((50, 8)).astype(np.float32)
+    reasons = ["" if i % 7 else "unreadable" for i in range(50)]
+    reasons[3] = "missing"
+    (tmp_path / "shards").mkdir()
+    order = rng.permutation(50)
+    for n, part in enumerate(np.array_split(order, 3)):  # shards in any order, rows shuffled
+        kind = pa.list_(pa.float32(), 8) if fixed_size else pa.list_(pa.float32())
+        table = pa.table({
+            "row": pa.array(part, pa.int64()),
+            "reason": pa.array([reasons[i] for i in part]),
+            "embedding": pa.array([vectors[i] for i in part], kind),
+        })  # fmt: skip
+        pq.write_table(table, tmp_path / "shards" / f"{n}.parquet")
+    got, kept, skipped = read_shards(tmp_path, 50)
+    assert kept == [i for i in range(50) if reasons[i] == ""]
+    assert skipped == {"unreadable": 8, "missing": 1}
+    np.testing.assert_array_equal(got, vectors[kept])
+    with pytest.raises(RuntimeError, match="shards hold 50 rows, the catalog 51"):
+        read_shards(tmp_path, 51)
 
 
 def index_cli(*args: str) -> subprocess.CompletedProcess:
@@ -86,7 +113,7 @@ def test_rerun_after_a_crash_discards_partial_shards(demo_run, planted_catalog, 
 
     root = tmp_path / "index"
     model_id = artifacts.read_manifest(demo_run / "model")["model_id"]
-    work = root / ".rebuild" / work_key(planted_catalog, model_id)
+    work = root / ".rebuild" / work_key(read_catalog(planted_catalog), model_id)
     (work / "shards").mkdir(parents=True)
     (work / "shards" / "half-written.parquet").write_bytes(b"PAR1 truncated")  # a crash mid-write
     done = index_cli(
