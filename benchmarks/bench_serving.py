@@ -59,7 +59,7 @@ from serving.server import ServerConfig  # noqa: E402
 
 LEVELS = [1, 8, 32, 64]
 # Server modes and their `serve` flags.
-MODES = {"on": ("--batching", "true"), "off": ("--batching", "false")}
+MODES = {"on": ("--batching",), "off": ("--no-batching",)}
 Load = Callable[[int, int, float], dict]  # (port, concurrency, seconds) → one closed-loop run's figures
 SEARCH_PATH = "/simsearch.v1.SimilaritySearch/Search"
 
@@ -112,7 +112,7 @@ class Ceiling:
         # Loaded as each server mode loads its pair, from the same configuration: with the
         # session for runs beside others (a share of the threads each) where that mode has one.
         self.embedder, self.index = self._load(batched)
-        self.streams = batched.batch_streams
+        self.streams = batched.batching.batch_streams
         # The modes differ in --batching only: the same runs at once make the same sessions.
         same = unbatched.runs_at_once == batched.runs_at_once
         self.unbatched_embedder = self.embedder if same else self._load(unbatched)[0]
@@ -476,7 +476,7 @@ def main() -> None:
     rounds: dict[str, list[list[dict]]] = {mode: [] for mode in [*MODES, "floor"]}
     # {"batches": {b: figures}, "concurrent": figures, "streams": {b: figures}}
     ceiling_rounds: list[dict] = []
-    callers = unbatched.worker_threads
+    callers = unbatched.runtime.worker_threads
     for i in range(repeats):
         print(f"round {i + 1}/{repeats}", file=sys.stderr, flush=True)
         for mode in MODES:

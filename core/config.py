@@ -62,7 +62,8 @@ def section(cls: type, help: str) -> Any:
 class Option:
     """One option of a configuration class, as the parser, the file reader and the docs see it."""
 
-    name: str  # unique across sections: the flag's dest and the flat config-file key
+    name: str  # unique across sections: the flag's dest and the config-file key
+    attribute: str  # the field's name on its dataclass (differs where a flag names it)
     section: tuple[str, ...]  # the sections it is nested in, outermost first
     annotation: Any
     default: Any
@@ -100,14 +101,16 @@ def options(cls: type, _section: tuple[str, ...] = ()) -> Iterator[Option]:
         choices = f.metadata.get("choices")
         if choices is None and typing.get_origin(hint) is typing.Literal:
             choices = tuple(typing.get_args(hint))
+        flag = f.metadata.get("flag")
         yield Option(
-            name=f.name,
+            name=flag[2:].replace("-", "_") if flag else f.name,
+            attribute=f.name,
             section=_section,
             annotation=hint,
             default=default,
             help=f.metadata.get("help", ""),
             choices=choices,
-            flag=f.metadata.get("flag") or "--" + f.name.replace("_", "-"),
+            flag=flag or "--" + f.name.replace("_", "-"),
             cli=f.metadata.get("cli", True),
         )
 
@@ -168,7 +171,7 @@ def options_table(cls: type, exclude: Sequence[str] = ()) -> str:
     for opt in options(cls):
         if opt.name in exclude:
             continue
-        key = ".".join((*opt.section, opt.name))
+        key = ".".join((*opt.section, opt.name))  # as a config file nests it (flat: the last part)
         kind = "/".join(opt.choices) if opt.choices else ("on/off" if opt.is_bool else _type_name(opt.annotation))
         flag = (f"`{opt.flag}`" + (f" / `--no-{opt.flag[2:]}`" if opt.is_bool else "")) if opt.cli else "–"
         default = _shown_default(opt)
@@ -269,12 +272,13 @@ def _flatten(layer: dict[str, Any], sections: set[str], where: str = "") -> dict
 
 def _build(cls: type[T], values: dict[str, Any]) -> T:
     hints = typing.get_type_hints(cls)
+    names = {opt.attribute: opt.name for opt in options(cls) if not opt.section}
     kwargs = {}
     for f in dataclasses.fields(cls):
         if _is_section(f, hints[f.name]):
             kwargs[f.name] = _build(hints[f.name], values)
-        elif f.name in values:
-            kwargs[f.name] = values[f.name]
+        elif names.get(f.name) in values:
+            kwargs[f.name] = values[names[f.name]]
     return cls(**kwargs)
 
 

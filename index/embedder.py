@@ -23,7 +23,6 @@ CPU = "CPUExecutionProvider"
 
 def select_providers(prefer: str = "auto", available: Sequence[str] | None = None) -> list[str]:
     """Execution providers in priority order: CUDA first when present and allowed, CPU last."""
-    prefer = "gpu" if prefer == "cuda" else prefer  # TODO(issue 24): serving still spells it cuda
     if prefer not in DEVICES:
         raise ValueError(f"provider must be one of {', '.join(DEVICES)}, got {prefer!r}")
     available = list(ort.get_available_providers() if available is None else available)

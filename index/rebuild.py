@@ -45,7 +45,7 @@ class RebuildConfig(BuildConfig):
 
 def embed_actor_resources(cluster_gpus: float, provider: str = "auto") -> dict[str, float]:
     """One GPU per embedding actor when the cluster has GPUs (and CUDA is allowed), else a CPU."""
-    if provider in ("gpu", "cuda") and cluster_gpus < 1:
+    if provider == "gpu" and cluster_gpus < 1:
         raise RuntimeError(f"provider {provider!r} requested but the Ray cluster reports no GPUs")
     if provider != "cpu" and cluster_gpus >= 1:
         return {"num_gpus": 1, "num_cpus": 1}

@@ -33,10 +33,15 @@ third-party log lines: faiss, Ray, ONNX); long stages take `--progress/--no-prog
 def command_tables() -> list[tuple[str, str, type, tuple[str, ...]]]:
     """(command, help, configuration class, options it does not take), in pipeline order."""
     from index.__main__ import COMMANDS as INDEX
+    from serving.__main__ import COMMANDS as SERVING
     from training.__main__ import COMMANDS as TRAINING
 
     rows = []
-    for prefix, commands in (("python -m training", TRAINING), ("python -m index", INDEX)):
+    for prefix, commands in (
+        ("python -m training", TRAINING),
+        ("python -m index", INDEX),
+        ("python -m serving", SERVING),
+    ):
         for name, (text, cls, exclude) in commands.items():
             rows.append((f"{prefix} {name}", text, cls, tuple(exclude)))
     return rows

@@ -21,6 +21,7 @@ from PIL import Image
 
 from core import artifacts
 from core.artifacts import ArtifactError
+from core.config import option
 from core.items import ItemTable
 from core.manifests import IndexManifest, ModelManifest
 from core.preprocess import (
@@ -41,10 +42,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Limits:
-    max_k: int = 1000
-    max_message_bytes: int = 16 * 1024 * 1024
-    max_image_pixels: int = DEFAULT_MAX_PIXELS
-    max_batch_queries: int = 256
+    """What one request may ask: answers it refuses with INVALID_ARGUMENT past these."""
+
+    max_k: int = option(1000, help="most neighbours a query may ask for")
+    max_message_bytes: int = option(16 * 1024 * 1024, help="largest gRPC message, either way")
+    max_image_pixels: int = option(DEFAULT_MAX_PIXELS, help="largest query image, in pixels")
+    max_batch_queries: int = option(256, help="queries per SearchBatch")
+
+    def __post_init__(self) -> None:
+        for name in ("max_k", "max_message_bytes", "max_image_pixels", "max_batch_queries"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 _load_serials = itertools.count(1)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from core.config import option
 from core.metrics import recall_from_neighbor_labels
 from serving.engine import ServingPair
 from serving.metrics import ServiceMetrics
@@ -35,21 +36,28 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    ks: tuple[int, ...] = (1, 5, 10)
-    window: int = 1000
-    ann_sample_rate: float = 0.05
-    ann_queue: int = 256
-    probe_interval_s: float = 60.0  # 0: no probe rounds (neither scheduled nor after a reload)
-    probe_size: int = 200
-    probe_k_extra: int = 1  # probes exclude themselves, so ask for one more
+    """What the server measures of its own quality: labelled answers and Feedback (online
+    Recall@K), ANN fidelity (sampled queries re-run exactly) and probe rounds."""
+
+    ks: tuple[int, ...] = option((1, 5, 10), flag="--recall-ks", help="K values for online Recall@K")
+    window: int = option(1000, flag="--recall-window", help="labelled answers per sliding Recall@K window")
+    ann_sample_rate: float = option(0.05, help="fraction of queries re-run exactly to measure ANN recall")
+    ann_queue: int = option(256, cli=False, help="sampled queries waiting for their exact re-run")
+    probe_interval_s: float = option(
+        60.0, help="seconds between probe rounds; one also runs at start and after each reload (0: none at all)"
+    )
+    probe_size: int = option(200, help="probe images per round")
+    probe_catalog: str | None = option(None, help="labelled catalog of held-out probe images")
+    probe_k_extra: int = option(1, cli=False, help="probes exclude themselves, so they ask for one more")
+    feedback_window: int = option(10_000, cli=False, help="answers remembered for Feedback calls to score")
 
     def __post_init__(self) -> None:
         if not self.ks or min(self.ks) < 1:
             raise ValueError("recall ks must be positive")
         if not 0 <= self.ann_sample_rate <= 1:
             raise ValueError("ann_sample_rate must be within [0, 1]")
-        if self.window < 1 or self.probe_size < 1:
-            raise ValueError("window and probe_size must be positive")
+        if self.window < 1 or self.probe_size < 1 or self.feedback_window < 1:
+            raise ValueError("window, probe_size and feedback_window must be positive")
         if not 0 <= self.probe_interval_s < float("inf"):
             raise ValueError(f"probe_interval_s must be ≥ 0 seconds (0: no probe rounds), got {self.probe_interval_s}")
 

@@ -25,6 +25,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 
 from core import artifacts
 from core.artifacts import ArtifactError
+from core.config import DEVICES, option, resolve_config, section
 from index.build import read_probe_catalog
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from serving.batching import DynamicBatcher
@@ -49,56 +51,35 @@ EVENT_LOOPS = ("uvloop", "asyncio")
 
 
 @dataclass
-class ServerConfig:
-    index_root: str = "runs/index"
-    model: str | None = None  # default: the model directory the index manifest records
-    host: str = "127.0.0.1"
-    port: int = 50051
-    metrics_port: int | None = 9100
-    provider: str = "auto"
-    workers: int | None = None  # decode threads (and inference threads with batching off); default: CPUs
-    event_loop: str = "uvloop"  # or "asyncio"; one loop per process, chosen by its first server
-    inline_decode_pixels: int = 4096  # decode on the event loop when image and model input are this small
-    inference_decode_pixels: int = 65_536  # decode in the inference thread images this small, not in the pool
-    intra_op_threads: int | None = None
-    ort_spinning: bool = False  # busy-waiting ORT threads steal the cores gRPC and decoding need
-    run_rows: int | None = None  # images per ORT run; None: measured at load; 0: a batch in one run
-    admin_token: str | None = None
-    search_token: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    max_k: int = 1000
-    max_message_bytes: int = 16 * 1024 * 1024
-    max_image_pixels: int = 40_000_000
-    max_batch_queries: int = 256
-    batching: bool = True
-    max_batch_size: int = 32
-    batch_streams: int = 2  # batches run at once, each on its own inference thread
-    max_wait_ms: float = 0.0  # greedy: a batch is whatever queued while the last one ran
-    max_queue: int = 1024
-    feedback_window: int = 10_000
-    recall_ks: list[int] | None = None
-    recall_window: int = 1000
-    ann_sample_rate: float = 0.05
-    probe_interval_s: float = 60.0  # 0: no probe rounds, neither scheduled nor after a reload
-    probe_size: int = 200
-    probe_catalog: str | None = None
-    watch_current: bool = False
-    watch_interval_s: float = 5.0
-    access_log: bool = False
-    # A connection older than this is asked to go (GOAWAY; its calls get the grace to finish) and
-    # the client reconnects: behind an L4 load balancer that spreads clients over replicas added
-    # since they connected. 0: connections live as long as the clients keep them.
-    max_connection_age_s: float = 300.0
-    max_connection_age_grace_s: float = 30.0
-    # Ping a connection idle this long; one that does not answer within 20 s is closed, so a
-    # vanished client's connection is not kept open. 0: no pings.
-    keepalive_s: float = 60.0
+class Transport:
+    """How clients reach the server: address, TLS, tokens, connection lifetime."""
 
-    @property
-    def worker_threads(self) -> int:
-        """Decode threads, and inference threads with batching off: `workers`, by default the CPUs."""
-        return self.workers or os.cpu_count() or 1
+    host: str = option("127.0.0.1", help="address to bind")
+    port: int = option(50051, help="gRPC port (0 picks a free one)")
+    metrics_port: int | None = option(9100, help="Prometheus HTTP port ('none': no metrics endpoint)")
+    tls_cert: str | None = option(None, help="PEM certificate chain (enables TLS, with --tls-key)")
+    tls_key: str | None = option(None, help="PEM private key")
+    admin_token: str | None = option(None, help="bearer token for IndexAdmin (or SIMSEARCH_ADMIN_TOKEN)")
+    search_token: str | None = option(None, help="bearer token required for search (or SIMSEARCH_SEARCH_TOKEN)")
+    # Behind an L4 load balancer, a client that reconnects is spread over replicas added since.
+    max_connection_age_s: float = option(
+        300.0, help="ask a connection this old to go (GOAWAY), so clients reconnect and spread over replicas; 0: never"
+    )
+    max_connection_age_grace_s: float = option(30.0, help="how long an old connection's calls may take to finish")
+    keepalive_s: float = option(
+        60.0, help="ping a connection idle this long and close it if no answer within 20 s; 0: no pings"
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 65536:
+                raise ValueError(f"{name} must be within 0..65535, got {value}")
+        for name in ("max_connection_age_s", "max_connection_age_grace_s", "keepalive_s"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be ≥ 0 seconds (0: off), got {getattr(self, name)}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
 
     @property
     def connection_options(self) -> list[tuple[str, int]]:
@@ -119,20 +100,126 @@ class ServerConfig:
         options += [("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
         return options
 
+
+@dataclass
+class Batching:
+    """Dynamic batching: queries that arrive together share one ONNX Runtime run and one search."""
+
+    enabled: bool = option(True, flag="--batching", help="dynamic batching (off: each query runs alone)")
+    max_batch_size: int = option(32, help="queries per ONNX Runtime/faiss batch")
+    batch_streams: int = option(
+        2,
+        help="batches run at once, each on its own thread and share of the ONNX Runtime threads; one starts "
+        "beside another once half of batch size / streams queries are queued",
+    )
+    max_wait_ms: float = option(0.0, help="longest wait to fill a batch (0: a batch is what queued meanwhile)")
+    max_queue: int = option(1024, help="queued queries before RESOURCE_EXHAUSTED")
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "batch_streams", "max_queue"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_wait_ms < 0:
+            raise ValueError("max_wait_ms must be ≥ 0")
+
+
+@dataclass
+class Runtime:
+    """Where and on how many threads queries are decoded, embedded and searched."""
+
+    provider: str = option("auto", choices=DEVICES, help="where ONNX Runtime embeds")
+    workers: int | None = option(
+        None, help="decode threads, and inference threads with batching off (default: CPU count)"
+    )
+    event_loop: str = option("uvloop", choices=EVENT_LOOPS, help="the gRPC event loop")
+    inline_decode_pixels: int = option(
+        4096, help="decode on the event loop when image and model input have at most this many pixels (0: never)"
+    )
+    inference_decode_pixels: int = option(
+        65_536,
+        help="decode images of at most this many pixels in the inference thread that embeds them, sparing a "
+        "hop to a decode thread; larger ones decode in the pool while they wait",
+    )
+    intra_op_threads: int | None = option(
+        None,
+        help="ONNX Runtime threads per run (default: CPU count, at most 8, for a run made alone, shared out "
+        "among the runs made at once); setting it uses that many for every run",
+    )
+    ort_spinning: bool = option(
+        False, help="let idle ONNX Runtime threads busy-wait (off: they would steal gRPC's cores)"
+    )
+    run_rows: int | None = option(
+        None,
+        help="embed a batch in ONNX Runtime runs of at most this many images (0: the whole batch in one run; "
+        "default: the fastest, measured when a model loads)",
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "intra_op_threads"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("inline_decode_pixels", "inference_decode_pixels", "run_rows"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"{name} must be ≥ 0, got {getattr(self, name)}")
+
+    @property
+    def worker_threads(self) -> int:
+        """Decode threads, and inference threads with batching off: `workers`, by default the CPUs."""
+        return self.workers or os.cpu_count() or 1
+
+
+@dataclass
+class ServerConfig:
+    """`serving serve`: the index it serves, and its transport, limits, batching, runtime and
+    quality monitor, each a section of its own."""
+
+    index_root: str = option("runs/index", help="index root with versions/ and CURRENT")
+    model: str | None = option(None, help="model artifact directory (default: the one the index records)")
+    watch_current: bool = option(False, help="reload when the index root's CURRENT changes")
+    watch_interval_s: float = option(5.0, help="how often CURRENT is read with --watch-current")
+    access_log: bool = option(False, help="log every RPC")
+    transport: Transport = section(Transport, help="address, TLS, tokens, connection lifetime")
+    limits: Limits = section(Limits, help="what one request may ask")
+    batching: Batching = section(Batching, help="dynamic batching")
+    runtime: Runtime = section(Runtime, help="decoding, ONNX Runtime and event-loop threads")
+    monitor: MonitorConfig = section(MonitorConfig, help="online Recall@K, ANN fidelity and probe rounds")
+
+    @classmethod
+    def flat(cls, **options: Any) -> ServerConfig:
+        """The configuration from options named flat, as on the command line (`port=0, batching=False`)."""
+        return resolve_config(cls, options)
+
+    def __post_init__(self) -> None:
+        if self.watch_interval_s <= 0:
+            raise ValueError("watch_interval_s must be > 0")
+
+    def check_inputs(self) -> None:
+        """What reads files, before the server starts: the index root, TLS files, the probe catalog."""
+        if not Path(self.index_root).is_dir():
+            raise ValueError(f"index root not found: {self.index_root}")
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self.transport, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name.replace('_', '-')} file not found: {path}")
+        if self.monitor.probe_catalog is not None:
+            if not Path(self.monitor.probe_catalog).is_file():
+                raise ValueError(f"probe-catalog file not found: {self.monitor.probe_catalog}")
+            read_probe_catalog(self.monitor.probe_catalog)
+
     @property
     def runs_at_once(self) -> int:
         """ORT runs the server makes at once — batch streams with batching on, inference threads
         with it off — among which the intra-op threads are shared out (a run made alone still
         gets them all); 1 when the operator fixed the threads every run takes."""
-        if self.intra_op_threads is not None:
+        if self.runtime.intra_op_threads is not None:
             return 1
-        return self.batch_streams if self.batching else self.worker_threads
+        return self.batching.batch_streams if self.batching.enabled else self.runtime.worker_threads
 
     @property
     def largest_run(self) -> int:
         """The most images one ORT call may be asked to embed: a full batch, or one query
         unbatched (a SearchBatch call's queries run one by one then)."""
-        return self.max_batch_size if self.batching else 1
+        return self.batching.max_batch_size if self.batching.enabled else 1
 
     def load(
         self, version: str | None = None, model_dir: str | None = None, previous: ServingPair | None = None
@@ -145,62 +232,13 @@ class ServerConfig:
             self.index_root,
             version,
             model_dir or self.model,
-            self.provider,
-            self.intra_op_threads,
-            self.ort_spinning,
+            self.runtime.provider,
+            self.runtime.intra_op_threads,
+            self.runtime.ort_spinning,
             runs_at_once=self.runs_at_once,
-            run_rows=self.run_rows,
+            run_rows=self.runtime.run_rows,
             batch_rows=self.largest_run,
             previous=previous,
-        )
-
-    def __post_init__(self) -> None:
-        for name in ("port", "metrics_port"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < 65536:
-                raise ValueError(f"{name} must be within 0..65535, got {value}")
-        for name in ("workers", "intra_op_threads"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.event_loop not in EVENT_LOOPS:
-            raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
-        for name in ("inline_decode_pixels", "inference_decode_pixels", "run_rows"):
-            if (getattr(self, name) or 0) < 0:
-                raise ValueError(f"{name} must be ≥ 0, got {getattr(self, name)}")
-        for name in (
-            "max_k",
-            "max_message_bytes",
-            "max_image_pixels",
-            "max_batch_queries",
-            "max_batch_size",
-            "batch_streams",
-            "max_queue",
-            "recall_window",
-            "probe_size",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_connection_age_s", "max_connection_age_grace_s", "keepalive_s"):
-            if not 0 <= getattr(self, name) < float("inf"):
-                raise ValueError(f"{name} must be ≥ 0 seconds (0: off), got {getattr(self, name)}")
-        if self.max_wait_ms < 0 or self.watch_interval_s <= 0:
-            raise ValueError("max_wait_ms must be ≥ 0; watch_interval_s > 0")
-        if not 0 <= self.probe_interval_s < float("inf"):
-            raise ValueError(f"probe_interval_s must be ≥ 0 seconds (0: no probe rounds), got {self.probe_interval_s}")
-        if not Path(self.index_root).is_dir():
-            raise ValueError(f"index root not found: {self.index_root}")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("TLS needs both --tls-cert and --tls-key")
-        for name in ("tls_cert", "tls_key", "probe_catalog"):
-            path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"{name.replace('_', '-')} file not found: {path}")
-        if self.probe_catalog is not None:
-            read_probe_catalog(self.probe_catalog)
-        MonitorConfig(
-            ks=tuple(self.recall_ks or (1, 5, 10)),
-            ann_sample_rate=self.ann_sample_rate,
-            probe_interval_s=self.probe_interval_s,
         )
 
 
@@ -220,51 +258,42 @@ class SearchApp:
     Its lifecycle runs on the loop that serves it: `await start()`, `await stop()`."""
 
     def __init__(self, config: ServerConfig) -> None:
+        config.check_inputs()
         self.config = config
         pin_mmap_threshold()  # before the first pair: see serving/memory.py
         self.metrics = ServiceMetrics()
-        self.engine = SearchEngine(
-            Limits(config.max_k, config.max_message_bytes, config.max_image_pixels, config.max_batch_queries)
-        )
-        workers = config.worker_threads
+        self.engine = SearchEngine(config.limits)
+        workers = config.runtime.worker_threads
+        batching = config.batching
         self.batcher = DynamicBatcher(
             self.engine,
             self.metrics,
-            config.max_batch_size,
-            config.max_wait_ms / 1e3,
-            config.max_queue,
-            enabled=config.batching,
+            batching.max_batch_size,
+            batching.max_wait_ms / 1e3,
+            batching.max_queue,
+            enabled=batching.enabled,
             workers=workers,
-            streams=config.batch_streams,
+            streams=batching.batch_streams,
         )
         self.decode_pool = ThreadPoolExecutor(workers, thread_name_prefix="decode")
-        self.monitor = RecallMonitor(
-            MonitorConfig(
-                ks=tuple(config.recall_ks or (1, 5, 10)),
-                window=config.recall_window,
-                ann_sample_rate=config.ann_sample_rate,
-                probe_interval_s=config.probe_interval_s,
-                probe_size=config.probe_size,
-            ),
-            self.metrics,
-        )
+        self.monitor = RecallMonitor(config.monitor, self.metrics)
         self.service = SearchService(
             self.engine,
             self.batcher,
             self.monitor,
             self.metrics,
             self.decode_pool,
-            config.inline_decode_pixels,
-            config.inference_decode_pixels,
-            config.feedback_window,
+            config.runtime.inline_decode_pixels,
+            config.runtime.inference_decode_pixels,
+            config.monitor.feedback_window,
         )
         self.prober = ProbeRunner(
             self.service,
             self.engine,
-            self.monitor.config.ks,
-            config.probe_size,
-            config.max_batch_queries,
-            config.probe_catalog,
+            config.monitor.ks,
+            config.monitor.probe_size,
+            config.limits.max_batch_queries,
+            config.monitor.probe_catalog,
         )
         self.health = health.aio.HealthServicer()
         self.grpc_server: grpc.aio.Server | None = None
@@ -278,16 +307,16 @@ class SearchApp:
     async def bind(self) -> int:
         """Create the grpc.aio server on the running loop (it belongs to the loop it was made on)
         and bind its port, not yet serving; the port."""
-        config = self.config
+        config, transport = self.config, self.config.transport
         self._loop = asyncio.get_running_loop()
         self.grpc_server = grpc.aio.server(
-            interceptors=[TokenAuthInterceptor(config.admin_token, config.search_token)],
+            interceptors=[TokenAuthInterceptor(transport.admin_token, transport.search_token)],
             options=[
-                ("grpc.max_receive_message_length", config.max_message_bytes),
-                ("grpc.max_send_message_length", config.max_message_bytes),
-                *config.connection_options,
+                ("grpc.max_receive_message_length", config.limits.max_message_bytes),
+                ("grpc.max_send_message_length", config.limits.max_message_bytes),
+                *transport.connection_options,
             ],
-            maximum_concurrent_rpcs=config.max_queue + config.worker_threads,
+            maximum_concurrent_rpcs=config.batching.max_queue + config.runtime.worker_threads,
         )
         call = RpcCall(self.metrics, config.access_log)
         pb_grpc.add_SimilaritySearchServicer_to_server(SearchServicer(self.service, call), self.grpc_server)
@@ -297,10 +326,10 @@ class SearchApp:
             (SEARCH_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server
         )
         await self._set_health(False)
-        address = f"{config.host}:{config.port}"
-        if config.tls_cert:
+        address = f"{transport.host}:{transport.port}"
+        if transport.tls_cert:
             credentials = grpc.ssl_server_credentials(
-                [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
+                [(Path(transport.tls_key).read_bytes(), Path(transport.tls_cert).read_bytes())]
             )
             port = self.grpc_server.add_secure_port(address, credentials)
         else:
@@ -382,14 +411,15 @@ class SearchApp:
             await self.reload()
         except (ArtifactError, FileNotFoundError) as exc:
             log.warning("starting without a loaded index: %s", exc)
-        if self.config.metrics_port is not None:
-            self.metrics.serve(self.config.metrics_port, self.config.host)
+        transport = self.config.transport
+        if transport.metrics_port is not None:
+            self.metrics.serve(transport.metrics_port, transport.host)
         self.batcher.start()
         await self.grpc_server.start()
         self.monitor.start(self.run_probe)  # probe rounds only where probe_interval_s > 0
         if self.config.watch_current:
             self._watcher = asyncio.get_running_loop().create_task(self._watch_current(), name="watch-current")
-        log.info("listening on %s:%d", self.config.host, self.port)
+        log.info("listening on %s:%d", transport.host, self.port)
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stop taking RPCs, let in-flight ones finish (up to `grace` seconds), then stop workers."""
@@ -408,7 +438,7 @@ async def serve(config: ServerConfig) -> None:
     ports, one JSON line, once listening."""
     app = SearchApp(config)
     await app.start()
-    print(json.dumps({"port": app.port, "metrics_port": config.metrics_port}), flush=True)
+    print(json.dumps({"port": app.port, "metrics_port": config.transport.metrics_port}), flush=True)
     stopped = asyncio.Event()
 
     def shutdown(signum: int) -> None:  # drain in-flight requests, then exit
@@ -423,6 +453,6 @@ async def serve(config: ServerConfig) -> None:
 
 
 def run(config: ServerConfig) -> None:
-    """`asyncio.run(serve(config))` on the loop `config.event_loop` names."""
-    with asyncio.Runner(loop_factory=functools.partial(loop_factory, config.event_loop)) as runner:
+    """`asyncio.run(serve(config))` on the loop `config.runtime.event_loop` names."""
+    with asyncio.Runner(loop_factory=functools.partial(loop_factory, config.runtime.event_loop)) as runner:
         runner.run(serve(config))

@@ -44,7 +44,7 @@ def served(demo_run):
     from tests.server_support import SearchServer
 
     server = SearchServer(
-        ServerConfig(
+        ServerConfig.flat(
             index_root=str(demo_run / "index"),
             port=0,
             metrics_port=None,

@@ -43,7 +43,7 @@ class SearchServer(SearchApp):
 
     def _call(self, coroutine: Coroutine[object, object, T], timeout: float | None = None) -> T:
         """Run a coroutine on the servers' loop and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, event_loop(self.config.event_loop)).result(timeout)
+        return asyncio.run_coroutine_threadsafe(coroutine, event_loop(self.config.runtime.event_loop)).result(timeout)
 
     def start(self) -> None:  # type: ignore[override]  # the blocking form of SearchApp.start
         self._call(super().start())

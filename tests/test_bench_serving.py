@@ -84,9 +84,9 @@ def test_the_ceiling_reads_the_servers_own_flags(tmp_path, flags, threads, runs_
     (tmp_path / "index").mkdir()  # the server checks its index root exists
     unbatched = server_config(serve_flags(tmp_path, "off", flags))
     batched = server_config(serve_flags(tmp_path, "on", flags))
-    assert unbatched.worker_threads == threads
+    assert unbatched.runtime.worker_threads == threads
     assert (unbatched.runs_at_once, batched.runs_at_once) == (runs_off, runs_on)
-    assert unbatched.index_root == str(tmp_path / "index") and unbatched.max_batch_size == 32
+    assert unbatched.index_root == str(tmp_path / "index") and unbatched.batching.max_batch_size == 32
 
 
 @pytest.mark.slow
@@ -100,12 +100,12 @@ def test_the_ceiling_loads_the_pairs_the_servers_would(demo_run, flags):
     assert (ceiling.unbatched_embedder.side_by_side_session is not None) == shared
     shared = batched.runs_at_once > 1 and cpus > 1
     assert (ceiling.embedder.side_by_side_session is not None) == shared
-    assert ceiling.index.ntotal > 0 and ceiling.streams == batched.batch_streams
+    assert ceiling.index.ntotal > 0 and ceiling.streams == batched.batching.batch_streams
     loaded_once = batched.runs_at_once == unbatched.runs_at_once
     assert (ceiling.unbatched_embedder is ceiling.embedder) == loaded_once
     assert ceiling.measure_concurrent(2, seconds=0.2)["qps"] > 0
     streams = ceiling.measure_streams(4, seconds=0.2)
-    assert streams["threads"] == batched.batch_streams and streams["qps"] > 0
+    assert streams["threads"] == batched.batching.batch_streams and streams["qps"] > 0
 
 
 @pytest.mark.skipif(shutil.which("h2load") is None, reason="h2load comes with `make setup` (nghttp2-client)")
@@ -150,7 +150,7 @@ def test_ab_serving_compares_servers_that_differ_only_in_their_flags(demo_run, t
     report = tmp_path / "ab.json"
     done = run_ab(
         *("--run", str(demo_run), "--rounds", "1", "--levels", "8", "--seconds", "1", "--json", str(report)),
-        *("--config", "on=", "--config", "off=--batching false"),
+        *("--config", "on=", "--config", "off=--no-batching"),
     )
     assert done.returncode == 0, done.stderr
     rounds = json.loads(report.read_text())["rounds"]

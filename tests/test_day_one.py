@@ -88,7 +88,7 @@ def test_an_unlabelled_folder_is_indexed_and_served(photos, pretrained_model, tm
     quality = read_manifest(artifacts.version_dir(root))["quality"]
     assert "leave-one-out among its images" in quality["probe_source"] and 0 < quality["probe_recall_at_k"]["1"] <= 1
 
-    server = SearchServer(ServerConfig(index_root=str(root), port=0, metrics_port=None, probe_interval_s=0))
+    server = SearchServer(ServerConfig.flat(index_root=str(root), port=0, metrics_port=None, probe_interval_s=0))
     server.start()
     try:
         with SearchClient(f"127.0.0.1:{server.port}", timeout=60) as client:

@@ -100,7 +100,7 @@ def start_prometheus(tmp_path: Path, port: int, target_port: int, rules: bool = 
 def test_every_rule_runs_against_real_metrics(demo_run, tmp_path):
     metrics_port, prom_port = free_port(), free_port()
     server = SearchServer(
-        ServerConfig(
+        ServerConfig.flat(
             index_root=str(demo_run / "index"),
             port=0,
             metrics_port=metrics_port,

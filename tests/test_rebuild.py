@@ -25,7 +25,7 @@ def test_actor_resources_select_gpu_when_present():
     assert embed_actor_resources(2) == {"num_gpus": 1, "num_cpus": 1}
     assert embed_actor_resources(2, provider="cpu") == {"num_gpus": 0, "num_cpus": 1}
     with pytest.raises(RuntimeError, match="no GPUs"):
-        embed_actor_resources(0, provider="cuda")
+        embed_actor_resources(0, provider="gpu")
 
 
 @pytest.mark.parametrize("fixed_size", [True, False])

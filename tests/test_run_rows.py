@@ -120,10 +120,10 @@ def test_a_new_index_for_the_same_model_keeps_the_measured_rows(demo_run, caplog
 
 
 def test_the_largest_run_is_a_batch_or_one_query(tmp_path):
-    assert ServerConfig(index_root=str(tmp_path), max_batch_size=24).largest_run == 24
-    assert ServerConfig(index_root=str(tmp_path), max_batch_size=24, batching=False).largest_run == 1
+    assert ServerConfig.flat(index_root=str(tmp_path), max_batch_size=24).largest_run == 24
+    assert ServerConfig.flat(index_root=str(tmp_path), max_batch_size=24, batching=False).largest_run == 1
     with pytest.raises(ValueError, match="run_rows must be ≥ 0"):
-        ServerConfig(index_root=str(tmp_path), run_rows=-1)
+        ServerConfig.flat(index_root=str(tmp_path), run_rows=-1)
 
 
 def test_a_cpu_run_holds_at_most_a_pass_of_224_px_images():

@@ -133,7 +133,7 @@ def test_server_without_index_is_unavailable_and_not_healthy(tmp_path):
     from serving.server import ServerConfig
     from tests.server_support import SearchServer
 
-    server = SearchServer(ServerConfig(index_root=str(tmp_path), port=0, metrics_port=None, probe_interval_s=0))
+    server = SearchServer(ServerConfig.flat(index_root=str(tmp_path), port=0, metrics_port=None, probe_interval_s=0))
     server.start()
     try:
         with SearchClient(f"127.0.0.1:{server.port}", timeout=60) as client:  # a bound on a hang only

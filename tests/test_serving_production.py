@@ -57,7 +57,7 @@ def index_root(demo_run, tmp_path) -> Path:
 def config(index_root: Path, **overrides) -> ServerConfig:
     """A loopback server's configuration; probe rounds off (a test that needs one runs it)."""
     defaults = dict(index_root=str(index_root), port=0, metrics_port=None, probe_interval_s=0, probe_size=100)
-    return ServerConfig(**{**defaults, **overrides})
+    return ServerConfig.flat(**{**defaults, **overrides})
 
 
 def connect(server: SearchServer, admin_token: str | None = None) -> SearchClient:
@@ -394,12 +394,12 @@ def test_old_connections_are_recycled_without_failing_a_call(index_root):
 def test_connection_lifetime_flags_become_grpc_options(tmp_path):
     from serving.__main__ import server_config
 
-    defaults = dict(server_config(["--index-root", str(tmp_path)]).connection_options)
+    defaults = dict(server_config(["--index-root", str(tmp_path)]).transport.connection_options)
     assert defaults["grpc.max_connection_age_ms"] == 300_000 and defaults["grpc.keepalive_time_ms"] == 60_000
     off = dict(
         server_config(
             ["--index-root", str(tmp_path), "--max-connection-age-s", "0", "--keepalive-s", "0"]
-        ).connection_options
+        ).transport.connection_options
     )
     assert "grpc.max_connection_age_ms" not in off and "grpc.keepalive_time_ms" not in off
     assert off["grpc.http2.min_ping_interval_without_data_ms"] == 10_000  # clients may still ping
@@ -703,7 +703,7 @@ def test_tls_and_search_token(index_root, tmp_path):
         capture_output=True,
     )
     server = SearchServer(
-        ServerConfig(
+        ServerConfig.flat(
             index_root=str(index_root),
             port=0,
             metrics_port=None,
