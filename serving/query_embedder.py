@@ -65,8 +65,8 @@ class QueryEmbedder(OnnxEmbedder):
     `runs_at_once` > 1: the caller makes that many runs at once, so a second CPU session of the
     same model, with the intra-op threads shared out among them, takes the runs made while others
     are under way (`embed(..., side_by_side=True)`): runs sharing one multi-threaded session
-    fight over its one intra-op pool, while runs on their own share of the threads do not — on
-    two cores, 16% more mobilenet_v2 queries/s than sharing the pool — yet a run made alone
+    fight over its one intra-op pool, while runs on their own share of the threads do not (the
+    serving benchmark measures the difference, docs/benchmarks.md) — yet a run made alone
     still gets every thread. Only kept where the two sessions differ: CPU, and more intra-op
     threads than a share."""
 
@@ -97,8 +97,8 @@ class QueryEmbedder(OnnxEmbedder):
         `batch_rows` (on the full session) and `side_by_side_rows` (on the other) fastest here,
         measured on random input (`fastest_run_rows`). On a CPU a large batch of a
         convolutional network can run slower per image than a few small runs, its activations
-        spilling out of the caches (mobilenet_v2 at 224×224 on two cores: 8.0 ms of CPU an
-        image in one run of 32, 7.4 in runs of 4), while a small model pays ORT's cost per run.
+        spilling out of the caches (docs/benchmarks.md, serving), while a small model pays ORT's
+        cost per run.
         A CUDA session keeps whole batches, unmeasured (`measures_run_rows`)."""
         self.run_rows = self.side_by_side_run_rows = None
         if not measures_run_rows(self.session.get_providers()):

@@ -243,7 +243,7 @@ class ServerConfig:
 
 
 def loop_factory(kind: str = "uvloop"):
-    """A new event loop of `kind`: uvloop by default, which took ~11% off the loop's CPU per query."""
+    """A new event loop of `kind`: uvloop by default, which spends less of the loop's CPU per query."""
     if kind not in EVENT_LOOPS:
         raise ValueError(f"event loop must be one of {', '.join(EVENT_LOOPS)}, got {kind!r}")
     if kind == "uvloop":

@@ -96,7 +96,7 @@ class SearchService:
         """Where an opened image's pixels are decoded: on the loop when image and model input are
         both tiny (a thread hop costs more than decoding them); by the inference thread that
         embeds it when the image is small (the hop to a decode thread costs about what decoding
-        it does: a 28×28 glyph PNG for a 224×224 model, 0.2 ms) or the batcher would take the
+        it does, e.g. a 28×28 glyph PNG for a 224×224 model) or the batcher would take the
         query at once; else in a decode thread, in parallel with the others, while the query
         waits for its batch."""
         contract = pair.embedder.contract
