@@ -24,7 +24,7 @@ from training.data import (
     train_dataset,
 )
 from training.datasets import write_replica
-from training.evaluate import histogram_overlap, nmi, pair_similarities
+from training.evaluate import histogram_overlap, kmeans_schedule, nmi, pair_similarities
 from training.losses import build_loss
 from training.models import EmbeddingNet
 from training.train import TrainConfig, _work_directory, build_optimizer, learning_rates
@@ -178,6 +178,12 @@ def test_resume_needs_a_stopped_run_with_the_same_options(tmp_path):
     (work / "leftover").write_text("x")
     _work_directory(TrainConfig(out=str(out), epochs=3), out)  # a fresh run clears the old one
     assert not (work / "leftover").exists()
+
+
+def test_nmi_restarts_only_where_their_cost_is_bounded():
+    assert kmeans_schedule(3_480, 58, 128) == (50, 5)  # the glyph benchmark's test split: restarts
+    assert kmeans_schedule(63_800, 5_800, 1_280) == (20, 1)  # SOP's test half: one run
+    assert kmeans_schedule(63_800, 5_800, 128) == (20, 1)
 
 
 def test_nmi_and_histogram_overlap():
