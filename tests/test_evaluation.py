@@ -158,3 +158,20 @@ def test_ann_recall():
     assert 0.0 < partial < 1.0
     apply_search_params(ivf, {"nprobe": 16})
     assert ann_recall(ivf, x, queries, 10) == 1.0
+
+
+def test_exact_search_matches_brute_force_and_keeps_unit_rows_in_place():
+    from core.vectors import exact_search, unit_rows
+
+    rng = np.random.default_rng(3)
+    raw = rng.standard_normal((300, 16)).astype(np.float32) * 3  # not unit length: normalised
+    unit = raw / np.linalg.norm(raw, axis=1, keepdims=True)
+    assert unit_rows(unit) is unit  # a model's embeddings are searched as they are, not copied
+    assert unit_rows(raw) is not raw and np.allclose(unit_rows(raw), unit, atol=1e-6)
+    for database in (raw, unit):
+        scores, rows = exact_search(database, raw[:20], 5)
+        expected = np.argsort(-(unit[:20] @ unit.T), axis=1, kind="stable")[:, :5]
+        np.testing.assert_array_equal(rows, expected)
+        np.testing.assert_allclose(scores, np.take_along_axis(unit[:20] @ unit.T, expected, 1), atol=1e-5)
+    _, none = exact_search(np.zeros((0, 16), np.float32), unit[:2], 3)
+    assert (none == -1).all()
