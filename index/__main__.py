@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             progress = args.progress
             del args.progress
             cfg = from_cli(RebuildConfig, args)
-            print(run_rebuild(cfg, workers=cfg.workers, work_dir=cfg.work_dir, progress=progress))
+            print(run_rebuild(cfg, progress=progress))
         elif args.command == "list":
             live = artifacts.current_version(args.index_root)
             for version in artifacts.list_versions(args.index_root):

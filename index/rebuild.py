@@ -42,6 +42,11 @@ class RebuildConfig(BuildConfig):
     workers: int = option(2, help="embedding actors, each decoding its own images")
     work_dir: str | None = option(None, help="where embedding shards go (default: INDEX_ROOT/.rebuild)")
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+
 
 def embed_actor_resources(cluster_gpus: float, provider: str = "auto") -> dict[str, float]:
     """One GPU per embedding actor when the cluster has GPUs (and CUDA is allowed), else a CPU."""
@@ -176,29 +181,27 @@ def read_shards(work: Path, n_rows: int) -> tuple[np.ndarray, list[int], dict[st
     return (vectors if not bad.any() else vectors[~bad]), kept, skipped
 
 
-def run_rebuild(cfg: BuildConfig, workers: int = 2, work_dir: str | None = None, progress: bool = True) -> Path:
+def run_rebuild(cfg: RebuildConfig, progress: bool = True) -> Path:
     """Embed the catalog with Ray Data, then build, gate and publish like `index build`."""
     cfg.check_inputs()
-    if workers < 1:
-        raise ValueError(f"workers must be at least 1, got {workers}")
     started = time.perf_counter()
     model_dir = Path(cfg.model)
     model = ModelManifest.read(model_dir)
     catalog_path = Path(cfg.catalog or default_catalog(model))
     catalog = read_catalog(catalog_path)
-    work = Path(work_dir or Path(cfg.index_root) / ".rebuild") / work_key(catalog, model.model_id)
+    work = Path(cfg.work_dir or Path(cfg.index_root) / ".rebuild") / work_key(catalog, model.model_id)
     if (work / DONE).is_file():
         log.info("reusing completed embedding shards in %s", work)
     else:
         shutil.rmtree(work, ignore_errors=True)  # a crashed run's partial shards are not trusted
         work.mkdir(parents=True)
         embed_with_ray_data(
-            catalog_path, model_dir, work, workers, cfg.batch_size, cfg.provider, cfg.max_pixels, progress
+            catalog_path, model_dir, work, cfg.workers, cfg.batch_size, cfg.provider, cfg.max_pixels, progress
         )
     embed_seconds = time.perf_counter() - started
     embeddings, kept, skipped = read_shards(work, len(catalog))
     check_bad_rows(len(catalog), len(kept), skipped, cfg.max_bad_fraction)
-    engine = {"name": "ray_data", "workers": workers}
+    engine = {"name": "ray_data", "workers": cfg.workers}
     new = NewVersion.of_catalog(
         model.model_id, catalog_path, catalog, embeddings, kept, skipped, started, embed_seconds, engine
     )

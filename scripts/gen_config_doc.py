@@ -34,11 +34,11 @@ def command_tables() -> list[tuple[str, str, type, tuple[str, ...]]]:
     """(command, help, configuration class, options it does not take), in pipeline order."""
     from index.__main__ import COMMANDS as INDEX
     from serving.__main__ import COMMANDS as SERVING
-    from training.__main__ import COMMANDS as TRAINING
+    from training.__main__ import commands as training_commands
 
     rows = []
     for prefix, commands in (
-        ("python -m training", TRAINING),
+        ("python -m training", training_commands()),
         ("python -m index", INDEX),
         ("python -m serving", SERVING),
     ):

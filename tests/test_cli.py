@@ -21,6 +21,8 @@ def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 
 BAD_INPUT = [
     (("training", "train", "--catalog", "/no/such/catalog.csv"), "catalog not found"),
+    (("training", "benchmark", "--catalog", "/no/such/catalog.csv", "--losses", "raw_vthm"), "catalog not found"),
+    (("index", "rebuild", "--workers", "0"), "workers must be at least 1"),
     (("training", "train", "--epochs", "0"), "epochs must be positive"),
     (("training", "train", "--device", "maybe"), "invalid choice"),
     (("training", "train", "--backbone", "vgg99", "--catalog", "."), "unknown backbone"),

@@ -97,10 +97,12 @@ def test_no_head_and_the_start_are_flags():
     from core.config import from_cli
     from training.__main__ import _parser
 
-    cfg = from_cli(TrainConfig, _parser().parse_args(["train", "--embedding-dim", "none", "--proxy-init", "random"]))
+    cfg = from_cli(
+        TrainConfig, _parser("train").parse_args(["train", "--embedding-dim", "none", "--proxy-init", "random"])
+    )
     assert cfg.embedding_dim is None and cfg.proxy_init == "random" and cfg.head_init == "random"
     with pytest.raises(SystemExit):
-        _parser().parse_args(["train", "--embedding-dim", "wide"])
+        _parser("train").parse_args(["train", "--embedding-dim", "wide"])
 
 
 def test_the_start_is_measured_on_a_bounded_sample():

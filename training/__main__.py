@@ -8,27 +8,31 @@ import sys
 
 from core.cli import add_config_flag, add_verbose_flag, run_cli
 from core.config import add_options, from_cli
-from training.benchmark import PER_RUN_FIELDS, BenchmarkConfig
-from training.export import ExportConfig
-from training.train import TrainConfig
 
-# command → (help, configuration class, its options this command does not take)
-COMMANDS = {
-    "train": ("train an embedding model with Ray Train", TrainConfig, ()),
-    "benchmark": (
-        "train several losses × seeds under one protocol and tabulate test Recall@K",
-        BenchmarkConfig,
-        ("protocol",),
-    ),
-    "export": (
-        "export a training run, or a pretrained network as it is, to a verified ONNX model artifact",
-        ExportConfig,
-        (),
-    ),
+# The configuration classes live beside torch and Ray (4 s to import): only the command that runs
+# builds its options, so `training data` and `--help` start at once.
+HELP = {
+    "train": "train an embedding model with Ray Train",
+    "benchmark": "train several losses × seeds under one protocol and tabulate test Recall@K",
+    "export": "export a training run, or a pretrained network as it is, to a verified ONNX model artifact",
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+def commands() -> dict[str, tuple[str, type, tuple[str, ...]]]:
+    """command → (help, configuration class, its options this command does not take)."""
+    from training.benchmark import BenchmarkConfig
+    from training.export import ExportConfig
+    from training.train import TrainConfig
+
+    return {
+        "train": (HELP["train"], TrainConfig, ()),
+        "benchmark": (HELP["benchmark"], BenchmarkConfig, ("protocol",)),
+        "export": (HELP["export"], ExportConfig, ()),
+    }
+
+
+def _parser(wanted: str | None = None) -> argparse.ArgumentParser:
+    """The parser; the options of `wanted` only (the command about to run), the others bare."""
     parser = argparse.ArgumentParser(prog="python -m training", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -39,18 +43,26 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     data.add_argument("--data-dir", help="where images and catalog.csv go (default data/<set>)")
 
-    for name, (text, cls, exclude) in COMMANDS.items():
+    for name, text in HELP.items():
         command = sub.add_parser(name, help=text)
         add_config_flag(command)
+        if name != wanted:
+            continue
+        _, cls, exclude = commands()[name]
         add_options(command, cls, exclude=exclude)
         if name == "benchmark":  # and the protocol: training's options, but those set per run
+            from training.benchmark import PER_RUN_FIELDS
+            from training.train import TrainConfig
+
             add_options(command, TrainConfig, exclude=PER_RUN_FIELDS)
     add_verbose_flag(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    args = _parser(wanted).parse_args(argv)
 
     def command() -> None:
         if args.command == "data":
@@ -60,19 +72,19 @@ def main(argv: list[str] | None = None) -> int:
             build = {"glyphs": build_glyph_dataset, "icons": build_icon_dataset}[args.data_set]
             print(build(args.data_dir or f"data/{args.data_set}"))
         elif args.command == "train":
-            from training.train import run_training
+            from training.train import TrainConfig, run_training
 
             out = run_training(from_cli(TrainConfig, args))
             print(json.dumps({"run": str(out), **_summary(out)}, indent=2))
         elif args.command == "benchmark":
             from core.config import explicit_args, load_config_file
-            from training.benchmark import run_benchmark
+            from training.benchmark import BenchmarkConfig, run_benchmark
 
             values = {**(load_config_file(args.config) if args.config else {}), **explicit_args(args)}
             out = run_benchmark(BenchmarkConfig.from_values(values))
             print((out / "table.md").read_text())
         elif args.command == "export":
-            from training.export import run_export
+            from training.export import ExportConfig, run_export
 
             print(run_export(from_cli(ExportConfig, args)))
 

@@ -73,6 +73,10 @@ class BenchmarkConfig:
                 cfg, num_classes=2, embedding_dim=cfg.embedding_dim or 8
             )  # a width; the check is the options
 
+    def check_inputs(self) -> None:
+        """The files the protocol names (catalog, data root, weights), once: every run shares them."""
+        self.train_config(self.losses[0], 0).check_inputs()
+
     def train_config(self, loss: str, seed: int) -> TrainConfig:
         options = {**PROTOCOL_DEFAULTS, **self.protocol}
         return TrainConfig(
@@ -118,6 +122,7 @@ def run_benchmark(cfg: BenchmarkConfig) -> Path:
     """Train what is missing, then write the table, JSON and chart; returns the output folder."""
     import ray
 
+    cfg.check_inputs()  # before any run starts, not inside each one
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "config.json", to_jsonable(cfg))
