@@ -26,6 +26,8 @@ INDEX_FILE = "index.faiss"
 ITEMS_FILE = "items.parquet"
 NEIGHBOURS_FILE = "neighbours.png"  # sample queries and their neighbours, to look at
 EMBEDDINGS_FILE = "embeddings.npy"  # the exact vectors indexed, row for row
+DELETED_FILE = "deleted.npy"  # rows removed but still in the index (HNSW tombstones), sorted
+FILTERS_FILE = "filters.npz"  # the filterable fields' value → rows structure
 CURRENT = "CURRENT"
 VERSIONS = "versions"
 

@@ -1,7 +1,9 @@
 """An index version opened: its manifest, faiss index, items table and exact vectors.
 
 `<root>/versions/<version>/` holds `manifest.json`, `index.faiss`, `items.parquet` and
-`embeddings.npy` (the exact vectors indexed, row for row). `index add` extends one, the quality
+`embeddings.npy` (the exact vectors indexed, row for row), and `deleted.npy` when rows were
+removed from an index that cannot drop them (HNSW: its rows stay in the graph, masked at search
+time until a rebuild compacts them). `index add` extends one, the quality
 gate compares against one, and a server serves one; each opens it through `IndexVersion`.
 The files are read when first used, so reading the manifest alone costs only the manifest.
 """
@@ -68,10 +70,41 @@ class IndexVersion:
         """The exact vectors, memory-mapped: what an index may only approximate."""
         return _read_artifact(_map_vectors, self.directory / artifacts.EMBEDDINGS_FILE, "a float32 vector array")
 
+    @functools.cached_property
+    def deleted(self) -> np.ndarray:
+        """Rows removed but still in the index (sorted; empty for most versions): never answers."""
+        path = self.directory / artifacts.DELETED_FILE
+        if not path.is_file():
+            return np.zeros(0, dtype=np.int64)
+        return _read_artifact(_read_rows, path, "a sorted array of row numbers")
+
+    @functools.cached_property
+    def live_mask(self) -> np.ndarray | None:
+        """A bool per row, False for deleted rows; None when no row is deleted."""
+        if not len(self.deleted):
+            return None
+        mask = np.ones(len(self.items), dtype=bool)
+        mask[self.deleted] = False
+        return mask
+
+    @property
+    def size(self) -> int:
+        """Items that answer: the index's rows less the deleted ones."""
+        return len(self.items) - len(self.deleted)
+
+    def row_of(self, item_id: str) -> int | None:
+        """The row of `item_id`, or None when it is not in this version (or was deleted)."""
+        row = self.items.row_of(item_id)
+        if row is None or (self.live_mask is not None and not self.live_mask[row]):
+            return None
+        return row
+
     def load(self, dim: int | None = None) -> IndexVersion:
         """Read index, items and vectors (in that order: the cheap checks first) and check that
         they hold the same rows, of the dimension `dim` when given (the model's)."""
-        index, items, vectors = self.index, self.items, self.vectors
+        index, items, vectors, deleted = self.index, self.items, self.vectors, self.deleted
+        if len(deleted) and (deleted[0] < 0 or deleted[-1] >= len(items)):
+            raise ArtifactError(f"{self.directory / artifacts.DELETED_FILE} names rows outside 0..{len(items) - 1}")
         dims = {index.d, vectors.shape[1]} | ({dim} if dim is not None else set())
         if not (len(items) == index.ntotal == len(vectors)) or len(dims) != 1:
             raise ArtifactError(
@@ -99,6 +132,13 @@ def _map_vectors(path: Path) -> np.ndarray:
     if vectors.dtype != np.float32 or vectors.ndim != 2:
         raise ValueError(f"holds {vectors.dtype} of shape {vectors.shape}, not float32 rows")
     return vectors
+
+
+def _read_rows(path: Path) -> np.ndarray:
+    rows = np.load(path)
+    if rows.dtype != np.int64 or rows.ndim != 1 or (len(rows) > 1 and (np.diff(rows) <= 0).any()):
+        raise ValueError(f"holds {rows.dtype} of shape {rows.shape}, not increasing int64 rows")
+    return rows
 
 
 def _read_artifact(read: Callable[[Path], T], path: Path, what: str) -> T:

@@ -53,7 +53,7 @@ from enum import StrEnum
 import numpy as np
 from PIL import Image
 
-from serving.engine import Hit, SearchEngine, ServingPair
+from serving.engine import EVERY_ROW, Hit, Scope, SearchEngine, ServingPair
 from serving.errors import DeadlineExceeded, ResourceExhausted, ServiceError, Unavailable
 from serving.metrics import ServiceMetrics
 
@@ -78,6 +78,7 @@ class Query:
     pair: ServingPair
     k: int
     exclude: frozenset[int] = frozenset()
+    scope: Scope = EVERY_ROW
     array: np.ndarray | None = None
     image: Image.Image | None = None  # opened, pixels not decoded: the inference thread decodes it
     vector: np.ndarray | None = None
@@ -91,6 +92,7 @@ class Result:
     """A query's answer: its top-k hits (none for k = 0), its vector, and its stage times."""
 
     hits: list[Hit] = field(default_factory=list)
+    truncated: bool = False  # min_score: more rows reach it than `hits` holds
     vector: np.ndarray | None = None
     decode_s: float = 0.0
     queue_s: float = 0.0
@@ -206,9 +208,13 @@ class Inference:
         if to_search:
             k = max(w.query.k for w in to_search)
             vectors = np.stack([w.result.vector for w in to_search])
-            found = self.engine.search(pair, vectors, k, [w.query.exclude for w in to_search])
-            for work, hits in zip(to_search, found, strict=True):
-                work.result.hits = hits[: work.query.k]
+            found = self.engine.search(
+                pair, vectors, k, [w.query.exclude for w in to_search], [w.query.scope for w in to_search]
+            )
+            for work, answer in zip(to_search, found, strict=True):
+                work.result.hits = answer.hits[: work.query.k]
+                cut = work.query.scope.min_score is not None and len(answer.hits) > work.query.k
+                work.result.truncated = answer.truncated or cut
         searched = time.perf_counter()
         self.metrics.batch_size.observe(len(batch))
         embedding, searching = set(map(id, to_embed)), set(map(id, to_search))

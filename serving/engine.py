@@ -147,6 +147,31 @@ class Hit:
     score: float
 
 
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Which rows may answer a query, beyond the rows it excludes: `allowed`, a bool per row of
+    the pair (a filter's matches; None: every row), and `min_score`, the least cosine similarity
+    of an answer (None: the top k, whatever their scores)."""
+
+    allowed: np.ndarray | None = None
+    min_score: float | None = None
+
+    @property
+    def plain(self) -> bool:
+        return self.allowed is None and self.min_score is None
+
+
+EVERY_ROW = Scope()
+
+
+@dataclass(slots=True)
+class Answer:
+    """A query's hits, best first; `truncated` when more rows reach its `min_score` than it holds."""
+
+    hits: list[Hit]
+    truncated: bool = False
+
+
 class SearchEngine:
     """Holds the live pair; decodes, embeds and searches against it."""
 
@@ -206,23 +231,61 @@ class SearchEngine:
         return vector / norm
 
     def item_vector(self, pair: ServingPair, item_id: str) -> tuple[np.ndarray, int]:
-        row = pair.items.row_of(item_id)
+        row = pair.index_version.row_of(item_id)
         if row is None:
             raise InvalidArgument(f"unknown item id {item_id!r}")
         return pair.index_version.vector(row), row
 
-    def search(self, pair: ServingPair, vectors: np.ndarray, k: int, exclude: list[set[int]]) -> list[list[Hit]]:
-        """Top-k per query, leaving out excluded rows (searching deeper to make up for them)."""
-        depth = min(k + max((len(e) for e in exclude), default=0), pair.index.ntotal)
-        scores, rows = pair.index.search(np.ascontiguousarray(vectors, dtype=np.float32), depth)
-        results = []
-        for s_row, r_row, skip in zip(scores, rows, exclude, strict=True):
-            hits = [Hit(int(r), float(s)) for s, r in zip(s_row, r_row, strict=True) if r >= 0 and int(r) not in skip]
-            results.append(hits[:k])
-        return results
+    def search(
+        self,
+        pair: ServingPair,
+        vectors: np.ndarray,
+        k: int,
+        exclude: list[frozenset[int]],
+        scopes: list[Scope] | None = None,
+    ) -> list[Answer]:
+        """Top-k per query within its scope, leaving out excluded and deleted rows. Plain
+        queries share one faiss call (searching deeper to make up for excluded rows); a query
+        with a filter or a min_score, or any query while rows are deleted, is searched alone."""
+        vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+        scopes = scopes or [EVERY_ROW] * len(vectors)
+        answers: list[Answer | None] = [None] * len(vectors)
+        plain = [i for i, s in enumerate(scopes) if s.plain] if pair.index_version.live_mask is None else []
+        if plain:
+            skips = [exclude[i] for i in plain]
+            depth = min(k + max((len(e) for e in skips), default=0), pair.index.ntotal)
+            scores, rows = pair.index.search(vectors[plain], depth)
+            for i, s_row, r_row, skip in zip(plain, scores, rows, skips, strict=True):
+                hits = [Hit(int(r), float(s)) for s, r in zip(s_row, r_row, strict=True) if r >= 0 and r not in skip]
+                answers[i] = Answer(hits[:k])
+        for i, answer in enumerate(answers):
+            if answer is None:
+                answers[i] = self.search_scoped(pair, vectors[i], k, exclude[i], scopes[i])
+        return answers
+
+    def search_scoped(
+        self, pair: ServingPair, vector: np.ndarray, k: int, exclude: frozenset[int], scope: Scope
+    ) -> Answer:
+        """One query within its scope: exact search over the rows it allows (deleted and excluded
+        rows left out), and the rows at or above its min_score."""
+        allowed = scope.allowed if scope.allowed is not None else np.ones(pair.index.ntotal, dtype=bool)
+        if pair.index_version.live_mask is not None:
+            allowed = allowed & pair.index_version.live_mask
+        if exclude:
+            allowed = allowed.copy() if allowed is scope.allowed else allowed
+            allowed[list(exclude)] = False
+        rows = np.flatnonzero(allowed)
+        scores = np.asarray(pair.vectors[rows] @ vector, dtype=np.float32)
+        truncated = False
+        if scope.min_score is not None:
+            reaching = scores >= scope.min_score
+            rows, scores = rows[reaching], scores[reaching]
+            truncated = len(rows) > k
+        top = np.argsort(-scores, kind="stable")[:k]
+        return Answer([Hit(int(rows[j]), float(scores[j])) for j in top], truncated)
 
     def exclude_rows(self, pair: ServingPair, ids: list[str]) -> set[int]:
-        return {row for row in (pair.items.row_of(i) for i in ids) if row is not None}
+        return {row for row in (pair.index_version.row_of(i) for i in ids) if row is not None}
 
 
 @contextmanager

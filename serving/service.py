@@ -23,7 +23,7 @@ from PIL import Image
 from core.artifacts import ArtifactError
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
-from serving.engine import SearchEngine, ServingPair
+from serving.engine import EVERY_ROW, Scope, SearchEngine, ServingPair
 from serving.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
 from serving.metrics import ServiceMetrics
 from serving.monitor import RecallMonitor
@@ -108,7 +108,14 @@ class SearchService:
         return self.batcher.decode_placement
 
     async def _image_query(
-        self, pair: ServingPair, data: bytes, k: int, exclude: frozenset[int], deadline: float | None, received: float
+        self,
+        pair: ServingPair,
+        data: bytes,
+        k: int,
+        exclude: frozenset[int],
+        deadline: float | None,
+        received: float,
+        scope: Scope = EVERY_ROW,
     ) -> Query:
         """A query for an image: decoded here or in the decode pool, or only opened, for the
         inference thread to decode."""
@@ -124,6 +131,7 @@ class SearchService:
             pair,
             k,
             exclude,
+            scope,
             array=array,
             image=image if array is None else None,
             deadline=deadline,
@@ -131,20 +139,34 @@ class SearchService:
             decode_s=time.perf_counter() - received,
         )
 
+    def _scope(self, request: pb.SearchRequest, pair: ServingPair) -> Scope:
+        """The rows a request may be answered with: its filter's matches, at or above its min_score."""
+        min_score = None
+        if request.HasField("min_score"):
+            min_score = float(request.min_score)
+            if not -1.0 <= min_score <= 1.0:
+                raise InvalidArgument(f"min_score must be within [-1, 1] (cosine similarity), got {min_score}")
+        if request.HasField("filter"):
+            raise InvalidArgument("filter: filtered search is not available yet")
+        return Scope(min_score=min_score) if min_score is not None else EVERY_ROW
+
     async def _prepare(self, request: pb.SearchRequest, pair: ServingPair, deadline: float | None) -> Query:
         engine = self.engine
-        engine.check_k(request.k)
+        scope = self._scope(request, pair)
+        # With a min_score, k bounds the answer and may be left 0: up to max_k.
+        k = request.k or (engine.limits.max_k if scope.min_score is not None else 0)
+        engine.check_k(k)
         exclude = frozenset(engine.exclude_rows(pair, list(request.exclude_ids)))
         received = time.perf_counter()
         kind = request.WhichOneof("query")
         if kind == "image":
-            return await self._image_query(pair, request.image, request.k, exclude, deadline, received)
+            return await self._image_query(pair, request.image, k, exclude, deadline, received, scope)
         if kind == "embedding":
             vector = engine.check_embedding(pair, request.embedding.values)
-            return Query(pair, request.k, exclude, vector=vector, deadline=deadline, received=received)
+            return Query(pair, k, exclude, scope, vector=vector, deadline=deadline, received=received)
         if kind == "item_id":
             vector, row = engine.item_vector(pair, request.item_id)
-            return Query(pair, request.k, exclude | {row}, vector=vector, deadline=deadline, received=received)
+            return Query(pair, k, exclude | {row}, scope, vector=vector, deadline=deadline, received=received)
         raise InvalidArgument("request has no query: set image, embedding or item_id")
 
     # -- answers ----------------------------------------------------------------------------
@@ -165,8 +187,10 @@ class SearchService:
         self.feedback_log.remember(request_id, pair.serial, rows)
         if request.HasField("label") and items.labelled:
             self.monitor.record_labelled(pair.serial, request.label, [n.label for n in neighbors])
-        self.monitor.maybe_sample_ann(pair.serial, result.vector, rows, query.exclude)
+        if query.scope.plain:  # the exact re-run compares against every row
+            self.monitor.maybe_sample_ann(pair.serial, result.vector, rows, query.exclude)
         return pb.SearchResponse(
+            truncated=result.truncated,
             neighbors=neighbors,
             request_id=request_id,
             index_version=pair.version,
@@ -250,7 +274,8 @@ class SearchService:
             model_id=pair.model_id,
             index_version=pair.version,
             index_id=pair.index_id,
-            index_size=pair.index.ntotal,
+            index_size=pair.index_version.size,
+            deleted_rows=len(pair.index_version.deleted),
             embedding_dim=pair.dim,
             factory=pair.manifest.factory,
             providers=pair.embedder.session.get_providers(),

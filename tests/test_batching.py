@@ -77,7 +77,7 @@ def job(pair, array, k: int = 5, deadline: float | None = None) -> Query:
 
 def exact(engine: SearchEngine, pair, array, k: int = 5) -> list[int]:
     vector = engine.embed(pair, [array])
-    return [h.row for h in engine.search(pair, vector, k, [set()])[0]]
+    return [h.row for h in engine.search(pair, vector, k, [frozenset()])[0].hits]
 
 
 def test_engine_decodes_large_jpegs_at_reduced_scale_where_the_contract_allows(engine_and_pairs):

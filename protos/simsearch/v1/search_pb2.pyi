@@ -12,8 +12,48 @@ class Embedding(_message.Message):
     values: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class Condition(_message.Message):
+    __slots__ = ("field", "value", "any_of", "range")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    ANY_OF_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
+    field: str
+    value: str
+    any_of: ValueSet
+    range: Range
+    def __init__(self, field: _Optional[str] = ..., value: _Optional[str] = ..., any_of: _Optional[_Union[ValueSet, _Mapping]] = ..., range: _Optional[_Union[Range, _Mapping]] = ...) -> None: ...
+
+class ValueSet(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, values: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Range(_message.Message):
+    __slots__ = ("gte", "gt", "lte", "lt")
+    GTE_FIELD_NUMBER: _ClassVar[int]
+    GT_FIELD_NUMBER: _ClassVar[int]
+    LTE_FIELD_NUMBER: _ClassVar[int]
+    LT_FIELD_NUMBER: _ClassVar[int]
+    gte: float
+    gt: float
+    lte: float
+    lt: float
+    def __init__(self, gte: _Optional[float] = ..., gt: _Optional[float] = ..., lte: _Optional[float] = ..., lt: _Optional[float] = ...) -> None: ...
+
+class Filter(_message.Message):
+    __slots__ = ("must", "should", "must_not")
+    MUST_FIELD_NUMBER: _ClassVar[int]
+    SHOULD_FIELD_NUMBER: _ClassVar[int]
+    MUST_NOT_FIELD_NUMBER: _ClassVar[int]
+    must: _containers.RepeatedCompositeFieldContainer[Condition]
+    should: _containers.RepeatedCompositeFieldContainer[Condition]
+    must_not: _containers.RepeatedCompositeFieldContainer[Condition]
+    def __init__(self, must: _Optional[_Iterable[_Union[Condition, _Mapping]]] = ..., should: _Optional[_Iterable[_Union[Condition, _Mapping]]] = ..., must_not: _Optional[_Iterable[_Union[Condition, _Mapping]]] = ...) -> None: ...
+
 class SearchRequest(_message.Message):
-    __slots__ = ("image", "embedding", "item_id", "k", "request_id", "label", "exclude_ids")
+    __slots__ = ("image", "embedding", "item_id", "k", "request_id", "label", "exclude_ids", "filter", "min_score")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +61,8 @@ class SearchRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_IDS_FIELD_NUMBER: _ClassVar[int]
+    FILTER_FIELD_NUMBER: _ClassVar[int]
+    MIN_SCORE_FIELD_NUMBER: _ClassVar[int]
     image: bytes
     embedding: Embedding
     item_id: str
@@ -28,7 +70,9 @@ class SearchRequest(_message.Message):
     request_id: str
     label: str
     exclude_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, image: _Optional[bytes] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ..., item_id: _Optional[str] = ..., k: _Optional[int] = ..., request_id: _Optional[str] = ..., label: _Optional[str] = ..., exclude_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    filter: Filter
+    min_score: float
+    def __init__(self, image: _Optional[bytes] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ..., item_id: _Optional[str] = ..., k: _Optional[int] = ..., request_id: _Optional[str] = ..., label: _Optional[str] = ..., exclude_ids: _Optional[_Iterable[str]] = ..., filter: _Optional[_Union[Filter, _Mapping]] = ..., min_score: _Optional[float] = ...) -> None: ...
 
 class Neighbor(_message.Message):
     __slots__ = ("id", "score", "label", "metadata")
@@ -64,20 +108,22 @@ class StageTimings(_message.Message):
     def __init__(self, decode_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., embed_ms: _Optional[float] = ..., search_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class SearchResponse(_message.Message):
-    __slots__ = ("neighbors", "request_id", "index_version", "index_id", "model_id", "timings")
+    __slots__ = ("neighbors", "request_id", "index_version", "index_id", "model_id", "timings", "truncated")
     NEIGHBORS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
     INDEX_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     neighbors: _containers.RepeatedCompositeFieldContainer[Neighbor]
     request_id: str
     index_version: str
     index_id: str
     model_id: str
     timings: StageTimings
-    def __init__(self, neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., request_id: _Optional[str] = ..., index_version: _Optional[str] = ..., index_id: _Optional[str] = ..., model_id: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ...) -> None: ...
+    truncated: bool
+    def __init__(self, neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., request_id: _Optional[str] = ..., index_version: _Optional[str] = ..., index_id: _Optional[str] = ..., model_id: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class SearchBatchRequest(_message.Message):
     __slots__ = ("requests",)
@@ -152,7 +198,7 @@ class RecallFigure(_message.Message):
     def __init__(self, source: _Optional[str] = ..., k: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_id", "index_version", "index_id", "index_size", "embedding_dim", "factory", "limits", "recall_at_k", "ann_recall_at_k", "providers")
+    __slots__ = ("model_id", "index_version", "index_id", "index_size", "embedding_dim", "factory", "limits", "recall_at_k", "ann_recall_at_k", "providers", "deleted_rows", "filterable")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
     INDEX_ID_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +209,8 @@ class GetInfoResponse(_message.Message):
     RECALL_AT_K_FIELD_NUMBER: _ClassVar[int]
     ANN_RECALL_AT_K_FIELD_NUMBER: _ClassVar[int]
     PROVIDERS_FIELD_NUMBER: _ClassVar[int]
+    DELETED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    FILTERABLE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     index_version: str
     index_id: str
@@ -173,7 +221,17 @@ class GetInfoResponse(_message.Message):
     recall_at_k: _containers.RepeatedCompositeFieldContainer[RecallFigure]
     ann_recall_at_k: _containers.RepeatedCompositeFieldContainer[RecallFigure]
     providers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_id: _Optional[str] = ..., index_version: _Optional[str] = ..., index_id: _Optional[str] = ..., index_size: _Optional[int] = ..., embedding_dim: _Optional[int] = ..., factory: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., recall_at_k: _Optional[_Iterable[_Union[RecallFigure, _Mapping]]] = ..., ann_recall_at_k: _Optional[_Iterable[_Union[RecallFigure, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ...) -> None: ...
+    deleted_rows: int
+    filterable: _containers.RepeatedCompositeFieldContainer[FilterableField]
+    def __init__(self, model_id: _Optional[str] = ..., index_version: _Optional[str] = ..., index_id: _Optional[str] = ..., index_size: _Optional[int] = ..., embedding_dim: _Optional[int] = ..., factory: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., recall_at_k: _Optional[_Iterable[_Union[RecallFigure, _Mapping]]] = ..., ann_recall_at_k: _Optional[_Iterable[_Union[RecallFigure, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., deleted_rows: _Optional[int] = ..., filterable: _Optional[_Iterable[_Union[FilterableField, _Mapping]]] = ...) -> None: ...
+
+class FilterableField(_message.Message):
+    __slots__ = ("name", "type")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    type: str
+    def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ...) -> None: ...
 
 class ReloadRequest(_message.Message):
     __slots__ = ("index_version", "model_dir")
@@ -192,3 +250,25 @@ class ReloadResponse(_message.Message):
     model_id: str
     previous_index_version: str
     def __init__(self, index_version: _Optional[str] = ..., model_id: _Optional[str] = ..., previous_index_version: _Optional[str] = ...) -> None: ...
+
+class RemoveItemsRequest(_message.Message):
+    __slots__ = ("ids", "reason")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[str]
+    reason: str
+    def __init__(self, ids: _Optional[_Iterable[str]] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RemoveItemsResponse(_message.Message):
+    __slots__ = ("index_version", "previous_index_version", "removed", "not_found", "index_size")
+    INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    NOT_FOUND_FIELD_NUMBER: _ClassVar[int]
+    INDEX_SIZE_FIELD_NUMBER: _ClassVar[int]
+    index_version: str
+    previous_index_version: str
+    removed: int
+    not_found: _containers.RepeatedScalarFieldContainer[str]
+    index_size: int
+    def __init__(self, index_version: _Optional[str] = ..., previous_index_version: _Optional[str] = ..., removed: _Optional[int] = ..., not_found: _Optional[_Iterable[str]] = ..., index_size: _Optional[int] = ...) -> None: ...

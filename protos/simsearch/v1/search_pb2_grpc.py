@@ -285,6 +285,11 @@ class IndexAdminStub:
                 request_serializer=protos_dot_simsearch_dot_v1_dot_search__pb2.ReloadRequest.SerializeToString,
                 response_deserializer=protos_dot_simsearch_dot_v1_dot_search__pb2.ReloadResponse.FromString,
                 _registered_method=True)
+        self.RemoveItems = channel.unary_unary(
+                '/simsearch.v1.IndexAdmin/RemoveItems',
+                request_serializer=protos_dot_simsearch_dot_v1_dot_search__pb2.RemoveItemsRequest.SerializeToString,
+                response_deserializer=protos_dot_simsearch_dot_v1_dot_search__pb2.RemoveItemsResponse.FromString,
+                _registered_method=True)
 
 
 class IndexAdminServicer:
@@ -297,6 +302,12 @@ class IndexAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RemoveItems(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IndexAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -304,6 +315,11 @@ def add_IndexAdminServicer_to_server(servicer, server):
                     servicer.Reload,
                     request_deserializer=protos_dot_simsearch_dot_v1_dot_search__pb2.ReloadRequest.FromString,
                     response_serializer=protos_dot_simsearch_dot_v1_dot_search__pb2.ReloadResponse.SerializeToString,
+            ),
+            'RemoveItems': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveItems,
+                    request_deserializer=protos_dot_simsearch_dot_v1_dot_search__pb2.RemoveItemsRequest.FromString,
+                    response_serializer=protos_dot_simsearch_dot_v1_dot_search__pb2.RemoveItemsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -334,6 +350,33 @@ class IndexAdmin:
             '/simsearch.v1.IndexAdmin/Reload',
             protos_dot_simsearch_dot_v1_dot_search__pb2.ReloadRequest.SerializeToString,
             protos_dot_simsearch_dot_v1_dot_search__pb2.ReloadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveItems(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/simsearch.v1.IndexAdmin/RemoveItems',
+            protos_dot_simsearch_dot_v1_dot_search__pb2.RemoveItemsRequest.SerializeToString,
+            protos_dot_simsearch_dot_v1_dot_search__pb2.RemoveItemsResponse.FromString,
             options,
             channel_credentials,
             insecure,
