@@ -166,14 +166,22 @@ class ItemTable:
         return len(self.ids)
 
     def row_of(self, item_id: str) -> int | None:
+        return next(self.rows_of(item_id), None)
+
+    def rows_of(self, item_id: str) -> Iterator[int]:
+        """Every row holding `item_id`, in row order: one, except in a version whose removed rows
+        are still in its index (deleted.npy) when the id came back."""
         key = _string_hash(item_id)
         lo = int(np.searchsorted(self._sorted_hashes, key, side="left"))
         while lo < len(self._sorted_hashes) and self._sorted_hashes[lo] == key:
             row = int(self._order[lo])
             if self.ids[row] == item_id:
-                return row
+                yield row
             lo += 1
-        return None
+
+    def take(self, rows: np.ndarray) -> ItemTable:
+        """These rows, in this order."""
+        return ItemTable.from_arrow(self.to_arrow().take(pa.array(np.asarray(rows, dtype=np.int64))))
 
     def to_arrow(self) -> pa.Table:
         return pa.table(

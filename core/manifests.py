@@ -258,8 +258,9 @@ class RowCounts:
     skipped: dict[str, int] = field(default_factory=dict)
     added: int | None = None
     already_indexed: int | None = None
+    replaced: int | None = None  # `index add --upsert`: indexed rows given a new vector
 
-    _OPTIONAL: ClassVar[tuple[str, ...]] = ("added", "already_indexed")
+    _OPTIONAL: ClassVar[tuple[str, ...]] = ("added", "already_indexed", "replaced")
 
     @property
     def skipped_total(self) -> int:
@@ -293,7 +294,8 @@ class IndexManifest(_Manifest):
     quality: QualityReport | None = None
     quality_gate: QualityGate | None = None
     config: dict[str, Any] = field(default_factory=dict)
-    parent_version: str | None = None  # `index add`: the version it extended
+    parent_version: str | None = None  # `index add`, `remove`: the version it was made from
+    deleted_rows: int = 0  # rows removed but still in the index (HNSW tombstones, deleted.npy)
     engine: dict[str, Any] | None = None  # `index rebuild`: what embedded the catalog
     schema_version: int = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
@@ -329,6 +331,7 @@ class IndexManifest(_Manifest):
             quality_gate=None if gate is None else _quality_gate(gate),
             config=fields.get("config", dict, required=False, default={}),
             parent_version=fields.get("parent_version", str, required=False),
+            deleted_rows=fields.get("deleted_rows", int, required=False, default=0),
             engine=fields.get("engine", dict, required=False),
             schema_version=version,
         )
@@ -340,6 +343,8 @@ class IndexManifest(_Manifest):
         for name in ("rows", "quality", "quality_gate"):
             if d[name] is not None:
                 d[name] = d[name].to_dict()
+        if not d["deleted_rows"]:  # written only by the versions that have them
+            del d["deleted_rows"]
         return {k: v for k, v in d.items() if v is not None}
 
 
@@ -355,6 +360,7 @@ def _row_counts(fields: _Fields) -> RowCounts:
         skipped={} if skipped is None else {k: skipped.get(k, int) for k in skipped.data},
         added=fields.get("added", int, required=False),
         already_indexed=fields.get("already_indexed", int, required=False),
+        replaced=fields.get("replaced", int, required=False),
     )
 
 

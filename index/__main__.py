@@ -1,4 +1,4 @@
-"""`python -m index {build,list,rollback}`: build, inspect and roll back index versions."""
+"""`python -m index {build,rebuild,add,remove,list,rollback}`: build, change, inspect and roll back index versions."""
 
 from __future__ import annotations
 
@@ -8,15 +8,16 @@ import sys
 from core.cli import add_config_flag, add_progress_flag, add_verbose_flag, run_cli
 from core.config import add_options, from_cli
 from index.build import BuildConfig
+from index.lifecycle import RemoveConfig
 from index.rebuild import RebuildConfig
 
 # command → (help, configuration class, its options this command does not take)
 COMMANDS = {
-    "build": ("embed a catalog and publish a new faiss index version", BuildConfig, ()),
+    "build": ("embed a catalog and publish a new faiss index version", BuildConfig, ("upsert",)),
     "rebuild": (
         "batch rebuild on Ray Data (RAY_ADDRESS for a cluster), then publish",
         RebuildConfig,
-        ("decode_threads", "ks"),
+        ("decode_threads", "ks", "upsert"),
     ),
     "add": (
         "publish live version + new catalog rows, embedding only the new ones (ids already indexed are skipped)",
@@ -24,6 +25,7 @@ COMMANDS = {
         # The live version fixes these: its factory, parameters and model.
         ("factory", "search_params", "train_size", "device", "decode_threads", "max_pixels", "ks"),
     ),
+    "remove": ("publish the live version less some items (takedowns, logged to audit.jsonl)", RemoveConfig, ()),
 }
 
 
@@ -65,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
             del args.progress
             run = run_build if args.command == "build" else run_add
             print(run(from_cli(BuildConfig, args), progress=progress))
+        elif args.command == "remove":
+            from index.lifecycle import RemoveConfig, run_remove
+
+            del args.progress
+            print(run_remove(from_cli(RemoveConfig, args)))
         elif args.command == "rebuild":
             from index.rebuild import RebuildConfig, run_rebuild
 
@@ -78,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
                 m = IndexManifest.read(artifacts.version_dir(args.index_root, version))
                 probe = m.quality.probe_recall_at_1 if m.quality is not None else None
                 mark = "*" if version == live else " "
-                print(f"{mark} {version}  size={m.size}  factory={m.factory}  model={m.model_id}  probe_R@1={probe}")
+                removed = f" (+{m.deleted_rows} removed, masked)" if m.deleted_rows else ""
+                print(
+                    f"{mark} {version}  size={m.size - m.deleted_rows}{removed}  factory={m.factory}  "
+                    f"model={m.model_id}  probe_R@1={probe}"
+                )
         elif args.command == "rollback":
             versions = artifacts.list_versions(args.index_root)
             live = artifacts.current_version(args.index_root)

@@ -75,6 +75,9 @@ class BuildConfig:
         None, help="quality gate: most probe Recall@1 may fall below the live version's"
     )
     force: bool = option(False, help="publish even if the quality gate fails")
+    upsert: bool = option(
+        False, help="index add: rows whose id is already indexed replace its vector, label and metadata"
+    )
     keep: int = option(5, help="versions to retain")
 
     def __post_init__(self) -> None:
@@ -275,6 +278,7 @@ class NewVersion:
     index: faiss.Index | None = None  # None: built from `embeddings` with the config's factory
     parent_version: str | None = None  # `index add`: the version it extends
     engine: dict | None = None  # `index rebuild`: what embedded the catalog
+    deleted: np.ndarray | None = None  # rows removed but kept in the index (HNSW tombstones)
 
     @classmethod
     def of_catalog(
@@ -327,6 +331,9 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
     try:
         save_index(index, staging / artifacts.INDEX_FILE)
         np.save(staging / artifacts.EMBEDDINGS_FILE, np.ascontiguousarray(embeddings, dtype=np.float32))
+        deleted = new.deleted if new.deleted is not None else np.zeros(0, np.int64)
+        if len(deleted):
+            np.save(staging / artifacts.DELETED_FILE, np.asarray(deleted, dtype=np.int64))
         paths = [str(Path(p).resolve()) for p in items.paths]
         ItemTable(ids=list(items.ids), labels=labels, paths=paths, metadata=list(items.metadata)).write(
             staging / artifacts.ITEMS_FILE
@@ -356,6 +363,7 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
             config=to_jsonable(cfg),
             parent_version=new.parent_version,
             engine=new.engine,
+            deleted_rows=len(deleted),
         ).write(staging)
         target = artifacts.publish_version(root, staging, version)
     except BaseException:
@@ -371,8 +379,12 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
 
     Existing vectors are reused byte for byte (from the live version's embeddings.npy) and the
     live faiss index is extended in place of a rebuild, so IVF/PQ keep their trained quantisers.
-    Rows whose id is already indexed are skipped and counted, not re-embedded.
+    Rows whose id is already indexed are skipped and counted, not re-embedded — or, with
+    `upsert`, replace the indexed ones: those leave the live version as a removal does
+    (`index.lifecycle.drop_rows`) and come back at the end with their new vector and metadata.
     """
+    from index.lifecycle import drop_rows
+
     cfg.check_inputs()
     started = time.perf_counter()
     if cfg.catalog is None:
@@ -380,17 +392,18 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     live = IndexVersion.open(cfg.index_root)
     embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
     check_model_index_pair(embedder.manifest, live.manifest)
-    old_items = live.items
     catalog = read_catalog(cfg.catalog)
-    if catalog.labelled != old_items.labelled:
+    if catalog.labelled != live.items.labelled:
         has, lacks = (
             (catalog.source, f"version {live.manifest.version}")
             if catalog.labelled
             else (f"version {live.manifest.version}", catalog.source)
         )
         raise CatalogError(f"{has} has labels and {lacks} has none: a version's items are all labelled or none are")
-    new_rows = [r for r, item_id in enumerate(catalog.ids) if old_items.row_of(item_id) is None]
-    already = len(catalog) - len(new_rows)
+    indexed_rows = [live.row_of(item_id) for item_id in catalog.ids]
+    replaced = np.array(sorted(r for r in indexed_rows if r is not None), dtype=np.int64)
+    new_rows = [r for r, row in enumerate(indexed_rows) if row is None or cfg.upsert]
+    already = 0 if cfg.upsert else len(replaced)
     if not new_rows:
         raise ValueError(f"all {len(catalog)} rows of {cfg.catalog} are already in version {live.manifest.version}")
     fresh = catalog.subset(new_rows)
@@ -399,7 +412,14 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     )
     check_bad_rows(len(fresh), len(kept), skipped, cfg.max_bad_fraction)
     added = fresh.subset(kept)
-    index = live.read_index()
+    if cfg.upsert and len(replaced):
+        # A row that failed to embed keeps its old vector rather than vanishing.
+        replaced = np.array(sorted(live.row_of(i) for i in added.ids if live.row_of(i) is not None), dtype=np.int64)
+    base = drop_rows(live, replaced) if cfg.upsert and len(replaced) else None
+    index = base.index if base is not None and base.index is not None else live.read_index()
+    old_vectors = base.vectors if base is not None else live.vectors
+    old_items = base.items if base is not None else live.items
+    deleted = base.deleted if base is not None else live.deleted
     index.add(l2_normalized(vectors))
     items = old_items.concat(
         ItemTable(
@@ -411,13 +431,18 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     )
     cfg = dataclasses.replace(cfg, factory=live.manifest.factory, search_params=live.manifest.search_params)
     rows = RowCounts(
-        catalog=len(catalog), indexed=len(items), skipped=skipped, added=len(kept), already_indexed=already
+        catalog=len(catalog),
+        indexed=len(items) - len(deleted),
+        skipped=skipped,
+        added=len(kept) - len(replaced) if cfg.upsert else len(kept),
+        already_indexed=already,
+        replaced=int(len(replaced)) if cfg.upsert else None,
     )
     return publish_index_version(
         cfg,
         NewVersion(
             model_id=embedder.model_id,
-            embeddings=np.concatenate([live.vectors, vectors]),
+            embeddings=np.concatenate([old_vectors, vectors]),
             items=items,
             catalog=cfg.catalog,
             rows=rows,
@@ -425,6 +450,7 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
             embed_seconds=time.perf_counter() - started,
             index=index,
             parent_version=live.manifest.version,
+            deleted=deleted,
         ),
     )
 

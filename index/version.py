@@ -94,10 +94,8 @@ class IndexVersion:
 
     def row_of(self, item_id: str) -> int | None:
         """The row of `item_id`, or None when it is not in this version (or was deleted)."""
-        row = self.items.row_of(item_id)
-        if row is None or (self.live_mask is not None and not self.live_mask[row]):
-            return None
-        return row
+        mask = self.live_mask
+        return next((row for row in self.items.rows_of(item_id) if mask is None or mask[row]), None)
 
     def load(self, dim: int | None = None) -> IndexVersion:
         """Read index, items and vectors (in that order: the cheap checks first) and check that
@@ -123,8 +121,11 @@ class IndexVersion:
         return np.array(self.vectors[row])
 
     def exact_scores(self, query: np.ndarray) -> np.ndarray:
-        """Inner product of `query` with every row's exact vector: exact search, unranked."""
-        return np.asarray(self.vectors @ query, dtype=np.float32)
+        """Inner product of `query` with every row's exact vector: exact search, unranked
+        (deleted rows score -inf: they never answer)."""
+        scores = np.asarray(self.vectors @ query, dtype=np.float32)
+        scores[self.deleted] = -np.inf
+        return scores
 
 
 def _map_vectors(path: Path) -> np.ndarray:

@@ -123,10 +123,23 @@ class SearchClient:
     def get_info(self, timeout: float | None = None) -> pb.GetInfoResponse:
         return self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout or self.timeout, metadata=self.metadata)
 
+    @property
+    def _admin_metadata(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {self.admin_token}")] if self.admin_token else []
+
     def reload(self, index_version: str = "", model_dir: str = "", timeout: float | None = None) -> pb.ReloadResponse:
-        metadata = [("authorization", f"Bearer {self.admin_token}")] if self.admin_token else []
         return self.admin.Reload(
             pb.ReloadRequest(index_version=index_version, model_dir=model_dir),
             timeout=timeout or max(self.timeout, 60.0),
-            metadata=metadata,
+            metadata=self._admin_metadata,
+        )
+
+    def remove_items(
+        self, ids: Sequence[str], reason: str = "", timeout: float | None = None
+    ) -> pb.RemoveItemsResponse:
+        """A takedown: returns once the server answers from a version without these items."""
+        return self.admin.RemoveItems(
+            pb.RemoveItemsRequest(ids=list(ids), reason=reason),
+            timeout=timeout or max(self.timeout, 60.0),
+            metadata=self._admin_metadata,
         )

@@ -121,7 +121,7 @@ def load_pair(
     queries); above 1 the model also gets a session for runs beside others (see `QueryEmbedder`).
     `run_rows`: at most this many images per ORT run (0: a batch in one run); None: the fastest
     for batches of up to `batch_rows` images, measured — or, when the `previous` pair has the
-    same model (a new index for it), the rows that pair measured."""
+    same model (a new index for it), that pair's sessions, rows per run included."""
     opened = IndexVersion.open(index_root, version)
     model_dir = Path(model_dir or opened.manifest.model_dir or "")
     if not (model_dir / artifacts.MANIFEST).is_file():
@@ -131,11 +131,13 @@ def load_pair(
     # The index and items before the model's sessions, the costliest part: a damaged version
     # fails before any session is made.
     opened.load(dim=model_manifest.embedding_dim)
+    if previous is not None and previous.model_id == model_manifest.model_id:
+        # The same model (its id is its content's hash): a new index for it, as a takedown or an
+        # add publishes, keeps the live sessions rather than building and tuning them again.
+        return ServingPair(previous.embedder, opened.searchable(), opened)
     embedder = QueryEmbedder(model_dir, provider, intra_op_threads, ort_spinning, runs_at_once)
     if run_rows is not None:
         embedder.set_run_rows(run_rows or None, run_rows or None)
-    elif previous is not None and previous.model_id == embedder.model_id:
-        embedder.set_run_rows(previous.embedder.run_rows, previous.embedder.side_by_side_run_rows)
     else:
         embedder.tune_run_rows(batch_rows, -(-batch_rows // runs_at_once))
     return ServingPair(embedder, opened.searchable(), opened)

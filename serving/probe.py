@@ -46,7 +46,8 @@ class ProbeRunner:
             return [catalog.paths[r] for r in rows], [catalog.labels[r] for r in rows], [[] for _ in rows]
         items = pair.items
         rows = np.random.default_rng(0).permutation(len(items))[: self.probe_size]
-        rows = [r for r in rows if Path(items.paths[r]).is_file()]
+        live = pair.index_version.live_mask
+        rows = [r for r in rows if (live is None or live[r]) and Path(items.paths[r]).is_file()]
         return [Path(items.paths[r]) for r in rows], [items.labels[r] for r in rows], [[items.ids[r]] for r in rows]
 
     def run(self, loop: asyncio.AbstractEventLoop) -> dict[int, float] | None:

@@ -35,6 +35,7 @@ from core import artifacts
 from core.artifacts import ArtifactError
 from core.config import DEVICES, option, resolve_config, section
 from index.build import read_probe_catalog
+from index.lifecycle import RemovalReport, remove_items
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from serving.batching import DynamicBatcher
 from serving.engine import Limits, SearchEngine, ServingPair, load_pair
@@ -178,6 +179,10 @@ class ServerConfig:
     watch_current: bool = option(False, help="reload when the index root's CURRENT changes")
     watch_interval_s: float = option(5.0, help="how often CURRENT is read with --watch-current")
     access_log: bool = option(False, help="log every RPC")
+    keep_versions: int = option(5, help="index versions a RemoveItems takedown keeps in the root")
+    drain_timeout_s: float = option(
+        30.0, help="RemoveItems returns once no request answers from the old version, or after this long"
+    )
     transport: Transport = section(Transport, help="address, TLS, tokens, connection lifetime")
     limits: Limits = section(Limits, help="what one request may ask")
     batching: Batching = section(Batching, help="dynamic batching")
@@ -192,6 +197,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.watch_interval_s <= 0:
             raise ValueError("watch_interval_s must be > 0")
+        if self.keep_versions < 1:
+            raise ValueError(f"keep_versions must be at least 1, got {self.keep_versions}")
+        if not 0 < self.drain_timeout_s < float("inf"):
+            raise ValueError(f"drain_timeout_s must be > 0 seconds, got {self.drain_timeout_s}")
 
     def check_inputs(self) -> None:
         """What reads files, before the server starts: the index root, TLS files, the probe catalog."""
@@ -299,6 +308,7 @@ class SearchApp:
         self.grpc_server: grpc.aio.Server | None = None
         self.port: int | None = None
         self._reload_lock = asyncio.Lock()
+        self._remove_lock = asyncio.Lock()
         self._stopping = threading.Event()  # ends the reclaim threads' waits
         self._watcher: asyncio.Task | None = None
         self._watched_failure: str | None = None
@@ -320,7 +330,8 @@ class SearchApp:
         )
         call = RpcCall(self.metrics, config.access_log)
         pb_grpc.add_SimilaritySearchServicer_to_server(SearchServicer(self.service, call), self.grpc_server)
-        pb_grpc.add_IndexAdminServicer_to_server(AdminServicer(AdminService(self.reload), call), self.grpc_server)
+        admin = AdminService(self.reload, self.remove_items)
+        pb_grpc.add_IndexAdminServicer_to_server(AdminServicer(admin, call), self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
             (SEARCH_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server
@@ -358,7 +369,7 @@ class SearchApp:
                 raise
             old = self.engine.swap(new)
         self.metrics.reloads.inc()
-        self.metrics.set_live(new.version, new.index_id, new.model_id, new.manifest.factory, new.index.ntotal)
+        self.metrics.set_live(new.version, new.index_id, new.model_id, new.manifest.factory, new.index_version.size)
         self.metrics.set_build_figures(new.manifest)
         self.monitor.reset(new)
         await self._set_health(True)
@@ -375,6 +386,28 @@ class SearchApp:
             released = weakref.ref(old)
             threading.Thread(target=reclaim, args=(released, 60.0, self._stopping), name="reclaim", daemon=True).start()
         return old, new
+
+    async def remove_items(self, ids: list[str], who: str, reason: str) -> RemovalReport:
+        """A takedown: the version CURRENT names less `ids`, published (the previous one stays for
+        rollback), swapped in, and returned once no request still answers from the old pair. Off
+        the loop; takedowns run one at a time."""
+        async with self._remove_lock:
+            remove = functools.partial(
+                remove_items, self.config.index_root, ids, who, reason, via="grpc", keep=self.config.keep_versions
+            )
+            report = await asyncio.get_running_loop().run_in_executor(None, remove)
+            self.metrics.items_removed.inc(report.removed)
+            if report.version is None:
+                return report
+            old, _ = await self.reload(report.version)
+            if old is not None and not await self.service.drained(old.serial, self.config.drain_timeout_s):
+                log.warning(
+                    "takedown %s: requests still answering from %s after %.0f s",
+                    report.version,
+                    old.version,
+                    self.config.drain_timeout_s,
+                )
+            return report
 
     def run_probe(self) -> dict[int, float] | None:
         """One probe round's Recall@K (None with nothing to score); blocks: call it from another

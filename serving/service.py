@@ -13,7 +13,7 @@ import asyncio
 import time
 import uuid
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager
@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from PIL import Image
 
 from core.artifacts import ArtifactError
+from index.lifecycle import RemovalReport
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
 from serving.engine import EVERY_ROW, Scope, SearchEngine, ServingPair
@@ -89,6 +90,18 @@ class SearchService:
         self.inline_decode_pixels = inline_decode_pixels
         self.inference_decode_pixels = inference_decode_pixels
         self.feedback_log = FeedbackLog(feedback_window)
+        # serial of a load → requests still answering from it. Only the loop thread touches it.
+        self._answering: Counter[int] = Counter()
+
+    async def drained(self, serial: int, timeout: float) -> bool:
+        """Wait until no request is answering from the load `serial` (a pair swapped out): what
+        a takedown waits for before it says the removed items are gone. False past `timeout`."""
+        deadline = time.monotonic() + timeout
+        while self._answering.get(serial):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.002)
+        return True
 
     # -- query preparation ------------------------------------------------------------------
 
@@ -222,16 +235,22 @@ class SearchService:
     async def search_many(self, requests: list[pb.SearchRequest], timeout: float | None) -> list[pb.SearchResponse]:
         """Queries answered on one pair (the one live when they arrived), batched with others."""
         pair = self.engine.pair
-        async with _deadline(timeout) as deadline:
-            if len(requests) == 1:
-                return [await self._answer(requests[0], pair, deadline)]
-            tasks = [asyncio.ensure_future(self._answer(r, pair, deadline)) for r in requests]
-            try:
-                return list(await asyncio.gather(*tasks))
-            except BaseException:  # one bad query fails the call: its siblings stop costing work
-                for task in tasks:
-                    task.cancel()
-                raise
+        self._answering[pair.serial] += 1
+        try:
+            async with _deadline(timeout) as deadline:
+                if len(requests) == 1:
+                    return [await self._answer(requests[0], pair, deadline)]
+                tasks = [asyncio.ensure_future(self._answer(r, pair, deadline)) for r in requests]
+                try:
+                    return list(await asyncio.gather(*tasks))
+                except BaseException:  # one bad query fails the call: its siblings stop costing work
+                    for task in tasks:
+                        task.cancel()
+                    raise
+        finally:
+            self._answering[pair.serial] -= 1
+            if not self._answering[pair.serial]:
+                del self._answering[pair.serial]
 
     async def search(self, request: pb.SearchRequest, timeout: float | None) -> pb.SearchResponse:
         return (await self.search_many([request], timeout))[0]
@@ -291,13 +310,36 @@ class SearchService:
 
 
 Reloader = Callable[[str | None, str | None], Awaitable[tuple[ServingPair | None, ServingPair]]]
+Remover = Callable[[list[str], str, str], Awaitable[RemovalReport]]
 
 
 class AdminService:
-    """Reload: a new pair swapped in, or FAILED_PRECONDITION with the old one still serving."""
+    """Reload: a new pair swapped in, or FAILED_PRECONDITION with the old one still serving.
+    RemoveItems: a takedown published as a new version and swapped in."""
 
-    def __init__(self, reload: Reloader) -> None:
+    def __init__(self, reload: Reloader, remove: Remover | None = None) -> None:
         self._reload = reload
+        self._remove = remove
+
+    async def remove_items(self, request: pb.RemoveItemsRequest, who: str) -> pb.RemoveItemsResponse:
+        ids = list(request.ids)
+        if not ids:
+            raise InvalidArgument("ids: empty; name the items to remove")
+        if any(not item_id for item_id in ids):
+            raise InvalidArgument("ids: an empty string is not an item id")
+        if self._remove is None:
+            raise FailedPrecondition("this server cannot remove items")
+        try:
+            report = await self._remove(ids, who, request.reason)
+        except (ArtifactError, FileNotFoundError, ValueError) as exc:
+            raise FailedPrecondition(f"removal failed, nothing changed: {exc}") from None
+        return pb.RemoveItemsResponse(
+            index_version=report.version or report.parent_version,
+            previous_index_version=report.parent_version,
+            removed=report.removed,
+            not_found=report.not_found,
+            index_size=report.size,
+        )
 
     async def reload(self, request: pb.ReloadRequest) -> pb.ReloadResponse:
         try:

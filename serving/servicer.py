@@ -7,6 +7,7 @@ included, goes through `RpcCall`: one error mapping (`serving.errors.status_of`)
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import time
@@ -96,6 +97,18 @@ class AdminServicer(pb_grpc.IndexAdminServicer):
     async def Reload(self, request, context):
         # Loading takes seconds, off the loop, which keeps answering queries meanwhile.
         return await self.call("Reload", context, self.admin.reload(request))
+
+    async def RemoveItems(self, request, context):
+        return await self.call("RemoveItems", context, self.admin.remove_items(request, caller_identity(context)))
+
+
+def caller_identity(context: grpc.aio.ServicerContext) -> str:
+    """Who made an authenticated call, for the audit log: a fingerprint of its bearer token
+    (never the token itself), and the peer address."""
+    supplied = dict(context.invocation_metadata() or ()).get("authorization", "")
+    token = supplied.removeprefix("Bearer ")
+    fingerprint = f"token sha256:{hashlib.sha256(token.encode()).hexdigest()[:12]}" if token else "no token"
+    return f"{fingerprint} from {context.peer()}"
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):

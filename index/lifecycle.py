@@ -1,0 +1,311 @@
+"""Takedowns and upserts: new index versions made from the live one, without a rebuild.
+
+A removal publishes a version holding the live one's rows less the removed ones, reusing the
+live vectors and index for everything else. How the rows leave depends on what the index can do:
+
+- Flat and the other flat-code indexes (PQ, SQ) drop them (`remove_ids`), which keeps the order
+  of the rest: row r of the new version is the r-th surviving row.
+- IVF indexes drop them from their inverted lists and renumber the ids left, so rows stay 0..n-1
+  (the items table and `embeddings.npy` are positional).
+- HNSW cannot drop a node from its graph: the rows stay, listed in `deleted.npy` (tombstones)
+  and masked inside every search; the index, vectors and items files are hard-linked from the
+  live version, so a takedown writes a few kilobytes whatever the catalog's size. Past
+  `max_deleted_fraction` of tombstones the graph is rebuilt without them (compaction).
+
+An upsert (`index add --upsert`) is a removal of the rows whose ids come again, then an add.
+Every removal is appended to the index root's audit log with who asked and what left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from core import artifacts
+from core.artifacts import utc_now
+from core.config import option
+from core.items import ItemTable
+from core.manifests import IndexManifest, QualityGate, RowCounts
+from index.faiss_index import build_index, save_index
+from index.version import IndexVersion
+
+log = logging.getLogger(__name__)
+
+AUDIT_LOG = "audit.jsonl"  # in the index root: one JSON line per removal
+
+
+@dataclass
+class RemoveConfig:
+    """`index remove`: take items out of the live version."""
+
+    index_root: str = option("runs/index", help="index root (versions/ and CURRENT)")
+    ids: str | None = option(None, help="file of item ids to remove, one per line (required)")
+    reason: str = option("", help="why, for the audit log")
+    max_deleted_fraction: float = option(
+        0.2, help="HNSW: rebuild the graph without its removed rows once they are more than this fraction"
+    )
+    compact: bool = option(False, help="HNSW: rebuild the graph without its removed rows now")
+    keep: int = option(5, help="versions to retain")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_deleted_fraction <= 1:
+            raise ValueError(f"max_deleted_fraction must be within [0, 1], got {self.max_deleted_fraction}")
+        if self.keep < 1:
+            raise ValueError("keep must be at least 1")
+
+    def check_inputs(self) -> None:
+        if self.ids is None:
+            raise ValueError("index remove needs --ids FILE (item ids, one per line)")
+        read_id_file(self.ids)
+
+
+def read_id_file(path: str | Path) -> list[str]:
+    """Item ids, one per line (blank lines and `#` comments skipped); an empty list is an error."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--ids file not found: {path}")
+    ids = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    ids = [i for i in ids if i and not i.startswith("#")]
+    if not ids:
+        raise ValueError(f"--ids file {path} names no item id")
+    return ids
+
+
+@dataclass
+class Remaining:
+    """A version's rows less some: the index, vectors and items of what is left, and which rows
+    of them are tombstones (HNSW). `reuses_files`: index, vectors and items are the live
+    version's files unchanged (only the tombstones differ)."""
+
+    index: faiss.Index | None  # None: the live version's, unchanged (`reuses_files`)
+    vectors: np.ndarray
+    items: ItemTable
+    deleted: np.ndarray
+    removed: int
+    compacted: bool = False
+
+    @property
+    def reuses_files(self) -> bool:
+        return self.index is None
+
+    @property
+    def size(self) -> int:
+        """Items that answer."""
+        return len(self.items) - len(self.deleted)
+
+
+def how_rows_leave(manifest: IndexManifest) -> str:
+    """'compact' (flat codes drop rows in order), 'ivf' (dropped, the rest renumbered) or
+    'tombstone' (the index cannot drop them: HNSW and other graphs). Told from an empty index
+    of the same factory string, so a takedown need not read the live index to decide."""
+    index = faiss.index_factory(manifest.dimension, manifest.factory, faiss.METRIC_INNER_PRODUCT)
+    try:
+        ivf = faiss.extract_index_ivf(index)
+    except RuntimeError:
+        ivf = None
+    if ivf is not None:
+        lists = faiss.downcast_InvertedLists(ivf.invlists)
+        return "ivf" if isinstance(lists, faiss.ArrayInvertedLists) else "tombstone"
+    return "compact" if isinstance(faiss.downcast_index(index), faiss.IndexFlatCodes) else "tombstone"
+
+
+def _renumber_ivf(index: faiss.Index, dropped: np.ndarray) -> None:
+    """After `remove_ids`, an IVF's lists still hold the old ids: shift each past the dropped
+    ones below it, so the ids are rows 0..n-1 again (in place, list by list)."""
+    ivf = faiss.extract_index_ivf(index)
+    lists = ivf.invlists
+    for number in range(ivf.nlist):
+        size = lists.list_size(number)
+        if size:
+            ids = faiss.rev_swig_ptr(lists.get_ids(number), size)  # a view of the list's ids
+            ids -= np.searchsorted(dropped, ids)
+    if ivf.direct_map.type != faiss.DirectMap.NoMap:
+        ivf.make_direct_map(True)
+
+
+def drop_rows(
+    live: IndexVersion, rows: np.ndarray, max_deleted_fraction: float = 0.2, compact: bool = False
+) -> Remaining:
+    """`live` without `rows` (sorted, live rows): dropped from the index where it can, else
+    tombstoned — and the graph rebuilt without its tombstones once they pass the fraction."""
+    rows = np.asarray(rows, dtype=np.int64)
+    mode = how_rows_leave(live.manifest)
+    if mode == "tombstone":
+        deleted = np.union1d(live.deleted, rows)
+        if not compact and len(deleted) <= max_deleted_fraction * len(live.items):
+            return Remaining(None, live.vectors, live.items, deleted, len(rows))
+        keep = np.setdiff1d(np.arange(len(live.items)), deleted)
+        vectors = np.ascontiguousarray(live.vectors[keep])
+        manifest = live.manifest
+        started = time.perf_counter()
+        index = build_index(vectors, manifest.factory, manifest.search_params, None, manifest.built_on or "auto")
+        seconds = time.perf_counter() - started
+        log.info("compacted %s: %d removed rows out, graph rebuilt in %.1f s", live.name, len(deleted), seconds)
+        return Remaining(index, vectors, live.items.take(keep), np.zeros(0, np.int64), len(rows), compacted=True)
+    index = live.read_index()
+    dropped = np.union1d(live.deleted, rows)  # a version with tombstones of another kind: drop them too
+    index.remove_ids(faiss.IDSelectorBatch(dropped))
+    if mode == "ivf":
+        _renumber_ivf(index, dropped)
+    keep = np.setdiff1d(np.arange(len(live.items)), dropped)
+    vectors = np.ascontiguousarray(live.vectors[keep])
+    return Remaining(index, vectors, live.items.take(keep), np.zeros(0, np.int64), len(rows))
+
+
+@dataclass
+class RemovalReport:
+    """What a removal did: the version it published (None when nothing was removed), and counts."""
+
+    parent_version: str
+    version: str | None
+    requested: int
+    removed: int
+    not_found: list[str] = field(default_factory=list)
+    size: int = 0
+    deleted_rows: int = 0
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        head = f"removed {self.removed} of {self.requested} requested ids"
+        missing = f"; {len(self.not_found)} not in version {self.parent_version}" if self.not_found else ""
+        if self.version is None:
+            return f"{head}{missing}; nothing changed, {self.parent_version} stays live"
+        return f"{head}{missing}; published {self.version} ({self.size} items) in {self.seconds:.2f} s"
+
+
+def remove_items(
+    index_root: str | Path,
+    ids: list[str],
+    who: str,
+    reason: str = "",
+    via: str = "cli",
+    max_deleted_fraction: float = 0.2,
+    compact: bool = False,
+    keep: int = 5,
+) -> RemovalReport:
+    """Publish the live version less `ids`; ids not in it are reported, and when none is, nothing
+    is published. Logged to the root's audit log either way."""
+    if not ids:
+        raise ValueError("no item id to remove")
+    started = time.perf_counter()
+    live = IndexVersion.open(index_root)
+    found = {item_id: live.row_of(item_id) for item_id in dict.fromkeys(ids)}
+    not_found = [item_id for item_id, row in found.items() if row is None]
+    rows = np.unique(np.fromiter((r for r in found.values() if r is not None), dtype=np.int64))
+    report = RemovalReport(live.name, None, len(found), len(rows), not_found, live.size, len(live.deleted))
+    if len(rows) or (compact and len(live.deleted)):
+        remaining = drop_rows(live, rows, max_deleted_fraction, compact)
+        target = publish_remaining(index_root, live, remaining, keep, f"removed {len(rows)} items")
+        report.version = target.name
+        report.size, report.deleted_rows = remaining.size, len(remaining.deleted)
+    report.seconds = time.perf_counter() - started
+    removed_ids = [item_id for item_id, row in found.items() if row is not None]
+    audit(index_root, "remove", who, via, reason, report, removed_ids)
+    log.info("%s", report)
+    return report
+
+
+def publish_remaining(index_root: str | Path, live: IndexVersion, remaining: Remaining, keep: int, what: str) -> Path:
+    """Publish `remaining` as a new version of `index_root`, its manifest the live one's with the
+    counts, parent and tombstones of this one. Not gated: a takedown is never refused for
+    quality; the quality figures are the parent's (a removal only takes answers away)."""
+    root = Path(index_root)
+    staging = artifacts.index_staging_dir(root)
+    try:
+        if remaining.reuses_files:
+            for name in (artifacts.INDEX_FILE, artifacts.EMBEDDINGS_FILE, artifacts.ITEMS_FILE, artifacts.FILTERS_FILE):
+                _link_or_copy(live.directory / name, staging / name)
+            index_id = live.manifest.index_id
+        else:
+            save_index(remaining.index, staging / artifacts.INDEX_FILE)
+            np.save(staging / artifacts.EMBEDDINGS_FILE, remaining.vectors)
+            remaining.items.write(staging / artifacts.ITEMS_FILE)
+            index_id = artifacts.file_sha256(staging / artifacts.INDEX_FILE)[:16]
+        if len(remaining.deleted):
+            np.save(staging / artifacts.DELETED_FILE, remaining.deleted)
+        _link_or_copy(live.directory / artifacts.NEIGHBOURS_FILE, staging / artifacts.NEIGHBOURS_FILE)
+        version = artifacts.new_version_name(index_id)
+        parent = live.manifest
+        rows = RowCounts(catalog=parent.rows.catalog if parent.rows else remaining.size, indexed=remaining.size)
+        dataclasses.replace(
+            parent,
+            index_id=index_id,
+            version=version,
+            size=len(remaining.items),
+            created=utc_now(),
+            rows=rows,
+            quality_gate=QualityGate(passed=True, reasons=[f"not gated: {what}; quality figures of {live.name}"]),
+            parent_version=live.name,
+            deleted_rows=len(remaining.deleted),
+        ).write(staging)
+        target = artifacts.publish_version(root, staging, version)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    artifacts.prune_versions(root, keep)
+    return target
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link where the filesystem allows (versions are immutable once published), else a copy."""
+    if not source.is_file():
+        return
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def audit(
+    index_root: str | Path, action: str, who: str, via: str, reason: str, report: RemovalReport, ids: list[str]
+) -> None:
+    """Append one JSON line to the root's audit log: when, who, through what, why, and what left."""
+    entry = {
+        "time": utc_now(),
+        "action": action,
+        "who": who,
+        "via": via,
+        "reason": reason,
+        "parent_version": report.parent_version,
+        "version": report.version,
+        "requested": report.requested,
+        "removed": report.removed,
+        "not_found": report.not_found,
+        "ids": ids,
+    }
+    with open(Path(index_root) / AUDIT_LOG, "a", encoding="utf-8") as log_file:
+        log_file.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        log_file.flush()
+        os.fsync(log_file.fileno())
+
+
+def local_identity() -> str:
+    """Who runs a command on this machine, for the audit log."""
+    try:
+        return f"user:{getpass.getuser()}"
+    except (KeyError, OSError):
+        return f"uid:{os.getuid()}"
+
+
+def run_remove(cfg: RemoveConfig) -> RemovalReport:
+    cfg.check_inputs()
+    return remove_items(
+        cfg.index_root,
+        read_id_file(cfg.ids),
+        local_identity(),
+        cfg.reason,
+        "cli",
+        cfg.max_deleted_fraction,
+        cfg.compact,
+        cfg.keep,
+    )
