@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import datetime as _dt
+import fcntl
 import hashlib
 import json
 import os
@@ -29,6 +30,7 @@ EMBEDDINGS_FILE = "embeddings.npy"  # the exact vectors indexed, row for row
 DELETED_FILE = "deleted.npy"  # rows removed but still in the index (HNSW tombstones), sorted
 FILTERS_FILE = "filters.npz"  # the filterable fields' value → rows structure
 CURRENT = "CURRENT"
+LOCK_FILE = ".lock"  # flock'd around every switch of CURRENT that checks what it replaces
 VERSIONS = "versions"
 
 
@@ -189,16 +191,39 @@ def set_current(root: str | Path, version: str) -> None:
     _fsync_dir(root)
 
 
-def publish_version(root: str | Path, staging: Path, version: str, make_current: bool = True) -> Path:
-    """Rename a written staging directory into root/versions/<version> and switch CURRENT."""
+class StaleParentError(ArtifactError):
+    """A version made from the live one lost a race: CURRENT moved on while it was being written."""
+
+
+@contextlib.contextmanager
+def current_lock(root: str | Path) -> Iterator[None]:
+    """An exclusive lock on the root's CURRENT for a check-and-switch, between processes (flock)."""
+    with open(Path(root) / LOCK_FILE, "a+") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def publish_version(
+    root: str | Path, staging: Path, version: str, make_current: bool = True, parent: str | None = None
+) -> Path:
+    """Rename a written staging directory into root/versions/<version> and switch CURRENT.
+    `parent`: the version it was made from (add, remove), which must still be live — else
+    `StaleParentError` and nothing is published: switching would drop whatever the version
+    published meanwhile changed (a takedown undone by an add that started before it)."""
     versions = Path(root) / VERSIONS
     versions.mkdir(parents=True, exist_ok=True)
     target = versions / version
-    if target.exists():
-        raise ArtifactError(f"version {version} already exists in {root}")
-    publish_directory(staging, target)
-    if make_current:
-        set_current(root, version)
+    with current_lock(root):
+        if parent is not None and (live := current_version(root)) != parent:
+            raise StaleParentError(f"{root}: the live version changed from {parent} to {live} meanwhile")
+        if target.exists():
+            raise ArtifactError(f"version {version} already exists in {root}")
+        publish_directory(staging, target)
+        if make_current:
+            set_current(root, version)
     return target
 
 

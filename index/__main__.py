@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                 if not older:
                     raise ValueError("no earlier version to roll back to")
                 target = older[-1]
-            artifacts.set_current(args.index_root, target)
+            with artifacts.current_lock(args.index_root):
+                artifacts.set_current(args.index_root, target)
             print(f"CURRENT → {target}")
 
     return run_cli(command, verbose=bool(args.verbose))

@@ -36,6 +36,7 @@ from index.faiss_index import (
     select_device,
     with_default_rerank,
 )
+from index.lifecycle import drop_rows, warn_of_returning_items
 from index.version import IndexVersion
 
 log = logging.getLogger(__name__)
@@ -327,6 +328,8 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
     if reasons and not cfg.force:
         raise QualityGateError("quality gate refused to publish: " + "; ".join(reasons))
 
+    if new.parent_version is None:  # a build from a whole catalog
+        warn_of_returning_items(root, items.ids)
     staging = artifacts.index_staging_dir(root)
     try:
         save_index(index, staging / artifacts.INDEX_FILE)
@@ -365,7 +368,7 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
             engine=new.engine,
             deleted_rows=len(deleted),
         ).write(staging)
-        target = artifacts.publish_version(root, staging, version)
+        target = artifacts.publish_version(root, staging, version, parent=new.parent_version)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -383,8 +386,6 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     `upsert`, replace the indexed ones: those leave the live version as a removal does
     (`index.lifecycle.drop_rows`) and come back at the end with their new vector and metadata.
     """
-    from index.lifecycle import drop_rows
-
     cfg.check_inputs()
     started = time.perf_counter()
     if cfg.catalog is None:

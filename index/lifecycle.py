@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -194,9 +195,34 @@ def remove_items(
     keep: int = 5,
 ) -> RemovalReport:
     """Publish the live version less `ids`; ids not in it are reported, and when none is, nothing
-    is published. Logged to the root's audit log either way."""
+    is published. Logged to the root's audit log either way. When another publisher switches
+    CURRENT meanwhile, the removal is made again from the version it published."""
     if not ids:
         raise ValueError("no item id to remove")
+    attempt = 1
+    while True:
+        try:
+            return _remove_once(index_root, ids, who, reason, via, max_deleted_fraction, compact, keep)
+        except artifacts.StaleParentError as exc:
+            if attempt == ATTEMPTS:
+                raise
+            attempt += 1
+            log.warning("%s: removing again from the new live version", exc)
+
+
+ATTEMPTS = 3  # a takedown racing other publishers is made again from the version that won
+
+
+def _remove_once(
+    index_root: str | Path,
+    ids: list[str],
+    who: str,
+    reason: str,
+    via: str,
+    max_deleted_fraction: float,
+    compact: bool,
+    keep: int,
+) -> RemovalReport:
     started = time.perf_counter()
     live = IndexVersion.open(index_root)
     found = {item_id: live.row_of(item_id) for item_id in dict.fromkeys(ids)}
@@ -248,7 +274,7 @@ def publish_remaining(index_root: str | Path, live: IndexVersion, remaining: Rem
             parent_version=live.name,
             deleted_rows=len(remaining.deleted),
         ).write(staging)
-        target = artifacts.publish_version(root, staging, version)
+        target = artifacts.publish_version(root, staging, version, parent=live.name)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -287,6 +313,37 @@ def audit(
         log_file.write(json.dumps(entry, ensure_ascii=False) + "\n")
         log_file.flush()
         os.fsync(log_file.fileno())
+
+
+def taken_down(index_root: str | Path) -> set[str]:
+    """Ids the root's audit log says were removed (and not counted as not found)."""
+    path = Path(index_root) / AUDIT_LOG
+    if not path.is_file():
+        return set()
+    ids: set[str] = set()
+    with open(path, encoding="utf-8") as log_file:
+        for line in log_file:
+            entry = json.loads(line)
+            if entry.get("action") == "remove":
+                ids.update(entry.get("ids", []))
+    return ids
+
+
+def warn_of_returning_items(index_root: str | Path, ids: Iterable[str]) -> int:
+    """A build from a catalog that still lists items taken down brings them back: say so."""
+    removed = taken_down(index_root)
+    if not removed:
+        return 0
+    back = [item_id for item_id in ids if item_id in removed]
+    if back:
+        log.warning(
+            "%d items of this version were taken down earlier (%s; e.g. %s) and are back: remove them "
+            "from the catalog, or run index remove again",
+            len(back),
+            Path(index_root) / AUDIT_LOG,
+            ", ".join(back[:3]),
+        )
+    return len(back)
 
 
 def local_identity() -> str:

@@ -180,13 +180,28 @@ def test_publish_version_and_current(tmp_path):
     assert current_version(root) == "v2"
     assert (root / artifacts.CURRENT).read_text() == "v2\n"
     assert version_dir(root, "v1") == first
-    assert sorted(p.name for p in root.iterdir()) == [artifacts.CURRENT, artifacts.VERSIONS]
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        [artifacts.CURRENT, artifacts.LOCK_FILE, artifacts.VERSIONS]
+    )
 
     staging = index_staging_dir(root)
     write_artifact(staging, "again")
     with pytest.raises(ArtifactError, match="already exists"):
         publish_version(root, staging, "v1")
     assert_artifact(first, "v1")
+
+
+def test_a_version_made_from_a_parent_no_longer_live_is_not_published(tmp_path):
+    root = tmp_path / "index"
+    add_version(root, "v1")
+    add_version(root, "v2")  # published meanwhile by another process
+    staging = index_staging_dir(root)
+    write_artifact(staging, "v3")
+    with pytest.raises(artifacts.StaleParentError, match="changed from v1 to v2"):
+        publish_version(root, staging, "v3", parent="v1")
+    assert current_version(root) == "v2" and list_versions(root) == ["v1", "v2"]
+    assert publish_version(root, staging, "v3", parent="v2") == root / artifacts.VERSIONS / "v3"
+    assert current_version(root) == "v3"
 
 
 def test_version_dir_errors(tmp_path):

@@ -119,6 +119,14 @@ def test_ids_not_indexed_change_nothing_and_every_removal_is_audited(tmp_path):
         remove_items(tmp_path, [], who="test")
 
 
+def test_a_build_that_brings_taken_down_items_back_says_so(tmp_path, caplog):
+    publish_synthetic(tmp_path, "Flat", {})
+    remove_items(tmp_path, ["item-3", "item-4"], who="test")
+    with caplog.at_level("WARNING", logger="index.lifecycle"):
+        publish_synthetic(tmp_path, "Flat", {})  # the same catalog again, taken-down items in it
+    assert "2 items of this version were taken down earlier" in caplog.text and "item-3" in caplog.text
+
+
 def index_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "index", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
