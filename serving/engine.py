@@ -131,9 +131,13 @@ def load_pair(
     # The index and items before the model's sessions, the costliest part: a damaged version
     # fails before any session is made.
     opened.load(dim=model_manifest.embedding_dim)
-    if previous is not None and previous.model_id == model_manifest.model_id:
-        # The same model (its id is its content's hash): a new index for it, as a takedown or an
-        # add publishes, keeps the live sessions rather than building and tuning them again.
+    if (
+        previous is not None
+        and previous.model_id == model_manifest.model_id
+        and previous.embedder.model_dir.resolve() == model_dir.resolve()
+    ):
+        # The same model from the same directory: a new index for it, as a takedown or an add
+        # publishes, keeps the live sessions rather than building and tuning them again.
         return ServingPair(previous.embedder, opened.searchable(), opened)
     embedder = QueryEmbedder(model_dir, provider, intra_op_threads, ort_spinning, runs_at_once)
     if run_rows is not None:

@@ -11,54 +11,24 @@ Runtime's weights, Arrow columns) are carved from the heap arenas instead, betwe
 blocks that outlive them, and every reload leaves the arenas bigger and more fragmented
 (measured: arenas 49 → 191 MB in 3 minutes of reloads every 20 s, 107 MB of it free).
 
-`pin_mmap_threshold` fixes the threshold, so large blocks always get their own mapping and go
-back to the OS the moment they are freed; after a reload, `reclaim` waits for the old pair to
-be collected and then trims the heap.
+`core.memory.pin_mmap_threshold` fixes the threshold, so large blocks always get their own
+mapping and go back to the OS the moment they are freed; after a reload, `reclaim` waits for the
+old pair to be collected and then trims the heap.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import logging
 import threading
 import time
 import weakref
-from typing import Any
+
+from core.memory import pin_mmap_threshold, return_free_heap
+
+__all__ = ["pin_mmap_threshold", "reclaim", "return_free_heap"]
 
 log = logging.getLogger(__name__)
-
-
-def _libc_function(name: str) -> Any:
-    library = ctypes.util.find_library("c")
-    try:
-        return getattr(ctypes.CDLL(library), name, None) if library else None
-    except OSError:
-        return None
-
-
-_trim = _libc_function("malloc_trim")
-_mallopt = _libc_function("mallopt")
-M_MMAP_THRESHOLD = -3  # glibc's <malloc.h>
-DEFAULT_MMAP_THRESHOLD = 128 * 1024  # glibc's own starting value, kept from then on
-
-
-def pin_mmap_threshold(nbytes: int = DEFAULT_MMAP_THRESHOLD) -> bool:
-    """Blocks of `nbytes` or more always get their own mapping (setting the threshold switches
-    glibc's dynamic adjustment off). Process-wide; False where the C library has no mallopt."""
-    if _mallopt is None:
-        return False
-    return bool(_mallopt(M_MMAP_THRESHOLD, int(nbytes)))
-
-
-def return_free_heap() -> bool:
-    """Return the C heap's free pages to the OS (glibc `malloc_trim`); False where the C
-    library has none (musl, macOS), which return pages by themselves or not at all."""
-    if _trim is None:
-        return False
-    _trim(0)
-    return True
 
 
 def reclaim(released: weakref.ref, timeout_s: float = 60.0, stop: threading.Event | None = None) -> bool:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from core.catalog import Catalog, read_catalog
+from core.memory import pin_mmap_threshold
 from core.preprocess import ImageDecodeError, InputContract, load_image, rows_per_pass
 from core.progress import Progress
 from training.glyphs import DEFAULT_DATA_DIR, build_glyph_dataset
@@ -247,6 +248,12 @@ def fits_in_memory(count: int, contract: InputContract, budget_bytes: int = 1 <<
     return count * int(np.prod(contract.input_shape)) * 4 <= budget_bytes
 
 
+def decoding_worker_init(worker_id: int) -> None:
+    """A DataLoader process decoding images: its heap must not grow with every batch it makes
+    (see core/memory.py — ~370 KB an image at 224 px without this)."""
+    pin_mmap_threshold()
+
+
 def _collate_eval(batch: list[tuple[torch.Tensor | None, int]]) -> tuple[torch.Tensor | None, torch.Tensor, int]:
     kept = [(x, y) for x, y in batch if x is not None]
     x = torch.stack([x for x, _ in kept]) if kept else None
@@ -295,6 +302,7 @@ class EvalImages:
             batch_size=self.batch_size,
             num_workers=self.loader_workers,
             collate_fn=_collate_eval,
+            worker_init_fn=decoding_worker_init,
         )
         parts, labels, skipped = [], [], 0
         # A streamed split is a large one (SOP's test half: minutes): a line every ~30 s in a log.

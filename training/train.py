@@ -35,6 +35,7 @@ from training.data import (
     LazyImages,
     build_augmentation,
     collate_skipping_unreadable,
+    decoding_worker_init,
     prepare_splits,
     slice_catalog,
     train_dataset,
@@ -353,6 +354,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         batch_sampler=sampler,
         num_workers=cfg.loader_workers if isinstance(dataset, LazyImages) else 0,
         collate_fn=collate_skipping_unreadable,
+        worker_init_fn=decoding_worker_init,
     )
     start_epoch, best = 0, {"epoch": -1, SELECTION_SCORE: -1.0, "val_recall_at_1": None}
     history: list[dict[str, Any]] = []
