@@ -8,6 +8,7 @@ import sys
 from core.cli import add_config_flag, add_progress_flag, add_verbose_flag, run_cli
 from core.config import add_options, from_cli
 from index.build import BuildConfig
+from index.duplicates import DuplicatesConfig
 from index.rebuild import RebuildConfig
 
 # command → (help, configuration class, its options this command does not take)
@@ -24,6 +25,7 @@ COMMANDS = {
         # The live version fixes these: its factory, parameters and model.
         ("factory", "search_params", "train_size", "device", "decode_threads", "max_pixels", "ks"),
     ),
+    "duplicates": ("write the groups of near-duplicates (pairs at or above --min-score)", DuplicatesConfig, ()),
 }
 
 
@@ -72,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
             del args.progress
             cfg = from_cli(RebuildConfig, args)
             print(run_rebuild(cfg, progress=progress))
+        elif args.command == "duplicates":
+            from index.duplicates import run_duplicates
+
+            progress = args.progress
+            del args.progress
+            print(run_duplicates(from_cli(DuplicatesConfig, args), progress=progress))
         elif args.command == "list":
             live = artifacts.current_version(args.index_root)
             for version in artifacts.list_versions(args.index_root):
