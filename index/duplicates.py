@@ -117,7 +117,7 @@ def find_groups(
     members = [group[np.lexsort((group, -degree[group]))] for group in np.split(by_group, splits) if len(group)]
     members.sort(key=lambda m: (-len(m), int(m.min())))
     pairs = len({(min(a, b), max(a, b)) for a, b in zip(src.tolist(), dst.tolist(), strict=True)})
-    return Groups(members, best_score, best_match, pairs, truncated, len(rows))
+    return Groups(members, best_score, best_match, pairs, int(truncated), len(rows))
 
 
 def run_duplicates(cfg: DuplicatesConfig, progress: bool = True) -> Path:

@@ -86,7 +86,7 @@ def _answering(rows: np.ndarray, live: np.ndarray | None, exclude: frozenset[int
 
 def _best_first(rows: np.ndarray, scores: np.ndarray, limit: int, truncated: bool) -> Reaching:
     order = np.lexsort((rows, -scores))[:limit]
-    return Reaching(rows[order].astype(np.int64), scores[order].astype(np.float32), truncated)
+    return Reaching(rows[order].astype(np.int64), scores[order].astype(np.float32), bool(truncated))
 
 
 def _by_range(

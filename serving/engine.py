@@ -31,9 +31,9 @@ from core.preprocess import (
     decode,
     open_image,
 )
+from index import range_search
 from index.build import check_model_index_pair
 from index.faiss_index import ExactRerank
-from index.range_search import reaching
 from index.version import IndexVersion
 from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
 from serving.query_embedder import QueryEmbedder
@@ -272,8 +272,9 @@ class SearchEngine:
         index's own range search (`index.range_search`), bounded by k."""
         if scope.allowed is None and scope.min_score is not None:
             live = pair.index_version.live_mask
-            found = reaching(pair.index, vector[None], scope.min_score, k, live, [exclude])[0]
-            return Answer([Hit(int(r), float(s)) for r, s in zip(found.rows, found.scores, strict=True)], found.truncated)
+            found = range_search.reaching(pair.index, vector[None], scope.min_score, k, live, [exclude])[0]
+            hits = [Hit(int(r), float(s)) for r, s in zip(found.rows, found.scores, strict=True)]
+            return Answer(hits, found.truncated)
         allowed = scope.allowed if scope.allowed is not None else np.ones(pair.index.ntotal, dtype=bool)
         if pair.index_version.live_mask is not None:
             allowed = allowed & pair.index_version.live_mask
