@@ -263,11 +263,11 @@ def ensure_model(model: Path, parity_folder: Path) -> Path:
     return model
 
 
-def build(model: Path, catalog: Path, root: Path, factory: str) -> float:
+def build(model: Path, catalog: Path, root: Path, factory: str, search_params: str) -> float:
     started = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "index", "build", "--model", str(model), "--catalog", str(catalog),
-         "--index-root", str(root), "--factory", factory, "--no-progress"],
+         "--index-root", str(root), "--factory", factory, "--search-params", search_params, "--no-progress"],
         cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     if done.returncode != 0:
@@ -297,6 +297,7 @@ def main() -> None:
     parser.add_argument("--model", help="model dir (default: export the pretrained mobilenet_v2 into OUT/model)")
     parser.add_argument("--originals", type=int, default=200, help="pictures planted, each with 4 copies")
     parser.add_argument("--factory", default="Flat", help="faiss factory string of the index")
+    parser.add_argument("--search-params", default="{}", help="its search parameters as JSON, e.g. '{\"nprobe\": 8}'")
     parser.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS))
     parser.add_argument("--chosen", type=float, default=CHOSEN, help="the threshold the table marks")
     parser.add_argument("--seed", type=int, default=0)
@@ -310,13 +311,14 @@ def main() -> None:
     planted_s = time.perf_counter() - started
     model = ensure_model(Path(args.model) if args.model else out / "model", out / "catalog" / "images")
     root = out / f"index-{args.factory.replace(',', '_')}"
-    build_s = build(model, catalog_path, root, args.factory)
+    build_s = build(model, catalog_path, root, args.factory, args.search_params)
     figures = measure(root, catalog, args.thresholds, out / "groups")
     honoured, ignored = exif_cosines(model, catalog)
     families = sum(m.get("kind") == "original" for m in catalog.metadata)
     print(
         f"{families} originals × 4 copies + {len(catalog) - 5 * families} distractors = {len(catalog)} images; "
-        f"model {model}; index {args.factory}; planted in {planted_s:.0f} s, indexed in {build_s:.0f} s"
+        f"model {model}; index {args.factory} {args.search_params}; "
+        f"planted in {planted_s:.0f} s, indexed in {build_s:.0f} s"
     )
     print("\n".join(table(figures, args.chosen)))
     print(f"EXIF copies' median cosine to their original: {honoured:.3f} with the tag honoured, {ignored:.3f} ignored")
