@@ -291,6 +291,76 @@ def table(figures: list[Figures], chosen: float) -> list[str]:
     return lines
 
 
+SCALE_FACTORIES = (
+    ("Flat", {}),
+    ("IVF{nlist},Flat", {"nprobe": 16}),
+    ("IVF{nlist},PQ32", {"nprobe": 16}),
+    ("HNSW32", {}),
+)
+
+
+def scale_timings(rows: int, dim: int = 256, min_score: float = 0.9, seed: int = 0) -> list[str]:
+    """What min_score costs by index type on `rows` synthetic vectors (groups of 5 near-copies,
+    cosine ~0.94 within a group): `index duplicates`' rows/s (batches of 1,024), one query's
+    median ms with min_score and as a plain top-10, and the share of exact search's pairs found."""
+    import faiss
+
+    from core.vectors import exact_search
+    from index.faiss_index import build_index, searchable, with_default_rerank
+    from index.range_search import by_range_search, reaching
+
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((rows // 5, dim)).astype(np.float32)
+    x = np.repeat(centres, 5, axis=0) + 0.25 * rng.standard_normal((len(centres) * 5, dim)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    sample = np.sort(rng.choice(len(x), 4096, replace=False))
+    exact_scores, exact_rows = exact_search(x, x[sample], 32)
+    truth = [set(r[s >= min_score].tolist()) - {q} for q, r, s in zip(sample, exact_rows, exact_scores, strict=True)]
+    lines = [
+        f"{len(x):,} vectors of {dim} dimensions, min_score {min_score}: {np.mean([len(t) for t in truth]):.1f} "
+        "rows reach it per row",
+        "| factory | search | method | build s | duplicates rows/s | min_score query ms | top-10 query ms "
+        "| pairs found |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    nlist = int(4 * np.sqrt(len(x)))
+    for factory, params in SCALE_FACTORIES:
+        factory = factory.format(nlist=nlist)
+        started = time.perf_counter()
+        built = build_index(x, factory, params, train_size=min(len(x), 50 * nlist))
+        build_s = time.perf_counter() - started
+        params = with_default_rerank(built, params)
+        index = searchable(built, params, x)
+        started = time.perf_counter()
+        found = []
+        for start in range(0, len(sample), 1024):
+            batch = sample[start : start + 1024]
+            found += reaching(index, x[batch], min_score, 100, exclude=[{int(r)} for r in batch])
+        rate = len(sample) / (time.perf_counter() - started)
+        hits = sum(len(t & set(a.rows.tolist())) for t, a in zip(truth, found, strict=True))
+        single, plain = [], []
+        threads = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(1)  # one query on one thread, as a server's query threads run them
+        for q in sample[:200]:
+            t0 = time.perf_counter()
+            reaching(index, x[q : q + 1], min_score, 1000, exclude=[{int(q)}])
+            t1 = time.perf_counter()
+            index.search(x[q : q + 1], 11)
+            single.append(t1 - t0)
+            plain.append(time.perf_counter() - t1)
+        faiss.omp_set_num_threads(threads)
+        method = "range search" if by_range_search(index) else "widened k-NN"
+        lines.append(
+            f"| {factory} | {json_params(params)} | {method} | {build_s:.1f} | {rate:,.0f} "
+            f"| {1000 * np.median(single):.2f} | {1000 * np.median(plain):.2f} | {hits / sum(map(len, truth)):.4f} |"
+        )
+    return lines
+
+
+def json_params(params: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items()) or "–"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "runs" / "bench-duplicates"), help="work directory")
@@ -301,9 +371,13 @@ def main() -> None:
     parser.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS))
     parser.add_argument("--chosen", type=float, default=CHOSEN, help="the threshold the table marks")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--scale", type=int, help="only time min_score by index type on this many synthetic vectors")
     parser.add_argument("--distractors", type=int, help="pictures without copies (default: as many as originals)")
     args = parser.parse_args()
 
+    if args.scale:
+        print("\n".join(scale_timings(args.scale, min_score=args.chosen, seed=args.seed)))
+        return
     out = Path(args.out)
     started = time.perf_counter()
     catalog_path = plant_catalog(out / "catalog", args.originals, args.seed, args.distractors)

@@ -192,7 +192,7 @@ def groups_sheet(version: IndexVersion, groups: Groups, count: int):
     scores = np.zeros((len(shown), depth), dtype=np.float32)
     for g, members in enumerate(shown):
         lead, others = int(members[0]), np.sort(members[1:])
-        cosine = np.asarray(version.vectors[others] @ version.vectors[lead], dtype=np.float32)
+        cosine = np.einsum("cd,d->c", np.asarray(version.vectors[others]), version.vectors[lead]).astype(np.float32)
         best = np.lexsort((others, -cosine))[:depth]
         rows[g, : len(best)], scores[g, : len(best)] = others[best], cosine[best]
     items = version.items

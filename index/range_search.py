@@ -107,7 +107,9 @@ def _by_range(
     for i, query in enumerate(queries):
         r, s = rows[lims[i] : lims[i + 1]].astype(np.int64), scores[lims[i] : lims[i + 1]]
         if rerank is not None and len(r):
-            s = rerank.gather(r) @ query
+            # einsum, not BLAS's matrix-vector product: on a busy 2-core machine OpenBLAS's
+            # threads made 424 rows × 1,280 dims take 11 ms, einsum 0.12 ms.
+            s = np.einsum("cd,d->c", rerank.gather(r), query)
         keep = (s >= min_score) & _answering(r, live, exclude[i])
         r, s = r[keep], s[keep]
         answers.append(_best_first(r, s, limit, len(r) > limit))
