@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
@@ -105,6 +110,18 @@ def test_min_score_is_bounded_by_k_and_says_when_it_cut(served, test_catalog):
     )
     assert [len(r.neighbors) for r in batch.responses] == [3, 4, 0]
     assert [r.truncated for r in batch.responses] == [False, True, False]
+
+
+def test_query_command_takes_min_score(served, test_catalog):
+    server, _ = served
+    done = subprocess.run(
+        [sys.executable, "-m", "serving", "query", str(test_catalog.paths[0]), "--target", f"127.0.0.1:{server.port}",
+         "--k", "0", "--min-score", "-1", "--json"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    (answer,) = json.loads(done.stdout)
+    assert len(answer["neighbors"]) == 50 and answer["truncated"] is True  # every row reaches -1; max_k 50
 
 
 def test_pixel_bomb_and_oversized_message_are_resource_exhausted(served):
