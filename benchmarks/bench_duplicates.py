@@ -302,13 +302,17 @@ SCALE_FACTORIES = (
 def scale_timings(rows: int, dim: int = 256, min_score: float = 0.9, seed: int = 0) -> list[str]:
     """What min_score costs by index type on `rows` synthetic vectors (groups of 5 near-copies,
     cosine ~0.94 within a group): `index duplicates`' rows/s (batches of 1,024), one query's
-    median ms with min_score and as a plain top-10, and the share of exact search's pairs found."""
+    median ms with min_score and as a plain top-10, and the share of exact search's pairs found.
+    One faiss thread."""
     import faiss
 
     from core.vectors import exact_search
     from index.faiss_index import build_index, searchable, with_default_rerank
     from index.range_search import by_range_search, reaching
 
+    # One faiss thread throughout: on a busy machine OpenMP's waiting threads cost more than a
+    # second core gives (a 10k-row IVF-PQ trained in 290 s with two).
+    faiss.omp_set_num_threads(1)
     rng = np.random.default_rng(seed)
     centres = rng.standard_normal((rows // 5, dim)).astype(np.float32)
     x = np.repeat(centres, 5, axis=0) + 0.25 * rng.standard_normal((len(centres) * 5, dim)).astype(np.float32)
@@ -339,8 +343,6 @@ def scale_timings(rows: int, dim: int = 256, min_score: float = 0.9, seed: int =
         rate = len(sample) / (time.perf_counter() - started)
         hits = sum(len(t & set(a.rows.tolist())) for t, a in zip(truth, found, strict=True))
         single, plain = [], []
-        threads = faiss.omp_get_max_threads()
-        faiss.omp_set_num_threads(1)  # one query on one thread, as a server's query threads run them
         for q in sample[:200]:
             t0 = time.perf_counter()
             reaching(index, x[q : q + 1], min_score, 1000, exclude=[{int(q)}])
@@ -348,7 +350,6 @@ def scale_timings(rows: int, dim: int = 256, min_score: float = 0.9, seed: int =
             index.search(x[q : q + 1], 11)
             single.append(t1 - t0)
             plain.append(time.perf_counter() - t1)
-        faiss.omp_set_num_threads(threads)
         method = "range search" if by_range_search(index) else "widened k-NN"
         lines.append(
             f"| {factory} | {json_params(params)} | {method} | {build_s:.1f} | {rate:,.0f} "
