@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from index.duplicates import find_groups
 from index.faiss_index import ExactRerank, build_index, searchable, with_default_rerank
 from index.range_search import by_range_search, reaching
 
@@ -95,3 +96,49 @@ def test_no_rows_reaching_is_an_empty_answer(index, vectors):
     assert len(answer.rows) == 0 and not answer.truncated
     with pytest.raises(ValueError, match="min_score"):
         reaching(searched, far, 1.5, limit=10)
+
+
+class StubVersion:
+    """What `find_groups` reads of an index version: its index as searched, vectors, deleted rows."""
+
+    def __init__(self, vectors: np.ndarray, factory: str, live: np.ndarray | None = None) -> None:
+        self.vectors, self.live_mask = vectors, live
+        self._index = build_index(vectors, factory)
+
+    def load(self) -> StubVersion:
+        return self
+
+    def searchable(self):
+        return self._index
+
+
+@pytest.mark.parametrize("factory", ["Flat", "HNSW16"])
+def test_groups_are_the_connected_components_of_the_pairs(factory):
+    """A chain a-b-c (a and c below the threshold, linked through b), a pair, and loners; a
+    deleted row bridging two groups does not join them."""
+    rng = np.random.default_rng(3)
+    plane = np.linalg.qr(rng.standard_normal((64, 2)))[0].T.astype(np.float32)  # two orthonormal rows
+
+    def at(degrees: float) -> np.ndarray:  # a unit vector in the plane: cosines are cos(angle between)
+        return np.cos(np.radians(degrees)) * plane[0] + np.sin(np.radians(degrees)) * plane[1]
+
+    # Threshold 0.85 (31.8°): a chain 0°-25°-50° (0° and 50° apart), a pair 110°-120°, a bridge
+    # at 80° (30° from 50° and from 110°), and 200 random vectors far from all of them.
+    far = rng.standard_normal((200, 64)).astype(np.float32)
+    vectors = np.vstack([at(0), at(25), at(50), at(110), at(120), at(80), far / np.linalg.norm(far, axis=1)[:, None]])
+    scores = vectors @ vectors.T
+    min_score = 0.85
+    assert scores[2, 5] >= min_score and scores[5, 3] >= min_score > scores[0, 2]
+    live = np.ones(len(vectors), dtype=bool)
+    live[5] = False
+
+    groups = find_groups(StubVersion(vectors, factory, live), min_score, max_neighbours=10, batch_size=64)
+    assert [sorted(m.tolist()) for m in groups.members] == [[0, 1, 2], [3, 4]]
+    assert groups.members[0][0] == 1  # led by its most connected member
+    assert groups.edges == 3 and groups.truncated_rows == 0 and groups.searched_rows == len(vectors) - 1
+    assert groups.best_match[0] == groups.best_match[2] == 1 and (groups.best_match[3], groups.best_match[4]) == (4, 3)
+    np.testing.assert_allclose(groups.best_score[[0, 2]], scores[1, [0, 2]], atol=1e-5)
+    assert np.isnan(groups.best_score[5]) and groups.best_match[5] == -1
+
+    with_bridge = find_groups(StubVersion(vectors, factory), min_score, max_neighbours=10, batch_size=64)
+    assert [sorted(m.tolist()) for m in with_bridge.members] == [[0, 1, 2, 3, 4, 5]]
