@@ -71,9 +71,19 @@ def reaching(
     exclude = exclude if exclude is not None else [frozenset()] * len(queries)
     if len(queries) == 0 or index.ntotal == 0:
         return [Reaching(np.zeros(0, np.int64), np.zeros(0, np.float32)) for _ in queries]
-    if by_range_search(index):
-        return _by_range(index, queries, min_score, limit, live, exclude)
-    return _by_widened_knn(index, queries, min_score, limit, live, exclude)
+    ask = _Ask(queries, min_score, limit, live, exclude)
+    return _by_range(index, ask) if by_range_search(index) else _by_widened_knn(index, ask)
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """`reaching`'s arguments, as both ways take them."""
+
+    queries: np.ndarray
+    min_score: float
+    limit: int
+    live: np.ndarray | None
+    exclude: Sequence[frozenset[int] | set[int]]
 
 
 def _answering(rows: np.ndarray, live: np.ndarray | None, exclude: frozenset[int] | set[int]) -> np.ndarray:
@@ -89,14 +99,8 @@ def _best_first(rows: np.ndarray, scores: np.ndarray, limit: int, truncated: boo
     return Reaching(rows[order].astype(np.int64), scores[order].astype(np.float32), bool(truncated))
 
 
-def _by_range(
-    index: faiss.Index | ExactRerank,
-    queries: np.ndarray,
-    min_score: float,
-    limit: int,
-    live: np.ndarray | None,
-    exclude: Sequence[frozenset[int] | set[int]],
-) -> list[Reaching]:
+def _by_range(index: faiss.Index | ExactRerank, ask: _Ask) -> list[Reaching]:
+    queries, min_score, limit, live, exclude = ask.queries, ask.min_score, ask.limit, ask.live, ask.exclude
     rerank = index if isinstance(index, ExactRerank) else None
     searched = rerank.index if rerank is not None else index
     radius = min_score - (rerank.score_slack if rerank is not None else 0.0)
@@ -116,16 +120,10 @@ def _by_range(
     return answers
 
 
-def _by_widened_knn(
-    index: faiss.Index | ExactRerank,
-    queries: np.ndarray,
-    min_score: float,
-    limit: int,
-    live: np.ndarray | None,
-    exclude: Sequence[frozenset[int] | set[int]],
-) -> list[Reaching]:
+def _by_widened_knn(index: faiss.Index | ExactRerank, ask: _Ask) -> list[Reaching]:
     """k-NN searches of doubling depth until each query's deepest score falls below `min_score`,
     the index runs out of rows, or more than `limit` answering rows reach it."""
+    queries, min_score, limit, live, exclude = ask.queries, ask.min_score, ask.limit, ask.live, ask.exclude
     n = index.ntotal
     answers: list[Reaching | None] = [None] * len(queries)
     pending = list(range(len(queries)))
