@@ -1,4 +1,4 @@
-"""`python -m index {build,rebuild,add,remove,list,rollback}`: build, change, inspect and roll back index versions."""
+"""`python -m index COMMAND`: build, rebuild, add to, remove from, inspect and roll back index versions."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 from core.cli import add_config_flag, add_progress_flag, add_verbose_flag, run_cli
 from core.config import add_options, from_cli
 from index.build import BuildConfig
+from index.duplicates import DuplicatesConfig
 from index.lifecycle import RemoveConfig
 from index.rebuild import RebuildConfig
 
@@ -26,6 +27,7 @@ COMMANDS = {
         ("factory", "search_params", "train_size", "device", "decode_threads", "max_pixels", "ks"),
     ),
     "remove": ("publish the live version less some items (takedowns, logged to audit.jsonl)", RemoveConfig, ()),
+    "duplicates": ("write the groups of near-duplicates (pairs at or above --min-score)", DuplicatesConfig, ()),
 }
 
 
@@ -79,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
             del args.progress
             cfg = from_cli(RebuildConfig, args)
             print(run_rebuild(cfg, progress=progress))
+        elif args.command == "duplicates":
+            from index.duplicates import run_duplicates
+
+            progress = args.progress
+            del args.progress
+            print(run_duplicates(from_cli(DuplicatesConfig, args), progress=progress))
         elif args.command == "list":
             live = artifacts.current_version(args.index_root)
             for version in artifacts.list_versions(args.index_root):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -16,6 +17,9 @@ log = logging.getLogger(__name__)
 # candidates exactly against the stored vectors. 0 turns it off.
 RERANK = "rerank"
 DEFAULT_RERANK = 10  # for an index of approximate codes (PQ, SQ): docs/benchmarks.md, index choice
+# `ExactRerank.score_slack`: rows sampled, candidates each, and the margin over the largest
+# shortfall seen (a sample's maximum underestimates the catalog's).
+SLACK_SAMPLE, SLACK_DEPTH, SLACK_MARGIN = 256, 64, 1.5
 
 
 def gpu_count() -> int:
@@ -126,21 +130,42 @@ class ExactRerank:
     def d(self) -> int:
         return self.index.d
 
+    def gather(self, rows: np.ndarray) -> np.ndarray:
+        """The stored vectors of `rows` (any shape of row numbers ≥ 0), shaped rows.shape + (d,)."""
+        flat = np.asarray(rows).ravel()
+        # Rows sorted before the gather: a memory-mapped read then walks the file forwards.
+        order = np.argsort(flat, kind="stable")
+        gathered = np.empty((len(flat), self.d), dtype=np.float32)
+        gathered[order] = self.stored[flat[order]]
+        return gathered.reshape(*np.shape(rows), self.d)
+
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         depth = min(k * self.factor, self.index.ntotal)
         _, candidates = self.index.search(queries, depth)
         found = candidates >= 0
-        # Rows sorted before the gather: a memory-mapped read then walks the file forwards.
-        flat = np.where(found, candidates, 0).ravel()
-        order = np.argsort(flat, kind="stable")
-        gathered = np.empty((len(flat), self.d), dtype=np.float32)
-        gathered[order] = self.stored[flat[order]]
-        scores = np.einsum("qd,qcd->qc", queries, gathered.reshape(*candidates.shape, self.d))
+        scores = np.einsum("qd,qcd->qc", queries, self.gather(np.where(found, candidates, 0)))
         scores[~found] = -np.inf
         top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
         best = np.take_along_axis(scores, top, axis=1).astype(np.float32)
         rows = np.where(np.isfinite(best), np.take_along_axis(candidates, top, axis=1), -1)
         return best, rows
+
+    @functools.cached_property
+    def score_slack(self) -> float:
+        """How far below a vector's exact score the codes may score it, with a margin: a range
+        search over the codes at `min_score - score_slack` holds every row whose exact score
+        reaches `min_score` (`index.range_search`). Measured once, on a fixed sample of stored
+        rows querying the index (their top candidates: the scores near a threshold that matter)."""
+        n = self.index.ntotal
+        if n == 0:
+            return 0.0
+        picked = np.sort(np.random.default_rng(0).choice(n, size=min(SLACK_SAMPLE, n), replace=False))
+        queries = self.gather(picked)
+        approximate, candidates = self.index.search(queries, min(SLACK_DEPTH, n))
+        found = candidates >= 0
+        exact = np.einsum("qd,qcd->qc", queries, self.gather(np.where(found, candidates, 0)))
+        shortfall = (exact - approximate)[found]
+        return float(SLACK_MARGIN * max(float(shortfall.max(initial=0.0)), 0.0) + 1e-3)
 
 
 def searchable(index: faiss.Index, params: dict[str, float], stored: np.ndarray | None) -> faiss.Index | ExactRerank:

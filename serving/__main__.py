@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     query = sub.add_parser("query", help="search with one or more image files")
     query.add_argument("images", nargs="+", help="image files")
     query.add_argument("--target", default="127.0.0.1:50051", help="server address host:port")
-    query.add_argument("--k", type=int, default=10, help="neighbours per image")
+    query.add_argument("--k", type=int, default=10, help="neighbours per image (with --min-score, 0: up to max_k)")
+    query.add_argument("--min-score", type=float, help="every neighbour at or above this cosine similarity")
     query.add_argument("--timeout", type=float, default=10.0, help="deadline per call in seconds")
     query.add_argument("--json", action="store_true", help="print JSON instead of a table")
     query.add_argument("--tls-ca", help="PEM root certificate of a TLS server")
@@ -76,13 +77,13 @@ def _query(args: argparse.Namespace) -> None:
 
     from serving.client import SearchClient
 
-    if args.k <= 0:
+    if args.k < 0 or (args.k == 0 and args.min_score is None):
         raise ValueError(f"--k must be at least 1, got {args.k}")
     results = []
     with SearchClient(args.target, timeout=args.timeout, tls_ca=args.tls_ca, token=args.token) as client:
         for image in args.images:
             try:
-                response = client.search_image(image, k=args.k)
+                response = client.search_image(image, k=args.k, min_score=args.min_score)
             except FileNotFoundError:
                 raise FileNotFoundError(f"image file not found: {image}") from None
             results.append((image, response))
@@ -96,6 +97,8 @@ def _query(args: argparse.Namespace) -> None:
         print(f"  {'rank':>4}  {'score':>7}  {'label':<12} id")
         for rank, n in enumerate(response.neighbors, 1):
             print(f"  {rank:>4}  {n.score:7.4f}  {n.label:<12} {n.id}")
+        if response.truncated:
+            print(f"  … more neighbours reach {args.min_score}: cut at k={len(response.neighbors)}")
 
 
 def _info(args: argparse.Namespace) -> None:

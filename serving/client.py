@@ -90,18 +90,34 @@ class SearchClient:
         label: str | None = None,
         exclude_ids: Sequence[str] = (),
         timeout: float | None = None,
+        min_score: float | None = None,
     ) -> pb.SearchResponse:
+        """`min_score`: every neighbour at or above that cosine similarity, at most k (k = 0: up
+        to the server's max_k); the response's `truncated` says when k cut the answer."""
         data = image if isinstance(image, (bytes, bytearray)) else Path(image).read_bytes()
         return self.search(
-            pb.SearchRequest(image=bytes(data), k=k, request_id=request_id, label=label, exclude_ids=list(exclude_ids)),
+            pb.SearchRequest(
+                image=bytes(data),
+                k=k,
+                request_id=request_id,
+                label=label,
+                exclude_ids=list(exclude_ids),
+                min_score=min_score,
+            ),
             timeout,
         )
 
-    def search_embedding(self, values: Sequence[float], k: int = 10, timeout: float | None = None) -> pb.SearchResponse:
-        return self.search(pb.SearchRequest(embedding=pb.Embedding(values=list(values)), k=k), timeout)
+    def search_embedding(
+        self, values: Sequence[float], k: int = 10, timeout: float | None = None, min_score: float | None = None
+    ) -> pb.SearchResponse:
+        return self.search(
+            pb.SearchRequest(embedding=pb.Embedding(values=list(values)), k=k, min_score=min_score), timeout
+        )
 
-    def search_item(self, item_id: str, k: int = 10, timeout: float | None = None) -> pb.SearchResponse:
-        return self.search(pb.SearchRequest(item_id=item_id, k=k), timeout)
+    def search_item(
+        self, item_id: str, k: int = 10, timeout: float | None = None, min_score: float | None = None
+    ) -> pb.SearchResponse:
+        return self.search(pb.SearchRequest(item_id=item_id, k=k, min_score=min_score), timeout)
 
     def search_batch(
         self, requests: Sequence[pb.SearchRequest], timeout: float | None = None

@@ -31,6 +31,7 @@ from core.preprocess import (
     decode,
     open_image,
 )
+from index import range_search
 from index.build import check_model_index_pair
 from index.faiss_index import ExactRerank
 from index.version import IndexVersion
@@ -273,7 +274,13 @@ class SearchEngine:
         self, pair: ServingPair, vector: np.ndarray, k: int, exclude: frozenset[int], scope: Scope
     ) -> Answer:
         """One query within its scope: exact search over the rows it allows (deleted and excluded
-        rows left out), and the rows at or above its min_score."""
+        rows left out), and the rows at or above its min_score. A min_score alone is the
+        index's own range search (`index.range_search`), bounded by k."""
+        if scope.allowed is None and scope.min_score is not None:
+            live = pair.index_version.live_mask
+            found = range_search.reaching(pair.index, vector[None], scope.min_score, k, live, [exclude])[0]
+            hits = [Hit(int(r), float(s)) for r, s in zip(found.rows, found.scores, strict=True)]
+            return Answer(hits, found.truncated)
         allowed = scope.allowed if scope.allowed is not None else np.ones(pair.index.ntotal, dtype=bool)
         if pair.index_version.live_mask is not None:
             allowed = allowed & pair.index_version.live_mask

@@ -103,3 +103,46 @@ def test_item_search_reads_the_stored_vector_not_the_index(served_version, catal
     assert found_row == row
     np.testing.assert_array_equal(vector, stored)
     assert client.search_embedding(stored.tolist(), k=1).neighbors[0].id == catalog.ids[7]
+
+
+def test_min_score_answers_every_neighbour_at_or_above_it(served_version, catalog):
+    """Range search on each index type: every answer reaches min_score with its exact score,
+    exact search's rows all answer (Flat: exactly those; an ANN index: nearly all), and k cuts
+    the answer to its best k, saying so."""
+    kind, server, client = served_version
+    pair = server.engine.pair
+    vectors = np.load(pair.directory / artifacts.EMBEDDINGS_FILE)
+    ids = list(pair.items.ids)
+    found = expected = 0
+    for r in (3, 11, 29, 40):
+        row = pair.items.row_of(catalog.ids[r])
+        exact = vectors @ vectors[row]
+        exact[row] = -np.inf  # a search by id leaves the item out
+        ranked = np.sort(exact)[::-1]
+        min_score = float(ranked[9] + ranked[10]) / 2  # between the 10th and 11th: ten rows reach it
+        answer = client.search_item(catalog.ids[r], k=0, min_score=min_score)  # k = 0: up to max_k
+        assert not answer.truncated and 0 < len(answer.neighbors) <= 10
+        rows = [pair.items.row_of(n.id) for n in answer.neighbors]
+        scores = np.array([n.score for n in answer.neighbors])
+        assert (scores >= min_score).all() and (np.diff(scores) <= 0).all()
+        np.testing.assert_allclose(scores, exact[rows], atol=1e-5)  # PQ codes re-ranked: exact scores
+        truth = {ids[i] for i in np.flatnonzero(exact >= min_score)}
+        if kind == "flat":
+            assert {n.id for n in answer.neighbors} == truth
+        found += len(truth & {n.id for n in answer.neighbors})
+        expected += len(truth)
+
+        cut = client.search_item(catalog.ids[r], k=3, min_score=min_score)
+        assert cut.truncated == (len(answer.neighbors) > 3) and len(cut.neighbors) == min(3, len(answer.neighbors))
+        assert [n.id for n in cut.neighbors] == [n.id for n in answer.neighbors[:3]]
+    assert found >= 0.8 * expected, (found, expected)
+
+    # An image query and an embedding query take the same path.
+    r = 3
+    by_image = client.search_image(catalog.paths[r], k=0, min_score=0.5, exclude_ids=[catalog.ids[r]])
+    by_item = client.search_item(catalog.ids[r], k=0, min_score=0.5)
+    assert [n.id for n in by_image.neighbors][:5] == [n.id for n in by_item.neighbors][:5]
+    assert all(n.score >= 0.5 for n in by_image.neighbors)
+    with pytest.raises(grpc.RpcError) as err:
+        client.search_item(catalog.ids[r], k=5, min_score=1.01)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_score" in err.value.details()

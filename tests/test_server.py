@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
@@ -67,6 +72,9 @@ def test_request_id_is_echoed_and_feedback_accepted(served, test_catalog):
         ({"item_id": "x", "k": 0}, grpc.StatusCode.INVALID_ARGUMENT, "k must be"),
         ({"item_id": "x", "k": -3}, grpc.StatusCode.INVALID_ARGUMENT, "k must be"),
         ({"item_id": "x", "k": 51}, grpc.StatusCode.INVALID_ARGUMENT, "exceeds"),
+        ({"item_id": "x", "k": 5, "min_score": 1.5}, grpc.StatusCode.INVALID_ARGUMENT, "min_score"),
+        ({"item_id": "x", "k": 5, "min_score": -1.01}, grpc.StatusCode.INVALID_ARGUMENT, "min_score"),
+        ({"item_id": "x", "k": 5, "min_score": float("nan")}, grpc.StatusCode.INVALID_ARGUMENT, "min_score"),
     ],
 )
 def test_bad_requests_get_status_codes_and_server_keeps_serving(served, test_catalog, request_kwargs, code, fragment):
@@ -76,6 +84,44 @@ def test_bad_requests_get_status_codes_and_server_keeps_serving(served, test_cat
     assert err.value.code() == code
     assert fragment in err.value.details()
     assert client.search_item(test_catalog.ids[0], k=1).neighbors
+
+
+def test_min_score_is_bounded_by_k_and_says_when_it_cut(served, test_catalog):
+    _, client = served
+    item = test_catalog.ids[0]
+    # Every row reaches -1: k = 0 means up to max_k (50 here), and the answer says it was cut.
+    everything = client.search_item(item, k=0, min_score=-1.0)
+    assert len(everything.neighbors) == 50 and everything.truncated
+    assert item not in [n.id for n in everything.neighbors]
+    top = client.search_item(item, k=50)
+    assert [n.id for n in everything.neighbors] == [n.id for n in top.neighbors]
+    assert not top.truncated  # a plain top-k is never "cut"
+    # Above its best neighbour's score nothing reaches: an empty answer, not an error.
+    above = min(1.0, top.neighbors[0].score + 1e-4)
+    none = client.search_item(item, k=0, min_score=above)
+    assert len(none.neighbors) == 0 and not none.truncated
+    # In a batch beside plain queries, each keeps its own bound.
+    batch = client.search_batch(
+        [
+            pb.SearchRequest(item_id=item, k=3),
+            pb.SearchRequest(item_id=item, k=4, min_score=-1.0),
+            pb.SearchRequest(item_id=item, k=0, min_score=above),
+        ]
+    )
+    assert [len(r.neighbors) for r in batch.responses] == [3, 4, 0]
+    assert [r.truncated for r in batch.responses] == [False, True, False]
+
+
+def test_query_command_takes_min_score(served, test_catalog):
+    server, _ = served
+    done = subprocess.run(
+        [sys.executable, "-m", "serving", "query", str(test_catalog.paths[0]), "--target", f"127.0.0.1:{server.port}",
+         "--k", "0", "--min-score", "-1", "--json"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    (answer,) = json.loads(done.stdout)
+    assert len(answer["neighbors"]) == 50 and answer["truncated"] is True  # every row reaches -1; max_k 50
 
 
 def test_pixel_bomb_and_oversized_message_are_resource_exhausted(served):
