@@ -126,9 +126,12 @@ class ExactRerank:
     def d(self) -> int:
         return self.index.d
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(
+        self, queries: np.ndarray, k: int, params: faiss.SearchParameters | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`params` (a filter's id selector, widened nprobe/efSearch) go to the candidates' search."""
         depth = min(k * self.factor, self.index.ntotal)
-        _, candidates = self.index.search(queries, depth)
+        _, candidates = self.index.search(queries, depth, params=params)
         found = candidates >= 0
         # Rows sorted before the gather: a memory-mapped read then walks the file forwards.
         flat = np.where(found, candidates, 0).ravel()
@@ -151,6 +154,97 @@ def searchable(index: faiss.Index, params: dict[str, float], stored: np.ndarray 
     if stored is None:
         raise ValueError(f"search parameter {RERANK}={factor} needs the stored vectors")
     return ExactRerank(index, stored, factor)
+
+
+# -- filtered search ---------------------------------------------------------------------------
+#
+# A filter's rows are a bool mask. Below a fraction of the index (per index family, measured by
+# benchmarks/bench_filter.py: docs/benchmarks.md, filtered search) the rows are searched
+# exactly — a gather of their stored vectors and one product, cheap when they are few and exact
+# by construction. Above it the index searches itself with an id selector over the mask, so
+# rows outside the filter never take a place in the top k; nprobe / efSearch are widened by
+# the inverse selectivity (to the power WIDEN_POWER), since only that fraction of what the
+# search visits can answer. HNSW's walk follows the whole graph but only matching nodes enter
+# the answer, so at low selectivity it runs out of effort before it finds k of them (Qdrant's
+# filterable-HNSW and ACORN notes): its threshold sits higher.
+EXACT, INDEX = "exact", "index"
+EXACT_BELOW = {"flat": 1.0, "ivf": 0.02, "hnsw": 0.05}
+WIDEN_POWER = 0.5
+MAX_EF_SEARCH = 2048
+
+
+def index_family(index: faiss.Index | ExactRerank) -> str | None:
+    """'flat', 'ivf' or 'hnsw': how an index takes an id selector; None when it takes none here
+    (wrapped indexes such as a PCA pre-transform: those are searched exactly within a filter)."""
+    base = faiss.downcast_index(index.index if isinstance(index, ExactRerank) else index)
+    if isinstance(base, faiss.IndexIVF):
+        return "ivf"
+    if isinstance(base, faiss.IndexHNSW):
+        return "hnsw"
+    if isinstance(base, faiss.IndexFlatCodes):
+        return "flat"
+    return None
+
+
+def selector_params(index: faiss.Index | ExactRerank, allowed: np.ndarray, k: int) -> faiss.SearchParameters:
+    """Search parameters restricting `index` to the rows `allowed` marks, with the index's own
+    nprobe / efSearch carried over (params given to a search replace them) and widened for the
+    filter's selectivity."""
+    base = faiss.downcast_index(index.index if isinstance(index, ExactRerank) else index)
+    # A bitmap, least significant bit first, is one load and a shift per test (IDSelectorBitmap).
+    selector = faiss.IDSelectorBitmap(np.packbits(allowed, bitorder="little"))
+    widen = (len(allowed) / max(int(np.count_nonzero(allowed)), 1)) ** WIDEN_POWER
+    if isinstance(base, faiss.IndexIVF):
+        nprobe = min(base.nlist, int(np.ceil(base.nprobe * widen)))
+        return faiss.SearchParametersIVF(sel=selector, nprobe=nprobe, max_codes=base.max_codes)
+    if isinstance(base, faiss.IndexHNSW):
+        ef = min(MAX_EF_SEARCH, int(np.ceil(max(base.hnsw.efSearch, k) * widen)))
+        return faiss.SearchParametersHNSW(sel=selector, efSearch=max(ef, k))
+    return faiss.SearchParameters(sel=selector)
+
+
+def exact_within(stored: np.ndarray, queries: np.ndarray, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k of `queries` among `rows` of `stored`: (scores, rows), -1 rows (score -inf)
+    past the rows there are."""
+    rows = np.asarray(rows, dtype=np.int64)
+    scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
+    found = np.full((len(queries), k), -1, dtype=np.int64)
+    if not len(rows):
+        return scores, found
+    gathered = np.asarray(stored[rows], dtype=np.float32)  # rows ascending: the memory map is read forwards
+    product = queries @ gathered.T
+    depth = min(k, len(rows))
+    if depth < len(rows):
+        part = np.argpartition(-product, depth - 1, axis=1)[:, :depth]
+    else:
+        part = np.broadcast_to(np.arange(len(rows)), product.shape)
+    part_scores = np.take_along_axis(product, part, axis=1)
+    order = np.argsort(-part_scores, axis=1, kind="stable")
+    scores[:, :depth] = np.take_along_axis(part_scores, order, axis=1)
+    found[:, :depth] = rows[np.take_along_axis(part, order, axis=1)]
+    return scores, found
+
+
+def search_within(
+    index: faiss.Index | ExactRerank,
+    stored: np.ndarray,
+    queries: np.ndarray,
+    k: int,
+    allowed: np.ndarray,
+    exact_below: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, str]:
+    """Top-k (scores, rows) of L2-normalised `queries` among the rows `allowed` marks, and the
+    path the planner took (EXACT or INDEX): exact search over those rows when they are at most
+    `exact_below` of the index (default: EXACT_BELOW for its family), else the index's own
+    search with a selector. Places past the matching rows hold row -1."""
+    family = index_family(index)
+    threshold = exact_below if exact_below is not None else EXACT_BELOW.get(family or "", 1.0)
+    count = int(np.count_nonzero(allowed))
+    if family is None or count <= threshold * len(allowed) or count <= k:
+        return (*exact_within(stored, queries, k, np.flatnonzero(allowed)), EXACT)
+    params = selector_params(index, allowed, k)
+    scores, rows = index.search(queries, min(k, index.ntotal), params=params)
+    return scores, rows, INDEX
 
 
 def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
