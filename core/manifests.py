@@ -295,6 +295,7 @@ class IndexManifest(_Manifest):
     config: dict[str, Any] = field(default_factory=dict)
     parent_version: str | None = None  # `index add`: the version it extended
     engine: dict[str, Any] | None = None  # `index rebuild`: what embedded the catalog
+    filterable: dict[str, str] = field(default_factory=dict)  # field → string|int|float (filters.npz)
     schema_version: int = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -330,6 +331,7 @@ class IndexManifest(_Manifest):
             config=fields.get("config", dict, required=False, default={}),
             parent_version=fields.get("parent_version", str, required=False),
             engine=fields.get("engine", dict, required=False),
+            filterable=fields.get("filterable", dict, required=False, default={}),
             schema_version=version,
         )
         manifest.extra = fields.rest()

@@ -36,6 +36,7 @@ from index.faiss_index import (
     select_device,
     with_default_rerank,
 )
+from index.filters import FieldSpec, FilterIndex, check_catalog_fields, declared_json, parse_filterable, specs_of
 from index.version import IndexVersion
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,11 @@ class BuildConfig:
     )
     force: bool = option(False, help="publish even if the quality gate fails")
     keep: int = option(5, help="versions to retain")
+    filterable: list[str] = option(
+        default_factory=list,
+        help="fields queries may filter on, NAME[:string|int|float] (string by default): metadata columns "
+        "or label, e.g. category,brand,price:float; index add keeps the live version's",
+    )
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0 or self.decode_threads <= 0 or self.quality_sample <= 0:
@@ -87,11 +93,24 @@ class BuildConfig:
         if not self.ks or min(self.ks) <= 0:
             raise ValueError(f"ks must be positive, got {self.ks}")
         select_device(self.device, num_gpus=1)  # validates the name only
+        parse_filterable(self.filterable)
+
+    @property
+    def filterable_fields(self) -> list[FieldSpec]:
+        return parse_filterable(self.filterable)
 
     def check_inputs(self) -> None:
         """What reads files, before any image is embedded: the probe catalog exists and is labelled."""
         if self.probe_catalog is not None:
             read_probe_catalog(self.probe_catalog)
+
+    def check_catalog(self, catalog: Catalog) -> None:
+        """Before any of its images is embedded: the catalog has every declared filterable field,
+        and its numeric ones parse (CatalogError naming the column and first bad row)."""
+        try:
+            check_catalog_fields(self.filterable_fields, catalog.labels, catalog.metadata)
+        except ValueError as exc:
+            raise CatalogError(f"{catalog.source}: {exc}") from None
 
 
 def default_catalog(model_manifest: ModelManifest) -> str:
@@ -252,6 +271,7 @@ def run_build(cfg: BuildConfig, progress: bool = True) -> Path:
     embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
     catalog_path = cfg.catalog or default_catalog(embedder.manifest)
     catalog = read_catalog(catalog_path)
+    cfg.check_catalog(catalog)
     embeddings, kept, skipped = embed_catalog(
         catalog, embedder, cfg.batch_size, cfg.decode_threads, cfg.max_pixels, progress
     )
@@ -313,6 +333,12 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
     search_params = with_default_rerank(index, cfg.search_params)
     items = new.items
     labels = list(items.labels) if items.labelled else None
+    paths = [str(Path(p).resolve()) for p in items.paths]
+    table = ItemTable(ids=list(items.ids), labels=labels, paths=paths, metadata=list(items.metadata))
+    # Built from the new version's own rows, whichever command made them (build, add, rebuild,
+    # a removal's subset), so a version's structure always describes its rows.
+    specs = cfg.filterable_fields
+    filter_index = FilterIndex.build(table, specs) if specs else None
     searched = searchable(index, search_params, embeddings)
     quality = quality_figures(searched, embeddings, labels, cfg)
     root = Path(cfg.index_root)
@@ -327,10 +353,9 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
     try:
         save_index(index, staging / artifacts.INDEX_FILE)
         np.save(staging / artifacts.EMBEDDINGS_FILE, np.ascontiguousarray(embeddings, dtype=np.float32))
-        paths = [str(Path(p).resolve()) for p in items.paths]
-        ItemTable(ids=list(items.ids), labels=labels, paths=paths, metadata=list(items.metadata)).write(
-            staging / artifacts.ITEMS_FILE
-        )
+        table.write(staging / artifacts.ITEMS_FILE)
+        if filter_index is not None:
+            filter_index.save(staging / artifacts.FILTERS_FILE)
         write_contact_sheet(staging / artifacts.NEIGHBOURS_FILE, searched, embeddings, paths, labels)
         index_id = artifacts.file_sha256(staging / artifacts.INDEX_FILE)[:16]
         version = artifacts.new_version_name(index_id)
@@ -356,6 +381,7 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
             config=to_jsonable(cfg),
             parent_version=new.parent_version,
             engine=new.engine,
+            filterable=declared_json(specs),
         ).write(staging)
         target = artifacts.publish_version(root, staging, version)
     except BaseException:
@@ -382,6 +408,12 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     check_model_index_pair(embedder.manifest, live.manifest)
     old_items = live.items
     catalog = read_catalog(cfg.catalog)
+    # The live version's declaration holds for the rows it gains.
+    declared = [str(spec) for spec in specs_of(live.manifest.filterable)]
+    if cfg.filterable and parse_filterable(cfg.filterable) != parse_filterable(declared):
+        log.warning("index add keeps the live version's filterable fields %s, not %s", declared, cfg.filterable)
+    cfg = dataclasses.replace(cfg, filterable=declared)
+    cfg.check_catalog(catalog)
     if catalog.labelled != old_items.labelled:
         has, lacks = (
             (catalog.source, f"version {live.manifest.version}")
