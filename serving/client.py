@@ -30,6 +30,23 @@ _RETRY_SERVICE_CONFIG = json.dumps(
 )
 
 
+def condition(
+    field: str,
+    value: str | float | None = None,
+    any_of: Sequence[str | float] | None = None,
+    **bounds: float,
+) -> pb.Condition:
+    """One filter condition: `condition("category", "shoes")`, `condition("brand", any_of=["a", "b"])`,
+    `condition("price", gte=10, lt=50)`; combine them in `pb.Filter(must=[...], should=[...], must_not=[...])`."""
+    if value is not None:
+        return pb.Condition(field=field, value=str(value))
+    if any_of is not None:
+        return pb.Condition(field=field, any_of=pb.ValueSet(values=[str(v) for v in any_of]))
+    if bounds:
+        return pb.Condition(field=field, range=pb.Range(**bounds))
+    return pb.Condition(field=field)
+
+
 class SearchClient:
     """A channel to one server. Use as a context manager or call `close()`."""
 
@@ -90,18 +107,25 @@ class SearchClient:
         label: str | None = None,
         exclude_ids: Sequence[str] = (),
         timeout: float | None = None,
+        filter: pb.Filter | None = None,
     ) -> pb.SearchResponse:
         data = image if isinstance(image, (bytes, bytearray)) else Path(image).read_bytes()
         return self.search(
-            pb.SearchRequest(image=bytes(data), k=k, request_id=request_id, label=label, exclude_ids=list(exclude_ids)),
+            pb.SearchRequest(
+                image=bytes(data), k=k, request_id=request_id, label=label, exclude_ids=list(exclude_ids), filter=filter
+            ),
             timeout,
         )
 
-    def search_embedding(self, values: Sequence[float], k: int = 10, timeout: float | None = None) -> pb.SearchResponse:
-        return self.search(pb.SearchRequest(embedding=pb.Embedding(values=list(values)), k=k), timeout)
+    def search_embedding(
+        self, values: Sequence[float], k: int = 10, timeout: float | None = None, filter: pb.Filter | None = None
+    ) -> pb.SearchResponse:
+        return self.search(pb.SearchRequest(embedding=pb.Embedding(values=list(values)), k=k, filter=filter), timeout)
 
-    def search_item(self, item_id: str, k: int = 10, timeout: float | None = None) -> pb.SearchResponse:
-        return self.search(pb.SearchRequest(item_id=item_id, k=k), timeout)
+    def search_item(
+        self, item_id: str, k: int = 10, timeout: float | None = None, filter: pb.Filter | None = None
+    ) -> pb.SearchResponse:
+        return self.search(pb.SearchRequest(item_id=item_id, k=k, filter=filter), timeout)
 
     def search_batch(
         self, requests: Sequence[pb.SearchRequest], timeout: float | None = None

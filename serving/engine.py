@@ -32,7 +32,7 @@ from core.preprocess import (
     open_image,
 )
 from index.build import check_model_index_pair
-from index.faiss_index import ExactRerank
+from index.faiss_index import ExactRerank, search_within
 from index.version import IndexVersion
 from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
 from serving.query_embedder import QueryEmbedder
@@ -170,6 +170,7 @@ class Answer:
 
     hits: list[Hit]
     truncated: bool = False
+    path: str | None = None  # a filtered query's: the planner's choice, exact or index (faiss_index.search_within)
 
 
 class SearchEngine:
@@ -258,9 +259,37 @@ class SearchEngine:
             for i, s_row, r_row, skip in zip(plain, scores, rows, skips, strict=True):
                 hits = [Hit(int(r), float(s)) for s, r in zip(s_row, r_row, strict=True) if r >= 0 and r not in skip]
                 answers[i] = Answer(hits[:k])
+        # Filtered queries sharing one mask (the service hands out one array per distinct filter)
+        # share one search: one gather of its rows, or one faiss call with its selector.
+        filtered: dict[int, list[int]] = {}
+        for i, answer in enumerate(answers):
+            if answer is None and scopes[i].allowed is not None and scopes[i].min_score is None:
+                filtered.setdefault(id(scopes[i].allowed), []).append(i)
+        for group in filtered.values():
+            found = self.search_filtered(pair, vectors[group], k, [exclude[i] for i in group], scopes[group[0]].allowed)
+            for i, answer in zip(group, found, strict=True):
+                answers[i] = answer
         for i, answer in enumerate(answers):
             if answer is None:
                 answers[i] = self.search_scoped(pair, vectors[i], k, exclude[i], scopes[i])
+        return answers
+
+    def search_filtered(
+        self, pair: ServingPair, vectors: np.ndarray, k: int, exclude: list[frozenset[int]], allowed: np.ndarray
+    ) -> list[Answer]:
+        """Top-k of each query among the rows `allowed` marks (less deleted rows), excluded rows
+        left out: k hits whenever k rows match. The planner (`search_within`) picks exact search
+        over the rows or the index's search with a selector, by how many rows the filter keeps."""
+        if pair.index_version.live_mask is not None:
+            allowed = allowed & pair.index_version.live_mask
+        # Excluded rows (few: an item_id query's own, a request's exclude_ids) are searched past
+        # rather than masked, so queries of one filter keep one mask.
+        depth = k + max((len(e) for e in exclude), default=0)
+        scores, rows, path = search_within(pair.index, pair.vectors, vectors, depth, allowed)
+        answers = []
+        for s_row, r_row, skip in zip(scores, rows, exclude, strict=True):
+            hits = [Hit(int(r), float(s)) for s, r in zip(s_row, r_row, strict=True) if r >= 0 and r not in skip]
+            answers.append(Answer(hits[:k], path=path))
         return answers
 
     def search_scoped(
@@ -268,6 +297,8 @@ class SearchEngine:
     ) -> Answer:
         """One query within its scope: exact search over the rows it allows (deleted and excluded
         rows left out), and the rows at or above its min_score."""
+        if scope.allowed is not None and scope.min_score is None:
+            return self.search_filtered(pair, vector[None], k, [exclude], scope.allowed)[0]
         allowed = scope.allowed if scope.allowed is not None else np.ones(pair.index.ntotal, dtype=bool)
         if pair.index_version.live_mask is not None:
             allowed = allowed & pair.index_version.live_mask
