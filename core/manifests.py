@@ -342,6 +342,8 @@ class IndexManifest(_Manifest):
         for name in ("rows", "quality", "quality_gate"):
             if d[name] is not None:
                 d[name] = d[name].to_dict()
+        if not d["filterable"]:  # none declared: a manifest read back is written back as it was
+            d["filterable"] = None
         return {k: v for k, v in d.items() if v is not None}
 
 

@@ -211,17 +211,15 @@ def exact_within(stored: np.ndarray, queries: np.ndarray, k: int, rows: np.ndarr
     found = np.full((len(queries), k), -1, dtype=np.int64)
     if not len(rows):
         return scores, found
-    gathered = np.asarray(stored[rows], dtype=np.float32)  # rows ascending: the memory map is read forwards
-    product = queries @ gathered.T
+    gathered = np.ascontiguousarray(stored[rows], dtype=np.float32)  # rows ascending: the map is read forwards
     depth = min(k, len(rows))
-    if depth < len(rows):
-        part = np.argpartition(-product, depth - 1, axis=1)[:, :depth]
-    else:
-        part = np.broadcast_to(np.arange(len(rows)), product.shape)
-    part_scores = np.take_along_axis(product, part, axis=1)
-    order = np.argsort(-part_scores, axis=1, kind="stable")
-    scores[:, :depth] = np.take_along_axis(part_scores, order, axis=1)
-    found[:, :depth] = rows[np.take_along_axis(part, order, axis=1)]
+    # faiss.knn rather than a NumPy product and argpartition: its blocked product and heaps
+    # cost a third as much, and a busy machine does not stall it as multi-threaded NumPy BLAS.
+    part_scores, part = faiss.knn(
+        np.ascontiguousarray(queries, dtype=np.float32), gathered, depth, metric=faiss.METRIC_INNER_PRODUCT
+    )
+    scores[:, :depth] = part_scores
+    found[:, :depth] = np.where(part >= 0, rows[np.maximum(part, 0)], -1)
     return scores, found
 
 
