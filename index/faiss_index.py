@@ -170,8 +170,8 @@ def searchable(index: faiss.Index, params: dict[str, float], stored: np.ndarray 
 EXACT, INDEX = "exact", "index"
 # Measured at 1M (docs/benchmarks.md): Flat's scan with a selector is 10× slower than exact search
 # over the rows at every selectivity; for IVF and HNSW exact search wins at 10% and loses at 50%
-# (its cost grows with the rows, the index's barely), crossing near 20%.
-EXACT_BELOW = {"flat": 1.0, "ivf": 0.2, "hnsw": 0.2}
+# (its cost grows with the rows, the index's barely), crossing between 15% and 20%.
+EXACT_BELOW = {"flat": 1.0, "ivf": 0.15, "hnsw": 0.15}
 WIDEN_POWER = 0.5
 MAX_EF_SEARCH = 2048
 
