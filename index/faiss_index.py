@@ -169,9 +169,13 @@ def searchable(index: faiss.Index, params: dict[str, float], stored: np.ndarray 
 # filterable-HNSW and ACORN notes): its threshold sits higher.
 EXACT, INDEX = "exact", "index"
 # Measured at 1M (docs/benchmarks.md): Flat's scan with a selector is 10× slower than exact search
-# over the rows at every selectivity; for IVF and HNSW exact search wins at 10% and loses at 50%
-# (its cost grows with the rows, the index's barely), crossing between 15% and 20%.
+# over the rows at every selectivity. For IVF and HNSW, exact search costs in proportion to the
+# matching rows and the index's search barely changes: with many queries of one filter in one
+# call (the rows gathered once) exact search wins at 10% and loses at 50%, crossing between 15%
+# and 20%; a query alone reads its rows by itself, and the crossing falls to about 1% (IVF) and
+# a few percent (HNSW, whose own search is costlier per query).
 EXACT_BELOW = {"flat": 1.0, "ivf": 0.15, "hnsw": 0.15}
+EXACT_BELOW_ALONE = {"flat": 1.0, "ivf": 0.01, "hnsw": 0.02}  # up to IN_PLACE_QUERIES queries of a filter
 WIDEN_POWER = 0.5
 MAX_EF_SEARCH = 2048
 
@@ -206,21 +210,38 @@ def selector_params(index: faiss.Index | ExactRerank, allowed: np.ndarray, k: in
     return faiss.SearchParameters(sel=selector)
 
 
+# Up to this many queries of one filter are scored row by row in place (no gather); more share
+# one gather of the rows, which then costs less than scoring them in place again for each query.
+IN_PLACE_QUERIES = 16
+
+
 def exact_within(stored: np.ndarray, queries: np.ndarray, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Exact top-k of `queries` among `rows` of `stored`: (scores, rows), -1 rows (score -inf)
     past the rows there are."""
-    rows = np.asarray(rows, dtype=np.int64)
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
     scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
     found = np.full((len(queries), k), -1, dtype=np.int64)
-    if not len(rows):
+    depth = min(k, len(rows))
+    if not depth:
+        return scores, found
+    if len(queries) <= IN_PLACE_QUERIES and stored.dtype == np.float32 and stored.flags.c_contiguous:
+        # faiss scores the rows where they lie (the memory map itself): copying 100k rows out
+        # first costs 20× the scoring at 1M items, and a lone query cannot share the copy.
+        products = np.empty(len(rows), dtype=np.float32)
+        for i, query in enumerate(queries):
+            faiss.fvec_inner_products_by_idx(
+                faiss.swig_ptr(products), faiss.swig_ptr(query), faiss.swig_ptr(stored), faiss.swig_ptr(rows),
+                stored.shape[1], 1, len(rows),
+            )  # fmt: skip
+            top = np.argpartition(-products, depth - 1)[:depth] if depth < len(rows) else np.arange(len(rows))
+            top = top[np.argsort(-products[top], kind="stable")]
+            scores[i, :depth], found[i, :depth] = products[top], rows[top]
         return scores, found
     gathered = np.ascontiguousarray(stored[rows], dtype=np.float32)  # rows ascending: the map is read forwards
-    depth = min(k, len(rows))
     # faiss.knn rather than a NumPy product and argpartition: its blocked product and heaps
     # cost a third as much, and a busy machine does not stall it as multi-threaded NumPy BLAS.
-    part_scores, part = faiss.knn(
-        np.ascontiguousarray(queries, dtype=np.float32), gathered, depth, metric=faiss.METRIC_INNER_PRODUCT
-    )
+    part_scores, part = faiss.knn(queries, gathered, depth, metric=faiss.METRIC_INNER_PRODUCT)
     scores[:, :depth] = part_scores
     found[:, :depth] = np.where(part >= 0, rows[np.maximum(part, 0)], -1)
     return scores, found
@@ -236,10 +257,12 @@ def search_within(
 ) -> tuple[np.ndarray, np.ndarray, str]:
     """Top-k (scores, rows) of L2-normalised `queries` among the rows `allowed` marks, and the
     path the planner took (EXACT or INDEX): exact search over those rows when they are at most
-    `exact_below` of the index (default: EXACT_BELOW for its family), else the index's own
+    `exact_below` of the index (default: its family's EXACT_BELOW, or EXACT_BELOW_ALONE for a
+    few queries, which cannot share the reading of the rows), else the index's own
     search with a selector. Places past the matching rows hold row -1."""
     family = index_family(index)
-    threshold = exact_below if exact_below is not None else EXACT_BELOW.get(family or "", 1.0)
+    thresholds = EXACT_BELOW_ALONE if len(queries) <= IN_PLACE_QUERIES else EXACT_BELOW
+    threshold = exact_below if exact_below is not None else thresholds.get(family or "", 1.0)
     count = int(np.count_nonzero(allowed))
     if family is None or count <= threshold * len(allowed) or count <= k:
         return (*exact_within(stored, queries, k, np.flatnonzero(allowed)), EXACT)
