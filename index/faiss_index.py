@@ -254,18 +254,20 @@ def search_within(
     k: int,
     allowed: np.ndarray,
     exact_below: float | None = None,
+    rows: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, str]:
     """Top-k (scores, rows) of L2-normalised `queries` among the rows `allowed` marks, and the
     path the planner took (EXACT or INDEX): exact search over those rows when they are at most
     `exact_below` of the index (default: its family's EXACT_BELOW, or EXACT_BELOW_ALONE for a
     few queries, which cannot share the reading of the rows), else the index's own
-    search with a selector. Places past the matching rows hold row -1."""
+    search with a selector. Places past the matching rows hold row -1. `rows`: the mask's rows
+    (`np.flatnonzero(allowed)`) when the caller keeps them for a mask it reuses."""
     family = index_family(index)
     thresholds = EXACT_BELOW_ALONE if len(queries) <= IN_PLACE_QUERIES else EXACT_BELOW
     threshold = exact_below if exact_below is not None else thresholds.get(family or "", 1.0)
-    count = int(np.count_nonzero(allowed))
+    count = len(rows) if rows is not None else int(np.count_nonzero(allowed))
     if family is None or count <= threshold * len(allowed) or count <= k:
-        return (*exact_within(stored, queries, k, np.flatnonzero(allowed)), EXACT)
+        return (*exact_within(stored, queries, k, np.flatnonzero(allowed) if rows is None else rows), EXACT)
     params = selector_params(index, allowed, k)
     scores, rows = index.search(queries, min(k, index.ntotal), params=params)
     return scores, rows, INDEX
