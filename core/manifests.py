@@ -297,6 +297,7 @@ class IndexManifest(_Manifest):
     parent_version: str | None = None  # `index add`, `remove`: the version it was made from
     deleted_rows: int = 0  # rows removed but still in the index (HNSW tombstones, deleted.npy)
     engine: dict[str, Any] | None = None  # `index rebuild`: what embedded the catalog
+    filterable: dict[str, str] = field(default_factory=dict)  # field → string|int|float (filters.npz)
     schema_version: int = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -333,6 +334,7 @@ class IndexManifest(_Manifest):
             parent_version=fields.get("parent_version", str, required=False),
             deleted_rows=fields.get("deleted_rows", int, required=False, default=0),
             engine=fields.get("engine", dict, required=False),
+            filterable=fields.get("filterable", dict, required=False, default={}),
             schema_version=version,
         )
         manifest.extra = fields.rest()
@@ -345,6 +347,8 @@ class IndexManifest(_Manifest):
                 d[name] = d[name].to_dict()
         if not d["deleted_rows"]:  # written only by the versions that have them
             del d["deleted_rows"]
+        if not d["filterable"]:  # none declared: a manifest read back is written back as it was
+            d["filterable"] = None
         return {k: v for k, v in d.items() if v is not None}
 
 

@@ -36,6 +36,7 @@ from index.faiss_index import (
     select_device,
     with_default_rerank,
 )
+from index.filters import FieldSpec, FilterIndex, check_catalog_fields, declared_json, parse_filterable, specs_of
 from index.lifecycle import drop_rows, warn_of_returning_items
 from index.version import IndexVersion
 
@@ -80,6 +81,11 @@ class BuildConfig:
         False, help="index add: rows whose id is already indexed replace its vector, label and metadata"
     )
     keep: int = option(5, help="versions to retain")
+    filterable: list[str] = option(
+        default_factory=list,
+        help="fields queries may filter on, NAME[:string|int|float] (string by default): metadata columns "
+        "or label, e.g. category,brand,price:float; index add keeps the live version's",
+    )
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0 or self.decode_threads <= 0 or self.quality_sample <= 0:
@@ -91,11 +97,24 @@ class BuildConfig:
         if not self.ks or min(self.ks) <= 0:
             raise ValueError(f"ks must be positive, got {self.ks}")
         select_device(self.device, num_gpus=1)  # validates the name only
+        parse_filterable(self.filterable)
+
+    @property
+    def filterable_fields(self) -> list[FieldSpec]:
+        return parse_filterable(self.filterable)
 
     def check_inputs(self) -> None:
         """What reads files, before any image is embedded: the probe catalog exists and is labelled."""
         if self.probe_catalog is not None:
             read_probe_catalog(self.probe_catalog)
+
+    def check_catalog(self, catalog: Catalog) -> None:
+        """Before any of its images is embedded: the catalog has every declared filterable field,
+        and its numeric ones parse (CatalogError naming the column and first bad row)."""
+        try:
+            check_catalog_fields(self.filterable_fields, catalog.labels, catalog.metadata)
+        except ValueError as exc:
+            raise CatalogError(f"{catalog.source}: {exc}") from None
 
 
 def default_catalog(model_manifest: ModelManifest) -> str:
@@ -256,6 +275,7 @@ def run_build(cfg: BuildConfig, progress: bool = True) -> Path:
     embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
     catalog_path = cfg.catalog or default_catalog(embedder.manifest)
     catalog = read_catalog(catalog_path)
+    cfg.check_catalog(catalog)
     embeddings, kept, skipped = embed_catalog(
         catalog, embedder, cfg.batch_size, cfg.decode_threads, cfg.max_pixels, progress
     )
@@ -318,6 +338,12 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
     search_params = with_default_rerank(index, cfg.search_params)
     items = new.items
     labels = list(items.labels) if items.labelled else None
+    paths = [str(Path(p).resolve()) for p in items.paths]
+    table = ItemTable(ids=list(items.ids), labels=labels, paths=paths, metadata=list(items.metadata))
+    # Built from the new version's own rows, whichever command made them (build, add, rebuild,
+    # a removal's subset), so a version's structure always describes its rows.
+    specs = cfg.filterable_fields
+    filter_index = FilterIndex.build(table, specs) if specs else None
     searched = searchable(index, search_params, embeddings)
     quality = quality_figures(searched, embeddings, labels, cfg)
     root = Path(cfg.index_root)
@@ -337,10 +363,9 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
         deleted = new.deleted if new.deleted is not None else np.zeros(0, np.int64)
         if len(deleted):
             np.save(staging / artifacts.DELETED_FILE, np.asarray(deleted, dtype=np.int64))
-        paths = [str(Path(p).resolve()) for p in items.paths]
-        ItemTable(ids=list(items.ids), labels=labels, paths=paths, metadata=list(items.metadata)).write(
-            staging / artifacts.ITEMS_FILE
-        )
+        table.write(staging / artifacts.ITEMS_FILE)
+        if filter_index is not None:
+            filter_index.save(staging / artifacts.FILTERS_FILE)
         write_contact_sheet(staging / artifacts.NEIGHBOURS_FILE, searched, embeddings, paths, labels)
         index_id = artifacts.file_sha256(staging / artifacts.INDEX_FILE)[:16]
         version = artifacts.new_version_name(index_id)
@@ -367,6 +392,7 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
             parent_version=new.parent_version,
             engine=new.engine,
             deleted_rows=len(deleted),
+            filterable=declared_json(specs),
         ).write(staging)
         target = artifacts.publish_version(root, staging, version, parent=new.parent_version)
     except BaseException:
@@ -394,6 +420,12 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
     check_model_index_pair(embedder.manifest, live.manifest)
     catalog = read_catalog(cfg.catalog)
+    # The live version's declaration holds for the rows it gains.
+    declared = [str(spec) for spec in specs_of(live.manifest.filterable)]
+    if cfg.filterable and parse_filterable(cfg.filterable) != parse_filterable(declared):
+        log.warning("index add keeps the live version's filterable fields %s, not %s", declared, cfg.filterable)
+    cfg = dataclasses.replace(cfg, filterable=declared)
+    cfg.check_catalog(catalog)
     if catalog.labelled != live.items.labelled:
         has, lacks = (
             (catalog.source, f"version {live.manifest.version}")

@@ -139,9 +139,12 @@ class ExactRerank:
         gathered[order] = self.stored[flat[order]]
         return gathered.reshape(*np.shape(rows), self.d)
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(
+        self, queries: np.ndarray, k: int, params: faiss.SearchParameters | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`params` (a filter's id selector, widened nprobe/efSearch) go to the candidates' search."""
         depth = min(k * self.factor, self.index.ntotal)
-        _, candidates = self.index.search(queries, depth)
+        _, candidates = self.index.search(queries, depth, params=params)
         found = candidates >= 0
         scores = np.einsum("qd,qcd->qc", queries, self.gather(np.where(found, candidates, 0)))
         scores[~found] = -np.inf
@@ -176,6 +179,123 @@ def searchable(index: faiss.Index, params: dict[str, float], stored: np.ndarray 
     if stored is None:
         raise ValueError(f"search parameter {RERANK}={factor} needs the stored vectors")
     return ExactRerank(index, stored, factor)
+
+
+# -- filtered search ---------------------------------------------------------------------------
+#
+# A filter's rows are a bool mask. Below a fraction of the index (per index family, measured by
+# benchmarks/bench_filter.py: docs/benchmarks.md, filtered search) the rows are searched
+# exactly — a gather of their stored vectors and one product, cheap when they are few and exact
+# by construction. Above it the index searches itself with an id selector over the mask, so
+# rows outside the filter never take a place in the top k; nprobe / efSearch are widened by
+# the inverse selectivity (to the power WIDEN_POWER), since only that fraction of what the
+# search visits can answer. HNSW's walk follows the whole graph but only matching nodes enter
+# the answer, so at low selectivity it runs out of effort before it finds k of them (Qdrant's
+# filterable-HNSW and ACORN notes): its threshold sits higher.
+EXACT, INDEX = "exact", "index"
+# Measured at 1M (docs/benchmarks.md): Flat's scan with a selector is 10× slower than exact search
+# over the rows at every selectivity. For IVF and HNSW, exact search costs in proportion to the
+# matching rows and the index's search barely changes: with many queries of one filter in one
+# call (the rows gathered once) exact search wins at 10% and loses at 50%, crossing between 15%
+# and 20%; a query alone reads its rows by itself, and the crossing falls to about 1% (IVF) and
+# a few percent (HNSW, whose own search is costlier per query).
+EXACT_BELOW = {"flat": 1.0, "ivf": 0.15, "hnsw": 0.15}
+EXACT_BELOW_ALONE = {"flat": 1.0, "ivf": 0.01, "hnsw": 0.02}  # up to IN_PLACE_QUERIES queries of a filter
+WIDEN_POWER = 0.5
+MAX_EF_SEARCH = 2048
+
+
+def index_family(index: faiss.Index | ExactRerank) -> str | None:
+    """'flat', 'ivf' or 'hnsw': how an index takes an id selector; None when it takes none here
+    (wrapped indexes such as a PCA pre-transform: those are searched exactly within a filter)."""
+    base = faiss.downcast_index(index.index if isinstance(index, ExactRerank) else index)
+    if isinstance(base, faiss.IndexIVF):
+        return "ivf"
+    if isinstance(base, faiss.IndexHNSW):
+        return "hnsw"
+    if isinstance(base, faiss.IndexFlatCodes):
+        return "flat"
+    return None
+
+
+def selector_params(index: faiss.Index | ExactRerank, allowed: np.ndarray, k: int) -> faiss.SearchParameters:
+    """Search parameters restricting `index` to the rows `allowed` marks, with the index's own
+    nprobe / efSearch carried over (params given to a search replace them) and widened for the
+    filter's selectivity."""
+    base = faiss.downcast_index(index.index if isinstance(index, ExactRerank) else index)
+    # A bitmap, least significant bit first, is one load and a shift per test (IDSelectorBitmap).
+    selector = faiss.IDSelectorBitmap(np.packbits(allowed, bitorder="little"))
+    widen = (len(allowed) / max(int(np.count_nonzero(allowed)), 1)) ** WIDEN_POWER
+    if isinstance(base, faiss.IndexIVF):
+        nprobe = min(base.nlist, int(np.ceil(base.nprobe * widen)))
+        return faiss.SearchParametersIVF(sel=selector, nprobe=nprobe, max_codes=base.max_codes)
+    if isinstance(base, faiss.IndexHNSW):
+        ef = min(MAX_EF_SEARCH, int(np.ceil(max(base.hnsw.efSearch, k) * widen)))
+        return faiss.SearchParametersHNSW(sel=selector, efSearch=max(ef, k))
+    return faiss.SearchParameters(sel=selector)
+
+
+# Up to this many queries of one filter are scored row by row in place (no gather); more share
+# one gather of the rows, which then costs less than scoring them in place again for each query.
+IN_PLACE_QUERIES = 16
+
+
+def exact_within(stored: np.ndarray, queries: np.ndarray, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k of `queries` among `rows` of `stored`: (scores, rows), -1 rows (score -inf)
+    past the rows there are."""
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    scores = np.full((len(queries), k), -np.inf, dtype=np.float32)
+    found = np.full((len(queries), k), -1, dtype=np.int64)
+    depth = min(k, len(rows))
+    if not depth:
+        return scores, found
+    if len(queries) <= IN_PLACE_QUERIES and stored.dtype == np.float32 and stored.flags.c_contiguous:
+        # faiss scores the rows where they lie (the memory map itself): copying 100k rows out
+        # first costs 20× the scoring at 1M items, and a lone query cannot share the copy.
+        products = np.empty(len(rows), dtype=np.float32)
+        for i, query in enumerate(queries):
+            faiss.fvec_inner_products_by_idx(
+                faiss.swig_ptr(products), faiss.swig_ptr(query), faiss.swig_ptr(stored), faiss.swig_ptr(rows),
+                stored.shape[1], 1, len(rows),
+            )  # fmt: skip
+            top = np.argpartition(-products, depth - 1)[:depth] if depth < len(rows) else np.arange(len(rows))
+            top = top[np.argsort(-products[top], kind="stable")]
+            scores[i, :depth], found[i, :depth] = products[top], rows[top]
+        return scores, found
+    gathered = np.ascontiguousarray(stored[rows], dtype=np.float32)  # rows ascending: the map is read forwards
+    # faiss.knn rather than a NumPy product and argpartition: its blocked product and heaps
+    # cost a third as much, and a busy machine does not stall it as multi-threaded NumPy BLAS.
+    part_scores, part = faiss.knn(queries, gathered, depth, metric=faiss.METRIC_INNER_PRODUCT)
+    scores[:, :depth] = part_scores
+    found[:, :depth] = np.where(part >= 0, rows[np.maximum(part, 0)], -1)
+    return scores, found
+
+
+def search_within(
+    index: faiss.Index | ExactRerank,
+    stored: np.ndarray,
+    queries: np.ndarray,
+    k: int,
+    allowed: np.ndarray,
+    exact_below: float | None = None,
+    rows: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, str]:
+    """Top-k (scores, rows) of L2-normalised `queries` among the rows `allowed` marks, and the
+    path the planner took (EXACT or INDEX): exact search over those rows when they are at most
+    `exact_below` of the index (default: its family's EXACT_BELOW, or EXACT_BELOW_ALONE for a
+    few queries, which cannot share the reading of the rows), else the index's own
+    search with a selector. Places past the matching rows hold row -1. `rows`: the mask's rows
+    (`np.flatnonzero(allowed)`) when the caller keeps them for a mask it reuses."""
+    family = index_family(index)
+    thresholds = EXACT_BELOW_ALONE if len(queries) <= IN_PLACE_QUERIES else EXACT_BELOW
+    threshold = exact_below if exact_below is not None else thresholds.get(family or "", 1.0)
+    count = len(rows) if rows is not None else int(np.count_nonzero(allowed))
+    if family is None or count <= threshold * len(allowed) or count <= k:
+        return (*exact_within(stored, queries, k, np.flatnonzero(allowed) if rows is None else rows), EXACT)
+    params = selector_params(index, allowed, k)
+    scores, rows = index.search(queries, min(k, index.ntotal), params=params)
+    return scores, rows, INDEX
 
 
 def search(index: faiss.Index, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -38,6 +38,7 @@ from core.config import option
 from core.items import ItemTable
 from core.manifests import IndexManifest, QualityGate, RowCounts
 from index.faiss_index import build_index, save_index
+from index.filters import FilterIndex, specs_of
 from index.version import IndexVersion
 
 log = logging.getLogger(__name__)
@@ -256,6 +257,9 @@ def publish_remaining(index_root: str | Path, live: IndexVersion, remaining: Rem
             save_index(remaining.index, staging / artifacts.INDEX_FILE)
             np.save(staging / artifacts.EMBEDDINGS_FILE, remaining.vectors)
             remaining.items.write(staging / artifacts.ITEMS_FILE)
+            specs = specs_of(live.manifest.filterable)
+            if specs:  # the filters' value → rows structure describes the rows left
+                FilterIndex.build(remaining.items, specs).save(staging / artifacts.FILTERS_FILE)
             index_id = artifacts.file_sha256(staging / artifacts.INDEX_FILE)[:16]
         if len(remaining.deleted):
             np.save(staging / artifacts.DELETED_FILE, remaining.deleted)

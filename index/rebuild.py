@@ -189,6 +189,7 @@ def run_rebuild(cfg: RebuildConfig, progress: bool = True) -> Path:
     model = ModelManifest.read(model_dir)
     catalog_path = Path(cfg.catalog or default_catalog(model))
     catalog = read_catalog(catalog_path)
+    cfg.check_catalog(catalog)
     work = Path(cfg.work_dir or Path(cfg.index_root) / ".rebuild") / work_key(catalog, model.model_id)
     if (work / DONE).is_file():
         log.info("reusing completed embedding shards in %s", work)

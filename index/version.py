@@ -1,7 +1,8 @@
 """An index version opened: its manifest, faiss index, items table and exact vectors.
 
 `<root>/versions/<version>/` holds `manifest.json`, `index.faiss`, `items.parquet` and
-`embeddings.npy` (the exact vectors indexed, row for row), and `deleted.npy` when rows were
+`embeddings.npy` (the exact vectors indexed, row for row), `filters.npz` when fields were
+declared filterable (their value → rows structure, `index/filters.py`), and `deleted.npy` when rows were
 removed from an index that cannot drop them (HNSW: its rows stay in the graph, masked at search
 time until a rebuild compacts them). `index add` extends one, the quality
 gate compares against one, and a server serves one; each opens it through `IndexVersion`.
@@ -23,6 +24,7 @@ from core.artifacts import ArtifactError
 from core.items import ItemTable
 from core.manifests import IndexManifest
 from index.faiss_index import ExactRerank, apply_search_params, load_index, searchable
+from index.filters import FilterIndex
 
 T = TypeVar("T")
 
@@ -71,6 +73,13 @@ class IndexVersion:
         return _read_artifact(_map_vectors, self.directory / artifacts.EMBEDDINGS_FILE, "a float32 vector array")
 
     @functools.cached_property
+    def filters(self) -> FilterIndex | None:
+        """The filterable fields' value → rows structure; None when the version declares none."""
+        if not self.manifest.filterable:
+            return None
+        return _read_artifact(FilterIndex.load, self.directory / artifacts.FILTERS_FILE, "a filter structure")
+
+    @functools.cached_property
     def deleted(self) -> np.ndarray:
         """Rows removed but still in the index (sorted; empty for most versions): never answers."""
         path = self.directory / artifacts.DELETED_FILE
@@ -100,7 +109,12 @@ class IndexVersion:
     def load(self, dim: int | None = None) -> IndexVersion:
         """Read index, items and vectors (in that order: the cheap checks first) and check that
         they hold the same rows, of the dimension `dim` when given (the model's)."""
-        index, items, vectors, deleted = self.index, self.items, self.vectors, self.deleted
+        index, items, vectors, deleted, filters = self.index, self.items, self.vectors, self.deleted, self.filters
+        if filters is not None and (filters.size != len(items) or set(filters.fields) != set(self.manifest.filterable)):
+            raise ArtifactError(
+                f"{self.directory / artifacts.FILTERS_FILE} holds fields {sorted(filters.fields)} over {filters.size} "
+                f"rows; the manifest declares {sorted(self.manifest.filterable)} over {len(items)}"
+            )
         if len(deleted) and (deleted[0] < 0 or deleted[-1] >= len(items)):
             raise ArtifactError(f"{self.directory / artifacts.DELETED_FILE} names rows outside 0..{len(items) - 1}")
         dims = {index.d, vectors.shape[1]} | ({dim} if dim is not None else set())

@@ -93,6 +93,7 @@ class Result:
 
     hits: list[Hit] = field(default_factory=list)
     truncated: bool = False  # min_score: more rows reach it than `hits` holds
+    path: str | None = None  # a filtered query's: exact or index, as the planner chose
     vector: np.ndarray | None = None
     decode_s: float = 0.0
     queue_s: float = 0.0
@@ -215,6 +216,7 @@ class Inference:
                 work.result.hits = answer.hits[: work.query.k]
                 cut = work.query.scope.min_score is not None and len(answer.hits) > work.query.k
                 work.result.truncated = answer.truncated or cut
+                work.result.path = answer.path
         searched = time.perf_counter()
         self.metrics.batch_size.observe(len(batch))
         embedding, searching = set(map(id, to_embed)), set(map(id, to_search))

@@ -30,6 +30,23 @@ _RETRY_SERVICE_CONFIG = json.dumps(
 )
 
 
+def condition(
+    field: str,
+    value: str | float | None = None,
+    any_of: Sequence[str | float] | None = None,
+    **bounds: float,
+) -> pb.Condition:
+    """One filter condition: `condition("category", "shoes")`, `condition("brand", any_of=["a", "b"])`,
+    `condition("price", gte=10, lt=50)`; combine them in `pb.Filter(must=[...], should=[...], must_not=[...])`."""
+    if value is not None:
+        return pb.Condition(field=field, value=str(value))
+    if any_of is not None:
+        return pb.Condition(field=field, any_of=pb.ValueSet(values=[str(v) for v in any_of]))
+    if bounds:
+        return pb.Condition(field=field, range=pb.Range(**bounds))
+    return pb.Condition(field=field)
+
+
 class SearchClient:
     """A channel to one server. Use as a context manager or call `close()`."""
 
@@ -91,6 +108,7 @@ class SearchClient:
         exclude_ids: Sequence[str] = (),
         timeout: float | None = None,
         min_score: float | None = None,
+        filter: pb.Filter | None = None,
     ) -> pb.SearchResponse:
         """`min_score`: every neighbour at or above that cosine similarity, at most k (k = 0: up
         to the server's max_k); the response's `truncated` says when k cut the answer."""
@@ -103,21 +121,33 @@ class SearchClient:
                 label=label,
                 exclude_ids=list(exclude_ids),
                 min_score=min_score,
+                filter=filter,
             ),
             timeout,
         )
 
     def search_embedding(
-        self, values: Sequence[float], k: int = 10, timeout: float | None = None, min_score: float | None = None
+        self,
+        values: Sequence[float],
+        k: int = 10,
+        timeout: float | None = None,
+        min_score: float | None = None,
+        filter: pb.Filter | None = None,
     ) -> pb.SearchResponse:
         return self.search(
-            pb.SearchRequest(embedding=pb.Embedding(values=list(values)), k=k, min_score=min_score), timeout
+            pb.SearchRequest(embedding=pb.Embedding(values=list(values)), k=k, min_score=min_score, filter=filter),
+            timeout,
         )
 
     def search_item(
-        self, item_id: str, k: int = 10, timeout: float | None = None, min_score: float | None = None
+        self,
+        item_id: str,
+        k: int = 10,
+        timeout: float | None = None,
+        min_score: float | None = None,
+        filter: pb.Filter | None = None,
     ) -> pb.SearchResponse:
-        return self.search(pb.SearchRequest(item_id=item_id, k=k, min_score=min_score), timeout)
+        return self.search(pb.SearchRequest(item_id=item_id, k=k, min_score=min_score, filter=filter), timeout)
 
     def search_batch(
         self, requests: Sequence[pb.SearchRequest], timeout: float | None = None

@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -33,7 +35,7 @@ from core.preprocess import (
 )
 from index import range_search
 from index.build import check_model_index_pair
-from index.faiss_index import ExactRerank
+from index.faiss_index import ExactRerank, search_within
 from index.version import IndexVersion
 from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
 from serving.query_embedder import QueryEmbedder
@@ -177,6 +179,7 @@ class Answer:
 
     hits: list[Hit]
     truncated: bool = False
+    path: str | None = None  # a filtered query's: the planner's choice, exact or index (faiss_index.search_within)
 
 
 class SearchEngine:
@@ -186,6 +189,10 @@ class SearchEngine:
         self.limits = limits or Limits()
         self._pair: ServingPair | None = None
         self._swap_lock = threading.Lock()
+        # The rows of recent filter masks (the service reuses a filter's mask): listing the rows
+        # of a 1M-row mask costs about half of a lone 1% query's exact search.
+        self._mask_rows: OrderedDict[int, tuple[weakref.ref, np.ndarray]] = OrderedDict()
+        self._mask_rows_lock = threading.Lock()
 
     @property
     def pair(self) -> ServingPair:
@@ -252,23 +259,74 @@ class SearchEngine:
         scopes: list[Scope] | None = None,
     ) -> list[Answer]:
         """Top-k per query within its scope, leaving out excluded and deleted rows. Plain
-        queries share one faiss call (searching deeper to make up for excluded rows); a query
-        with a filter or a min_score, or any query while rows are deleted, is searched alone."""
+        queries share one faiss call (searching deeper to make up for excluded rows) — through
+        a selector of the live rows while some are deleted (HNSW tombstones) —; queries of one
+        filter share one planned search; a min_score is searched alone."""
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         scopes = scopes or [EVERY_ROW] * len(vectors)
         answers: list[Answer | None] = [None] * len(vectors)
-        plain = [i for i, s in enumerate(scopes) if s.plain] if pair.index_version.live_mask is None else []
-        if plain:
+        plain = [i for i, s in enumerate(scopes) if s.plain]
+        live = pair.index_version.live_mask
+        if plain and live is not None:
+            found = self.search_filtered(pair, vectors[plain], k, [exclude[i] for i in plain], live)
+            for i, answer in zip(plain, found, strict=True):
+                answers[i] = Answer(answer.hits)  # not a filtered query: no planner path counted
+        elif plain:
             skips = [exclude[i] for i in plain]
             depth = min(k + max((len(e) for e in skips), default=0), pair.index.ntotal)
             scores, rows = pair.index.search(vectors[plain], depth)
             for i, s_row, r_row, skip in zip(plain, scores, rows, skips, strict=True):
                 hits = [Hit(int(r), float(s)) for s, r in zip(s_row, r_row, strict=True) if r >= 0 and r not in skip]
                 answers[i] = Answer(hits[:k])
+        # Filtered queries sharing one mask (the service hands out one array per distinct filter)
+        # share one search: one gather of its rows, or one faiss call with its selector.
+        filtered: dict[int, list[int]] = {}
+        for i, answer in enumerate(answers):
+            if answer is None and scopes[i].allowed is not None and scopes[i].min_score is None:
+                filtered.setdefault(id(scopes[i].allowed), []).append(i)
+        for group in filtered.values():
+            found = self.search_filtered(pair, vectors[group], k, [exclude[i] for i in group], scopes[group[0]].allowed)
+            for i, answer in zip(group, found, strict=True):
+                answers[i] = answer
         for i, answer in enumerate(answers):
             if answer is None:
                 answers[i] = self.search_scoped(pair, vectors[i], k, exclude[i], scopes[i])
         return answers
+
+    def search_filtered(
+        self, pair: ServingPair, vectors: np.ndarray, k: int, exclude: list[frozenset[int]], allowed: np.ndarray
+    ) -> list[Answer]:
+        """Top-k of each query among the rows `allowed` marks (less deleted rows), excluded rows
+        left out: k hits whenever k rows match. The planner (`search_within`) picks exact search
+        over the rows or the index's search with a selector, by how many rows the filter keeps."""
+        if pair.index_version.live_mask is not None:
+            allowed = allowed & pair.index_version.live_mask
+        # Excluded rows (few: an item_id query's own, a request's exclude_ids) are searched past
+        # rather than masked, so queries of one filter keep one mask.
+        depth = k + max((len(e) for e in exclude), default=0)
+        matching = self._rows_of(allowed)
+        scores, rows, path = search_within(pair.index, pair.vectors, vectors, depth, allowed, rows=matching)
+        answers = []
+        for s_row, r_row, skip in zip(scores, rows, exclude, strict=True):
+            hits = [Hit(int(r), float(s)) for s, r in zip(s_row, r_row, strict=True) if r >= 0 and r not in skip]
+            answers.append(Answer(hits[:k], path=path))
+        return answers
+
+    def _rows_of(self, mask: np.ndarray) -> np.ndarray:
+        """`np.flatnonzero(mask)`, kept for the last 16 masks while they live (masks are not
+        written to once made: the service's are read-only)."""
+        with self._mask_rows_lock:
+            kept = self._mask_rows.get(id(mask))
+            if kept is not None and kept[0]() is mask:
+                self._mask_rows.move_to_end(id(mask))
+                return kept[1]
+        rows = np.flatnonzero(mask)
+        if not mask.flags.writeable:
+            with self._mask_rows_lock:
+                self._mask_rows[id(mask)] = (weakref.ref(mask), rows)
+                while len(self._mask_rows) > 16:
+                    self._mask_rows.popitem(last=False)
+        return rows
 
     def search_scoped(
         self, pair: ServingPair, vector: np.ndarray, k: int, exclude: frozenset[int], scope: Scope
@@ -276,6 +334,8 @@ class SearchEngine:
         """One query within its scope: exact search over the rows it allows (deleted and excluded
         rows left out), and the rows at or above its min_score. A min_score alone is the
         index's own range search (`index.range_search`), bounded by k."""
+        if scope.allowed is not None and scope.min_score is None:
+            return self.search_filtered(pair, vector[None], k, [exclude], scope.allowed)[0]
         if scope.allowed is None and scope.min_score is not None:
             live = pair.index_version.live_mask
             found = range_search.reaching(pair.index, vector[None], scope.min_score, k, live, [exclude])[0]

@@ -67,6 +67,14 @@ class ServiceMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.filtered_queries = Counter(
+            "simsearch_filtered_queries",
+            "Filtered queries by the planner's path: exact (over the matching rows) or index (faiss with a selector)",
+            ["path"],
+            registry=r,
+        )
+        for path in ("exact", "index"):  # both series from the start: a panel shows 0, not "no data"
+            self.filtered_queries.labels(path)
         self.batch_size = Histogram(
             "simsearch_batch_size",
             "Queries per embedding/search batch",

@@ -25,9 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from google.protobuf import json_format
 
 from core.config import option
 from core.metrics import recall_from_neighbor_labels
+from protos.simsearch.v1 import search_pb2 as pb
 from serving.engine import ServingPair
 from serving.metrics import ServiceMetrics
 
@@ -49,6 +51,11 @@ class MonitorConfig:
     probe_size: int = option(200, help="probe images per round")
     probe_catalog: str | None = option(None, help="labelled catalog of held-out probe images")
     probe_k_extra: int = option(1, cli=False, help="probes exclude themselves, so they ask for one more")
+    probe_filter: str | None = option(
+        None,
+        help='a filter every probe query carries, as the protocol\'s JSON, e.g. \'{"must": [{"field": "category", '
+        '"value": "shoes"}]}\' (measures the filtered path)',
+    )
     feedback_window: int = option(10_000, cli=False, help="answers remembered for Feedback calls to score")
 
     def __post_init__(self) -> None:
@@ -58,8 +65,21 @@ class MonitorConfig:
             raise ValueError("ann_sample_rate must be within [0, 1]")
         if self.window < 1 or self.probe_size < 1 or self.feedback_window < 1:
             raise ValueError("window, probe_size and feedback_window must be positive")
+        self.probe_filter_message()  # a malformed filter fails at start, not in every probe round
         if not 0 <= self.probe_interval_s < float("inf"):
             raise ValueError(f"probe_interval_s must be ≥ 0 seconds (0: no probe rounds), got {self.probe_interval_s}")
+
+    def probe_filter_message(self) -> pb.Filter | None:
+        """`probe_filter` parsed (its fields are checked against each version by the queries)."""
+        if self.probe_filter is None:
+            return None
+        try:
+            message = json_format.Parse(self.probe_filter, pb.Filter())
+        except json_format.ParseError as exc:
+            raise ValueError(f"probe_filter is not a filter in the protocol's JSON: {exc}") from None
+        if not (message.must or message.should or message.must_not):
+            raise ValueError("probe_filter has no conditions")
+        return message
 
     @property
     def probes(self) -> bool:
@@ -132,12 +152,20 @@ class RecallMonitor:
             self._publish(source, window.values())
         return True
 
-    def maybe_sample_ann(self, serial: int, vector: np.ndarray, rows: Sequence[int], exclude: set[int]) -> None:
-        """Queue a live query, answered by load `serial`, for an exact re-run; never blocks the request."""
+    def maybe_sample_ann(
+        self,
+        serial: int,
+        vector: np.ndarray,
+        rows: Sequence[int],
+        exclude: set[int],
+        allowed: np.ndarray | None = None,
+    ) -> None:
+        """Queue a live query, answered by load `serial`, for an exact re-run (within `allowed`,
+        a filtered query's rows: a read-only mask, kept by reference); never blocks the request."""
         if self.config.ann_sample_rate <= 0 or self._rng.random() >= self.config.ann_sample_rate:
             return
         try:
-            self._ann_jobs.put_nowait((serial, np.array(vector, dtype=np.float32), list(rows), set(exclude)))
+            self._ann_jobs.put_nowait((serial, np.array(vector, dtype=np.float32), list(rows), set(exclude), allowed))
         except queue.Full:
             pass  # the checker is behind; dropping a sample costs nothing but precision
 
@@ -213,12 +241,17 @@ class RecallMonitor:
         with done:
             return done.wait_for(lambda: not self._ann_jobs.unfinished_tasks, timeout)
 
-    def check_ann(self, serial: int, vector: np.ndarray, rows: list[int], exclude: set[int]) -> None:
-        """Re-run a query answered by load `serial` exactly, if that load is still live."""
+    def check_ann(
+        self, serial: int, vector: np.ndarray, rows: list[int], exclude: set[int], allowed: np.ndarray | None = None
+    ) -> None:
+        """Re-run a query answered by load `serial` exactly (among the `allowed` rows, when its
+        filter gave some), if that load is still live."""
         pair = self._live
         if pair is None or pair.serial != serial:  # sampled before a reload: it no longer describes the index served
             return
         scores = pair.index_version.exact_scores(vector)
+        if allowed is not None:
+            scores[~allowed] = -np.inf
         if exclude:
             scores[list(exclude)] = -np.inf
         for k in self.config.ks:

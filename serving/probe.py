@@ -28,6 +28,7 @@ class ProbeRunner:
         probe_size: int,
         max_batch_queries: int,
         probe_catalog: str | None = None,
+        probe_filter: pb.Filter | None = None,
     ) -> None:
         self.service = service
         self.engine = engine
@@ -35,6 +36,7 @@ class ProbeRunner:
         self.probe_size = probe_size
         self.max_batch_queries = max_batch_queries
         self.probe_catalog = probe_catalog
+        self.probe_filter = probe_filter  # every probe query carries it: the filtered path is measured
 
     def probe_set(self, pair: ServingPair) -> tuple[list[Path], list[str], list[list[str]]]:
         """(image paths, labels, ids to exclude): a held-out catalog, or a fixed sample of items."""
@@ -65,7 +67,8 @@ class ProbeRunner:
             return None
         k = max(self.ks)
         requests = [
-            pb.SearchRequest(image=p.read_bytes(), k=k, exclude_ids=ex) for p, ex in zip(paths, excludes, strict=True)
+            pb.SearchRequest(image=p.read_bytes(), k=k, exclude_ids=ex, filter=self.probe_filter)
+            for p, ex in zip(paths, excludes, strict=True)
         ]
         answers = []
         for start in range(0, len(requests), self.max_batch_queries):

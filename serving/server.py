@@ -303,6 +303,7 @@ class SearchApp:
             config.monitor.probe_size,
             config.limits.max_batch_queries,
             config.monitor.probe_catalog,
+            config.monitor.probe_filter_message(),
         )
         self.health = health.aio.HealthServicer()
         self.grpc_server: grpc.aio.Server | None = None

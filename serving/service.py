@@ -18,9 +18,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 
+import numpy as np
 from PIL import Image
 
 from core.artifacts import ArtifactError
+from index import filters
 from index.lifecycle import RemovalReport
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
@@ -68,6 +70,57 @@ class FeedbackLog:
         return serial, [live.items.ids[r] for r in rows] if live.serial == serial else []
 
 
+def to_filter(message: pb.Filter) -> filters.Filter:
+    """The protocol's filter as the index layer's (which checks it against the version's fields)."""
+
+    def condition(c: pb.Condition) -> filters.Condition:
+        kind = c.WhichOneof("match")
+        if kind is None:
+            raise InvalidArgument(f"filter field {c.field!r}: a condition needs one of value, any_of or range")
+        if kind == "value":
+            return filters.Condition(c.field, value=c.value)
+        if kind == "any_of":
+            return filters.Condition(c.field, any_of=tuple(c.any_of.values))
+        bounds = {b: getattr(c.range, b) if c.range.HasField(b) else None for b in ("gte", "gt", "lte", "lt")}
+        return filters.Condition(c.field, range=filters.Range(**bounds))
+
+    return filters.Filter(
+        must=tuple(map(condition, message.must)),
+        should=tuple(map(condition, message.should)),
+        must_not=tuple(map(condition, message.must_not)),
+    )
+
+
+class FilterMasks:
+    """The rows of recent filters, by (load serial, the filter's bytes): a filter repeated by
+    many queries ("only this category") is turned into its mask once, and its queries carry
+    the same array, so the engine searches those of one batch together. Masks are read-only.
+    Only the loop thread touches it: no lock."""
+
+    def __init__(self, size: int = 16) -> None:
+        self.size = size
+        self._masks: OrderedDict[tuple[int, bytes], np.ndarray] = OrderedDict()
+
+    def mask(self, pair: ServingPair, message: pb.Filter) -> np.ndarray:
+        key = (pair.serial, message.SerializeToString(deterministic=True))
+        mask = self._masks.get(key)
+        if mask is not None:
+            self._masks.move_to_end(key)
+            return mask
+        index = pair.index_version.filters
+        if index is None:
+            raise InvalidArgument("filter: this index version declares no filterable fields (index build --filterable)")
+        try:
+            mask = index.mask(to_filter(message))
+        except filters.FilterError as exc:
+            raise InvalidArgument(str(exc)) from None
+        mask.flags.writeable = False
+        self._masks[key] = mask
+        while len(self._masks) > self.size:
+            self._masks.popitem(last=False)
+        return mask
+
+
 class SearchService:
     """Search, SearchBatch, Embed, Feedback and GetInfo over the engine, batcher and monitor."""
 
@@ -102,6 +155,7 @@ class SearchService:
                 return False
             await asyncio.sleep(0.002)
         return True
+        self.filter_masks = FilterMasks()
 
     # -- query preparation ------------------------------------------------------------------
 
@@ -159,9 +213,8 @@ class SearchService:
             min_score = float(request.min_score)
             if not -1.0 <= min_score <= 1.0:
                 raise InvalidArgument(f"min_score must be within [-1, 1] (cosine similarity), got {min_score}")
-        if request.HasField("filter"):
-            raise InvalidArgument("filter: filtered search is not available yet")
-        return Scope(min_score=min_score) if min_score is not None else EVERY_ROW
+        allowed = self.filter_masks.mask(pair, request.filter) if request.HasField("filter") else None
+        return Scope(allowed, min_score) if allowed is not None or min_score is not None else EVERY_ROW
 
     async def _prepare(self, request: pb.SearchRequest, pair: ServingPair, deadline: float | None) -> Query:
         engine = self.engine
@@ -200,8 +253,10 @@ class SearchService:
         self.feedback_log.remember(request_id, pair.serial, rows)
         if request.HasField("label") and items.labelled:
             self.monitor.record_labelled(pair.serial, request.label, [n.label for n in neighbors])
-        if query.scope.plain:  # the exact re-run compares against every row
-            self.monitor.maybe_sample_ann(pair.serial, result.vector, rows, query.exclude)
+        if query.scope.min_score is None:  # the exact re-run compares against every row the filter allows
+            self.monitor.maybe_sample_ann(pair.serial, result.vector, rows, query.exclude, query.scope.allowed)
+        if result.path is not None:
+            self.metrics.filtered_queries.labels(result.path).inc()
         return pb.SearchResponse(
             truncated=result.truncated,
             neighbors=neighbors,
@@ -306,6 +361,10 @@ class SearchService:
             ),
             recall_at_k=recall,
             ann_recall_at_k=ann,
+            filterable=[
+                pb.FilterableField(name=spec.name, type=spec.type)
+                for spec in filters.specs_of(pair.manifest.filterable)
+            ],
         )
 
 

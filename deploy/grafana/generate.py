@@ -191,6 +191,15 @@ def search_service() -> Dashboard:
             12,
             36,
         ),
+        panel(
+            TimeSeries,
+            13,
+            "Filtered queries/s by planner path (exact over the matches, or the index with a selector)",
+            [(f"sum by (path) (rate(simsearch_filtered_queries_total{{{SEL}}}[5m]))", "{{path}}")],
+            0,
+            44,
+            unit="reqps",
+        ),
     ]
     templating = variables("simsearch_index_loaded", "simsearch_recall_at_k")
     return Dashboard(
