@@ -145,6 +145,7 @@ class SearchService:
         self.feedback_log = FeedbackLog(feedback_window)
         # serial of a load → requests still answering from it. Only the loop thread touches it.
         self._answering: Counter[int] = Counter()
+        self.filter_masks = FilterMasks()
 
     async def drained(self, serial: int, timeout: float) -> bool:
         """Wait until no request is answering from the load `serial` (a pair swapped out): what
@@ -155,7 +156,6 @@ class SearchService:
                 return False
             await asyncio.sleep(0.002)
         return True
-        self.filter_masks = FilterMasks()
 
     # -- query preparation ------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from core import artifacts
 from core.items import ItemTable
 from core.manifests import RowCounts
 from index.build import BuildConfig, NewVersion, publish_index_version
+from index.filters import Condition, Filter, Range
 from index.lifecycle import AUDIT_LOG, how_rows_leave, remove_items
 from index.version import IndexVersion
 
@@ -30,7 +31,9 @@ FACTORIES = {
 N, DIM = 600, 16
 
 
-def publish_synthetic(root: Path, factory: str, params: dict, n: int = N, seed: int = 0) -> IndexVersion:
+def publish_synthetic(
+    root: Path, factory: str, params: dict, n: int = N, seed: int = 0, filterable: tuple[str, ...] = ("n:int",)
+) -> IndexVersion:
     rng = np.random.default_rng(seed)
     vectors = rng.standard_normal((n, DIM)).astype(np.float32)
     faiss.normalize_L2(vectors)
@@ -40,7 +43,13 @@ def publish_synthetic(root: Path, factory: str, params: dict, n: int = N, seed: 
         paths=[f"/nonexistent/{i}.png" for i in range(n)],
         metadata=[{"n": str(i)} for i in range(n)],
     )
-    cfg = BuildConfig(model=str(root / "model"), index_root=str(root), factory=factory, search_params=params)
+    cfg = BuildConfig(
+        model=str(root / "model"),
+        index_root=str(root),
+        factory=factory,
+        search_params=params,
+        filterable=list(filterable),
+    )
     new = NewVersion("model-a", vectors, items, root / "catalog.csv", RowCounts(n, n), time.perf_counter(), 0.0)
     publish_index_version(cfg, new)
     return IndexVersion.open(root).load()
@@ -68,6 +77,14 @@ def test_removed_items_leave_and_the_rest_keep_their_vectors(tmp_path, kind):
     assert set(after) == set(before) - set(removed)
     for item_id, vector in after.items():  # every row kept its own vector (the IVF ids renumbered right)
         np.testing.assert_array_equal(vector, before[item_id])
+
+    # The filterable field's value → rows structure describes the child's rows, not the parent's.
+    below = Filter(must=(Condition("n", range=Range(lt=100)),))
+    matching = child.filters.mask(below)
+    if child.live_mask is not None:
+        matching &= child.live_mask
+    expected = {f"item-{i}" for i in range(100)} - set(removed)
+    assert {child.items.ids[r] for r in np.flatnonzero(matching)} == expected
 
     index = child.searchable()
     live_rows = np.flatnonzero(child.live_mask) if child.live_mask is not None else np.arange(len(child.items))
