@@ -9,6 +9,7 @@ import psutil
 import torch
 from PIL import Image
 
+from core.memory import pin_mmap_threshold
 from training.data import LazyImages, _collate_eval, decoding_worker_init
 from training.models import input_contract
 
@@ -19,7 +20,14 @@ def worker_growth_mb(paths, worker_init_fn) -> float:
     contract = input_contract("mobilenet_v2", 224)
     dataset = LazyImages(paths, np.zeros(len(paths), np.int64), contract)
     loader = torch.utils.data.DataLoader(
-        dataset, batch_size=32, num_workers=1, collate_fn=_collate_eval, worker_init_fn=worker_init_fn
+        dataset,
+        batch_size=32,
+        num_workers=1,
+        collate_fn=_collate_eval,
+        worker_init_fn=worker_init_fn,
+        # A fresh process, with glibc's defaults: a forked one would inherit this test process's
+        # heap settings (a server started earlier in the session pins them for the whole process).
+        multiprocessing_context="spawn",
     )
     rss = []
     for _ in loader:
@@ -37,6 +45,7 @@ def test_decoding_processes_do_not_grow_with_the_images_they_decode(tmp_path):
         Image.fromarray(pixels).rotate(float(rng.uniform(0, 90))).save(path, quality=90)
         paths.append(path)
     paths = paths * 8
+    pin_mmap_threshold()  # as a server test earlier in the session leaves it: must not matter
     pinned = worker_growth_mb(paths, decoding_worker_init)
     dynamic = worker_growth_mb(paths, None)
     assert pinned < 40, f"the decoding process grew {pinned:.0f} MB over {IMAGES} images"
