@@ -447,7 +447,8 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     added = fresh.subset(kept)
     if cfg.upsert and len(replaced):
         # A row that failed to embed keeps its old vector rather than vanishing.
-        replaced = np.array(sorted(live.row_of(i) for i in added.ids if live.row_of(i) is not None), dtype=np.int64)
+        rows_now = (live.row_of(i) for i in added.ids)
+        replaced = np.array(sorted(r for r in rows_now if r is not None), dtype=np.int64)
     base = drop_rows(live, replaced) if cfg.upsert and len(replaced) else None
     index = base.index if base is not None and base.index is not None else live.read_index()
     old_vectors = base.vectors if base is not None else live.vectors

@@ -331,31 +331,22 @@ class SearchEngine:
     def search_scoped(
         self, pair: ServingPair, vector: np.ndarray, k: int, exclude: frozenset[int], scope: Scope
     ) -> Answer:
-        """One query within its scope: exact search over the rows it allows (deleted and excluded
-        rows left out), and the rows at or above its min_score. A min_score alone is the
-        index's own range search (`index.range_search`), bounded by k."""
-        if scope.allowed is not None and scope.min_score is None:
-            return self.search_filtered(pair, vector[None], k, [exclude], scope.allowed)[0]
-        if scope.allowed is None and scope.min_score is not None:
-            live = pair.index_version.live_mask
+        """One query with a min_score: the index's own range search (`index.range_search`),
+        bounded by k — or, with a filter too, exact search over the filter's rows (deleted and
+        excluded rows left out) keeping those at or above the min_score."""
+        live = pair.index_version.live_mask
+        if scope.allowed is None:
             found = range_search.reaching(pair.index, vector[None], scope.min_score, k, live, [exclude])[0]
             hits = [Hit(int(r), float(s)) for r, s in zip(found.rows, found.scores, strict=True)]
             return Answer(hits, found.truncated)
-        allowed = scope.allowed if scope.allowed is not None else np.ones(pair.index.ntotal, dtype=bool)
-        if pair.index_version.live_mask is not None:
-            allowed = allowed & pair.index_version.live_mask
-        if exclude:
-            allowed = allowed.copy() if allowed is scope.allowed else allowed
-            allowed[list(exclude)] = False
+        allowed = scope.allowed & live if live is not None else scope.allowed.copy()  # the mask is shared
+        allowed[list(exclude)] = False
         rows = np.flatnonzero(allowed)
         scores = np.asarray(pair.vectors[rows] @ vector, dtype=np.float32)
-        truncated = False
-        if scope.min_score is not None:
-            reaching = scores >= scope.min_score
-            rows, scores = rows[reaching], scores[reaching]
-            truncated = len(rows) > k
+        reaching = scores >= scope.min_score
+        rows, scores = rows[reaching], scores[reaching]
         top = np.argsort(-scores, kind="stable")[:k]
-        return Answer([Hit(int(rows[j]), float(scores[j])) for j in top], truncated)
+        return Answer([Hit(int(rows[j]), float(scores[j])) for j in top], len(rows) > k)
 
     def exclude_rows(self, pair: ServingPair, ids: list[str]) -> set[int]:
         return {row for row in (pair.index_version.row_of(i) for i in ids) if row is not None}

@@ -377,3 +377,24 @@ def test_bad_declarations_fail_before_embedding(demo_run, tmp_path):
         )
     with pytest.raises(ValueError, match="not one of"):
         BuildConfig(filterable=["price:decimal"])
+
+
+@pytest.mark.slow
+def test_a_filter_with_a_min_score_answers_every_matching_row_above_it(served_filtered):
+    kind, server, client, catalog = served_filtered
+    version = IndexVersion.open(server.config.index_root)
+    category = {i: m["category"] for i, m in zip(catalog.ids, catalog.metadata, strict=True)}
+    vector = version.vector(version.row_of(catalog.ids[5]))
+    scores = version.vectors @ vector
+    matching = np.asarray([category[i] == "c1" for i in version.items.ids])
+    threshold = float(np.sort(scores[matching])[-6])  # the 6 best c1 rows reach it
+    request = pb.SearchRequest(
+        embedding=pb.Embedding(values=vector.tolist()), k=0, min_score=threshold, filter=match("category", "c1")
+    )
+    answer = client.search(request)
+    expected = {version.items.ids[r] for r in np.flatnonzero(matching & (scores >= threshold))}
+    assert {n.id for n in answer.neighbors} == expected and not answer.truncated
+    assert all(n.score >= threshold - 1e-6 for n in answer.neighbors)
+    request.k = 3  # fewer than reach it: the best 3, and the answer says it was cut
+    cut = client.search(request)
+    assert len(cut.neighbors) == 3 and cut.truncated and {n.id for n in cut.neighbors} <= expected
