@@ -12,6 +12,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import grpc  # noqa: E402
 
@@ -32,22 +33,92 @@ def _parser() -> argparse.ArgumentParser:
     add_options(serve, ServerConfig)
     serve.add_argument("--log-format", dest="log_format", choices=["json", "text"], default="json")
 
-    query = sub.add_parser("query", help="search with one or more image files")
-    query.add_argument("images", nargs="+", help="image files")
-    query.add_argument("--target", default="127.0.0.1:50051", help="server address host:port")
-    query.add_argument("--k", type=int, default=10, help="neighbours per image (with --min-score, 0: up to max_k)")
+    query = sub.add_parser(
+        "query",
+        help="search with image files or indexed item ids",
+        description="Search the server with each IMAGE (and each --item-id): a table of neighbours per query. "
+        "A query that fails (an unreadable file, an image the server cannot decode) is named on standard "
+        "error, the others are still answered, and the exit code is 2.",
+    )
+    query.add_argument("images", nargs="*", metavar="IMAGE", help="image files to search with")
+    query.add_argument(
+        "--item-id",
+        dest="item_ids",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="search with an indexed item's own vector (repeatable; the item itself is left out)",
+    )
+    _add_target_flags(query)
+    query.add_argument(
+        "--k", type=_count, default=10, help="neighbours per query (with --min-score, 0: up to the server's max_k)"
+    )
     query.add_argument("--min-score", type=float, help="every neighbour at or above this cosine similarity")
-    query.add_argument("--timeout", type=float, default=10.0, help="deadline per call in seconds")
+    query.add_argument(
+        "--filter",
+        metavar="JSON",
+        help='only items matching this filter, as proto3 JSON, e.g. \'{"must": [{"field": "label", "value": "cat"}]}\' '
+        "(fields declared at index build with --filterable; `serving info` lists them)",
+    )
+    query.add_argument(
+        "--exclude-id",
+        dest="exclude_ids",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="leave this item id out of the answers (repeatable)",
+    )
+    query.add_argument(
+        "--label", help="the queries' true label: the server scores its answers into the traffic Recall@K"
+    )
     query.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    query.add_argument("--tls-ca", help="PEM root certificate of a TLS server")
-    query.add_argument("--token", help="bearer token when the server requires one for search")
 
-    info = sub.add_parser("info", help="print the server's live versions and limits")
-    info.add_argument("--target", default="127.0.0.1:50051")
-    info.add_argument("--tls-ca", help="PEM root certificate of a TLS server")
-    info.add_argument("--token", help="bearer token when the server requires one for search")
+    info = sub.add_parser("info", help="print the server's live versions, limits and recall figures")
+    _add_target_flags(info)
     add_verbose_flag(sub)
     return parser
+
+
+DEFAULT_PORT = 50051
+INT32_MAX = 2**31 - 1
+
+
+def _count(text: str) -> int:
+    """A non-negative count that fits the protocol's int32 fields."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= value <= INT32_MAX:
+        raise argparse.ArgumentTypeError(f"must be within 0..{INT32_MAX}, got {value}")
+    return value
+
+
+def target_address(target: str) -> str:
+    """`HOST[:PORT]` with the default port filled in: gRPC's own default for a bare host is 443,
+    which is never where this server listens. Addresses with a scheme (`dns:///…`, `unix:…`)
+    pass as they are."""
+    if "://" in target or target.startswith("unix:"):
+        return target
+    if target.startswith("["):  # [IPv6] or [IPv6]:PORT
+        return target if "]:" in target else f"{target}:{DEFAULT_PORT}"
+    if target.count(":") > 1:  # a bare IPv6 address
+        return f"[{target}]:{DEFAULT_PORT}"
+    return target if ":" in target else f"{target}:{DEFAULT_PORT}"
+
+
+def _add_target_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--target",
+        type=target_address,
+        default=f"127.0.0.1:{DEFAULT_PORT}",
+        help=f"the server's address, HOST[:PORT] (PORT defaults to {DEFAULT_PORT}; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=10.0, help="deadline per call in seconds (default: %(default)s)"
+    )
+    parser.add_argument("--tls-ca", help="PEM root certificate of a TLS server")
+    parser.add_argument("--token", help="bearer token when the server requires one for search")
 
 
 def server_config(argv: list[str]) -> ServerConfig:
@@ -72,33 +143,95 @@ def _serve(args: argparse.Namespace) -> None:
     run(_server_config(args))
 
 
+# Statuses that belong to one query (its image, its item id); any other ends the command.
+_QUERY_STATUSES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def _query_requests(args: argparse.Namespace) -> list[tuple[str, object]]:
+    """(what the user named, its request — or the OSError reading it) for each query."""
+    from google.protobuf.json_format import Parse, ParseError
+
+    from protos.simsearch.v1 import search_pb2 as pb
+
+    if not args.images and not args.item_ids:
+        raise ValueError("nothing to search with: name image files, or --item-id ID")
+    if args.k == 0 and args.min_score is None:
+        raise ValueError("--k must be at least 1 (0 is only allowed with --min-score: up to the server's max_k)")
+    common = pb.SearchRequest(k=args.k, exclude_ids=args.exclude_ids)
+    if args.min_score is not None:
+        common.min_score = args.min_score
+    if args.label is not None:
+        common.label = args.label
+    if args.filter is not None:
+        try:
+            Parse(args.filter, common.filter)
+        except ParseError as exc:
+            raise ValueError(f"--filter is not a filter in proto3 JSON: {exc}") from None
+    queries: list[tuple[str, object]] = []
+    for image in args.images:
+        try:
+            data = Path(image).read_bytes()
+        except OSError as exc:
+            queries.append((image, exc))
+            continue
+        request = pb.SearchRequest()
+        request.CopyFrom(common)
+        request.image = data
+        queries.append((image, request))
+    for item_id in args.item_ids:
+        request = pb.SearchRequest()
+        request.CopyFrom(common)
+        request.item_id = item_id
+        queries.append((f"item {item_id}", request))
+    return queries
+
+
 def _query(args: argparse.Namespace) -> None:
     from google.protobuf.json_format import MessageToDict
 
     from serving.client import SearchClient
 
-    if args.k < 0 or (args.k == 0 and args.min_score is None):
-        raise ValueError(f"--k must be at least 1, got {args.k}")
-    results = []
+    answers: list[tuple[str, object]] = []  # (query, response or error message)
     with SearchClient(args.target, timeout=args.timeout, tls_ca=args.tls_ca, token=args.token) as client:
-        for image in args.images:
+        for name, request in _query_requests(args):
+            if isinstance(request, OSError):
+                answers.append((name, f"cannot read: {request.strerror}"))
+                continue
             try:
-                response = client.search_image(image, k=args.k, min_score=args.min_score)
-            except FileNotFoundError:
-                raise FileNotFoundError(f"image file not found: {image}") from None
-            results.append((image, response))
+                answers.append((name, client.search(request)))
+            except grpc.RpcError as exc:
+                if exc.code() not in _QUERY_STATUSES:
+                    raise
+                answers.append((name, f"server answered {exc.code().name}: {exc.details()}"))
+    failed = [(name, answer) for name, answer in answers if isinstance(answer, str)]
     if args.json:
-        print(json.dumps([{"image": i, **MessageToDict(r)} for i, r in results], indent=2))
-        return
-    for image, response in results:
         print(
-            f"{image}  (index {response.index_version}, model {response.model_id}, {response.timings.total_ms:.1f} ms)"
+            json.dumps(
+                [
+                    {"query": name, "error": answer}
+                    if isinstance(answer, str)
+                    else {"query": name, **MessageToDict(answer)}
+                    for name, answer in answers
+                ],
+                indent=2,
+            )
         )
-        print(f"  {'rank':>4}  {'score':>7}  {'label':<12} id")
-        for rank, n in enumerate(response.neighbors, 1):
-            print(f"  {rank:>4}  {n.score:7.4f}  {n.label:<12} {n.id}")
-        if response.truncated:
-            print(f"  … more neighbours reach {args.min_score}: cut at k={len(response.neighbors)}")
+    else:
+        for name, response in answers:
+            if isinstance(response, str):
+                continue
+            print(
+                f"{name}  (index {response.index_version}, model {response.model_id}, "
+                f"{response.timings.total_ms:.1f} ms)"
+            )
+            print(f"  {'rank':>4}  {'score':>7}  {'label':<12} id")
+            for rank, n in enumerate(response.neighbors, 1):
+                print(f"  {rank:>4}  {n.score:7.4f}  {n.label:<12} {n.id}")
+            if response.truncated:
+                print(f"  … fewer neighbours than all that qualify: cut at {len(response.neighbors)}")
+    if failed:
+        detail = "; ".join(f"{name}: {message}" for name, message in failed)
+        raise ValueError(f"{len(failed)} of {len(answers)} queries failed — {detail}")
 
 
 def _info(args: argparse.Namespace) -> None:
@@ -106,7 +239,7 @@ def _info(args: argparse.Namespace) -> None:
 
     from serving.client import SearchClient
 
-    with SearchClient(args.target, tls_ca=args.tls_ca, token=args.token) as client:
+    with SearchClient(args.target, timeout=args.timeout, tls_ca=args.tls_ca, token=args.token) as client:
         print(json.dumps(MessageToDict(client.get_info()), indent=2))
 
 
@@ -118,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             commands[args.command](args)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and args.command != "serve":
+                raise ValueError(
+                    f"cannot reach the server at {args.target} — is it running there? ({exc.details()})"
+                ) from None
             raise ValueError(f"server answered {exc.code().name}: {exc.details()}") from None
 
     return run_cli(command, verbose=bool(args.verbose))

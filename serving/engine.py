@@ -54,8 +54,8 @@ class Limits:
 
     def __post_init__(self) -> None:
         for name in ("max_k", "max_message_bytes", "max_image_pixels", "max_batch_queries"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) < 2**31:  # GetInfo carries them as int32
+                raise ValueError(f"{name} must be within 1..{2**31 - 1}, got {getattr(self, name)}")
 
 
 _load_serials = itertools.count(1)
@@ -173,9 +173,17 @@ class Scope:
 EVERY_ROW = Scope()
 
 
+def _short(found: int, k: int, candidates: int) -> bool:
+    """A top-k answer cut short: fewer than k hits though more rows could have answered — an
+    approximate index that ran out of candidates (IVF probing too few lists, say)."""
+    return found < k and found < candidates
+
+
 @dataclass(slots=True)
 class Answer:
-    """A query's hits, best first; `truncated` when more rows reach its `min_score` than it holds."""
+    """A query's hits, best first; `truncated` when rows that qualify were left out of it: more
+    reach its `min_score` than it holds, or a top-k answer holds fewer than k though more rows
+    could have answered (`_short`)."""
 
     hits: list[Hit]
     truncated: bool = False
@@ -275,9 +283,10 @@ class SearchEngine:
             skips = [exclude[i] for i in plain]
             depth = min(k + max((len(e) for e in skips), default=0), pair.index.ntotal)
             scores, rows = pair.index.search(vectors[plain], depth)
+            size = pair.index_version.size
             for i, s_row, r_row, skip in zip(plain, scores, rows, skips, strict=True):
                 hits = [Hit(int(r), float(s)) for s, r in zip(s_row, r_row, strict=True) if r >= 0 and r not in skip]
-                answers[i] = Answer(hits[:k])
+                answers[i] = Answer(hits[:k], _short(len(hits), k, size - len(skip)))
         # Filtered queries sharing one mask (the service hands out one array per distinct filter)
         # share one search: one gather of its rows, or one faiss call with its selector.
         filtered: dict[int, list[int]] = {}
@@ -309,7 +318,7 @@ class SearchEngine:
         answers = []
         for s_row, r_row, skip in zip(scores, rows, exclude, strict=True):
             hits = [Hit(int(r), float(s)) for s, r in zip(s_row, r_row, strict=True) if r >= 0 and r not in skip]
-            answers.append(Answer(hits[:k], path=path))
+            answers.append(Answer(hits[:k], _short(len(hits), k, len(matching) - len(skip)), path=path))
         return answers
 
     def _rows_of(self, mask: np.ndarray) -> np.ndarray:

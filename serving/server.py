@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +50,38 @@ from serving.servicer import ADMIN_SERVICE, SEARCH_SERVICE, AdminServicer, RpcCa
 log = logging.getLogger(__name__)
 
 EVENT_LOOPS = ("uvloop", "asyncio")
+
+
+class PortInUse(ValueError):
+    """A port the server was told to listen on is taken: a user error, said before anything loads."""
+
+    def __init__(self, what: str, host: str, port: int, flag: str, cause: object = "") -> None:
+        detail = f" ({cause})" if cause else ""
+        super().__init__(
+            f"{what} port {host}:{port} is already in use{detail}: another server is listening there; "
+            f"stop it or choose another {flag}"
+        )
+
+
+def claim_port(what: str, host: str, port: int, flag: str) -> None:
+    """Fail at once with `PortInUse` when `host:port` cannot be bound, as a listener would bind it
+    (SO_REUSEADDR, never SO_REUSEPORT). gRPC turns SO_REUSEPORT on by default, under which a
+    second server on the same port binds without a word and the kernel splits connections
+    between the two — two indexes answering one address; the server turns it off too, and this
+    check gives the refusal one clear line before a model is loaded."""
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot resolve the address to bind, {host!r}: {exc.strerror}") from None
+    family, kind, proto, _, address = addresses[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise PortInUse(what, host, port, flag, exc.strerror) from None
 
 
 @dataclass
@@ -314,6 +347,7 @@ class SearchApp:
         self._watcher: asyncio.Task | None = None
         self._watched_failure: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop it serves on, once bound
+        self._metrics_bound = False
 
     async def bind(self) -> int:
         """Create the grpc.aio server on the running loop (it belongs to the loop it was made on)
@@ -325,6 +359,7 @@ class SearchApp:
             options=[
                 ("grpc.max_receive_message_length", config.limits.max_message_bytes),
                 ("grpc.max_send_message_length", config.limits.max_message_bytes),
+                ("grpc.so_reuseport", 0),  # see claim_port
                 *transport.connection_options,
             ],
             maximum_concurrent_rpcs=config.batching.max_queue + config.runtime.worker_threads,
@@ -338,18 +373,35 @@ class SearchApp:
             (SEARCH_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server
         )
         await self._set_health(False)
+        claim_port("gRPC", transport.host, transport.port, "--port")
         address = f"{transport.host}:{transport.port}"
-        if transport.tls_cert:
-            credentials = grpc.ssl_server_credentials(
-                [(Path(transport.tls_key).read_bytes(), Path(transport.tls_cert).read_bytes())]
-            )
-            port = self.grpc_server.add_secure_port(address, credentials)
-        else:
-            port = self.grpc_server.add_insecure_port(address)
+        try:
+            if transport.tls_cert:
+                credentials = grpc.ssl_server_credentials(
+                    [(Path(transport.tls_key).read_bytes(), Path(transport.tls_cert).read_bytes())]
+                )
+                port = self.grpc_server.add_secure_port(address, credentials)
+            else:
+                port = self.grpc_server.add_insecure_port(address)
+        except RuntimeError as exc:  # taken between the claim and the bind
+            raise PortInUse("gRPC", transport.host, transport.port, "--port", exc) from None
         if port == 0:
-            raise OSError(f"cannot bind gRPC port {address}")
+            raise PortInUse("gRPC", transport.host, transport.port, "--port")
         self.port = port
         return port
+
+    def bind_metrics(self) -> None:
+        """Listen on the metrics port (when there is one), before any model loads: a port in use
+        is a `PortInUse` at once, not a failure after the load."""
+        transport = self.config.transport
+        if transport.metrics_port is None or self._metrics_bound:
+            return
+        claim_port("metrics", transport.host, transport.metrics_port, "--metrics-port")
+        try:
+            self.metrics.serve(transport.metrics_port, transport.host)
+        except OSError as exc:
+            raise PortInUse("metrics", transport.host, transport.metrics_port, "--metrics-port", exc.strerror) from None
+        self._metrics_bound = True
 
     async def _set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -378,7 +430,7 @@ class SearchApp:
             "serving index %s with model %s (%d items)",
             new.version,
             new.model_id,
-            new.index.ntotal,
+            new.index_version.size,
             extra={"index_version": new.version, "model_id": new.model_id},
         )
         if old is not None and self.monitor.config.probes:  # probe_interval_s 0: probes are off
@@ -441,13 +493,12 @@ class SearchApp:
         """Load the live pair (or start without one, unhealthy), then serve."""
         if self.grpc_server is None:
             await self.bind()
+        self.bind_metrics()  # every port claimed before the seconds a model takes to load
         try:
             await self.reload()
         except (ArtifactError, FileNotFoundError) as exc:
             log.warning("starting without a loaded index: %s", exc)
         transport = self.config.transport
-        if transport.metrics_port is not None:
-            self.metrics.serve(transport.metrics_port, transport.host)
         self.batcher.start()
         await self.grpc_server.start()
         self.monitor.start(self.run_probe)  # probe rounds only where probe_interval_s > 0

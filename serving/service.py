@@ -246,7 +246,13 @@ class SearchService:
         items = pair.items
         request_id = request.request_id or uuid.uuid4().hex
         neighbors = [
-            pb.Neighbor(id=items.ids[h.row], score=h.score, label=items.labels[h.row], metadata=items.metadata[h.row])
+            pb.Neighbor(
+                id=items.ids[h.row],
+                # float32 dot products of unit vectors land a hair outside the cosine's range
+                score=min(1.0, max(-1.0, h.score)),
+                label=items.labels[h.row],
+                metadata=items.metadata[h.row],
+            )
             for h in result.hits
         ]
         rows = [h.row for h in result.hits]

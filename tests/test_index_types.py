@@ -146,3 +146,20 @@ def test_min_score_answers_every_neighbour_at_or_above_it(served_version, catalo
     with pytest.raises(grpc.RpcError) as err:
         client.search_item(catalog.ids[r], k=5, min_score=1.01)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_score" in err.value.details()
+
+
+def test_an_answer_short_of_k_says_truncated(served_version, catalog):
+    """An approximate index may run out of candidates (IVF probes 8 of 32 lists here): fewer than
+    k neighbours though the index holds more is `truncated`, never a silent short answer; all
+    there is (k above the index's size) is not."""
+    kind, server, client = served_version
+    size = client.get_info().index_size
+    k = min(size, server.config.limits.max_k)
+    answer = client.search_item(catalog.ids[0], k=k)
+    short = len(answer.neighbors) < min(k, size - 1)  # the query's own item is left out
+    assert answer.truncated == short
+    if kind.startswith("ivf"):
+        assert short  # the case this guards is exercised
+    if kind == "flat" and size - 1 < server.config.limits.max_k:
+        everything = client.search_item(catalog.ids[0], k=server.config.limits.max_k)
+        assert len(everything.neighbors) == size - 1 and not everything.truncated
