@@ -47,6 +47,46 @@ def command_tables() -> list[tuple[str, str, type, tuple[str, ...]]]:
     return rows
 
 
+def plain_commands() -> list[tuple[str, str, argparse.ArgumentParser]]:
+    """(command, what it does, its parser) for the commands whose flags are plain argparse arguments, not a
+    configuration class: `index list`, `serving query`, … — so the reference covers every command."""
+    import index.__main__
+    import serving.__main__
+    import training.__main__
+
+    with_tables = {command for command, *_ in command_tables()}
+    rows = []
+    for prefix, module in (
+        ("python -m training", training.__main__),
+        ("python -m index", index.__main__),
+        ("python -m serving", serving.__main__),
+    ):
+        subparsers = next(a for a in module._parser()._actions if isinstance(a, argparse._SubParsersAction))
+        helps = {choice.dest: choice.help for choice in subparsers._choices_actions}
+        for name, parser in subparsers.choices.items():
+            if f"{prefix} {name}" not in with_tables:
+                text = parser.description or helps.get(name) or ""
+                rows.append((f"{prefix} {name}", text[:1].upper() + text[1:].rstrip(".") + ".", parser))
+    return rows
+
+
+def arguments_table(parser: argparse.ArgumentParser) -> str:
+    """A parser's arguments as a table (`--help` and `--verbose` left out: every command has them)."""
+    lines = ["| argument | default | what it sets |", "| --- | --- | --- |"]
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or "--verbose" in action.option_strings:
+            continue
+        name = ", ".join(f"`{o}`" for o in action.option_strings) or f"`{action.metavar or action.dest}`"
+        if action.nargs in ("*", "+") and not action.option_strings:
+            name += " …"
+        default = "" if action.default in (None, False, [], argparse.SUPPRESS) else f"`{action.default}`"
+        text = (action.help or "").replace("%(default)s", str(action.default)).replace("|", "\\|")
+        if action.required and action.nargs not in ("*", "?"):
+            text = f"(required) {text}"
+        lines.append(f"| {name} | {default} | {text} |")
+    return "\n".join(lines)
+
+
 def render() -> str:
     parts = [HEADER]
     for command, text, cls, exclude in command_tables():
@@ -56,6 +96,8 @@ def render() -> str:
                 "It also takes every `training train` option above except the ones it sets per run "
                 f"({', '.join(f'`{name}`' for name in sorted(PER_RUN_FIELDS))}): the protocol all its runs share.\n"
             )
+    for command, text, parser in plain_commands():
+        parts.append(f"## `{command}`\n\n{text}\n\n{arguments_table(parser)}\n")
     return "\n".join(parts)
 
 

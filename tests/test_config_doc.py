@@ -28,3 +28,24 @@ def test_every_flag_of_a_command_is_in_the_reference():
         for opt in options(cls):
             if opt.name not in exclude and opt.cli:
                 assert f"`{opt.flag}`" in section, (command, opt.flag)
+
+
+def test_every_command_has_a_section_and_every_argument_a_row():
+    """Commands whose flags are plain argparse arguments (`serving query`, `index list`, …) too."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gen_config_doc
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    plain = gen_config_doc.plain_commands()
+    assert {
+        "python -m serving query",
+        "python -m serving info",
+        "python -m index list",
+        "python -m index rollback",
+    } <= {command for command, _, _ in plain}
+    for command, _, parser in plain:
+        section = text.split(f"## `{command}`", 1)[1].split("\n## ", 1)[0]
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if flag.startswith("--") and flag not in ("--help", "--verbose"):
+                    assert f"`{flag}`" in section, (command, flag)
