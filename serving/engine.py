@@ -1,4 +1,5 @@
-"""The search logic behind the gRPC servicer: a live model+index pair and queries against it.
+"""The search logic behind the service layer: a live model+index pair, and queries — already
+checked by `serving.checks` — decoded, embedded and searched against it.
 
 The live pair is one immutable object swapped by reference, so a request that took it at the
 start finishes on it even if a reload swaps in another meanwhile, and every answer names the
@@ -12,8 +13,6 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,18 +25,12 @@ from core.artifacts import ArtifactError
 from core.config import option
 from core.items import ItemTable
 from core.manifests import IndexManifest, ModelManifest
-from core.preprocess import (
-    DEFAULT_MAX_PIXELS,
-    ImageDecodeError,
-    ImageTooLarge,
-    decode,
-    open_image,
-)
+from core.preprocess import DEFAULT_MAX_PIXELS, decode
 from index import range_search
 from index.build import check_model_index_pair
 from index.faiss_index import ExactRerank, search_within
 from index.version import IndexVersion
-from serving.errors import InvalidArgument, ResourceExhausted, Unavailable
+from serving.errors import Unavailable, image_errors
 from serving.query_embedder import QueryEmbedder
 
 log = logging.getLogger(__name__)
@@ -191,7 +184,8 @@ class Answer:
 
 
 class SearchEngine:
-    """Holds the live pair; decodes, embeds and searches against it."""
+    """Holds the live pair; decodes, embeds and searches against it. It checks nothing a request
+    says: the service layer has (`serving.checks.RequestChecks`)."""
 
     def __init__(self, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
@@ -220,43 +214,13 @@ class SearchEngine:
 
     # -- stages -----------------------------------------------------------------------------
 
-    def check_k(self, k: int) -> None:
-        if k <= 0:
-            raise InvalidArgument(f"k must be at least 1, got {k}")
-        if k > self.limits.max_k:
-            raise InvalidArgument(f"k={k} exceeds the maximum of {self.limits.max_k}")
-
-    def open_image(self, data: bytes) -> Image.Image:
-        """Read the header only: the size is checked against the pixel limit, nothing decoded."""
-        if len(data) == 0:
-            raise InvalidArgument("image bytes are empty")
-        with _image_errors():
-            return open_image(data, self.limits.max_image_pixels, load=False)
-
     def model_input(self, pair: ServingPair, image: Image.Image) -> np.ndarray:
         """Decode the pixels of an opened image and apply the model's input contract."""
-        with _image_errors():
+        with image_errors():
             return decode(image, pair.embedder.contract)
 
     def embed(self, pair: ServingPair, arrays: list[np.ndarray], side_by_side: bool = False) -> np.ndarray:
         return pair.embedder.embed(np.stack(arrays), side_by_side=side_by_side)
-
-    def check_embedding(self, pair: ServingPair, values: list[float] | np.ndarray) -> np.ndarray:
-        vector = np.asarray(values, dtype=np.float32)
-        if vector.ndim != 1 or len(vector) != pair.dim:
-            raise InvalidArgument(f"embedding has dimension {vector.size}, the live model's is {pair.dim}")
-        if not np.isfinite(vector).all():
-            raise InvalidArgument("embedding contains NaN or infinity")
-        norm = float(np.linalg.norm(vector))
-        if norm == 0.0:
-            raise InvalidArgument("embedding is the zero vector")
-        return vector / norm
-
-    def item_vector(self, pair: ServingPair, item_id: str) -> tuple[np.ndarray, int]:
-        row = pair.index_version.row_of(item_id)
-        if row is None:
-            raise InvalidArgument(f"unknown item id {item_id!r}")
-        return pair.index_version.vector(row), row
 
     def search(
         self,
@@ -356,17 +320,3 @@ class SearchEngine:
         rows, scores = rows[reaching], scores[reaching]
         top = np.argsort(-scores, kind="stable")[:k]
         return Answer([Hit(int(rows[j]), float(scores[j])) for j in top], len(rows) > k)
-
-    def exclude_rows(self, pair: ServingPair, ids: list[str]) -> set[int]:
-        return {row for row in (pair.index_version.row_of(i) for i in ids) if row is not None}
-
-
-@contextmanager
-def _image_errors() -> Iterator[None]:
-    """Image errors as service errors: a size refusal is RESOURCE_EXHAUSTED, the rest INVALID_ARGUMENT."""
-    try:
-        yield
-    except ImageTooLarge as exc:
-        raise ResourceExhausted(str(exc)) from exc
-    except ImageDecodeError as exc:
-        raise InvalidArgument(f"cannot decode image: {exc}") from exc

@@ -1,12 +1,19 @@
-"""Errors the search logic raises, each tied to the gRPC status it becomes at the edge."""
+"""Errors the search logic raises, each tied to the gRPC status and the HTTP status it becomes at
+the edge (the HTTP one after google.rpc.Code's mapping)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import grpc
+
+from core.preprocess import ImageDecodeError, ImageTooLarge
 
 
 class ServiceError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    http_status: int = 500
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -15,26 +22,49 @@ class ServiceError(Exception):
 
 class InvalidArgument(ServiceError):
     code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
 
 
 class ResourceExhausted(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 429
 
 
 class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
 
 
 class FailedPrecondition(ServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 400
 
 
 class DeadlineExceeded(ServiceError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 504
 
 
 class Unauthenticated(ServiceError):
     code = grpc.StatusCode.UNAUTHENTICATED
+    http_status = 401
+
+
+class PermissionDenied(ServiceError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+    http_status = 403
+
+
+class NotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
+
+
+class PayloadTooLarge(ResourceExhausted):
+    """A request bigger than the server takes — a message past the size limit, an image past the
+    pixel limit (a decompression bomb): RESOURCE_EXHAUSTED over gRPC, 413 over HTTP."""
+
+    http_status = 413
 
 
 INTERNAL_MESSAGE = "internal error; see server logs"
@@ -46,3 +76,14 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ServiceError):
         return exc.code, exc.message
     return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
+
+
+@contextmanager
+def image_errors() -> Iterator[None]:
+    """Image errors as service errors: past the pixel limit, PayloadTooLarge; the rest INVALID_ARGUMENT."""
+    try:
+        yield
+    except ImageTooLarge as exc:
+        raise PayloadTooLarge(str(exc)) from exc
+    except ImageDecodeError as exc:
+        raise InvalidArgument(f"cannot decode image: {exc}") from exc

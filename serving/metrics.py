@@ -49,14 +49,14 @@ class ServiceMetrics:
         GCCollector(registry=r)
         self.requests = Counter(
             "simsearch_requests",
-            "RPCs answered, by method and gRPC status code",
-            ["method", "code"],
+            "Calls answered, by method, gRPC status code and protocol (grpc, http)",
+            ["method", "code", "protocol"],
             registry=r,
         )
         self.latency = Histogram(
             "simsearch_request_latency_seconds",
-            "RPC latency by method",
-            ["method"],
+            "Call latency by method and protocol",
+            ["method", "protocol"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )

@@ -38,14 +38,25 @@ from core.config import DEVICES, option, resolve_config, section
 from index.build import read_probe_catalog
 from index.lifecycle import RemovalReport, remove_items
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
+from serving.auth import Tokens
 from serving.batching import DynamicBatcher
 from serving.engine import Limits, SearchEngine, ServingPair, load_pair
+from serving.history import TrafficHistory
+from serving.http import HttpApi, tls_context
 from serving.memory import pin_mmap_threshold, reclaim
 from serving.metrics import ServiceMetrics
 from serving.monitor import MonitorConfig, RecallMonitor
 from serving.probe import ProbeRunner
 from serving.service import AdminService, SearchService
-from serving.servicer import ADMIN_SERVICE, SEARCH_SERVICE, AdminServicer, RpcCall, SearchServicer, TokenAuthInterceptor
+from serving.servicer import (
+    ADMIN_SERVICE,
+    SEARCH_SERVICE,
+    AdminServicer,
+    CallRecorder,
+    RpcCall,
+    SearchServicer,
+    TokenAuthInterceptor,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +102,12 @@ class Transport:
     host: str = option("127.0.0.1", help="address to bind")
     port: int = option(50051, help="gRPC port (0 picks a free one)")
     metrics_port: int | None = option(9100, help="Prometheus HTTP port ('none': no metrics endpoint)")
+    http_port: int | None = option(
+        None, help="HTTP/JSON API and web console port (0 picks a free one; default: none, no HTTP)"
+    )
+    http_cors_origin: str | None = option(
+        None, help="an origin (https://host:port) whose pages may call the HTTP API (default: no CORS)"
+    )
     tls_cert: str | None = option(None, help="PEM certificate chain (enables TLS, with --tls-key)")
     tls_key: str | None = option(None, help="PEM private key")
     admin_token: str | None = option(None, help="bearer token for IndexAdmin (or SIMSEARCH_ADMIN_TOKEN)")
@@ -105,7 +122,7 @@ class Transport:
     )
 
     def __post_init__(self) -> None:
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < 65536:
                 raise ValueError(f"{name} must be within 0..65535, got {value}")
@@ -338,9 +355,21 @@ class SearchApp:
             config.monitor.probe_catalog,
             config.monitor.probe_filter_message(),
         )
+        self.tokens = Tokens(config.transport.admin_token, config.transport.search_token)
+        self.recorder = CallRecorder(self.metrics, TrafficHistory(), config.access_log)
+        self.admin = AdminService(self.reload, self.remove_items, config.index_root)
+        self.http = HttpApi(
+            self.service,
+            self.admin,
+            self.tokens,
+            self.recorder,
+            config.limits.max_message_bytes,
+            config.transport.http_cors_origin,
+        )
         self.health = health.aio.HealthServicer()
         self.grpc_server: grpc.aio.Server | None = None
         self.port: int | None = None
+        self.http_port: int | None = None
         self._reload_lock = asyncio.Lock()
         self._remove_lock = asyncio.Lock()
         self._stopping = threading.Event()  # ends the reclaim threads' waits
@@ -355,7 +384,7 @@ class SearchApp:
         config, transport = self.config, self.config.transport
         self._loop = asyncio.get_running_loop()
         self.grpc_server = grpc.aio.server(
-            interceptors=[TokenAuthInterceptor(transport.admin_token, transport.search_token)],
+            interceptors=[TokenAuthInterceptor(self.tokens)],
             options=[
                 ("grpc.max_receive_message_length", config.limits.max_message_bytes),
                 ("grpc.max_send_message_length", config.limits.max_message_bytes),
@@ -364,10 +393,9 @@ class SearchApp:
             ],
             maximum_concurrent_rpcs=config.batching.max_queue + config.runtime.worker_threads,
         )
-        call = RpcCall(self.metrics, config.access_log)
+        call = RpcCall(self.recorder)
         pb_grpc.add_SimilaritySearchServicer_to_server(SearchServicer(self.service, call), self.grpc_server)
-        admin = AdminService(self.reload, self.remove_items)
-        pb_grpc.add_IndexAdminServicer_to_server(AdminServicer(admin, call), self.grpc_server)
+        pb_grpc.add_IndexAdminServicer_to_server(AdminServicer(self.admin, call), self.grpc_server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection(
             (SEARCH_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server
@@ -388,6 +416,13 @@ class SearchApp:
         if port == 0:
             raise PortInUse("gRPC", transport.host, transport.port, "--port")
         self.port = port
+        if transport.http_port is not None:
+            claim_port("HTTP", transport.host, transport.http_port, "--http-port")
+            tls = tls_context(transport.tls_cert, transport.tls_key) if transport.tls_cert else None
+            try:
+                self.http_port = await self.http.start(transport.host, transport.http_port, tls)
+            except OSError as exc:
+                raise PortInUse("HTTP", transport.host, transport.http_port, "--http-port", exc.strerror) from None
         return port
 
     def bind_metrics(self) -> None:
@@ -505,6 +540,13 @@ class SearchApp:
         if self.config.watch_current:
             self._watcher = asyncio.get_running_loop().create_task(self._watch_current(), name="watch-current")
         log.info("listening on %s:%d", transport.host, self.port)
+        if self.http_port is not None:
+            log.info(
+                "HTTP API and console on http%s://%s:%d/",
+                "s" if transport.tls_cert else "",
+                transport.host,
+                self.http_port,
+            )
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stop taking RPCs, let in-flight ones finish (up to `grace` seconds), then stop workers."""
@@ -512,7 +554,7 @@ class SearchApp:
         if self._watcher is not None:
             self._watcher.cancel()
         await self.health.enter_graceful_shutdown()
-        await self.grpc_server.stop(grace)
+        await asyncio.gather(self.grpc_server.stop(grace), self.http.stop(grace))
         await self.batcher.stop()
         self.decode_pool.shutdown(wait=False, cancel_futures=True)
         self.monitor.stop()
@@ -523,7 +565,10 @@ async def serve(config: ServerConfig) -> None:
     ports, one JSON line, once listening."""
     app = SearchApp(config)
     await app.start()
-    print(json.dumps({"port": app.port, "metrics_port": config.transport.metrics_port}), flush=True)
+    print(
+        json.dumps({"port": app.port, "metrics_port": config.transport.metrics_port, "http_port": app.http_port}),
+        flush=True,
+    )
     stopped = asyncio.Event()
 
     def shutdown(signum: int) -> None:  # drain in-flight requests, then exit

@@ -10,6 +10,9 @@ Feedback log keep of it). `AdminService` reloads and says what changed.
 from __future__ import annotations
 
 import asyncio
+import csv
+import io
+import json
 import time
 import uuid
 from array import array
@@ -17,17 +20,24 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
+from core import artifacts
 from core.artifacts import ArtifactError
+from core.manifests import IndexManifest
+from core.preprocess import open_image
 from index import filters
-from index.lifecycle import RemovalReport
+from index.duplicates import GROUPS_FILE, SUMMARY_FILE
+from index.lifecycle import AUDIT_LOG, RemovalReport
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
-from serving.engine import EVERY_ROW, Scope, SearchEngine, ServingPair
-from serving.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from serving.checks import RequestChecks
+from serving.engine import EVERY_ROW, Limits, Scope, SearchEngine, ServingPair
+from serving.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, image_errors
+from serving.history import TrafficHistory
 from serving.metrics import ServiceMetrics
 from serving.monitor import RecallMonitor
 
@@ -136,6 +146,7 @@ class SearchService:
         feedback_window: int,
     ) -> None:
         self.engine = engine
+        self.checks = RequestChecks(engine.limits)
         self.batcher = batcher
         self.monitor = monitor
         self.metrics = metrics
@@ -143,6 +154,7 @@ class SearchService:
         self.inline_decode_pixels = inline_decode_pixels
         self.inference_decode_pixels = inference_decode_pixels
         self.feedback_log = FeedbackLog(feedback_window)
+        self._thumbnails: OrderedDict[tuple[int, int, int], tuple[bytes, str]] = OrderedDict()
         # serial of a load → requests still answering from it. Only the loop thread touches it.
         self._answering: Counter[int] = Counter()
         self.filter_masks = FilterMasks()
@@ -186,7 +198,7 @@ class SearchService:
     ) -> Query:
         """A query for an image: decoded here or in the decode pool, or only opened, for the
         inference thread to decode."""
-        image = self.engine.open_image(data)
+        image = self.checks.open_image(data)
         placement = self.placement(pair, image)
         array = None
         if placement == DecodePlacement.ON_LOOP:
@@ -210,28 +222,26 @@ class SearchService:
         """The rows a request may be answered with: its filter's matches, at or above its min_score."""
         min_score = None
         if request.HasField("min_score"):
-            min_score = float(request.min_score)
-            if not -1.0 <= min_score <= 1.0:
-                raise InvalidArgument(f"min_score must be within [-1, 1] (cosine similarity), got {min_score}")
+            min_score = self.checks.check_min_score(float(request.min_score))
         allowed = self.filter_masks.mask(pair, request.filter) if request.HasField("filter") else None
         return Scope(allowed, min_score) if allowed is not None or min_score is not None else EVERY_ROW
 
     async def _prepare(self, request: pb.SearchRequest, pair: ServingPair, deadline: float | None) -> Query:
-        engine = self.engine
+        checks = self.checks
         scope = self._scope(request, pair)
         # With a min_score, k bounds the answer and may be left 0: up to max_k.
-        k = request.k or (engine.limits.max_k if scope.min_score is not None else 0)
-        engine.check_k(k)
-        exclude = frozenset(engine.exclude_rows(pair, list(request.exclude_ids)))
+        k = request.k or (checks.limits.max_k if scope.min_score is not None else 0)
+        checks.check_k(k)
+        exclude = frozenset(checks.exclude_rows(pair, list(request.exclude_ids)))
         received = time.perf_counter()
         kind = request.WhichOneof("query")
         if kind == "image":
             return await self._image_query(pair, request.image, k, exclude, deadline, received, scope)
         if kind == "embedding":
-            vector = engine.check_embedding(pair, request.embedding.values)
+            vector = checks.check_embedding(pair, request.embedding.values)
             return Query(pair, k, exclude, scope, vector=vector, deadline=deadline, received=received)
         if kind == "item_id":
-            vector, row = engine.item_vector(pair, request.item_id)
+            vector, row = checks.item_vector(pair, request.item_id)
             return Query(pair, k, exclude | {row}, scope, vector=vector, deadline=deadline, received=received)
         raise InvalidArgument("request has no query: set image, embedding or item_id")
 
@@ -373,6 +383,61 @@ class SearchService:
             ],
         )
 
+    async def thumbnail(self, item_id: str, size: int) -> tuple[bytes, str]:
+        """An indexed item's image scaled to at most `size` pixels a side, and its content type.
+        Only the file the live version records for `item_id` is ever read."""
+        pair = self.engine.pair
+        row = pair.index_version.row_of(item_id)
+        if row is None:
+            raise NotFound(f"no item {item_id!r} in index version {pair.version}")
+        key = (pair.serial, row, size)
+        cached = self._thumbnails.get(key)
+        if cached is None:
+            path = pair.items.paths[row]
+            loop = asyncio.get_running_loop()
+            cached = await loop.run_in_executor(self.decode_pool, thumbnail_of, path, size, self.checks.limits)
+            self._thumbnails[key] = cached
+            while len(self._thumbnails) > 512:
+                self._thumbnails.popitem(last=False)
+        return cached
+
+    def history(self, traffic: TrafficHistory) -> dict:
+        """The console's Health page: the last hour of traffic, the live recall figures, the versions."""
+        live = None
+        if self.engine.loaded:
+            pair = self.engine.pair
+            live = {
+                "indexVersion": pair.version,
+                "modelId": pair.model_id,
+                "indexSize": pair.index_version.size,
+                "factory": pair.manifest.factory,
+            }
+        recall = {source: {str(k): v for k, v in values.items()} for source, values in self.monitor.figures().items()}
+        recall["ann"] = {str(k): v for k, v in self.monitor.ann_values().items()}
+        return {
+            "intervalS": traffic.interval_s,
+            "points": [{"t": p.t, "qps": p.qps, "p50Ms": p.p50_ms, "p99Ms": p.p99_ms} for p in traffic.points()],
+            "recall": recall,
+            "live": live,
+        }
+
+
+def thumbnail_of(path: str, size: int, limits: Limits) -> tuple[bytes, str]:
+    """The image at `path` (EXIF orientation applied), scaled to fit `size`: JPEG, or PNG where it
+    has transparency."""
+    try:
+        with image_errors():
+            image = open_image(Path(path), limits.max_image_pixels)
+    except (FileNotFoundError, IsADirectoryError):
+        raise NotFound(f"the image file of this item is gone: {Path(path).name}") from None
+    image.thumbnail((size, size))
+    out = io.BytesIO()
+    if image.mode in ("RGBA", "LA", "P"):
+        image.save(out, "PNG", optimize=True)
+        return out.getvalue(), "image/png"
+    image.convert("RGB").save(out, "JPEG", quality=85)
+    return out.getvalue(), "image/jpeg"
+
 
 Reloader = Callable[[str | None, str | None], Awaitable[tuple[ServingPair | None, ServingPair]]]
 Remover = Callable[[list[str], str, str], Awaitable[RemovalReport]]
@@ -382,9 +447,97 @@ class AdminService:
     """Reload: a new pair swapped in, or FAILED_PRECONDITION with the old one still serving.
     RemoveItems: a takedown published as a new version and swapped in."""
 
-    def __init__(self, reload: Reloader, remove: Remover | None = None) -> None:
+    def __init__(self, reload: Reloader, remove: Remover | None = None, index_root: str | Path | None = None) -> None:
         self._reload = reload
         self._remove = remove
+        self.index_root = Path(index_root) if index_root is not None else None
+
+    def _root(self) -> Path:
+        if self.index_root is None:
+            raise FailedPrecondition("this server has no index root")
+        return self.index_root
+
+    def versions(self, live: str | None) -> list[dict]:
+        """Every version in the root, newest first, with its manifest's figures."""
+        root = self._root()
+        current = artifacts.current_version(root)
+        listed = []
+        for version in reversed(artifacts.list_versions(root)):
+            try:
+                m = IndexManifest.read(artifacts.version_dir(root, version))
+            except (ArtifactError, FileNotFoundError, ValueError) as exc:
+                listed.append({"version": version, "error": str(exc)})
+                continue
+            quality = m.quality
+            listed.append(
+                {
+                    "version": version,
+                    "live": version == live,
+                    "current": version == current,
+                    "size": m.live_size,
+                    "deletedRows": m.deleted_rows,
+                    "factory": m.factory,
+                    "modelId": m.model_id,
+                    "annRecall": quality.ann_recall_at_k if quality else None,
+                    "probeRecallAtK": (quality.probe_recall_at_k or {}) if quality else {},
+                    "created": m.created,
+                    "parentVersion": m.parent_version,
+                }
+            )
+        return listed
+
+    def neighbours_sheet(self, version: str) -> Path:
+        path = self._version_dir(version) / artifacts.NEIGHBOURS_FILE
+        if not path.is_file():
+            raise NotFound(f"version {version} has no {artifacts.NEIGHBOURS_FILE}")
+        return path
+
+    def _version_dir(self, version: str) -> Path:
+        if version not in artifacts.list_versions(self._root()):  # a name from the listing, never a path
+            raise NotFound(f"no index version {version!r}")
+        return artifacts.version_dir(self._root(), version)
+
+    async def make_live(self, version: str) -> pb.ReloadResponse:
+        """Point CURRENT at `version` — what `index rollback --to` does — and load it."""
+        root = self._root()
+        self._version_dir(version)
+        with artifacts.current_lock(root):
+            artifacts.set_current(root, version)
+        return await self.reload(pb.ReloadRequest(index_version=version))
+
+    def audit(self, limit: int) -> list[dict]:
+        """The newest `limit` entries of the root's takedown audit log."""
+        path = self._root() / AUDIT_LOG
+        if not path.is_file():
+            return []
+        lines = path.read_text(encoding="utf-8").splitlines()[-limit:]
+        return [json.loads(line) for line in reversed(lines) if line.strip()]
+
+    def duplicates(self, live: str) -> dict:
+        """The groups of the live version's latest `index duplicates` run (its default output
+        folder, INDEX_ROOT/duplicates/VERSION-minSCORE)."""
+        runs = sorted(
+            (d for d in (self._root() / "duplicates").glob(f"{live}-min*") if (d / GROUPS_FILE).is_file()),
+            key=lambda d: d.stat().st_mtime,
+        )
+        if not runs:
+            raise NotFound(f"no duplicates run for version {live}: run `python -m index duplicates`")
+        run = runs[-1]
+        summary = json.loads((run / SUMMARY_FILE).read_text()) if (run / SUMMARY_FILE).is_file() else {}
+        groups: dict[int, dict] = {}
+        with open(run / GROUPS_FILE, newline="", encoding="utf-8") as f:
+            for row in csv.DictReader(f):
+                group = groups.setdefault(int(row["group"]), {"group": int(row["group"]), "ids": [], "labels": []})
+                group["ids"].append(row["id"])
+                group["labels"].append(row.get("label") or "")
+        for group in groups.values():
+            group["size"] = len(group["ids"])
+        return {
+            "indexVersion": live,
+            "minScore": summary.get("min_score"),
+            "run": run.name,
+            "groups": sorted(groups.values(), key=lambda g: (-g["size"], g["group"])),
+        }
 
     async def remove_items(self, request: pb.RemoveItemsRequest, who: str) -> pb.RemoveItemsResponse:
         ids = list(request.ids)

@@ -1,14 +1,13 @@
 """The gRPC servicers, thin in the shape of grpc's own asyncio examples: protobuf in, a call on
 the service layer (`serving.service`), protobuf or a status code out. Every RPC, Reload
-included, goes through `RpcCall`: one error mapping (`serving.errors.status_of`), one count in
-`simsearch_requests_total{method,code}` and one latency observation.
+included, goes through `RpcCall`: one error mapping (`serving.errors.status_of`), and the
+`CallRecorder` the HTTP routes share (one count in `simsearch_requests_total{method,code,protocol}`,
+one latency observation).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import time
 from collections.abc import Awaitable
@@ -18,7 +17,9 @@ import grpc
 
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
-from serving.errors import status_of
+from serving.auth import Scope, Tokens, token_fingerprint
+from serving.errors import ServiceError, status_of
+from serving.history import TrafficHistory
 from serving.metrics import ServiceMetrics
 from serving.service import AdminService, SearchService
 
@@ -38,12 +39,41 @@ def time_left(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None or remaining > _NO_DEADLINE_S else max(0.0, remaining)
 
 
-class RpcCall:
-    """Runs an RPC's body: counts and times it, and answers a failure with its status."""
+class CallRecorder:
+    """Counts and times every call, whatever carried it: one count in
+    `simsearch_requests_total{method,code,protocol}`, one latency observation, the traffic
+    history, and an access-log line when asked. The gRPC servicers and the HTTP routes both
+    finish each call here."""
 
-    def __init__(self, metrics: ServiceMetrics, access_log: bool = False) -> None:
+    def __init__(self, metrics: ServiceMetrics, history: TrafficHistory, access_log: bool = False) -> None:
         self.metrics = metrics
+        self.history = history
         self.access_log = access_log
+
+    def finished(self, method: str, protocol: str, code: grpc.StatusCode, elapsed: float) -> None:
+        self.metrics.requests.labels(method, code.name, protocol).inc()
+        self.metrics.latency.labels(method, protocol).observe(elapsed)
+        self.history.observe(elapsed)
+        if self.access_log:
+            log.info(
+                "call", extra={"method": method, "protocol": protocol, "code": code.name, "ms": round(elapsed * 1e3, 3)}
+            )
+
+    def failed(self, method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
+        """The status a failed call is answered with, logged: a bug with its traceback."""
+        code, message = status_of(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", method, extra={"method": method, "code": code.name})
+        else:
+            log.warning("%s: %s", method, message, extra={"method": method, "code": code.name})
+        return code, message
+
+
+class RpcCall:
+    """Runs an RPC's body: a failure is answered with its status; counted by the `CallRecorder`."""
+
+    def __init__(self, recorder: CallRecorder) -> None:
+        self.recorder = recorder
 
     async def __call__(self, method: str, context: grpc.aio.ServicerContext, body: Awaitable[T]) -> T:
         started = time.perf_counter()
@@ -54,18 +84,10 @@ class RpcCall:
             code = grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:
-            code, message = status_of(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", method, extra={"method": method, "code": code.name})
-            else:
-                log.warning("%s: %s", method, message, extra={"method": method, "code": code.name})
+            code, message = self.recorder.failed(method, exc)
             await context.abort(code, message)
         finally:
-            elapsed = time.perf_counter() - started
-            self.metrics.requests.labels(method, code.name).inc()
-            self.metrics.latency.labels(method).observe(elapsed)
-            if self.access_log:
-                log.info("rpc", extra={"method": method, "code": code.name, "ms": round(elapsed * 1e3, 3)})
+            self.recorder.finished(method, "grpc", code, time.perf_counter() - started)
 
 
 class SearchServicer(pb_grpc.SimilaritySearchServicer):
@@ -103,38 +125,30 @@ class AdminServicer(pb_grpc.IndexAdminServicer):
 
 
 def caller_identity(context: grpc.aio.ServicerContext) -> str:
-    """Who made an authenticated call, for the audit log: a fingerprint of its bearer token
-    (never the token itself), and the peer address."""
-    supplied = dict(context.invocation_metadata() or ()).get("authorization", "")
-    token = supplied.removeprefix("Bearer ")
-    fingerprint = f"token sha256:{hashlib.sha256(token.encode()).hexdigest()[:12]}" if token else "no token"
-    return f"{fingerprint} from {context.peer()}"
+    """Who made an authenticated call, for the audit log: its token's fingerprint and the peer."""
+    supplied = dict(context.invocation_metadata() or ()).get("authorization")
+    return f"{token_fingerprint(supplied)} from {context.peer()}"
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Bearer tokens: always for IndexAdmin, for SimilaritySearch when a search token is set."""
+    """Bearer tokens (`serving.auth.Tokens`): always for IndexAdmin, for SimilaritySearch when a
+    search token is set."""
 
-    def __init__(self, admin_token: str | None, search_token: str | None) -> None:
-        self.admin_token = admin_token
-        self.search_token = search_token
+    def __init__(self, tokens: Tokens) -> None:
+        self.tokens = tokens
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         if method.startswith(f"/{ADMIN_SERVICE}/"):
-            if self.admin_token is None:
-                return _deny(
-                    grpc.StatusCode.PERMISSION_DENIED, "admin API disabled: start the server with --admin-token"
-                )
-            expected = self.admin_token
-        elif method.startswith(f"/{SEARCH_SERVICE}/") and self.search_token is not None:
-            expected = self.search_token
+            scope = Scope.ADMIN
+        elif method.startswith(f"/{SEARCH_SERVICE}/"):
+            scope = Scope.SEARCH
         else:
             return await continuation(handler_call_details)
-        supplied = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if not supplied.startswith("Bearer "):
-            return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <token>' metadata")
-        if not hmac.compare_digest(supplied[len("Bearer ") :].encode(), expected.encode()):
-            return _deny(grpc.StatusCode.PERMISSION_DENIED, "invalid token")
+        try:
+            self.tokens.check(scope, dict(handler_call_details.invocation_metadata or ()).get("authorization"))
+        except ServiceError as exc:
+            return _deny(exc.code, exc.message)
         return await continuation(handler_call_details)
 
 

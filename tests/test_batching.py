@@ -15,10 +15,13 @@ from PIL import Image
 from core.catalog import read_catalog
 from core.preprocess import load_image
 from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
-from serving.engine import SearchEngine, load_pair
+from serving.checks import RequestChecks
+from serving.engine import Limits, SearchEngine, load_pair
 from serving.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from serving.metrics import ServiceMetrics
 from tests.test_preprocess import encode
+
+CHECKS = RequestChecks(Limits())  # what the service checks before a query reaches the batcher
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +39,7 @@ def engine_and_pairs(demo_run):
 def arrays(demo_run, engine_and_pairs):
     engine, pair, _ = engine_and_pairs
     catalog = read_catalog(demo_run / "train" / "splits" / "test.csv")
-    return [engine.model_input(pair, engine.open_image(p.read_bytes())) for p in catalog.paths[:12]]
+    return [engine.model_input(pair, CHECKS.open_image(p.read_bytes())) for p in catalog.paths[:12]]
 
 
 def batcher(engine: SearchEngine, **kwargs) -> DynamicBatcher:
@@ -87,7 +90,7 @@ def test_engine_decodes_large_jpegs_at_reduced_scale_where_the_contract_allows(e
     embedder.contract = contract
     reducing = dataclasses.replace(pair, embedder=embedder)
     photo = encode(Image.fromarray(np.random.default_rng(0).integers(0, 256, (600, 800), dtype=np.uint8)), "JPEG")
-    image = engine.open_image(photo)
+    image = CHECKS.open_image(photo)
     array = engine.model_input(reducing, image)
     assert image.size == (100, 75)  # shorter side 32, gap 2: the decoder went down to 1/8
     np.testing.assert_array_equal(array, load_image(photo, contract))  # as the index saw it
@@ -212,15 +215,15 @@ def test_images_left_to_the_inference_thread_are_decoded_there_and_a_corrupt_one
 ):
     engine, pair, _ = engine_and_pairs
     blobs = [p.read_bytes() for p in read_catalog(demo_run / "train" / "splits" / "test.csv").paths[:3]]
-    good = [Query(pair=pair, k=5, image=engine.open_image(b)) for b in blobs[:2]]
+    good = [Query(pair=pair, k=5, image=CHECKS.open_image(b)) for b in blobs[:2]]
     truncated = blobs[2][: len(blobs[2]) // 2]  # the header reads fine, the pixels do not
-    broken = Query(pair=pair, k=5, image=engine.open_image(truncated))
+    broken = Query(pair=pair, k=5, image=CHECKS.open_image(truncated))
 
     first, failed, second = answer_all(engine, [good[0], broken, good[1]], enabled=enabled, workers=2)
     assert isinstance(failed, InvalidArgument), failed
     assert "cannot decode image" in str(failed)
     for blob, r in zip(blobs[:2], (first, second), strict=True):
-        assert [h.row for h in r.hits] == exact(engine, pair, engine.model_input(pair, engine.open_image(blob)))
+        assert [h.row for h in r.hits] == exact(engine, pair, engine.model_input(pair, CHECKS.open_image(blob)))
         assert r.decode_s > 0  # decoded by the inference thread: the query carried no pixels
         assert r.batch_size == (2 if enabled else 1)  # the broken one took no place in the batch
 

@@ -99,7 +99,7 @@ def test_item_search_reads_the_stored_vector_not_the_index(served_version, catal
     pair = server.engine.pair
     row = pair.items.row_of(catalog.ids[7])
     stored = np.load(pair.directory / artifacts.EMBEDDINGS_FILE)[row]
-    vector, found_row = server.engine.item_vector(pair, catalog.ids[7])
+    vector, found_row = server.service.checks.item_vector(pair, catalog.ids[7])
     assert found_row == row
     np.testing.assert_array_equal(vector, stored)
     assert client.search_embedding(stored.tolist(), k=1).neighbors[0].id == catalog.ids[7]

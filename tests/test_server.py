@@ -199,7 +199,7 @@ def test_benchmark_load_generator_is_answered_ok(served, test_catalog, tmp_path)
 
     def answered(code: str) -> float:
         samples = server.metrics.requests.collect()[0].samples
-        return sum(s.value for s in samples if s.labels == {"method": "Search", "code": code})
+        return sum(s.value for s in samples if s.labels == {"method": "Search", "code": code, "protocol": "grpc"})
 
     body = tmp_path / "search.grpc"
     body.write_bytes(grpc_body(test_catalog.paths[0].read_bytes()))

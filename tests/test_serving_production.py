@@ -268,7 +268,7 @@ def test_images_decode_where_they_cost_least(index_root):
     )
     service, pair, batcher = server.service, server.engine.pair, server.batcher
     sizes = {"tiny": (28, 28), "small": (100, 100), "large": (101, 100)}
-    images = {name: server.engine.open_image(encode(Image.new("L", size))) for name, size in sizes.items()}
+    images = {name: server.service.checks.open_image(encode(Image.new("L", size))) for name, size in sizes.items()}
     a, b = image_requests(index_root, 2)
 
     def decoders() -> dict[str, str]:
@@ -323,7 +323,7 @@ def test_embed_calls_are_batched_with_queries_and_equal_the_model(index_root):
         assert all(s.neighbors for s in searched)
         pair = server.engine.pair
         for request, answer in zip(requests, embedded, strict=True):
-            array = server.engine.model_input(pair, server.engine.open_image(request.image))
+            array = server.engine.model_input(pair, server.service.checks.open_image(request.image))
             direct = server.engine.embed(pair, [array])[0]
             np.testing.assert_allclose(answer.embedding, direct, atol=1e-5)
             assert answer.timings.embed_ms > 0 and answer.timings.search_ms == 0
@@ -427,7 +427,10 @@ def test_reload_is_counted_with_its_code_like_every_rpc(index_root):
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         _wait_for(lambda: answered_codes(server, "Reload") == {"OK": 1.0, "FAILED_PRECONDITION": 1.0})
         latency = server.metrics.latency.collect()[0].samples
-        assert any(s.name.endswith("_count") and s.labels == {"method": "Reload"} and s.value == 2 for s in latency)
+        assert any(
+            s.name.endswith("_count") and s.labels == {"method": "Reload", "protocol": "grpc"} and s.value == 2
+            for s in latency
+        )
     finally:
         client.close()
         server.stop(0)
@@ -669,7 +672,7 @@ def test_watch_current_reloads_and_metrics_endpoint_serves_stages(index_root, tm
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=60).read().decode()
         for stage in ("decode", "queue", "embed", "search"):
             assert f'simsearch_stage_latency_seconds_count{{stage="{stage}"}}' in text
-        assert 'simsearch_requests_total{code="OK",method="Search"}' in text
+        assert 'simsearch_requests_total{code="OK",method="Search",protocol="grpc"}' in text
         assert f'index_version="{other}"' in text
         assert "simsearch_reloads_total 2.0" in text
         # The Index builds dashboard follows the live version's manifest.

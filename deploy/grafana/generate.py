@@ -65,8 +65,8 @@ def search_service() -> Dashboard:
         panel(
             TimeSeries,
             1,
-            "Queries/s by method",
-            [(f"sum by (method) (rate(simsearch_requests_total{{{SEL}}}[5m]))", "{{method}}")],
+            "Queries/s by method and protocol",
+            [(f"sum by (method, protocol) (rate(simsearch_requests_total{{{SEL}}}[5m]))", "{{method}} ({{protocol}})")],
             0,
             0,
             unit="reqps",

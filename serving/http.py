@@ -1,0 +1,411 @@
+"""HTTP/JSON beside gRPC, in the same process and on the same event loop (aiohttp).
+
+Each route is one entry of `ROUTES`: its method and path, the call on the service layer it
+makes, the protobuf messages it takes and returns (bodies are their proto3 JSON mapping,
+`google.protobuf.json_format`: camelCase names, bytes as base64), and who may call it. The same
+table registers the routes and writes the OpenAPI document (`serving.openapi`), so the two
+cannot drift. Routes are thin: validation, admission, error mapping and counting are the service
+layer's and the `CallRecorder`'s, shared with the gRPC servicers — a failure is the same
+`ServiceError`, answered with its HTTP status (`ServiceError.http_status`, after google.rpc.Code's
+mapping) and `{"error": {"code": "INVALID_ARGUMENT", "message": "…"}}`.
+
+The web console (`serving/console/`) is served at `/`; its images come from
+`/v1/items/{id}/thumbnail`, by item id only — never a path a request names.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from aiohttp import web
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from protos.simsearch.v1 import search_pb2 as pb
+from serving.auth import Scope, Tokens, token_fingerprint
+from serving.errors import InvalidArgument, PayloadTooLarge, ServiceError, status_of
+from serving.service import AdminService, SearchService
+from serving.servicer import CallRecorder
+
+log = logging.getLogger(__name__)
+
+CONSOLE_DIR = Path(__file__).resolve().parent / "console"
+# The console's own files only: no inline script or style, images from the server or made in the page.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; img-src 'self' blob: data:; style-src 'self'; script-src 'self'; "
+    "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'"
+)
+TIMEOUT_HEADER = "X-Request-Timeout"  # seconds, the HTTP form of a gRPC deadline
+IMAGE_TYPES = ("image/", "application/octet-stream")
+
+
+class UnsupportedMediaType(InvalidArgument):
+    http_status = 415
+
+
+class NotFoundRoute(InvalidArgument):
+    code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
+
+
+class WrongMethod(InvalidArgument):
+    http_status = 405
+
+
+@dataclass(frozen=True)
+class Route:
+    """One HTTP route: `call` is the `HttpApi` method that answers it."""
+
+    method: str
+    path: str
+    name: str  # the call's name in metrics and logs: the gRPC method it mirrors, where there is one
+    call: str
+    summary: str
+    scope: Scope = Scope.SEARCH
+    request: type[Message] | None = None  # a JSON body of this message
+    response: type[Message] | None = None  # a JSON body of this message (None: described in `produces`)
+    body: str | None = None  # "image": the raw image (or a multipart upload); described by `params`
+    params: tuple[tuple[str, str, str], ...] = ()  # (name, type, description) of query parameters
+    produces: str | None = None  # a response that is not a message: its content type
+    tag: str = "search"
+
+
+_IMAGE_QUERY_PARAMS = (
+    ("k", "integer", "neighbours to return (with minScore, 0: up to the server's max_k)"),
+    ("minScore", "number", "every neighbour at or above this cosine similarity"),
+    ("filter", "string", "a Filter as proto3 JSON (URL-encoded)"),
+    ("excludeIds", "string", "item ids to leave out, comma-separated"),
+    ("requestId", "string", "the request's id, for Feedback (default: made up)"),
+    ("label", "string", "the query's true label, scored into the traffic Recall@K"),
+)
+
+ROUTES: tuple[Route, ...] = (
+    Route("POST", "/v1/search", "Search", "search", "Nearest neighbours of an image, embedding or item id",
+          request=pb.SearchRequest, response=pb.SearchResponse),
+    Route("POST", "/v1/search/image", "Search", "search_image",
+          "Nearest neighbours of an image sent as the raw body or a multipart upload (field `image`)",
+          response=pb.SearchResponse, body="image", params=_IMAGE_QUERY_PARAMS),
+    Route("POST", "/v1/search-batch", "SearchBatch", "search_batch", "Several searches in one call",
+          request=pb.SearchBatchRequest, response=pb.SearchBatchResponse),
+    Route("POST", "/v1/embed", "Embed", "embed", "The embedding of an image", request=pb.EmbedRequest,
+          response=pb.EmbedResponse),
+    Route("POST", "/v1/embed/image", "Embed", "embed_image", "The embedding of an image sent as the raw body",
+          response=pb.EmbedResponse, body="image"),
+    Route("POST", "/v1/feedback", "Feedback", "feedback", "Which neighbours of an answer were relevant",
+          request=pb.FeedbackRequest, response=pb.FeedbackResponse),
+    Route("GET", "/v1/info", "GetInfo", "info", "The live versions, limits and recall figures",
+          response=pb.GetInfoResponse),
+    Route("GET", "/v1/items/{item_id}/thumbnail", "Thumbnail", "thumbnail",
+          "An indexed item's image, scaled down (by item id only)", produces="image/jpeg",
+          params=(("size", "integer", "longest side in pixels, 16..512 (default 160)"),)),
+    Route("GET", "/v1/health/history", "History", "history",
+          "The last hour of q/s and p50/p99 latency, the live recall figures and versions",
+          produces="application/json"),
+    Route("GET", "/v1/duplicates", "Duplicates", "duplicates",
+          "The groups of the live version's latest `index duplicates` run", produces="application/json"),
+    Route("POST", "/v1/admin/reload", "Reload", "reload", "Load a version (default: CURRENT's) and swap it in",
+          scope=Scope.ADMIN, request=pb.ReloadRequest, response=pb.ReloadResponse, tag="admin"),
+    Route("POST", "/v1/admin/remove-items", "RemoveItems", "remove_items",
+          "Take items down: a new version without them, swapped in", scope=Scope.ADMIN,
+          request=pb.RemoveItemsRequest, response=pb.RemoveItemsResponse, tag="admin"),
+    Route("GET", "/v1/admin/versions", "ListVersions", "versions", "Every version with its manifest figures",
+          scope=Scope.ADMIN, produces="application/json", tag="admin"),
+    Route("GET", "/v1/admin/versions/{version}/neighbours.png", "VersionSheet", "neighbours_sheet",
+          "A version's sample queries and their neighbours", scope=Scope.ADMIN, produces="image/png", tag="admin"),
+    Route("POST", "/v1/admin/versions/{version}/live", "MakeLive", "make_live",
+          "Point CURRENT at this version (what `index rollback --to` does) and load it", scope=Scope.ADMIN,
+          response=pb.ReloadResponse, tag="admin"),
+    Route("GET", "/v1/admin/audit", "Audit", "audit", "The takedown audit log, newest first", scope=Scope.ADMIN,
+          produces="application/json", params=(("limit", "integer", "entries to return (default 100)"),),
+          tag="admin"),
+)  # fmt: skip
+
+
+def to_json(message: Message) -> dict[str, Any]:
+    """A message's proto3 JSON mapping, every field present (a client need not know defaults)."""
+    return json_format.MessageToDict(message, always_print_fields_with_no_presence=True)
+
+
+def parse_json(text: bytes, message: Message) -> Message:
+    if not text.strip():
+        raise InvalidArgument(f"empty body: send a {message.DESCRIPTOR.name} as JSON")
+    try:
+        return json_format.Parse(text, message)
+    except json_format.ParseError as exc:
+        raise InvalidArgument(f"body is not a {message.DESCRIPTOR.name} in proto3 JSON: {exc}") from None
+    except UnicodeDecodeError:
+        raise InvalidArgument("body is not UTF-8 JSON") from None
+
+
+def error_response(exc: ServiceError | Exception) -> web.Response:
+    code, message = status_of(exc)
+    status = exc.http_status if isinstance(exc, ServiceError) else 500
+    return web.json_response({"error": {"code": code.name, "message": message}}, status=status)
+
+
+class HttpApi:
+    """The routes of `ROUTES` over the service layer."""
+
+    def __init__(
+        self,
+        service: SearchService,
+        admin: AdminService,
+        tokens: Tokens,
+        recorder: CallRecorder,
+        max_body_bytes: int,
+        cors_origin: str | None = None,
+    ) -> None:
+        self.service = service
+        self.admin = admin
+        self.tokens = tokens
+        self.recorder = recorder
+        self.max_body_bytes = max_body_bytes
+        self.cors_origin = cors_origin
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    # -- the application -------------------------------------------------------------------
+
+    def application(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._unrouted])
+        for route in ROUTES:
+            app.router.add_route(route.method, route.path.replace("{item_id}", "{item_id:.+}"), self._handler(route))
+        app.router.add_get("/openapi.json", self._openapi)
+        app.router.add_get("/", self._console_page)
+        if CONSOLE_DIR.is_dir():
+            app.router.add_static("/console/", CONSOLE_DIR, follow_symlinks=False)
+        if self.cors_origin:
+            app.router.add_route("OPTIONS", "/{tail:.*}", self._preflight)
+        app.on_response_prepare.append(self._headers)
+        return app
+
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
+        """Listen on `host:port` (0: a free port); the port bound."""
+        self._runner = web.AppRunner(self.application(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, ssl_context=tls, reuse_port=False)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop taking connections; calls in flight get `grace` seconds to finish."""
+        if self._runner is not None:
+            # aiohttp takes the drain time only at construction; the grace is known only now.
+            self._runner._shutdown_timeout = grace or 0.0
+            await self._runner.cleanup()
+            self._runner = None
+
+    def _handler(self, route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        call = getattr(self, route.call)
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            started = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                self.tokens.check(route.scope, request.headers.get("Authorization"))
+                answer = await call(request, route)
+                return web.json_response(to_json(answer)) if isinstance(answer, Message) else answer
+            except web.HTTPRequestEntityTooLarge:
+                size = f"body of {request.content_length} bytes" if request.content_length else "body"
+                error = PayloadTooLarge(
+                    f"{size} exceeds the server's limit of {self.max_body_bytes} bytes (--max-message-bytes)"
+                )
+                code = error.code
+                return error_response(error)
+            except Exception as exc:  # noqa: BLE001 — every failure is answered, a bug as INTERNAL
+                code, _ = self.recorder.failed(route.name, exc)
+                return error_response(exc)
+            finally:
+                self.recorder.finished(route.name, "http", code, time.perf_counter() - started)
+
+        handle.__name__ = route.call
+        return handle
+
+    @web.middleware
+    async def _unrouted(self, request: web.Request, handler) -> web.StreamResponse:
+        """aiohttp's own 404/405 pages, as the API's JSON errors."""
+        try:
+            return await handler(request)
+        except web.HTTPNotFound:
+            return error_response(NotFoundRoute(f"no route {request.method} {request.path}"))
+        except web.HTTPMethodNotAllowed as exc:
+            allowed = ", ".join(sorted(exc.allowed_methods))
+            return error_response(WrongMethod(f"{request.method} is not allowed on {request.path}; use {allowed}"))
+
+    async def _headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        response.headers["Referrer-Policy"] = "no-referrer"
+        if self.cors_origin and request.headers.get("Origin") == self.cors_origin:
+            response.headers["Access-Control-Allow-Origin"] = self.cors_origin
+            response.headers["Vary"] = "Origin"
+
+    async def _preflight(self, request: web.Request) -> web.Response:
+        if request.headers.get("Origin") != self.cors_origin:
+            return web.Response(status=403)
+        return web.Response(
+            status=204,
+            headers={
+                "Access-Control-Allow-Methods": "GET, POST",
+                "Access-Control-Allow-Headers": f"Authorization, Content-Type, {TIMEOUT_HEADER}",
+                "Access-Control-Max-Age": "600",
+            },
+        )
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        from serving.openapi import openapi_document
+
+        return web.json_response(openapi_document())
+
+    async def _console_page(self, request: web.Request) -> web.StreamResponse:
+        page = CONSOLE_DIR / "index.html"
+        if not page.is_file():
+            return error_response(NotFoundRoute("this server has no console files"))
+        return web.FileResponse(page, headers={"Cache-Control": "no-cache"})
+
+    # -- reading requests ------------------------------------------------------------------
+
+    @staticmethod
+    def _timeout(request: web.Request) -> float | None:
+        text = request.headers.get(TIMEOUT_HEADER)
+        if text is None:
+            return None
+        try:
+            timeout = float(text)
+        except ValueError:
+            raise InvalidArgument(f"{TIMEOUT_HEADER}: not a number of seconds: {text!r}") from None
+        if not 0 < timeout < float("inf"):
+            raise InvalidArgument(f"{TIMEOUT_HEADER} must be a positive number of seconds, got {text}")
+        return timeout
+
+    async def _message(self, request: web.Request, message: Message) -> Message:
+        kind = request.content_type
+        if request.can_read_body and kind not in ("application/json", "application/octet-stream"):
+            raise UnsupportedMediaType(f"Content-Type {kind!r}: send application/json")
+        return parse_json(await request.read(), message)
+
+    async def _image(self, request: web.Request) -> bytes:
+        """The image of a request: its raw body, or the `image` field of a multipart upload."""
+        kind = request.content_type
+        if kind == "multipart/form-data":
+            reader = await request.multipart()
+            async for part in reader:
+                if part.name == "image":
+                    return bytes(await part.read())
+            raise InvalidArgument("multipart upload has no 'image' field")
+        if not kind.startswith(IMAGE_TYPES):
+            raise UnsupportedMediaType(
+                f"Content-Type {kind!r}: send the image as the body (image/*, application/octet-stream) "
+                "or as the 'image' field of multipart/form-data"
+            )
+        data = await request.read()
+        if not data:
+            raise InvalidArgument("image: the body is empty")
+        return data
+
+    @staticmethod
+    def _query_int(request: web.Request, name: str, default: int, low: int, high: int) -> int:
+        text = request.query.get(name)
+        if text is None:
+            return default
+        try:
+            value = int(text)
+        except ValueError:
+            raise InvalidArgument(f"{name}: not a whole number: {text!r}") from None
+        if not low <= value <= high:
+            raise InvalidArgument(f"{name} must be within {low}..{high}, got {value}")
+        return value
+
+    # -- the calls: one service call each ---------------------------------------------------
+
+    async def search(self, request: web.Request, route: Route) -> Message:
+        message = await self._message(request, pb.SearchRequest())
+        return await self.service.search(message, self._timeout(request))
+
+    async def search_image(self, request: web.Request, route: Route) -> Message:
+        query = request.query
+        message = pb.SearchRequest(k=self._query_int(request, "k", 10, 0, 2**31 - 1))
+        unknown = set(query) - {name for name, _, _ in route.params}
+        if unknown:
+            raise InvalidArgument(f"unknown query parameter {sorted(unknown)[0]!r}")
+        if "minScore" in query:
+            try:
+                message.min_score = float(query["minScore"])
+            except ValueError:
+                raise InvalidArgument(f"minScore: not a number: {query['minScore']!r}") from None
+        if "filter" in query:
+            try:
+                json_format.Parse(query["filter"], message.filter)
+            except json_format.ParseError as exc:
+                raise InvalidArgument(f"filter is not a Filter in proto3 JSON: {exc}") from None
+        message.exclude_ids.extend(i for i in query.get("excludeIds", "").split(",") if i)
+        message.request_id = query.get("requestId", "")
+        if "label" in query:
+            message.label = query["label"]
+        message.image = await self._image(request)
+        return await self.service.search(message, self._timeout(request))
+
+    async def search_batch(self, request: web.Request, route: Route) -> Message:
+        message = await self._message(request, pb.SearchBatchRequest())
+        return await self.service.search_batch(message, self._timeout(request))
+
+    async def embed(self, request: web.Request, route: Route) -> Message:
+        message = await self._message(request, pb.EmbedRequest())
+        return await self.service.embed(message, self._timeout(request))
+
+    async def embed_image(self, request: web.Request, route: Route) -> Message:
+        message = pb.EmbedRequest(image=await self._image(request))
+        return await self.service.embed(message, self._timeout(request))
+
+    async def feedback(self, request: web.Request, route: Route) -> Message:
+        return await self.service.feedback(await self._message(request, pb.FeedbackRequest()))
+
+    async def info(self, request: web.Request, route: Route) -> Message:
+        return await self.service.info()
+
+    async def thumbnail(self, request: web.Request, route: Route) -> web.Response:
+        size = self._query_int(request, "size", 160, 16, 512)
+        data, content_type = await self.service.thumbnail(request.match_info["item_id"], size)
+        return web.Response(body=data, content_type=content_type, headers={"Cache-Control": "private, max-age=300"})
+
+    async def history(self, request: web.Request, route: Route) -> web.Response:
+        return web.json_response(self.service.history(self.recorder.history))
+
+    async def duplicates(self, request: web.Request, route: Route) -> web.Response:
+        return web.json_response(self.admin.duplicates(self.service.engine.pair.version))
+
+    async def reload(self, request: web.Request, route: Route) -> Message:
+        return await self.admin.reload(await self._message(request, pb.ReloadRequest()))
+
+    async def remove_items(self, request: web.Request, route: Route) -> Message:
+        message = await self._message(request, pb.RemoveItemsRequest())
+        who = f"{token_fingerprint(request.headers.get('Authorization'))} from {request.remote}"
+        return await self.admin.remove_items(message, who)
+
+    async def versions(self, request: web.Request, route: Route) -> web.Response:
+        live = self.service.engine.pair.version if self.service.engine.loaded else None
+        return web.json_response({"versions": self.admin.versions(live)})
+
+    async def neighbours_sheet(self, request: web.Request, route: Route) -> web.Response:
+        return web.FileResponse(self.admin.neighbours_sheet(request.match_info["version"]))
+
+    async def make_live(self, request: web.Request, route: Route) -> Message:
+        return await self.admin.make_live(request.match_info["version"])
+
+    async def audit(self, request: web.Request, route: Route) -> web.Response:
+        limit = self._query_int(request, "limit", 100, 1, 10_000)
+        return web.json_response({"entries": self.admin.audit(limit)})
+
+
+def tls_context(cert: str, key: str) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    return context
