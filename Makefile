@@ -24,7 +24,8 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(STAMP)
-	@for script in benchmarks/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+	@for script in benchmarks/bench_*.py; do name=$$(basename $$script .py); echo "== $$name"; \
+		$(PY) -m benchmarks.$$name || exit 1; done
 
 protos: $(STAMP)
 	PATH=$(VENV)/bin:$$PATH bash scripts/gen_protos.sh
