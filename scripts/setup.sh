@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up a fresh machine: Debian font packages (the embedded glyph set), then .venv with the
-# project installed. Safe to re-run; does only what is missing.
+# Set up a fresh machine: Debian font packages (the embedded glyph set), Chromium (the console's
+# browser tests), then .venv with the project installed. Safe to re-run; does only what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,7 +10,8 @@ DEB_PACKAGES=(fonts-noto-core fonts-urw-base35 fonts-liberation fonts-liberation
   prometheus docker-compose nghttp2-client  # promtool + a real Prometheus; compose validation; h2load
   # the colour icon set (training/icons.py THEMES): fine-tuning measured on real colour images
   adwaita-icon-theme faenza-icon-theme moka-icon-theme elementary-xfce-icon-theme gnome-icon-theme
-  oxygen-icon-theme lxde-icon-theme paper-icon-theme)
+  oxygen-icon-theme lxde-icon-theme paper-icon-theme
+  chromium chromium-driver)  # the web console's browser tests: Selenium drives the system Chromium
 
 missing=()
 for pkg in "${DEB_PACKAGES[@]}"; do

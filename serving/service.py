@@ -520,8 +520,8 @@ class AdminService:
             (d for d in (self._root() / "duplicates").glob(f"{live}-min*") if (d / GROUPS_FILE).is_file()),
             key=lambda d: d.stat().st_mtime,
         )
-        if not runs:
-            raise NotFound(f"no duplicates run for version {live}: run `python -m index duplicates`")
+        if not runs:  # not an error: a version nobody has looked for duplicates in yet
+            return {"indexVersion": live, "minScore": None, "run": None, "groups": []}
         run = runs[-1]
         summary = json.loads((run / SUMMARY_FILE).read_text()) if (run / SUMMARY_FILE).is_file() else {}
         groups: dict[int, dict] = {}

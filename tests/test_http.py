@@ -109,6 +109,8 @@ def test_info_feedback_batch_history_and_thumbnails(served):
         url(server, "/v1/search-batch"), json={"requests": [{"itemId": i, "k": 2} for i in catalog.ids[:3]]}, timeout=60
     ).json()
     assert [len(r["neighbors"]) for r in batch["responses"]] == [2, 2, 2]
+    duplicates = requests.get(url(server, "/v1/duplicates"), timeout=60).json()
+    assert duplicates == {"indexVersion": info["indexVersion"], "minScore": None, "run": None, "groups": []}
     history = requests.get(url(server, "/v1/health/history"), timeout=60).json()
     assert history["live"]["indexVersion"] == info["indexVersion"] and "feedback" in history["recall"]
     thumb = requests.get(
