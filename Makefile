@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO   ?= runs/demo
 
-.PHONY: setup demo test test-fast bench protos lint clean
+.PHONY: setup demo console test test-fast bench protos lint clean
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -16,6 +16,10 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py --out $(DEMO)
+
+# After `make demo`: its index served over gRPC (50051) and HTTP, the web console at http://127.0.0.1:8080/
+console: $(STAMP)
+	$(PY) -m serving serve --index-root $(DEMO)/index --http-port 8080 --metrics-port none --log-format text
 
 test: $(STAMP)
 	$(PY) -m pytest -q

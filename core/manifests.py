@@ -190,7 +190,9 @@ class QualityReport:
 
     `ann_recall_at_k`: overlap of the index's top `ann_k` with exact search on a sample;
     `probe_recall_at_k` (by str(k)): Recall@K of probe queries, from `probe_source`;
-    `exact_recall_at_k`: Recall@K of exact search over the whole catalog (small catalogs only)."""
+    `exact_recall_at_k`: Recall@K of exact search over the whole catalog (small catalogs only);
+    `search_tuning`: how the build chose a search effort it was not given (nprobe, efSearch): the
+    parameter, the value, the recall target and the recall of every value tried."""
 
     sample_size: int
     ann_k: int
@@ -199,9 +201,10 @@ class QualityReport:
     probe_source: str | None = None
     probe_recall_at_k: dict[str, float] | None = None
     exact_recall_at_k: dict[str, float] | None = None
+    search_tuning: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
-    _OPTIONAL: ClassVar[tuple[str, ...]] = ("probe_source", "probe_recall_at_k", "exact_recall_at_k")
+    _OPTIONAL: ClassVar[tuple[str, ...]] = ("probe_source", "probe_recall_at_k", "exact_recall_at_k", "search_tuning")
 
     @property
     def probe_recall_at_1(self) -> float | None:
@@ -221,6 +224,7 @@ class QualityReport:
             probe_source=fields.get("probe_source", str, required=False),
             probe_recall_at_k=_figures(fields, "probe_recall_at_k"),
             exact_recall_at_k=_figures(fields, "exact_recall_at_k"),
+            search_tuning=fields.get("search_tuning", dict, required=False),
             extra=fields.rest(),
         )
 
@@ -278,7 +282,7 @@ class IndexManifest(_Manifest):
     index_id: str
     version: str
     model_id: str
-    size: int
+    size: int  # rows in the index (faiss ntotal), deleted ones included: see `live_size`
     dimension: int
     factory: str
     search_params: dict[str, float] = field(default_factory=dict)
@@ -304,6 +308,13 @@ class IndexManifest(_Manifest):
     @property
     def indexed_rows(self) -> int:
         return self.rows.indexed if self.rows is not None else self.size
+
+    @property
+    def live_size(self) -> int:
+        """The one size of a version: the items that can answer, its index's rows (`size`, faiss's
+        ntotal) less those removed but still in it (`deleted_rows`, HNSW tombstones). What `index
+        list`, build/add/remove/rebuild logs and a server report."""
+        return self.size - self.deleted_rows
 
     @classmethod
     def _parse(cls, fields: _Fields, version: int) -> IndexManifest:

@@ -7,6 +7,7 @@ import sys
 
 from core.cli import add_config_flag, add_progress_flag, add_verbose_flag, run_cli
 from core.config import add_options, from_cli
+from core.manifests import IndexManifest
 from index.build import BuildConfig
 from index.duplicates import DuplicatesConfig
 from index.lifecycle import RemoveConfig
@@ -23,8 +24,18 @@ COMMANDS = {
     "add": (
         "publish live version + new catalog rows, embedding only the new ones (ids already indexed are skipped)",
         BuildConfig,
-        # The live version fixes these: its factory, parameters and model.
-        ("factory", "search_params", "train_size", "device", "decode_threads", "max_pixels", "ks"),
+        # The live version fixes these: its factory and search parameters (its model is the default).
+        (
+            "factory",
+            "search_params",
+            "nprobe",
+            "target_ann_recall",
+            "train_size",
+            "device",
+            "decode_threads",
+            "max_pixels",
+            "ks",
+        ),
     ),
     "remove": ("publish the live version less some items (takedowns, logged to audit.jsonl)", RemoveConfig, ()),
     "duplicates": ("write the groups of near-duplicates (pairs at or above --min-score)", DuplicatesConfig, ()),
@@ -42,13 +53,26 @@ def _parser() -> argparse.ArgumentParser:
         add_progress_flag(command)
 
     listing = sub.add_parser("list", help="list index versions, marking the live one")
-    listing.add_argument("--index-root", required=True)
+    listing.add_argument("--index-root", required=True, help="index root with versions/ and CURRENT")
 
     rollback = sub.add_parser("rollback", help="point CURRENT at an earlier version")
-    rollback.add_argument("--index-root", required=True)
+    rollback.add_argument("--index-root", required=True, help="index root with versions/ and CURRENT")
     rollback.add_argument("--to", help="version name (default: the one before the live one)")
     add_verbose_flag(sub)
     return parser
+
+
+def describe_version(m: IndexManifest) -> str:
+    """A version in one line of `index list`: '-' for a figure it has not got (no labels, no probe)."""
+    removed = f" (+{m.deleted_rows} removed, masked)" if m.deleted_rows else ""
+    params = ",".join(f"{k}={v:g}" for k, v in m.search_params.items()) or "-"
+    quality = m.quality
+    ann = f"ann_R@{quality.ann_k}={quality.ann_recall_at_k:.4f}" if quality is not None else "ann_R@10=-"
+    probe = quality.probe_recall_at_1 if quality is not None else None
+    return (
+        f"{m.version}  size={m.live_size}{removed}  factory={m.factory}  search={params}  model={m.model_id}  "
+        f"{ann}  probe_R@1={'-' if probe is None else f'{probe:.4f}'}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         from pathlib import Path
 
         from core import artifacts
-        from core.manifests import IndexManifest
 
         if args.command in ("list", "rollback") and not Path(args.index_root).is_dir():
             raise ValueError(f"index root not found: {args.index_root}")
@@ -73,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             from index.lifecycle import RemoveConfig, run_remove
 
             del args.progress
-            print(run_remove(from_cli(RemoveConfig, args)))
+            report = run_remove(from_cli(RemoveConfig, args))  # its summary is logged
+            print(artifacts.version_dir(args.index_root, report.version))
         elif args.command == "rebuild":
             from index.rebuild import RebuildConfig, run_rebuild
 
@@ -90,13 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "list":
             live = artifacts.current_version(args.index_root)
             for version in artifacts.list_versions(args.index_root):
-                m = IndexManifest.read(artifacts.version_dir(args.index_root, version))
-                probe = m.quality.probe_recall_at_1 if m.quality is not None else None
-                mark = "*" if version == live else " "
-                removed = f" (+{m.deleted_rows} removed, masked)" if m.deleted_rows else ""
                 print(
-                    f"{mark} {version}  size={m.size - m.deleted_rows}{removed}  factory={m.factory}  "
-                    f"model={m.model_id}  probe_R@1={probe}"
+                    ("* " if version == live else "  ")
+                    + describe_version(IndexManifest.read(artifacts.version_dir(args.index_root, version)))
                 )
         elif args.command == "rollback":
             versions = artifacts.list_versions(args.index_root)

@@ -28,12 +28,16 @@ from index.embedder import OnnxEmbedder
 from index.faiss_index import (
     ann_recall,
     build_index,
+    check_trainable,
+    empty_index,
     l2_normalized,
     save_index,
     search,
+    search_effort,
     search_leaving_out_self,
     searchable,
     select_device,
+    tune_search_effort,
     with_default_rerank,
 )
 from index.filters import FieldSpec, FilterIndex, check_catalog_fields, declared_json, parse_filterable, specs_of
@@ -47,11 +51,18 @@ class QualityGateError(ValueError):
     """The new index is worse than allowed; it was not published."""
 
 
+DEFAULT_MODEL = "runs/model"
+
+
 @dataclass
 class BuildConfig:
     """`index build` and `index add` (and, with RebuildConfig's two more, `index rebuild`)."""
 
-    model: str = option("runs/model", help="model artifact directory (model.onnx + manifest.json)")
+    model: str | None = option(
+        None,
+        help=f"model artifact directory (model.onnx + manifest.json) (default: {DEFAULT_MODEL}; index add: "
+        "the live version's model)",
+    )
     index_root: str = option("runs/index", help="index root (versions/ and CURRENT)")
     catalog: str | None = option(None, help="catalog to index (default: the test split the model manifest records)")
     probe_catalog: str | None = option(
@@ -60,6 +71,16 @@ class BuildConfig:
     factory: str = option("Flat", help="faiss factory string: Flat, IVF256,Flat, IVF4000,PQ32, HNSW32, ...")
     search_params: dict[str, float] = option(
         default_factory=dict, help='faiss search parameters as JSON, e.g. \'{"nprobe": 16, "rerank": 10}\''
+    )
+    nprobe: int | None = option(
+        None,
+        help="IVF: lists searched per query, over --search-params' nprobe (default: the least reaching "
+        "--target-ann-recall, measured at build)",
+    )
+    target_ann_recall: float = option(
+        0.95,
+        help="IVF without nprobe, HNSW without efSearch: the build raises the search effort until ANN "
+        "recall@10 against exact search reaches this",
     )
     train_size: int | None = option(None, help="vectors sampled to train IVF/PQ (default: all)")
     device: str = option("auto", choices=DEVICES, help="where faiss builds")
@@ -71,7 +92,7 @@ class BuildConfig:
     ks: list[int] = option(default_factory=lambda: [1, 2, 4, 8], help="K values for probe Recall@K")
     quality_sample: int = option(1000, cli=False, help="queries sampled for the ANN recall measurement")
     ann_k: int = option(10, cli=False, help="k of the ANN recall measurement")
-    min_ann_recall: float = option(0.0, help="quality gate: least ANN recall@10 against exact search")
+    min_ann_recall: float = option(0.9, help="quality gate: least ANN recall@10 against exact search")
     min_probe_recall_at_1: float = option(0.0, help="quality gate: least probe Recall@1")
     max_recall_drop: float | None = option(
         None, help="quality gate: most probe Recall@1 may fall below the live version's"
@@ -96,6 +117,10 @@ class BuildConfig:
             raise ValueError("keep must be at least 1")
         if not self.ks or min(self.ks) <= 0:
             raise ValueError(f"ks must be positive, got {self.ks}")
+        if self.nprobe is not None and self.nprobe < 1:
+            raise ValueError(f"nprobe must be at least 1, got {self.nprobe}")
+        if not 0 < self.target_ann_recall <= 1:
+            raise ValueError(f"target_ann_recall must be within (0, 1], got {self.target_ann_recall}")
         select_device(self.device, num_gpus=1)  # validates the name only
         parse_filterable(self.filterable)
 
@@ -103,18 +128,41 @@ class BuildConfig:
     def filterable_fields(self) -> list[FieldSpec]:
         return parse_filterable(self.filterable)
 
+    @property
+    def given_search_params(self) -> dict[str, float]:
+        """The search parameters the user gave: --search-params, with --nprobe over its nprobe."""
+        return {**self.search_params, **({"nprobe": self.nprobe} if self.nprobe is not None else {})}
+
+    def factory_index(self) -> faiss.Index:
+        """The factory's index, empty, at the model's dimension (the model manifest is read)."""
+        return empty_index(ModelManifest.read(self.model).embedding_dim, self.factory)
+
     def check_inputs(self) -> None:
-        """What reads files, before any image is embedded: the probe catalog exists and is labelled."""
+        """What reads files, before any image is embedded: the probe catalog exists and is
+        labelled, and the factory string makes an index of the model's dimension."""
         if self.probe_catalog is not None:
             read_probe_catalog(self.probe_catalog)
+        self.factory_index()
 
-    def check_catalog(self, catalog: Catalog) -> None:
+    def check_catalog(self, catalog: Catalog, trains_index: bool = True) -> None:
         """Before any of its images is embedded: the catalog has every declared filterable field,
-        and its numeric ones parse (CatalogError naming the column and first bad row)."""
+        and its numeric ones parse (CatalogError naming the column and first bad row); and, for a
+        new index (`trains_index`), it has the vectors the factory's training needs (an IVF's
+        lists, a PQ's codes), or --train-size does."""
         try:
             check_catalog_fields(self.filterable_fields, catalog.labels, catalog.metadata)
         except ValueError as exc:
             raise CatalogError(f"{catalog.source}: {exc}") from None
+        index = self.factory_index() if trains_index else None
+        if index is not None and not index.is_trained:
+            vectors = min(len(catalog), self.train_size or len(catalog))
+            try:
+                check_trainable(index, self.factory, vectors)
+            except ValueError as exc:
+                source = f"{catalog.source} ({len(catalog)} rows" + (
+                    f", --train-size {self.train_size})" if vectors < len(catalog) else ")"
+                )
+                raise ValueError(f"{source}: {exc}") from None
 
 
 def default_catalog(model_manifest: ModelManifest) -> str:
@@ -202,8 +250,7 @@ def quality_figures(index, embeddings: np.ndarray, labels: list[str] | None, cfg
     """ANN recall vs exact search, and probe Recall@K, on a fixed sample of the catalog.
     Without labels (`labels` None) the probe comes from --probe-catalog or is absent."""
     n = len(embeddings)
-    rng = np.random.default_rng(0)
-    sample = np.sort(rng.choice(n, size=min(cfg.quality_sample, n), replace=False))
+    sample = sample_rows(n, cfg.quality_sample, seed=0)
     ann_k = min(cfg.ann_k, n)
     report = QualityReport(
         sample_size=int(len(sample)),
@@ -232,6 +279,24 @@ def quality_figures(index, embeddings: np.ndarray, labels: list[str] | None, cfg
     return report
 
 
+def sample_rows(n: int, size: int, seed: int) -> np.ndarray:
+    """`size` of `n` rows (all when fewer), sorted: a fixed sample for a given seed."""
+    return np.sort(np.random.default_rng(seed).choice(n, size=min(size, n), replace=False))
+
+
+def describe_quality(figures: QualityReport) -> str:
+    """The quality figures in one line, as the build logs them."""
+    line = (
+        f"ANN recall@{figures.ann_k} {figures.ann_recall_at_k:.4f} against exact search ({figures.sample_size} queries)"
+    )
+    if figures.probe_recall_at_k:
+        recall = ", ".join(f"R@{k} {v:.4f}" for k, v in figures.probe_recall_at_k.items())
+        line += f"; probe {recall} ({figures.probe_source})"
+    else:
+        line += f"; probe Recall@K {figures.probe_source or NO_PROBE}"
+    return line
+
+
 def write_contact_sheet(path: Path, index, embeddings: np.ndarray, paths: list[str], labels: list[str] | None) -> None:
     """`neighbours.png`: a dozen catalog items querying the index, their top 8 framed by label."""
     picked, rows, scores = sample_neighbours(index, embeddings)
@@ -243,7 +308,10 @@ def check_quality(figures: QualityReport, cfg: BuildConfig, live: IndexManifest 
     """Reasons to refuse publishing (empty when the gate passes)."""
     reasons = []
     if figures.ann_recall_at_k < cfg.min_ann_recall:
-        reasons.append(f"ANN recall@{figures.ann_k} {figures.ann_recall_at_k:.4f} < floor {cfg.min_ann_recall}")
+        reasons.append(
+            f"ANN recall@{figures.ann_k} {figures.ann_recall_at_k:.4f} < floor {cfg.min_ann_recall} "
+            "(search harder: --nprobe, or efSearch in --search-params; or a finer index)"
+        )
     probe = figures.probe_recall_at_1
     if probe is None and cfg.min_probe_recall_at_1 > 0:
         reasons.append(f"a probe Recall@1 floor is set ({cfg.min_probe_recall_at_1}) but there is no probe: {NO_PROBE}")
@@ -270,12 +338,13 @@ def check_bad_rows(total: int, kept: int, skipped: dict[str, int], max_bad_fract
 
 def run_build(cfg: BuildConfig, progress: bool = True) -> Path:
     """Embed a catalog in this process, build a new index and publish it; returns its directory."""
+    cfg = dataclasses.replace(cfg, model=cfg.model or DEFAULT_MODEL)
     cfg.check_inputs()
     started = time.perf_counter()
-    embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
-    catalog_path = cfg.catalog or default_catalog(embedder.manifest)
+    catalog_path = cfg.catalog or default_catalog(ModelManifest.read(cfg.model))
     catalog = read_catalog(catalog_path)
-    cfg.check_catalog(catalog)
+    cfg.check_catalog(catalog)  # before the model's session is even loaded
+    embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
     embeddings, kept, skipped = embed_catalog(
         catalog, embedder, cfg.batch_size, cfg.decode_threads, cfg.max_pixels, progress
     )
@@ -334,8 +403,8 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
     embeddings = new.embeddings
     index = new.index
     if index is None:
-        index = build_index(embeddings, cfg.factory, cfg.search_params, cfg.train_size, device)
-    search_params = with_default_rerank(index, cfg.search_params)
+        index = build_index(embeddings, cfg.factory, cfg.given_search_params, cfg.train_size, device)
+    search_params = with_default_rerank(index, cfg.given_search_params)
     items = new.items
     labels = list(items.labels) if items.labelled else None
     paths = [str(Path(p).resolve()) for p in items.paths]
@@ -345,7 +414,18 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
     specs = cfg.filterable_fields
     filter_index = FilterIndex.build(table, specs) if specs else None
     searched = searchable(index, search_params, embeddings)
+    effort = search_effort(index)
+    tuning = None
+    if effort is not None and effort[0] not in search_params:
+        # Tuned on a sample of its own, so the gate's figure below is measured, not the tuning's.
+        queries = embeddings[sample_rows(len(embeddings), cfg.quality_sample, seed=1)]
+        k = min(cfg.ann_k, len(embeddings))
+        tuning = tune_search_effort(searched, embeddings, queries, k, cfg.target_ann_recall)
+        search_params = {**search_params, tuning.parameter: tuning.value}
+        (log.info if tuning.reached else log.warning)("search effort: %s", tuning)
     quality = quality_figures(searched, embeddings, labels, cfg)
+    quality.search_tuning = tuning.to_dict() if tuning is not None else None
+    log.info("quality: %s; search parameters %s", describe_quality(quality), search_params or "none")
     root = Path(cfg.index_root)
     live = IndexVersion.live(root)
     # A different model's recall is no baseline for this one.
@@ -356,11 +436,11 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
 
     if new.parent_version is None:  # a build from a whole catalog
         warn_of_returning_items(root, items.ids)
+    deleted = new.deleted if new.deleted is not None else np.zeros(0, np.int64)
     staging = artifacts.index_staging_dir(root)
     try:
         save_index(index, staging / artifacts.INDEX_FILE)
         np.save(staging / artifacts.EMBEDDINGS_FILE, np.ascontiguousarray(embeddings, dtype=np.float32))
-        deleted = new.deleted if new.deleted is not None else np.zeros(0, np.int64)
         if len(deleted):
             np.save(staging / artifacts.DELETED_FILE, np.asarray(deleted, dtype=np.int64))
         table.write(staging / artifacts.ITEMS_FILE)
@@ -369,7 +449,7 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
         write_contact_sheet(staging / artifacts.NEIGHBOURS_FILE, searched, embeddings, paths, labels)
         index_id = artifacts.file_sha256(staging / artifacts.INDEX_FILE)[:16]
         version = artifacts.new_version_name(index_id)
-        IndexManifest(
+        manifest = IndexManifest(
             index_id=index_id,
             version=version,
             model_id=new.model_id,
@@ -385,7 +465,6 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
             embed_seconds=new.embed_seconds,
             created=utc_now(),
             catalog=str(Path(new.catalog).resolve()),
-            rows=new.rows,
             quality=quality,
             quality_gate=QualityGate(passed=not reasons, forced=bool(reasons), reasons=reasons),
             config=to_jsonable(cfg),
@@ -393,13 +472,16 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
             engine=new.engine,
             deleted_rows=len(deleted),
             filterable=declared_json(specs),
-        ).write(staging)
+        )
+        manifest.rows = dataclasses.replace(new.rows, indexed=manifest.live_size)
+        manifest.write(staging)
         target = artifacts.publish_version(root, staging, version, parent=new.parent_version)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     artifacts.prune_versions(root, cfg.keep)
-    log.info("published index %s (%d items) at %s", version, index.ntotal, target)
+    masked = f", +{manifest.deleted_rows} removed, masked" if manifest.deleted_rows else ""
+    log.info("published index %s (%d items%s) at %s", version, manifest.live_size, masked, target)
     return target
 
 
@@ -411,21 +493,29 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     Rows whose id is already indexed are skipped and counted, not re-embedded — or, with
     `upsert`, replace the indexed ones: those leave the live version as a removal does
     (`index.lifecycle.drop_rows`) and come back at the end with their new vector and metadata.
+    The live version's model (unless --model names another directory of it), factory, search
+    parameters and filterable fields hold for the rows it gains.
     """
-    cfg.check_inputs()
     started = time.perf_counter()
     if cfg.catalog is None:
         raise ValueError("index add needs --catalog with the new rows")
     live = IndexVersion.open(cfg.index_root)
-    embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
-    check_model_index_pair(embedder.manifest, live.manifest)
-    catalog = read_catalog(cfg.catalog)
-    # The live version's declaration holds for the rows it gains.
     declared = [str(spec) for spec in specs_of(live.manifest.filterable)]
     if cfg.filterable and parse_filterable(cfg.filterable) != parse_filterable(declared):
         log.warning("index add keeps the live version's filterable fields %s, not %s", declared, cfg.filterable)
-    cfg = dataclasses.replace(cfg, filterable=declared)
-    cfg.check_catalog(catalog)
+    cfg = dataclasses.replace(
+        cfg,
+        model=cfg.model or live_model_dir(live.manifest),
+        factory=live.manifest.factory,
+        search_params=live.manifest.search_params,
+        nprobe=None,
+        filterable=declared,
+    )
+    cfg.check_inputs()
+    embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
+    check_model_index_pair(embedder.manifest, live.manifest)
+    catalog = read_catalog(cfg.catalog)
+    cfg.check_catalog(catalog, trains_index=False)  # the live index is trained already
     if catalog.labelled != live.items.labelled:
         has, lacks = (
             (catalog.source, f"version {live.manifest.version}")
@@ -438,7 +528,16 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     new_rows = [r for r, row in enumerate(indexed_rows) if row is None or cfg.upsert]
     already = 0 if cfg.upsert else len(replaced)
     if not new_rows:
-        raise ValueError(f"all {len(catalog)} rows of {cfg.catalog} are already in version {live.manifest.version}")
+        raise ValueError(
+            f"all {len(catalog)} rows of {cfg.catalog} are already in version {live.manifest.version} (by id: "
+            f"the catalog's id column, or for a folder the image's path relative to it, e.g. {catalog.ids[0]!r}): "
+            "pass --upsert to replace them with these images"
+        )
+    if already:
+        log.warning(
+            "%d of %d rows of %s are already in version %s and are skipped, e.g. %r (--upsert replaces them)",
+            already, len(catalog), cfg.catalog, live.manifest.version, live.items.ids[int(replaced[0])],
+        )  # fmt: skip
     fresh = catalog.subset(new_rows)
     vectors, kept, skipped = embed_catalog(
         fresh, embedder, cfg.batch_size, cfg.decode_threads, cfg.max_pixels, progress
@@ -463,10 +562,9 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
             metadata=added.metadata,
         )
     )
-    cfg = dataclasses.replace(cfg, factory=live.manifest.factory, search_params=live.manifest.search_params)
     rows = RowCounts(
         catalog=len(catalog),
-        indexed=len(items) - len(deleted),
+        indexed=0,  # publish_index_version counts it: the new version's live_size
         skipped=skipped,
         added=len(kept) - len(replaced) if cfg.upsert else len(kept),
         already_indexed=already,
@@ -487,6 +585,14 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
             deleted=deleted,
         ),
     )
+
+
+def live_model_dir(manifest: IndexManifest) -> str:
+    """The model directory `manifest`'s version was built with, for `index add` without --model."""
+    if manifest.model_dir is None or not Path(manifest.model_dir).is_dir():
+        where = "records none" if manifest.model_dir is None else f"is {manifest.model_dir}, which no longer exists"
+        raise ValueError(f"no --model given, and version {manifest.version}'s model directory {where}: pass --model")
+    return manifest.model_dir
 
 
 def check_model_index_pair(model_manifest: ModelManifest, index_manifest: IndexManifest) -> None:

@@ -39,6 +39,11 @@ def _font() -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
         return ImageFont.load_default()
 
 
+def _tail(text: str, width: int = 16) -> str:
+    """`text` cut to `width` characters from the end (an id's file name says more than its folder)."""
+    return text if len(text) <= width else "…" + text[-(width - 1) :]
+
+
 def contact_sheet(
     query_paths: Sequence[str | Path],
     query_labels: Sequence[str] | None,
@@ -46,24 +51,43 @@ def contact_sheet(
     neighbour_scores: np.ndarray,
     item_paths: Sequence[str],
     item_labels: Sequence[str] | None,
+    *,
+    titles: Sequence[str] | None = None,
+    notes: Sequence[str] | None = None,
+    query_ids: Sequence[str] | None = None,
+    item_ids: Sequence[str] | None = None,
 ) -> Image.Image:
     """One row per query: the query (blue frame), then its neighbours left to right with their
     scores, framed green when a neighbour has the query's label and red when not (grey where
-    there are no labels). Rows of -1 (fewer neighbours than asked) stay empty."""
+    there are no labels). Rows of -1 (fewer neighbours than asked) stay empty.
+
+    `titles`: each row's caption under its query (default "query" and its label); `notes`: text
+    in a column after the last neighbour (what the row leaves out, "+377 more"), added when any
+    row has one; `query_ids` and `item_ids` (indexed as `item_paths`): a second caption line under
+    every tile with its id."""
     queries, depth = neighbour_rows.shape
-    cell_w, cell_h = THUMB + 2 * PAD, THUMB + 2 * PAD + CAPTION
-    sheet = Image.new("RGB", (cell_w * (depth + 1), cell_h * queries), (255, 255, 255))
+    with_ids = query_ids is not None and item_ids is not None
+    note_column = notes is not None and any(notes)
+    cell_w, cell_h = THUMB + 2 * PAD, THUMB + 2 * PAD + CAPTION * (2 if with_ids else 1)
+    columns = depth + 1 + (1 if note_column else 0)
+    sheet = Image.new("RGB", (cell_w * columns, cell_h * queries), (255, 255, 255))
     draw, font = ImageDraw.Draw(sheet), _font()
 
-    def place(column: int, row: int, path: str | Path, frame: tuple[int, int, int], caption: str) -> None:
+    def place(column: int, row: int, path: str | Path, frame: tuple[int, int, int], caption: str, item_id: str) -> None:
         x, y = column * cell_w, row * cell_h
         draw.rectangle([x + 1, y + 1, x + cell_w - 2, y + THUMB + 2 * PAD - 2], outline=frame, width=4)
         sheet.paste(_thumbnail(path), (x + PAD, y + PAD))
         draw.text((x + PAD, y + THUMB + 2 * PAD), caption, fill=(0, 0, 0), font=font)
+        if with_ids:
+            draw.text((x + PAD, y + THUMB + 2 * PAD + CAPTION), _tail(item_id), fill=(90, 90, 90), font=font)
 
     for q in range(queries):
         label = query_labels[q] if query_labels is not None else None
-        place(0, q, query_paths[q], QUERY, "query" if label is None else f"query {label}"[:16])
+        if titles is not None:
+            title = titles[q]
+        else:
+            title = "query" if label is None else f"query {label}"[:16]
+        place(0, q, query_paths[q], QUERY, title, query_ids[q] if with_ids else "")
         for n in range(depth):
             item = int(neighbour_rows[q, n])
             if item < 0:
@@ -72,7 +96,10 @@ def contact_sheet(
                 frame = PLAIN
             else:
                 frame = RIGHT if item_labels[item] == label else WRONG
-            place(n + 1, q, item_paths[item], frame, f"{float(neighbour_scores[q, n]):.3f}")
+            caption = f"{float(neighbour_scores[q, n]):.3f}"
+            place(n + 1, q, item_paths[item], frame, caption, item_ids[item] if with_ids else "")
+        if note_column and notes[q]:
+            draw.text((cell_w * (depth + 1) + PAD, q * cell_h + PAD + THUMB // 2), notes[q], fill=(0, 0, 0), font=font)
     return sheet
 
 

@@ -9,9 +9,15 @@ even where two of them score below the threshold directly. Written as
   a group of two or more, largest group first (group 1), each group led by its most connected
   member; `best_score` is a member's highest cosine to another member it is linked to,
   `best_match` that member's id;
-- `groups.png`: the largest groups on a contact sheet (`index.contact_sheet`), the leading
-  member first, then the others by their cosine to it;
-- `summary.json`: the counts, the method, the time and the resolved configuration.
+- `groups.png`: the largest groups on a contact sheet (`index.contact_sheet`), a row each: the
+  leading member captioned with the group's number and size, then the others by their cosine to
+  it, every tile with its id, and "+N more" where the row cannot hold the group;
+- `summary.json`: the counts, the largest group's size and how far its members fall from its
+  leading one, the method, the time and the resolved configuration.
+
+A group far larger than copies of one picture come in is the threshold chaining look-alikes
+together (A near B near C ...): the command says so (`CHAINING_MEMBERS`) and suggests a higher
+--min-score (docs/operations.md, near-duplicates).
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ log = logging.getLogger(__name__)
 
 GROUPS_FILE, SHEET_FILE, SUMMARY_FILE = "groups.csv", "groups.png", "summary.json"
 SHEET_MEMBERS = 8  # members beside the leading one on a contact-sheet row
+# A group at least this large is seldom copies of one picture (a photo re-encoded, resized,
+# cropped, turned: a handful), more often a threshold low enough to chain look-alikes: on an
+# 11k-image flag catalog --min-score 0.9 made one group of 385 different flags.
+CHAINING_MEMBERS = 50
 
 
 @dataclass
@@ -129,6 +139,10 @@ def run_duplicates(cfg: DuplicatesConfig, progress: bool = True) -> Path:
     groups = find_groups(version, cfg.min_score, cfg.max_neighbours, cfg.batch_size, progress)
     seconds = time.perf_counter() - started
     out = Path(cfg.out) if cfg.out else Path(cfg.index_root) / "duplicates" / f"{version.name}-min{cfg.min_score:g}"
+    largest = groups.members[0] if groups.members else np.zeros(0, np.int64)
+    # How far the largest group's members fall from its leading one: far below the threshold is
+    # a chain of look-alikes, not copies.
+    farthest = float(lead_cosines(version, largest)[0].min()) if len(largest) > 1 else None
     with artifacts.staging_directory(out) as staging:
         write_groups_csv(staging / GROUPS_FILE, version, groups)
         if groups.members and cfg.sheet_groups:
@@ -143,7 +157,8 @@ def run_duplicates(cfg: DuplicatesConfig, progress: bool = True) -> Path:
             "pairs": groups.edges,
             "groups": len(groups.members),
             "rows_in_groups": int(sum(len(m) for m in groups.members)),
-            "largest_group": int(len(groups.members[0])) if groups.members else 0,
+            "largest_group": int(len(largest)),
+            "largest_group_least_cosine_to_lead": None if farthest is None else round(farthest, 4),
             "truncated_rows": groups.truncated_rows,
             "seconds": round(seconds, 3),
             "created": utc_now(),
@@ -157,10 +172,25 @@ def run_duplicates(cfg: DuplicatesConfig, progress: bool = True) -> Path:
             cfg.max_neighbours,
         )
     log.info(
-        "%d groups of near-duplicates (%d rows, %d pairs at >= %g) in %s, written to %s",
-        len(groups.members), summary["rows_in_groups"], groups.edges, cfg.min_score, version.name, out,
+        "%d groups of near-duplicates (%d rows, %d pairs at >= %g; the largest %d members) in %s, written to %s",
+        len(groups.members), summary["rows_in_groups"], groups.edges, cfg.min_score, len(largest), version.name, out,
     )  # fmt: skip
+    if len(largest) >= CHAINING_MEMBERS:
+        log.warning(
+            "the largest group has %d members, some at cosine %.3f to its leading one: at --min-score %g "
+            "near-duplicates may be chaining different images together; look at %s and try a higher "
+            "--min-score (docs/operations.md: picking the threshold)",
+            len(largest), farthest, cfg.min_score, out / SHEET_FILE,
+        )  # fmt: skip
     return out
+
+
+def lead_cosines(version: IndexVersion, members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(cosines, rows): a group's members other than its leading one (`members[0]`), in row
+    order, with their exact cosine to it (from the stored vectors)."""
+    lead, others = int(members[0]), np.sort(members[1:])
+    cosine = np.einsum("cd,d->c", np.asarray(version.vectors[others]), version.vectors[lead]).astype(np.float32)
+    return cosine, others
 
 
 def write_groups_csv(path: Path, version: IndexVersion, groups: Groups) -> None:
@@ -184,21 +214,30 @@ def write_groups_csv(path: Path, version: IndexVersion, groups: Groups) -> None:
 
 
 def groups_sheet(version: IndexVersion, groups: Groups, count: int):
-    """The `count` largest groups, a row each: the leading member, then up to 8 others by
-    their cosine to it (exact, from the stored vectors)."""
+    """The `count` largest groups, a row each: the leading member captioned with the group's
+    number and size, then up to 8 others by their cosine to it (exact, from the stored vectors),
+    each tile with its id, and "+N more" for the members a row cannot show."""
     shown = groups.members[:count]
     depth = min(SHEET_MEMBERS, max(len(m) for m in shown) - 1)
     rows = np.full((len(shown), depth), -1, dtype=np.int64)
     scores = np.zeros((len(shown), depth), dtype=np.float32)
     for g, members in enumerate(shown):
-        lead, others = int(members[0]), np.sort(members[1:])
-        cosine = np.einsum("cd,d->c", np.asarray(version.vectors[others]), version.vectors[lead]).astype(np.float32)
+        cosine, others = lead_cosines(version, members)
         best = np.lexsort((others, -cosine))[:depth]
         rows[g, : len(best)], scores[g, : len(best)] = others[best], cosine[best]
     items = version.items
     labels = list(items.labels) if items.labelled else None
-    paths = list(items.paths)
+    paths, ids = list(items.paths), list(items.ids)
     leads = [int(m[0]) for m in shown]
     return contact_sheet(
-        [paths[r] for r in leads], [labels[r] for r in leads] if labels else None, rows, scores, paths, labels
+        [paths[r] for r in leads],
+        [labels[r] for r in leads] if labels else None,
+        rows,
+        scores,
+        paths,
+        labels,
+        titles=[f"group {g} ({len(m)})" for g, m in enumerate(shown, start=1)],
+        notes=[f"+{len(m) - 1 - depth} more" if len(m) - 1 > depth else "" for m in shown],
+        query_ids=[ids[r] for r in leads],
+        item_ids=ids,
     )

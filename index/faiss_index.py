@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
@@ -41,6 +45,61 @@ def select_device(prefer: str = "auto", num_gpus: int | None = None) -> str:
     return "gpu" if prefer != "cpu" and available > 0 else "cpu"
 
 
+def faiss_message(exc: RuntimeError) -> str:
+    """What a faiss RuntimeError says, without the C++ frame it names ("Error in <signature> at
+    <file>:<line>: Error: '<condition>' failed: ...")."""
+    text = str(exc).strip()
+    match = re.match(r"Error in .*? at \S+:\d+: (?:Error: '.*?' failed: ?)?(.*)", text, re.DOTALL)
+    return (match.group(1) if match else text).strip() or text
+
+
+def empty_index(dim: int, factory: str) -> faiss.Index:
+    """An empty, untrained inner-product index of `factory` over `dim`-d vectors: the factory
+    string checked on no data (a typo fails here, before a catalog is embedded)."""
+    try:
+        return faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as exc:
+        raise ValueError(f"invalid faiss factory string {factory!r} for {dim}-d vectors: {faiss_message(exc)}") from exc
+
+
+def ivf_of(index: faiss.Index) -> faiss.IndexIVF | None:
+    """The inverted-file index inside `index` (through pre-transforms), or None when it has none."""
+    try:
+        return faiss.downcast_index(faiss.extract_index_ivf(index))
+    except RuntimeError:
+        return None
+
+
+def suggested_nlist(vectors: int) -> int:
+    """A list count for `vectors` vectors: about 4√n (docs/benchmarks.md, index choice), and no
+    more than n/39, so that k-means has the 39 training vectors per list faiss asks for."""
+    return max(1, min(round(4 * math.sqrt(vectors)), vectors // 39))
+
+
+def check_trainable(index: faiss.Index, factory: str, vectors: int) -> None:
+    """ValueError, with a list count that fits, when `vectors` training vectors are fewer than
+    `index`'s k-means needs: one per IVF list, and 2^bits per product-quantizer code book."""
+    ivf = ivf_of(index)
+    if ivf is not None and vectors < ivf.nlist:
+        nlist = suggested_nlist(vectors)
+        example = re.sub(r"IVF\d+", f"IVF{nlist}", factory, count=1)
+        raise ValueError(
+            f"factory {factory!r} has {ivf.nlist} lists and needs at least as many training vectors, "
+            f"but there are {vectors}: use about {nlist} lists for {vectors} vectors (~4√n, at most n/39), "
+            f"e.g. {example!r}, or Flat"
+        )
+    base = faiss.downcast_index(ivf if ivf is not None else index)
+    if isinstance(base, faiss.IndexHNSW):
+        base = faiss.downcast_index(base.storage)
+    pq = getattr(base, "pq", None)
+    if pq is not None and vectors < pq.ksub:
+        raise ValueError(
+            f"factory {factory!r} has product-quantizer code books of {pq.ksub} codes and needs at least "
+            f"{pq.ksub} training vectors, but there are {vectors}: use fewer bits per code (PQ{pq.M}x4: 16 codes) "
+            "or a Flat or SQ8 index"
+        )
+
+
 def build_index(
     vectors: np.ndarray,
     factory: str = "Flat",
@@ -59,22 +118,27 @@ def build_index(
     n, dim = data.shape
     if n == 0:
         raise ValueError("cannot build an index over zero vectors")
-    try:
-        index = faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT)
-    except RuntimeError as exc:
-        raise ValueError(f"invalid faiss factory string {factory!r}: {exc}") from exc
+    index = empty_index(dim, factory)
     on_gpu = select_device(device) == "gpu"
-    if on_gpu:
-        index = faiss.index_cpu_to_all_gpus(index)
+    sample = data
     if not index.is_trained:
-        sample = data
         if train_size is not None and train_size < n:
             rng = np.random.default_rng(seed)
             sample = data[np.sort(rng.choice(n, size=train_size, replace=False))]
-        index.train(sample)
-    index.add(data)
-    if on_gpu:
-        index = faiss.index_gpu_to_cpu(index)
+        check_trainable(index, factory, len(sample))
+    try:
+        if on_gpu:
+            index = faiss.index_cpu_to_all_gpus(index)
+        if not index.is_trained:
+            index.train(sample)
+        index.add(data)
+        if on_gpu:
+            index = faiss.index_gpu_to_cpu(index)
+    except RuntimeError as exc:  # what check_trainable does not foresee: faiss's words, without its C++ frame
+        raise ValueError(
+            f"faiss could not build {factory!r} over {n} vectors of dimension {dim} "
+            f"(trained on {len(sample)}): {faiss_message(exc)}"
+        ) from exc
     if search_params:
         apply_search_params(index, search_params)
     return index
@@ -91,7 +155,7 @@ def apply_search_params(index: faiss.Index, params: dict[str, float]) -> None:
         try:
             space.set_index_parameter(index, name, value)
         except RuntimeError as exc:
-            raise ValueError(f"index does not accept search parameter {name}={value}: {exc}") from exc
+            raise ValueError(f"index does not accept search parameter {name}={value}: {faiss_message(exc)}") from exc
 
 
 def rerank_factor(params: dict[str, float]) -> int:
@@ -346,5 +410,101 @@ def stores_exact_vectors(index: faiss.Index) -> bool:
 def ann_recall(index, database: np.ndarray, queries: np.ndarray, k: int) -> float:
     """Fraction of the exact top-k neighbours the ANN index returns (averaged over queries)."""
     _, exact_rows = exact_search(database, queries, k)
-    _, ann_rows = search(index, queries, k)
-    return float(np.mean([len(set(a) & set(e)) / len(e) for a, e in zip(ann_rows, exact_rows, strict=False)]))
+    return _overlap(search(index, queries, k)[1], exact_rows)
+
+
+def _overlap(found_rows: np.ndarray, exact_rows: np.ndarray) -> float:
+    return float(np.mean([len(set(a) & set(e)) / len(e) for a, e in zip(found_rows, exact_rows, strict=False)]))
+
+
+# -- search effort -----------------------------------------------------------------------------
+#
+# An IVF index searched with faiss's default nprobe (1) visits one list of nlist: at k = 1000 on
+# 11k images it answered 58 rows, and its ANN recall@10 was 0.56-0.62. A build not told how hard
+# to search measures it instead: the index family's parameter is raised along its ladder (nprobe
+# 1, 2, 4, ... every list; efSearch from faiss's default 16 to MAX_EF_SEARCH) until ANN recall
+# against exact search reaches a target, and the value chosen goes into the manifest's search
+# parameters, which every loader applies.
+EFFORT_PLATEAU = 0.005  # target out of reach: the least effort within this of the best recall seen
+
+
+def search_effort(index: faiss.Index | ExactRerank) -> tuple[str, list[int]] | None:
+    """The search parameter that trades `index`'s speed for recall and the values a build tries,
+    in order; None for an index that searches every row it has (Flat, PQ, SQ)."""
+    base = index.index if isinstance(index, ExactRerank) else index
+    ivf = ivf_of(base)
+    if ivf is not None:
+        return "nprobe", _doubling(1, ivf.nlist)
+    if isinstance(faiss.downcast_index(base), faiss.IndexHNSW):
+        return "efSearch", _doubling(16, MAX_EF_SEARCH)
+    return None
+
+
+def _doubling(start: int, stop: int) -> list[int]:
+    values = [start]
+    while values[-1] < stop:
+        values.append(min(2 * values[-1], stop))
+    return values
+
+
+@dataclass
+class EffortChoice:
+    """What `tune_search_effort` chose: `parameter` = `value`, its ANN recall@`k`, and the recall
+    of every value tried; `reached`: whether any reached `target`."""
+
+    parameter: str
+    value: int
+    recall: float
+    k: int
+    target: float
+    tried: dict[int, float]
+
+    @property
+    def reached(self) -> bool:
+        return self.recall >= self.target
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "parameter": self.parameter,
+            "value": self.value,
+            "target": self.target,
+            "k": self.k,
+            "tried": {str(v): round(r, 4) for v, r in self.tried.items()},
+        }
+
+    def __str__(self) -> str:
+        tried = ", ".join(f"{v}: {r:.3f}" for v, r in self.tried.items())
+        if self.reached:
+            return (
+                f"{self.parameter} {self.value} chosen: the least reaching ANN recall@{self.k} {self.target} "
+                f"against exact search ({self.parameter} → recall: {tried})"
+            )
+        return (
+            f"{self.parameter} {self.value} chosen, but no {self.parameter} reached ANN recall@{self.k} "
+            f"{self.target} against exact search ({self.parameter} → recall: {tried}): the index's codes, not "
+            "its search, lose the rest"
+        )
+
+
+def tune_search_effort(
+    index: faiss.Index | ExactRerank, database: np.ndarray, queries: np.ndarray, k: int, target: float
+) -> EffortChoice | None:
+    """Set on `index` the least search effort (`search_effort`) whose ANN recall@k of `queries`
+    against exact search over `database` reaches `target` — or, when none does, the least within
+    EFFORT_PLATEAU of the best; None (nothing set) for an index with no such parameter."""
+    effort = search_effort(index)
+    if effort is None:
+        return None
+    parameter, ladder = effort
+    base = index.index if isinstance(index, ExactRerank) else index
+    _, exact_rows = exact_search(database, queries, k)  # once: only the index's effort changes
+    tried: dict[int, float] = {}
+    for value in ladder:
+        apply_search_params(base, {parameter: value})
+        tried[value] = _overlap(search(index, queries, k)[1], exact_rows)
+        if tried[value] >= target:
+            break
+    best = max(tried.values())
+    value = next(v for v, r in tried.items() if r >= (target if best >= target else best - EFFORT_PLATEAU))
+    apply_search_params(base, {parameter: value})
+    return EffortChoice(parameter, value, tried[value], k, target, tried)

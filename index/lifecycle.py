@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from core.artifacts import utc_now
 from core.config import option
 from core.items import ItemTable
 from core.manifests import IndexManifest, QualityGate, RowCounts
-from index.faiss_index import build_index, save_index
+from index.faiss_index import build_index, empty_index, ivf_of, save_index
 from index.filters import FilterIndex, specs_of
 from index.version import IndexVersion
 
@@ -51,7 +52,7 @@ class RemoveConfig:
     """`index remove`: take items out of the live version."""
 
     index_root: str = option("runs/index", help="index root (versions/ and CURRENT)")
-    ids: str | None = option(None, help="file of item ids to remove, one per line (required)")
+    ids: str | None = option(None, help="file of item ids to remove, one per line, or - for standard input (required)")
     reason: str = option("", help="why, for the audit log")
     max_deleted_fraction: float = option(
         0.2, help="HNSW: rebuild the graph without its removed rows once they are more than this fraction"
@@ -67,19 +68,28 @@ class RemoveConfig:
 
     def check_inputs(self) -> None:
         if self.ids is None:
-            raise ValueError("index remove needs --ids FILE (item ids, one per line)")
-        read_id_file(self.ids)
+            raise ValueError("index remove needs --ids FILE (item ids, one per line; - for standard input)")
+        if self.ids != STDIN:  # standard input is read once, by run_remove
+            read_id_file(self.ids)
+
+
+STDIN = "-"
 
 
 def read_id_file(path: str | Path) -> list[str]:
-    """Item ids, one per line (blank lines and `#` comments skipped); an empty list is an error."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--ids file not found: {path}")
-    ids = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    """Item ids, one per line (blank lines and `#` comments skipped), from a file or, for `-`,
+    standard input; an empty list is an error."""
+    if str(path) == STDIN:
+        text, source = sys.stdin.read(), "--ids - (standard input)"
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"--ids file not found: {path}")
+        text, source = path.read_text(encoding="utf-8"), f"--ids file {path}"
+    ids = [line.strip() for line in text.splitlines()]
     ids = [i for i in ids if i and not i.startswith("#")]
     if not ids:
-        raise ValueError(f"--ids file {path} names no item id")
+        raise ValueError(f"{source} names no item id")
     return ids
 
 
@@ -100,21 +110,13 @@ class Remaining:
     def reuses_files(self) -> bool:
         return self.index is None
 
-    @property
-    def size(self) -> int:
-        """Items that answer."""
-        return len(self.items) - len(self.deleted)
-
 
 def how_rows_leave(manifest: IndexManifest) -> str:
     """'compact' (flat codes drop rows in order), 'ivf' (dropped, the rest renumbered) or
     'tombstone' (the index cannot drop them: HNSW and other graphs). Told from an empty index
     of the same factory string, so a takedown need not read the live index to decide."""
-    index = faiss.index_factory(manifest.dimension, manifest.factory, faiss.METRIC_INNER_PRODUCT)
-    try:
-        ivf = faiss.extract_index_ivf(index)
-    except RuntimeError:
-        ivf = None
+    index = empty_index(manifest.dimension, manifest.factory)
+    ivf = ivf_of(index)
     if ivf is not None:
         lists = faiss.downcast_InvertedLists(ivf.invlists)
         return "ivf" if isinstance(lists, faiss.ArrayInvertedLists) else "tombstone"
@@ -233,8 +235,8 @@ def _remove_once(
     if len(rows) or (compact and len(live.deleted)):
         remaining = drop_rows(live, rows, max_deleted_fraction, compact)
         target = publish_remaining(index_root, live, remaining, keep, f"removed {len(rows)} items")
-        report.version = target.name
-        report.size, report.deleted_rows = remaining.size, len(remaining.deleted)
+        published = IndexManifest.read(target)
+        report.version, report.size, report.deleted_rows = target.name, published.live_size, published.deleted_rows
     report.seconds = time.perf_counter() - started
     removed_ids = [item_id for item_id, row in found.items() if row is not None]
     audit(index_root, "remove", who, via, reason, report, removed_ids)
@@ -266,18 +268,19 @@ def publish_remaining(index_root: str | Path, live: IndexVersion, remaining: Rem
         _link_or_copy(live.directory / artifacts.NEIGHBOURS_FILE, staging / artifacts.NEIGHBOURS_FILE)
         version = artifacts.new_version_name(index_id)
         parent = live.manifest
-        rows = RowCounts(catalog=parent.rows.catalog if parent.rows else remaining.size, indexed=remaining.size)
-        dataclasses.replace(
+        manifest = dataclasses.replace(
             parent,
             index_id=index_id,
             version=version,
             size=len(remaining.items),
             created=utc_now(),
-            rows=rows,
             quality_gate=QualityGate(passed=True, reasons=[f"not gated: {what}; quality figures of {live.name}"]),
             parent_version=live.name,
             deleted_rows=len(remaining.deleted),
-        ).write(staging)
+        )
+        catalog_rows = parent.rows.catalog if parent.rows else manifest.live_size
+        manifest.rows = RowCounts(catalog=catalog_rows, indexed=manifest.live_size)
+        manifest.write(staging)
         target = artifacts.publish_version(root, staging, version, parent=live.name)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -359,8 +362,10 @@ def local_identity() -> str:
 
 
 def run_remove(cfg: RemoveConfig) -> RemovalReport:
+    """`index remove`: the report (logged by `remove_items`); ValueError when none of the ids is in
+    the live version, so a takedown that took nothing down does not pass for one."""
     cfg.check_inputs()
-    return remove_items(
+    report = remove_items(
         cfg.index_root,
         read_id_file(cfg.ids),
         local_identity(),
@@ -370,3 +375,10 @@ def run_remove(cfg: RemoveConfig) -> RemovalReport:
         cfg.compact,
         cfg.keep,
     )
+    if report.version is None:
+        raise ValueError(
+            f"none of the {report.requested} ids is in version {report.parent_version}, e.g. "
+            f"{report.not_found[0]!r} (never indexed, or removed already; an id is the catalog's id column, or "
+            "for a folder the image's path relative to it): nothing was published"
+        )
+    return report

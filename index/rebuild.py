@@ -12,6 +12,7 @@ rewritten, completed shards are reused, and nothing is published until the end.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -28,7 +29,14 @@ from core.cli import init_ray
 from core.config import option
 from core.manifests import ModelManifest
 from core.preprocess import ImageDecodeError, load_image
-from index.build import BuildConfig, NewVersion, check_bad_rows, default_catalog, publish_index_version
+from index.build import (
+    DEFAULT_MODEL,
+    BuildConfig,
+    NewVersion,
+    check_bad_rows,
+    default_catalog,
+    publish_index_version,
+)
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +191,7 @@ def read_shards(work: Path, n_rows: int) -> tuple[np.ndarray, list[int], dict[st
 
 def run_rebuild(cfg: RebuildConfig, progress: bool = True) -> Path:
     """Embed the catalog with Ray Data, then build, gate and publish like `index build`."""
+    cfg = dataclasses.replace(cfg, model=cfg.model or DEFAULT_MODEL)
     cfg.check_inputs()
     started = time.perf_counter()
     model_dir = Path(cfg.model)

@@ -98,8 +98,8 @@ class IndexVersion:
 
     @property
     def size(self) -> int:
-        """Items that answer: the index's rows less the deleted ones."""
-        return len(self.items) - len(self.deleted)
+        """Items that answer: the manifest's `live_size` (`load` checks the files agree with it)."""
+        return self.manifest.live_size
 
     def row_of(self, item_id: str) -> int | None:
         """The row of `item_id`, or None when it is not in this version (or was deleted)."""
@@ -117,6 +117,11 @@ class IndexVersion:
             )
         if len(deleted) and (deleted[0] < 0 or deleted[-1] >= len(items)):
             raise ArtifactError(f"{self.directory / artifacts.DELETED_FILE} names rows outside 0..{len(items) - 1}")
+        if (self.manifest.size, self.manifest.deleted_rows) != (len(items), len(deleted)):
+            raise ArtifactError(
+                f"{self.directory}: the manifest counts {self.manifest.size} rows, {self.manifest.deleted_rows} of "
+                f"them deleted; the files hold {len(items)} rows, {len(deleted)} deleted"
+            )
         dims = {index.d, vectors.shape[1]} | ({dim} if dim is not None else set())
         if not (len(items) == index.ntotal == len(vectors)) or len(dims) != 1:
             raise ArtifactError(

@@ -54,20 +54,23 @@ K = 10  # the console's default k
 WAIT_S = 60.0
 DESKTOP, PHONE = (1366, 900), (390, 844)
 
-try:
-    from selenium import webdriver
-    from selenium.common.exceptions import NoAlertPresentException
-    from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.action_chains import ActionChains
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
-except ImportError:  # pragma: no cover — the dev extra installs it
-    webdriver = None
-
-pytestmark = pytest.mark.skipif(
-    webdriver is None or not CHROMIUM.is_file() or not CHROMEDRIVER.is_file(),
-    reason="Chromium, chromedriver and selenium come with `make setup` (Debian chromium, chromium-driver)",
+from selenium import webdriver  # noqa: E402 — the dev extra installs it; setup.sh the browser
+from selenium.common.exceptions import (  # noqa: E402
+    NoAlertPresentException,
+    NoSuchElementException,
+    StaleElementReferenceException,
 )
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def browser_installed() -> None:
+    """Not a skip: a console nobody could test is a failure (`make setup` installs both)."""
+    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.is_file()]
+    assert not missing, f"{', '.join(missing)} missing: run scripts/setup.sh (Debian chromium, chromium-driver)"
 
 
 # -- the server -------------------------------------------------------------------------------
@@ -185,7 +188,10 @@ def severe_entries(driver, expected: list[str]) -> list[str]:
 
 
 def wait(driver, condition, what: str, timeout: float = WAIT_S):
-    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(lambda d: condition(d), message=what)
+    # A page re-rendering while a condition reads it leaves stale elements: read again.
+    return WebDriverWait(
+        driver, timeout, poll_frequency=0.1, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)
+    ).until(lambda d: condition(d), message=what)
 
 
 def open_page(driver, console: Console, name: str) -> None:
@@ -202,15 +208,14 @@ def results(driver, after: str | None) -> list[dict]:
     """The grid's cards once it shows an answer other than `after`'s: id, score, label as shown."""
     wait(driver, lambda d: grid_request(d) not in (None, "", after) or banner(d), "a new answer in the grid")
     assert not banner(driver), banner(driver)
-    cards = driver.find_elements(By.CSS_SELECTOR, "#results-grid .card")
-    return [
-        {
-            "id": card.get_attribute("data-id"),
-            "score": card.find_element(By.CSS_SELECTOR, ".score").text,
-            "label": card.find_element(By.CSS_SELECTOR, ".card-label").get_attribute("textContent"),
-        }
-        for card in cards
-    ]
+    # Read in one script: element by element, a re-render between two reads would leave them stale.
+    return driver.execute_script(
+        """return [...document.querySelectorAll("#results-grid .card")].map((card) => ({
+            id: card.getAttribute("data-id"),
+            score: card.querySelector(".score").innerText,
+            label: card.querySelector(".card-label").textContent,
+        }));"""
+    )
 
 
 def banner(driver) -> str:

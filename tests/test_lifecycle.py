@@ -154,7 +154,9 @@ def test_remove_command_publishes_lists_and_rolls_back(tmp_path):
     ids.write_text("# legal request 7\nitem-1\n\nitem-2\nghost\n")
     done = index_cli("remove", "--index-root", str(tmp_path), "--ids", str(ids), "--reason", "legal request 7")
     assert done.returncode == 0, done.stderr
-    assert "removed 2 of 3 requested ids; 1 not in version" in done.stdout
+    # The summary once (the log's), the new version's directory on stdout, as build and add print theirs.
+    assert done.stderr.count("removed 2 of 3 requested ids; 1 not in version") == 1
+    assert done.stdout.strip() == str(artifacts.version_dir(tmp_path))
     listing = index_cli("list", "--index-root", str(tmp_path))
     assert f"size={N - 2} (+2 removed, masked)" in listing.stdout and f"  {parent.name}" in listing.stdout
     audit = json.loads((tmp_path / AUDIT_LOG).read_text().splitlines()[-1])
@@ -163,10 +165,12 @@ def test_remove_command_publishes_lists_and_rolls_back(tmp_path):
     assert artifacts.current_version(tmp_path) == parent.name
 
     (tmp_path / "empty.txt").write_text("# nothing\n")
+    (tmp_path / "ghosts.txt").write_text("ghost\nghost-2\n")
     for args, message in (
         (("--ids", str(tmp_path / "missing.txt")), "--ids file not found"),
         (("--ids", str(tmp_path / "empty.txt")), "names no item id"),
         ((), "needs --ids FILE"),
+        (("--ids", str(tmp_path / "ghosts.txt")), "none of the 2 ids is in version"),  # a takedown of nothing
     ):
         bad = index_cli("remove", "--index-root", str(tmp_path), *args)
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr

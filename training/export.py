@@ -68,7 +68,9 @@ class ExportConfig:
     pooling: str = option("gap", choices=POOLINGS, help="with --pretrained: how the feature map becomes a vector")
     image_size: int | None = option(None, help="with --pretrained: input side in px (default: the backbone's)")
     parity_catalog: str | None = option(
-        None, help="images to check ONNX against PyTorch on (default: the run's test split)"
+        None,
+        help="images to check ONNX against PyTorch on (default: the run's test split; with --pretrained, "
+        "which has no run, random pixels)",
     )
     out: str = option("runs/model", help="model artifact directory to publish")
     opset: int = option(DEFAULT_OPSET, help="ONNX opset")
@@ -219,9 +221,18 @@ def run_export(cfg: ExportConfig) -> Path:
             step = max(1, len(catalog) // cfg.parity_images)
             sample = catalog.subset(range(0, len(catalog), step)[: cfg.parity_images])
             images = load_images(sample, contract, max_bad_fraction=1.0).images
+            source = str(parity_catalog.resolve()) + ("" if cfg.parity_catalog else " (the run's test split)")
         else:
             images = np.random.default_rng(0).random((cfg.parity_images, *contract.input_shape), dtype=np.float32)
-        manifest.parity = parity_check(model, staging, images, cfg.min_cosine)
+            if cfg.parity_catalog:
+                why = f"--parity-catalog {parity_catalog} is not a catalog file"
+            elif cfg.pretrained:
+                why = "no training run, no --parity-catalog"
+            else:
+                why = "the run records no test split" if parity_catalog is None else f"{parity_catalog} is missing"
+            source = f"random pixels ({why})"
+        # What the check ran on, in the manifest and the log: random pixels are not real images.
+        manifest.parity = {**parity_check(model, staging, images, cfg.min_cosine), "source": source}
         manifest.write(staging)
     log.info("exported model %s to %s (parity %s)", model_id, out, manifest.parity)
     for name in cfg.variants:

@@ -1,0 +1,53 @@
+"""Index artifacts in milliseconds, for tests of the index commands that need no trained model:
+a model artifact whose ONNX graph is one fixed random projection of the pixels (no torch), and
+folders of small random images for it to embed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from core.manifests import ModelManifest
+from core.preprocess import InputContract
+
+SIDE = 8
+
+
+def write_tiny_model(out: Path, dim: int = 16, seed: int = 0) -> Path:
+    """A model directory (model.onnx + manifest.json) embedding SIDE×SIDE RGB images in `dim`-d."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = np.random.default_rng(seed).standard_normal((3 * SIDE * SIDE, dim)).astype(np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Flatten", ["images"], ["flat"], axis=1),
+            helper.make_node("MatMul", ["flat", "w"], ["embeddings"]),
+        ],
+        "tiny",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["batch", 3, SIDE, SIDE])],
+        [helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, ["batch", dim])],
+        [numpy_helper.from_array(weights, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8  # what every ONNX Runtime this project installs reads
+    out.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(out / "model.onnx"))
+    ModelManifest(
+        model_id=f"tiny{seed:012d}", embedding_dim=dim, input=InputContract(height=SIDE, width=SIDE, channels=3)
+    ).write(out)
+    return out
+
+
+def write_images(folder: Path, count: int, seed: int = 0, prefix: str = "img") -> list[Path]:
+    """`count` SIDE×SIDE PNG images of random pixels, `<prefix>-<n>.png` in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    paths = []
+    for n in range(count):
+        path = folder / f"{prefix}-{n:04d}.png"
+        Image.fromarray(rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)).save(path)
+        paths.append(path)
+    return paths
