@@ -1,7 +1,7 @@
 """Soak: a real server under mixed good and bad traffic for minutes, reloaded every R seconds,
 its resident memory sampled — does it hold up for weeks?
 
-    python benchmarks/soak.py --run runs/demo --minutes 15 --reload-every 20
+    python benchmarks/soak.py --run runs/demo --minutes 30 --reload-every 20 --no-baseline
 
 The server is `python -m serving serve` in its own process over a copy of the run's index. C
 asyncio callers (32) send, by weight: image queries 60%, embedding queries 10%, and the rest
@@ -14,9 +14,12 @@ first, and must fail with FAILED_PRECONDITION while the live pair keeps serving.
 
 The server's RSS and open file descriptors are sampled every few seconds. Printed: a table
 row per run — queries, unexpected statuses, reloads, RSS first → last (max), and the RSS slope
-(least squares, MB/min) after the warm-up and over the second half. The run without reloads
-(`--baseline`, on by default) is the same traffic on a server that is never reloaded: the
-memory a reload leaves behind is the difference between the two slopes.
+(least squares, MB/min) after the warm-up, over the second half and over the minute medians —
+then each run's minute medians (the median of each minute's samples, minute 0 first), their
+slope after the warm-up, and their spread (largest − smallest) from `--settle-min` (5) on: a
+server that holds up keeps that spread within a few MB. The run without reloads (`--baseline`,
+on by default) is the same traffic on a server that is never reloaded: the memory a reload
+leaves behind is the difference between the two slopes.
 """
 
 from __future__ import annotations
@@ -181,18 +184,31 @@ def slope_mb_per_min(samples: list[tuple[float, float, int]], from_min: float) -
     return float(np.polyfit(t, rss, 1)[0])
 
 
-def minute_medians_slope(samples: list[tuple[float, float, int]], from_min: float) -> float | None:
-    """Least-squares slope of the per-minute median RSS from `from_min` on: a reload holds two
-    pairs for a moment, a sawtooth of a few MB that sways a fit over raw samples (and more so
-    over a short window); the median of each minute's samples does not see it."""
+def minute_medians(samples: list[tuple[float, float, int]]) -> list[float]:
+    """The median RSS (MB) of each whole minute's samples, minute 0 first (a last minute cut
+    short is left out): a reload holds two pairs for a moment, a sawtooth of a few MB that sways
+    a fit over raw samples (and more so over a short window); the median of a minute does not
+    see it."""
     minutes: dict[int, list[float]] = {}
     for t, rss, _ in samples:
-        if t >= from_min:
-            minutes.setdefault(int(t), []).append(rss)
-    if len(minutes) < 3:
+        minutes.setdefault(int(t), []).append(rss)
+    whole = int(samples[-1][0]) if samples else 0
+    return [float(np.median(minutes[m])) for m in range(whole) if m in minutes]
+
+
+def minute_medians_slope(medians: list[float], from_min: float) -> float | None:
+    """Least-squares slope (MB/min) of the minute medians from minute `from_min` on."""
+    keys = [m for m in range(len(medians)) if m >= from_min]
+    if len(keys) < 3:
         return None
-    keys = sorted(minutes)
-    return float(np.polyfit(keys, [float(np.median(minutes[m])) for m in keys], 1)[0])
+    return float(np.polyfit(keys, [medians[m] for m in keys], 1)[0])
+
+
+def minute_medians_spread(medians: list[float], from_min: float) -> float | None:
+    """Largest minus smallest minute median (MB) from minute `from_min` on: the acceptance
+    figure (a server that holds up stays within a few MB once warm, whatever the fit says)."""
+    tail = medians[int(np.ceil(from_min)) :]
+    return float(max(tail) - min(tail)) if tail else None
 
 
 def damaged_and_missing_versions(root: Path) -> list[str]:
@@ -217,6 +233,7 @@ def soak(
     warmup_min: float,
     bad_reload_every: int,
     server_flags: list[str],
+    settle_min: float = 5.0,
 ) -> dict:
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         root = Path(tmp) / "index"
@@ -252,6 +269,7 @@ def soak(
             proc.wait(timeout=60)
     samples = sampler.samples
     rss = [s[1] for s in samples]
+    medians = minute_medians(samples)
     return {
         "minutes": minutes,
         "reload_every_s": reload_every,
@@ -270,24 +288,28 @@ def soak(
         "fds_last": samples[-1][2],
         "slope_after_warmup": slope_mb_per_min(samples, warmup_min),
         "slope_second_half": slope_mb_per_min(samples, samples[-1][0] / 2),
-        "slope_minute_medians": minute_medians_slope(samples, warmup_min),
+        "slope_minute_medians": minute_medians_slope(medians, warmup_min),
+        "minute_medians_mb": [round(m, 1) for m in medians],
+        "settle_min": settle_min,
+        "spread_after_settle_mb": minute_medians_spread(medians, settle_min),
         "warmup_min": warmup_min,
         "samples": [[round(t, 3), round(r, 2), f] for t, r, f in samples],
     }
 
 
-def row(name: str, r: dict) -> str:
-    def slope(value: float | None) -> str:
-        return "n/a" if value is None else f"{value:+.2f} MB/min"
+def fmt_slope(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.2f} MB/min"
 
+
+def row(name: str, r: dict) -> str:
     reloads = f"{r['reloads_ok']} ok, {len(r['reloads_failed'])} failed"
     if r["reload_every_s"]:
         reloads += f"; {r['bad_reloads_refused']} bad refused, {len(r['bad_reloads_wrong'])} wrong"
     return (
         f"| {name} | {r['queries']:,} | {r['unexpected']} | {reloads} "
         f"| {r['rss_first_mb']:.0f} → {r['rss_last_mb']:.0f} MB ({r['rss_max_mb']:.0f}) "
-        f"| {slope(r['slope_after_warmup'])} | {slope(r['slope_second_half'])} "
-        f"| {slope(r.get('slope_minute_medians'))} "
+        f"| {fmt_slope(r['slope_after_warmup'])} | {fmt_slope(r['slope_second_half'])} "
+        f"| {fmt_slope(r.get('slope_minute_medians'))} "
         f"| {r['fds_first']} → {r['fds_last']} |"
     )
 
@@ -300,6 +322,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--sample-every", type=float, default=5.0, help="seconds between RSS samples")
     parser.add_argument("--warmup-min", type=float, default=2.0, help="minutes left out of the slope")
+    parser.add_argument(
+        "--settle-min", type=float, default=5.0, help="minutes left out of the minute medians' spread (the acceptance)"
+    )
     parser.add_argument(
         "--bad-reload-every", type=int, default=5, help="every Nth reload is preceded by a damaged and a missing one"
     )
@@ -321,7 +346,7 @@ def main() -> None:
         print(f"== {name}", flush=True)
         results[name] = soak(
             args.run.resolve(), args.minutes, every, args.concurrency, args.sample_every, args.warmup_min,
-            args.bad_reload_every, args.server_flag,
+            args.bad_reload_every, args.server_flag, args.settle_min,
         )  # fmt: skip
         print(json.dumps({k: v for k, v in results[name].items() if k not in ("samples", "statuses")}), flush=True)
     print(
@@ -331,6 +356,13 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, result in results.items():
         print(row(name, result))
+    for name, result in results.items():
+        print(f"\n{name}: RSS minute medians (MB), minute 0 on:")
+        print(" ".join(f"{m:.0f}" for m in result["minute_medians_mb"]))
+        print(f"slope of minute medians after {args.warmup_min:g} min: {fmt_slope(result['slope_minute_medians'])}")
+        spread = result["spread_after_settle_mb"]
+        spread_text = "n/a" if spread is None else f"{spread:.1f} MB"
+        print(f"spread of minute medians from minute {args.settle_min:g}: {spread_text}")
     if len(results) == 2:
         reload_run, still_run = results.values()
         if reload_run["reloads_ok"] and None not in (reload_run["slope_after_warmup"], still_run["slope_after_warmup"]):

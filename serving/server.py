@@ -43,7 +43,7 @@ from serving.batching import DynamicBatcher
 from serving.engine import Limits, SearchEngine, ServingPair, load_pair
 from serving.history import TrafficHistory
 from serving.http import HttpApi, tls_context
-from serving.memory import pin_mmap_threshold, reclaim
+from serving.memory import reclaim, steady_heap
 from serving.metrics import ServiceMetrics
 from serving.monitor import MonitorConfig, RecallMonitor
 from serving.probe import ProbeRunner
@@ -319,7 +319,7 @@ class SearchApp:
     def __init__(self, config: ServerConfig) -> None:
         config.check_inputs()
         self.config = config
-        pin_mmap_threshold()  # before the first pair: see serving/memory.py
+        steady_heap()  # before the first pair: see serving/memory.py
         self.metrics = ServiceMetrics()
         self.engine = SearchEngine(config.limits)
         workers = config.runtime.worker_threads
