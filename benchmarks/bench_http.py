@@ -14,32 +14,16 @@ p50 it adds. Goals (issue 33): HTTP ≥ 80% of gRPC's q/s at concurrency 32, ≤
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.bench_serving import ensure_artifacts, free_port, healthy, start, stop
+from benchmarks.bench_serving import ensure_artifacts, free_port, healthy, python_loadgen, start, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("image", "item")
-
-
-def load(protocol: str, port: int, catalog: Path, kind: str, concurrency: int, seconds: float) -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.loadgen", "--protocol", protocol, "--target", f"127.0.0.1:{port}"]
-        + ["--catalog", str(catalog), "--query", kind, "--concurrency", str(concurrency), "--seconds", str(seconds)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=600,
-    )
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -67,7 +51,7 @@ def main() -> None:
                     for protocol in order:
                         port = grpc_port if protocol == "grpc" else http_port
                         results.setdefault((kind, protocol, c), []).append(
-                            load(protocol, port, catalog, kind, c, args.seconds)
+                            python_loadgen(port, catalog, c, args.seconds, protocol, kind)
                         )
     finally:
         stop(server)

@@ -253,10 +253,13 @@ def formed_batch(level: dict) -> int:
     return max(1, round(level["mean_batch"]))
 
 
-def python_loadgen(port: int, catalog: Path, concurrency: int, seconds: float) -> dict:
+def python_loadgen(
+    port: int, catalog: Path, concurrency: int, seconds: float, protocol: str = "grpc", query: str = "image"
+) -> dict:
+    """One closed-loop run of `benchmarks/loadgen.py` in its own process: its JSON figures."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "loadgen.py"), "--target", f"127.0.0.1:{port}"]
-        + ["--catalog", str(catalog), "--concurrency", str(concurrency), "--seconds", str(seconds)],
+        [sys.executable, "-m", "benchmarks.loadgen", "--target", f"127.0.0.1:{port}", "--protocol", protocol]
+        + ["--query", query, "--catalog", str(catalog), "--concurrency", str(concurrency), "--seconds", str(seconds)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,

@@ -1,25 +1,26 @@
-"""Soak: a real server under mixed good and bad traffic for minutes, reloaded every R seconds,
-its resident memory sampled — does it hold up for weeks?
+"""Soak: a real server under mixed good and bad traffic for minutes, reloaded every R seconds, its
+resident memory sampled — does it hold up for weeks?
 
     python benchmarks/soak.py --run runs/demo --minutes 30 --reload-every 20 --no-baseline
 
-The server is `python -m serving serve` in its own process over a copy of the run's index. C
-asyncio callers (32) send, by weight: image queries 60%, embedding queries 10%, and the rest
-bad input of seven kinds (garbage bytes, a truncated image, an embedding of the wrong
-dimension, a NaN, k above the limit, an unknown item id, a request with no query), each of
-which must answer INVALID_ARGUMENT; every good query must answer OK. Every R seconds an
-authenticated `Reload` of CURRENT loads a fresh model+index pair and swaps it in; every
-`--bad-reload-every`-th time a reload of a damaged version and one of a missing version go
-first, and must fail with FAILED_PRECONDITION while the live pair keeps serving.
+The server is `python -m serving serve` in its own process over a copy of the run's index, with
+gRPC and HTTP ports. C asyncio callers (32; `--http-share` of them, half by default, over
+HTTP/JSON: image queries as a raw body or proto3 JSON, the rest as JSON) send, by weight: image
+queries 60%, embedding queries 10%, and the rest bad input of seven kinds (garbage bytes, a
+truncated image, an embedding of the wrong dimension, a NaN, k above the limit, an unknown item id,
+a request with no query), each of which must answer INVALID_ARGUMENT; every good query must answer
+OK. Every R seconds an authenticated `Reload` of CURRENT loads a fresh model+index pair and swaps
+it in; every `--bad-reload-every`-th time a reload of a damaged version and one of a missing
+version go first, and must fail with FAILED_PRECONDITION while the live pair keeps serving.
 
-The server's RSS and open file descriptors are sampled every few seconds. Printed: a table
-row per run — queries, unexpected statuses, reloads, RSS first → last (max), and the RSS slope
-(least squares, MB/min) after the warm-up, over the second half and over the minute medians —
-then each run's minute medians (the median of each minute's samples, minute 0 first), their
-slope after the warm-up, and their spread (largest − smallest) from `--settle-min` (5) on: a
-server that holds up keeps that spread within a few MB. The run without reloads (`--baseline`,
-on by default) is the same traffic on a server that is never reloaded: the memory a reload
-leaves behind is the difference between the two slopes.
+The server's RSS and open file descriptors are sampled every few seconds. Printed: a table row per
+run — queries, unexpected statuses, reloads, RSS first → last (max), and the RSS slope (least
+squares, MB/min) after the warm-up, over the second half and over the minute medians — then each
+run's minute medians (the median of each minute's samples, minute 0 first), their slope after the
+warm-up, and their spread (largest − smallest) from `--settle-min` (5) on: a server that holds up
+keeps that spread within a few MB. The run without reloads (`--baseline`, on by default) is the
+same traffic on a server that is never reloaded: the memory a reload leaves behind is the
+difference between the two slopes.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 import grpc
 import numpy as np
@@ -126,6 +128,52 @@ async def callers(target: str, traffic: Traffic, concurrency: int, stop_at: floa
                 tally.statuses[(kind, code.name)] += 1
                 if code != traffic.expected(kind):
                     tally.unexpected[(kind, code.name)] += 1
+
+        await asyncio.gather(*(caller(c) for c in range(concurrency)))
+
+
+async def http_callers(target: str, traffic: Traffic, concurrency: int, stop_at: float, tally: Tally) -> None:
+    """The same traffic over HTTP/JSON: good image queries as the raw body of /v1/search/image
+    (half of them) or as proto3 JSON to /v1/search, everything else as JSON; the status is the
+    error body's gRPC code name, counted under `<kind>/http`."""
+    import aiohttp
+    from google.protobuf.json_format import MessageToJson
+
+    kinds = list(traffic.weights)
+    weights = [traffic.weights[k] for k in kinds]
+    bodies = {kind: [MessageToJson(r) for r in requests] for kind, requests in traffic.requests.items()}
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(f"http://{target}", connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+
+        async def caller(seed: int) -> None:
+            rng = random.Random(seed)
+            while time.monotonic() < stop_at:
+                kind = rng.choices(kinds, weights)[0]
+                i = rng.randrange(len(traffic.requests[kind]))
+                request = traffic.requests[kind][i]
+                if kind == "image" and rng.random() < 0.5:
+                    call = session.post(
+                        f"/v1/search/image?k={request.k}&excludeIds={quote(request.exclude_ids[0], safe='')}",
+                        data=request.image,
+                        headers={"Content-Type": "application/octet-stream"},
+                        timeout=timeout,
+                    )
+                else:
+                    call = session.post(
+                        "/v1/search",
+                        data=bodies[kind][i],
+                        headers={"Content-Type": "application/json"},
+                        timeout=timeout,
+                    )
+                try:
+                    async with call as response:
+                        body = await response.json(content_type=None)
+                        code = "OK" if response.status == 200 else body["error"]["code"]
+                except (TimeoutError, aiohttp.ClientError, ValueError, KeyError) as exc:
+                    code = f"client:{type(exc).__name__}"
+                tally.statuses[(f"{kind}/http", code)] += 1
+                if code != traffic.expected(kind).name:
+                    tally.unexpected[(f"{kind}/http", code)] += 1
 
         await asyncio.gather(*(caller(c) for c in range(concurrency)))
 
@@ -234,15 +282,16 @@ def soak(
     bad_reload_every: int,
     server_flags: list[str],
     settle_min: float = 5.0,
+    http_share: float = 0.0,
 ) -> dict:
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         root = Path(tmp) / "index"
         shutil.copytree(run / "index", root)
         bad_versions = damaged_and_missing_versions(root) if reload_every else []
-        port, metrics_port = bs.free_port(), bs.free_port()
+        port, metrics_port, http_port = bs.free_port(), bs.free_port(), bs.free_port()
         command = [
             sys.executable, "-m", "serving", "serve", "--index-root", str(root), "--port", str(port),
-            "--metrics-port", str(metrics_port), "--admin-token", TOKEN, *server_flags,
+            "--metrics-port", str(metrics_port), "--http-port", str(http_port), "--admin-token", TOKEN, *server_flags,
         ]  # fmt: skip
         proc = bs.start(command, lambda: bs.healthy(metrics_port))
         target = f"127.0.0.1:{port}"
@@ -256,7 +305,10 @@ def soak(
 
             async def main() -> None:
                 stop_at = time.monotonic() + minutes * 60
-                jobs = [callers(target, traffic, concurrency, stop_at, tally)]
+                over_http = round(concurrency * http_share)
+                jobs = [callers(target, traffic, concurrency - over_http, stop_at, tally)]
+                if over_http:
+                    jobs.append(http_callers(f"127.0.0.1:{http_port}", traffic, over_http, stop_at, tally))
                 if reload_every:
                     jobs.append(reloader(target, reload_every, bad_reload_every, bad_versions, stop_at, tally))
                 await asyncio.gather(*jobs)
@@ -273,6 +325,7 @@ def soak(
     return {
         "minutes": minutes,
         "reload_every_s": reload_every,
+        "http_share": http_share,
         "queries": tally.queries,
         "unexpected": sum(tally.unexpected.values()),
         "unexpected_by_kind": {f"{k}:{c}": n for (k, c), n in tally.unexpected.items()},
@@ -330,11 +383,16 @@ def main() -> None:
     )
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                         help="also run without reloads (default on)")  # fmt: skip
+    parser.add_argument(
+        "--http-share", type=float, default=0.5, help="fraction of the callers that use HTTP/JSON instead of gRPC"
+    )
     parser.add_argument("--server-flag", action="append", default=[], help="a `serve` flag, repeatable")
     parser.add_argument("--json", type=Path, help="write every figure and RSS sample here")
     args = parser.parse_args()
     if args.minutes <= 0 or args.reload_every <= 0 or args.concurrency < 1 or args.sample_every <= 0:
         parser.error("--minutes, --reload-every and --sample-every must be > 0, --concurrency ≥ 1")
+    if not 0 <= args.http_share <= 1:
+        parser.error(f"--http-share must be within [0, 1], got {args.http_share}")
     if args.warmup_min >= args.minutes:
         parser.error(f"--warmup-min ({args.warmup_min}) must be shorter than --minutes ({args.minutes})")
     bs.ensure_artifacts(args.run.resolve(), quick=False)
@@ -346,7 +404,7 @@ def main() -> None:
         print(f"== {name}", flush=True)
         results[name] = soak(
             args.run.resolve(), args.minutes, every, args.concurrency, args.sample_every, args.warmup_min,
-            args.bad_reload_every, args.server_flag, args.settle_min,
+            args.bad_reload_every, args.server_flag, args.settle_min, args.http_share,
         )  # fmt: skip
         print(json.dumps({k: v for k, v in results[name].items() if k not in ("samples", "statuses")}), flush=True)
     print(

@@ -307,3 +307,29 @@ def test_a_used_http_port_is_refused_before_loading(demo_run):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: HTTP port 127.0.0.1:{port} is already in use")
     assert "serving index" not in proc.stderr
+
+
+def test_cors_is_off_unless_an_origin_is_named(demo_run):
+    origin = "https://console.example"
+    server = SearchServer(
+        ServerConfig.flat(
+            index_root=str(demo_run / "index"), port=0, http_port=0, metrics_port=None, probe_interval_s=0,
+            http_cors_origin=origin,
+        )
+    )  # fmt: skip
+    server.start()
+    try:
+        preflight = requests.options(
+            url(server, "/v1/search"),
+            headers={"Origin": origin, "Access-Control-Request-Method": "POST"},
+            timeout=60,
+        )
+        assert preflight.status_code == 204 and "Authorization" in preflight.headers["Access-Control-Allow-Headers"]
+        info = requests.get(url(server, "/v1/info"), headers={"Origin": origin}, timeout=60)
+        assert info.headers["Access-Control-Allow-Origin"] == origin
+        other = requests.get(url(server, "/v1/info"), headers={"Origin": "https://evil.example"}, timeout=60)
+        assert "Access-Control-Allow-Origin" not in other.headers
+        refused = requests.options(url(server, "/v1/search"), headers={"Origin": "https://evil.example"}, timeout=60)
+        assert refused.status_code == 403
+    finally:
+        server.stop(grace=0)

@@ -717,6 +717,7 @@ def test_tls_and_search_token(index_root, tmp_path):
             tls_key=str(key),
             search_token="let-me-in",
             probe_interval_s=0,
+            http_port=0,
         )
     )
     server.start()
@@ -737,6 +738,16 @@ def test_tls_and_search_token(index_root, tmp_path):
         with SearchClient(target, timeout=2) as plaintext:
             with pytest.raises(grpc.RpcError):
                 plaintext.search(request)
+        # HTTP shares the certificate and the token.
+        import requests
+
+        https = f"https://localhost:{server.http_port}/v1/search"
+        body = {"itemId": server.engine.pair.items.ids[0], "k": 3}
+        answer = requests.post(https, json=body, verify=str(cert), headers={"Authorization": "Bearer let-me-in"})
+        assert answer.status_code == 200 and len(answer.json()["neighbors"]) == 3
+        assert requests.post(https, json=body, verify=str(cert), timeout=60).status_code == 401
+        with pytest.raises(requests.ConnectionError):
+            requests.post(https.replace("https:", "http:"), json=body, timeout=10)
     finally:
         server.stop(0)
 
