@@ -42,6 +42,20 @@ from index.version import IndexVersion
 log = logging.getLogger(__name__)
 
 GROUPS_FILE, SHEET_FILE, SUMMARY_FILE = "groups.csv", "groups.png", "summary.json"
+RUNS_DIR = "duplicates"  # in the index root: a run's default output folder is RUNS_DIR/VERSION-minSCORE
+
+
+def run_dir(index_root: str | Path, version: str, min_score: float) -> Path:
+    """Where a run over `version` at `min_score` writes by default."""
+    return Path(index_root) / RUNS_DIR / f"{version}-min{min_score:g}"
+
+
+def runs_of(index_root: str | Path, version: str) -> list[Path]:
+    """The finished runs over `version` in their default folders, oldest first."""
+    runs = (d for d in (Path(index_root) / RUNS_DIR).glob(f"{version}-min*") if (d / GROUPS_FILE).is_file())
+    return sorted(runs, key=lambda d: d.stat().st_mtime)
+
+
 SHEET_MEMBERS = 8  # members beside the leading one on a contact-sheet row
 # A group at least this large is seldom copies of one picture (a photo re-encoded, resized,
 # cropped, turned: a handful), more often a threshold low enough to chain look-alikes: on an
@@ -138,7 +152,7 @@ def run_duplicates(cfg: DuplicatesConfig, progress: bool = True) -> Path:
     version = IndexVersion.open(cfg.index_root, cfg.version)
     groups = find_groups(version, cfg.min_score, cfg.max_neighbours, cfg.batch_size, progress)
     seconds = time.perf_counter() - started
-    out = Path(cfg.out) if cfg.out else Path(cfg.index_root) / "duplicates" / f"{version.name}-min{cfg.min_score:g}"
+    out = Path(cfg.out) if cfg.out else run_dir(cfg.index_root, version.name, cfg.min_score)
     largest = groups.members[0] if groups.members else np.zeros(0, np.int64)
     # How far the largest group's members fall from its leading one: far below the threshold is
     # a chain of look-alikes, not copies.

@@ -322,17 +322,21 @@ def audit(
         os.fsync(log_file.fileno())
 
 
-def taken_down(index_root: str | Path) -> set[str]:
-    """Ids the root's audit log says were removed (and not counted as not found)."""
+def audit_entries(index_root: str | Path) -> list[dict]:
+    """The root's audit log, oldest entry first (none when nothing was ever removed)."""
     path = Path(index_root) / AUDIT_LOG
     if not path.is_file():
-        return set()
-    ids: set[str] = set()
+        return []
     with open(path, encoding="utf-8") as log_file:
-        for line in log_file:
-            entry = json.loads(line)
-            if entry.get("action") == "remove":
-                ids.update(entry.get("ids", []))
+        return [json.loads(line) for line in log_file if line.strip()]
+
+
+def taken_down(index_root: str | Path) -> set[str]:
+    """Ids the root's audit log says were removed (and not counted as not found)."""
+    ids: set[str] = set()
+    for entry in audit_entries(index_root):
+        if entry.get("action") == "remove":
+            ids.update(entry.get("ids", []))
     return ids
 
 

@@ -23,15 +23,15 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from core import artifacts
 from core.artifacts import ArtifactError
 from core.manifests import IndexManifest
-from core.preprocess import open_image
+from core.preprocess import ImageNotFound, load_pixels, open_image
 from index import filters
-from index.duplicates import GROUPS_FILE, SUMMARY_FILE
-from index.lifecycle import AUDIT_LOG, RemovalReport
+from index.duplicates import GROUPS_FILE, SUMMARY_FILE, runs_of
+from index.lifecycle import RemovalReport, audit_entries
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
 from serving.checks import RequestChecks
@@ -423,13 +423,15 @@ class SearchService:
 
 
 def thumbnail_of(path: str, size: int, limits: Limits) -> tuple[bytes, str]:
-    """The image at `path` (EXIF orientation applied), scaled to fit `size`: JPEG, or PNG where it
-    has transparency."""
-    try:
-        with image_errors():
-            image = open_image(Path(path), limits.max_image_pixels)
-    except (FileNotFoundError, IsADirectoryError):
-        raise NotFound(f"the image file of this item is gone: {Path(path).name}") from None
+    """The image at `path`, upright (EXIF orientation applied, as in the contact sheets), scaled
+    to fit `size`: JPEG, or PNG where it has transparency. A large JPEG decodes at reduced scale."""
+    with image_errors():
+        try:
+            image = open_image(Path(path), limits.max_image_pixels, load=False)
+        except ImageNotFound:  # the catalog moved on since the build: not the request's fault
+            raise NotFound(f"the image file of this item is gone: {Path(path).name}") from None
+        image.draft(None, (size, size))
+        image = ImageOps.exif_transpose(load_pixels(image))
     image.thumbnail((size, size))
     out = io.BytesIO()
     if image.mode in ("RGBA", "LA", "P"):
@@ -507,19 +509,11 @@ class AdminService:
 
     def audit(self, limit: int) -> list[dict]:
         """The newest `limit` entries of the root's takedown audit log."""
-        path = self._root() / AUDIT_LOG
-        if not path.is_file():
-            return []
-        lines = path.read_text(encoding="utf-8").splitlines()[-limit:]
-        return [json.loads(line) for line in reversed(lines) if line.strip()]
+        return audit_entries(self._root())[::-1][:limit]
 
     def duplicates(self, live: str) -> dict:
-        """The groups of the live version's latest `index duplicates` run (its default output
-        folder, INDEX_ROOT/duplicates/VERSION-minSCORE)."""
-        runs = sorted(
-            (d for d in (self._root() / "duplicates").glob(f"{live}-min*") if (d / GROUPS_FILE).is_file()),
-            key=lambda d: d.stat().st_mtime,
-        )
+        """The groups of the live version's latest `index duplicates` run in its default folder."""
+        runs = runs_of(self._root(), live)
         if not runs:  # not an error: a version nobody has looked for duplicates in yet
             return {"indexVersion": live, "minScore": None, "run": None, "groups": []}
         run = runs[-1]

@@ -333,3 +333,22 @@ def test_cors_is_off_unless_an_origin_is_named(demo_run):
         assert refused.status_code == 403
     finally:
         server.stop(grace=0)
+
+
+def test_a_thumbnail_is_upright_and_a_missing_file_is_not_found(tmp_path):
+    """A phone photo stored sideways (EXIF orientation 6) is shown upright, as the model sees it;
+    an item whose file has gone since the build is 404, not the request's fault."""
+    from serving.engine import Limits
+    from serving.errors import NotFound
+    from serving.service import thumbnail_of
+
+    sideways = tmp_path / "phone.jpg"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation: rotate 90° clockwise to view
+    Image.new("RGB", (400, 200), (200, 30, 30)).save(sideways, "JPEG", exif=exif.tobytes())
+    data, kind = thumbnail_of(str(sideways), 100, Limits())
+    assert kind == "image/jpeg"
+    with Image.open(io.BytesIO(data)) as thumb:
+        assert thumb.size == (50, 100)  # upright: portrait
+    with pytest.raises(NotFound, match="the image file of this item is gone: gone.jpg"):
+        thumbnail_of(str(tmp_path / "gone.jpg"), 100, Limits())
