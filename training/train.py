@@ -48,11 +48,11 @@ from training.evaluate import (
 )
 from training.losses import build_loss, get_loss_class, loss_requires_num_classes
 from training.models import (
+    ALL_POOLINGS,
     PACKAGE_PREFIX,
-    POOLINGS,
     EmbeddingNet,
     TrunkFeatures,
-    backbone_spec,
+    check_backbone,
     input_contract,
     resolve_weights,
 )
@@ -108,12 +108,21 @@ class TrainConfig:
     data_dir: str = option("data/glyphs", help="glyph set cache directory")
     backbone: str = option(
         "small_cnn",
-        help="small_cnn, resnet18, resnet50, googlenet, efficientnet_b0, mobilenet_v2, mobilenet_v3_large",
+        help="small_cnn, resnet18, resnet50, googlenet, efficientnet_b0, mobilenet_v2, mobilenet_v3_large; "
+        "timm trunks vit_small_patch16, vit_small_patch14_dinov2, vit_base_patch16_clip, convnext_tiny, "
+        "efficientnetv2_s, or any timm architecture as timm:<architecture>",
     )
     embedding_dim: int | None = option(128, help="the head's width, or 'none': no head (the trunk's pooled features)")
-    pooling: str = option("gap", choices=POOLINGS, help="how the trunk's feature map becomes a vector")
+    pooling: str | None = option(
+        None,
+        choices=ALL_POOLINGS,
+        help="how the trunk's features become a vector: gap/gmp/gap+gmp of a CNN's map, a transformer's cls "
+        "token, mean of its patch tokens, or map (its attention pooling); default: the backbone's own",
+    )
     pretrained: str | None = option(
-        None, help="torchvision state dict: a local file or pkg:<package>/<file> (never downloaded)"
+        None,
+        help="weights: a .safetensors or .pth state dict, a Hugging Face / timm folder (model.safetensors + "
+        "config.json), or pkg:<package>/<file> (never downloaded)",
     )
     image_size: int | None = option(None, help="input side in px (default: the backbone's)")
     loss: str = option("raw_vthm", help="loss name from the registry (raw_vthm, proxy_anchor, ...)")
@@ -182,10 +191,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
-        backbone_spec(self.backbone)  # unknown names fail here, before any data is touched
+        # Unknown names, a pooling or an input size the backbone cannot take fail here, before any
+        # data is touched; the pooling left to the backbone becomes its own.
+        self.pooling = check_backbone(self.backbone, self.pooling, self.image_size)
         get_loss_class(self.loss)
-        if self.pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.catalog is not None and self.dataset is not None:
@@ -224,6 +233,8 @@ class TrainConfig:
                 resolve_weights(self.pretrained)
             except FileNotFoundError as exc:
                 raise ValueError(str(exc)) from None
+            # Weights of another architecture, a truncated file: refused before anything is written.
+            EmbeddingNet(self.backbone, None, self.pooling, self.pretrained, image_size=self.image_size)
 
     def _apply_recipe(self) -> None:
         """Fill the schedule's unset values from the recipe (an explicit flag always wins)."""
@@ -255,7 +266,9 @@ def resolve_use_gpu(device: str, cluster_gpus: float) -> bool:
 
 def build_model(cfg: TrainConfig) -> EmbeddingNet:
     torch.manual_seed(cfg.seed)
-    return EmbeddingNet(cfg.backbone, cfg.embedding_dim, cfg.pooling, cfg.pretrained, cfg.freeze_bn)
+    return EmbeddingNet(
+        cfg.backbone, cfg.embedding_dim, cfg.pooling, cfg.pretrained, cfg.freeze_bn, image_size=cfg.image_size
+    )
 
 
 def build_loss_for(cfg: TrainConfig, num_classes: int, embedding_dim: int) -> torch.nn.Module:
@@ -327,7 +340,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     _set_threads(world)
-    contract = input_contract(cfg.backbone, cfg.image_size)
+    contract = input_contract(cfg.backbone, cfg.image_size, cfg.pretrained)
     train_catalog = read_catalog(splits["train"])
     augment = build_augmentation(cfg.augmentation, contract)
     dataset, labels, skipped_up_front = train_dataset(
@@ -567,7 +580,7 @@ def run_training(cfg: TrainConfig) -> Path:
 
     model = build_model(cfg)
     model.load_state_dict(state["model"])
-    contract = input_contract(cfg.backbone, cfg.image_size)
+    contract = input_contract(cfg.backbone, cfg.image_size, cfg.pretrained)
     evaluation, similarities = evaluate_test_classes(cfg, splits, contract, model)
 
     with staging_directory(out) as staging:
@@ -612,7 +625,7 @@ def evaluate_test_classes(
     in its gallery.
     """
     if cfg.pretrained is not None:
-        untrained_model = EmbeddingNet(cfg.backbone, None, cfg.pooling, cfg.pretrained)
+        untrained_model = EmbeddingNet(cfg.backbone, None, cfg.pooling, cfg.pretrained, image_size=cfg.image_size)
     else:
         untrained_model = build_model(cfg)
     if "query" in splits:
