@@ -28,7 +28,14 @@ from core.preprocess import ImageDecodeError, InputContract, load_image
 from index.embedder import OnnxEmbedder
 from training.data import load_images
 from training.evaluate import embed_images
-from training.models import ALL_POOLINGS, EmbeddingNet, check_backbone, input_contract, resolve_weights
+from training.models import (
+    ALL_POOLINGS,
+    WEIGHTS_HELP,
+    EmbeddingNet,
+    check_backbone,
+    input_contract,
+    resolve_weights,
+)
 from training.train import CHECKPOINT_FILE, RESULTS_FILE
 
 log = logging.getLogger(__name__)
@@ -68,8 +75,7 @@ class ExportConfig:
     )
     pretrained: str | None = option(
         None,
-        help="weights: a .safetensors or .pth state dict, a Hugging Face / timm folder (model.safetensors + "
-        "config.json), or pkg:<package>/<file> (never downloaded)",
+        help=WEIGHTS_HELP,
     )
     pooling: str | None = option(
         None,
@@ -87,7 +93,11 @@ class ExportConfig:
     opset: int = option(DEFAULT_OPSET, help="ONNX opset")
     parity_images: int = option(256, help="images the parity check embeds with both runtimes")
     min_cosine: float = option(MIN_PARITY_COSINE, help="least cosine between ONNX and PyTorch embeddings")
-    variants: list[str] = option(default_factory=list, help="reduced-precision copies to publish beside it: fp16,int8")
+    variants: list[str] = option(
+        default_factory=list,
+        help="reduced-precision copies to publish beside it, each with its recall drop on the run's test split "
+        "(with --pretrained: on a labelled --parity-catalog): fp16,int8",
+    )
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.variants) - set(VARIANTS))
@@ -101,8 +111,11 @@ class ExportConfig:
             if self.pretrained is None or self.backbone is None:
                 raise ValueError("exporting a pretrained network needs both --backbone and --pretrained")
             self.pooling = check_backbone(self.backbone, self.pooling, self.image_size)
-            if self.variants:
-                raise ValueError("--variants measure their recall on a training run's test split; export a run")
+            if self.variants and self.parity_catalog is None:
+                raise ValueError(
+                    "--variants measure their recall on labelled images: a training run's test split, or with "
+                    "--pretrained a labelled --parity-catalog"
+                )
             return
         self.run = self.run or "runs/train"
 
@@ -110,6 +123,8 @@ class ExportConfig:
         """What reads files, before anything is built: the run, the weights, the parity images."""
         if self.parity_catalog is not None and not Path(self.parity_catalog).exists():
             raise ValueError(f"--parity-catalog {self.parity_catalog} does not exist")
+        if self.variants and self.pretrained is not None:
+            read_catalog(self.parity_catalog).require_labels("measuring --variants' recall")
         if self.pretrained is not None:
             resolve_weights(self.pretrained)
             input_contract(self.backbone, self.image_size, self.pretrained)  # a folder's config.json
@@ -261,8 +276,10 @@ def run_export(cfg: ExportConfig) -> Path:
         manifest.parity = {**parity_check(model, staging, images, cfg.min_cosine), "source": source}
         manifest.write(staging)
     log.info("exported model %s to %s (parity %s)", model_id, out, manifest.parity)
+    # A day-one export has no test split: its variants are measured on its labelled parity images.
+    ks = (config["train"] or {}).get("ks", [1, 2, 4, 8])
     for name in cfg.variants:
-        export_variant(out, name, test_split, config["train"].get("ks", [1, 2, 4, 8]))
+        export_variant(out, name, Path(cfg.parity_catalog) if cfg.pretrained else test_split, ks)
     return out
 
 
@@ -272,7 +289,7 @@ def export_variant(base: Path, name: str, test_catalog: Path, ks: list[int]) -> 
 
     manifest = ModelManifest.read(base)
     target = base.with_name(f"{base.name}-{name}")
-    if not test_catalog.is_file():
+    if not test_catalog.exists():
         raise ExportError(f"variant {name}: no test split at {test_catalog} to measure its recall on")
     test = load_images(read_catalog(test_catalog), manifest.input, max_bad_fraction=1.0)
     base_recall = recall_at_k(OnnxEmbedder(base, provider="cpu").embed(test.images), test.labels, ks)

@@ -65,6 +65,7 @@ class BackboneSpec:
     # The input a weights source asks for (a timm folder's config.json: size, mean/std, ...).
     weights_config: Callable[[str | Path], dict[str, Any]] | None = None
     trunk_pools: bool = False  # the trunk answers pooled vectors (timm): no Pooling after it
+    transformer: bool = False  # a ViT-like trunk: the recipes' transformer variant applies
     drop_path: bool = False  # the trunk takes a drop-path rate
     # Layer-wise rate decay: (trunk, weight decay, decay) → parameter groups with an lr_scale.
     layer_groups: Callable[[nn.Module, float, float], list[dict[str, Any]]] | None = None
@@ -349,6 +350,10 @@ PACKAGE_PREFIX = "pkg:"
 # A Hugging Face / timm model folder: the weights and the config that describes them.
 FOLDER_WEIGHTS = "model.safetensors"
 FOLDER_CONFIG = "config.json"
+WEIGHTS_HELP = (
+    "weights: a .safetensors or .pth state dict, a Hugging Face / timm folder (model.safetensors + config.json), "
+    "or pkg:<package>/<file> (never downloaded)"
+)
 
 
 def resolve_weights(source: str | Path) -> Path:
