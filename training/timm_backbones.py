@@ -215,6 +215,7 @@ def timm_backbone(arch: str, **model_kwargs: Any) -> BackboneSpec:
         check_size=check_size,
         weights_config=lambda source: _folder_contract(source, arch),
         trunk_pools=True,
+        transformer=info.tokens,
         drop_path=True,
         layer_groups=_layer_groups,
     )

@@ -50,8 +50,10 @@ from training.losses import build_loss, get_loss_class, loss_requires_num_classe
 from training.models import (
     ALL_POOLINGS,
     PACKAGE_PREFIX,
+    WEIGHTS_HELP,
     EmbeddingNet,
     TrunkFeatures,
+    backbone_spec,
     check_backbone,
     input_contract,
     resolve_weights,
@@ -83,6 +85,10 @@ RECIPES: dict[str, dict[str, Any]] = {
         "head_init": "random",
         "proxy_init": "random",
         "epochs": 6,
+        "weight_decay": 1e-4,
+        "layer_decay": None,
+        "warmup_steps": 0,
+        "drop_path": 0.0,
     },
     "finetune": {
         "lr": 1e-4,
@@ -93,8 +99,39 @@ RECIPES: dict[str, dict[str, Any]] = {
         "head_init": "pca",
         "proxy_init": "class_means",
         "epochs": 10,
+        "weight_decay": 1e-4,
+        "layer_decay": None,
+        "warmup_steps": 0,
+        "drop_path": 0.0,
     },
 }
+# What a recipe changes for a transformer trunk (a timm ViT: DINOv2, CLIP, SigLIP towers), on
+# top of the recipe. Fine-tuning a ViT the way its authors fine-tune one (BEiT, MAE, DINOv2's
+# linear-probe-then-finetune; timm's fine-tuning defaults): AdamW at weight decay 0.05, none on
+# norms, biases, position embeddings and class token; layer-wise rate decay 0.75, so the patch
+# embedding and first blocks — the general features a metric-learning loss on a few thousand
+# images would otherwise overwrite first — move at a few percent of the last block's rate; a
+# linear warm-up of the backbone over 100 steps rather than a held epoch (the layer decay already
+# keeps the trunk near its start, and there is no BatchNorm whose statistics a held epoch protects);
+# drop path 0.1 (DeiT-S/ViT-S's own). The backbone's top rate is 3e-5: Hyp-ViT and OML's ViT-S/16
+# fine-tunes on SOP use 1e-5 to 3e-5 for the trunk, 10× below a CNN's, because a ViT's pretrained
+# features are richer and its optimisation less forgiving. CNNs keep the recipe as it is.
+FAMILY_RECIPES: dict[tuple[str, str], dict[str, Any]] = {
+    ("finetune", "transformer"): {
+        "backbone_lr": 3e-5,
+        "weight_decay": 0.05,
+        "layer_decay": 0.75,
+        "warmup_epochs": 0,
+        "warmup_steps": 100,
+        "drop_path": 0.1,
+        "freeze_bn": False,
+    },
+}
+
+
+def recipe_values(recipe: str, family: str) -> dict[str, Any]:
+    """The defaults of `recipe` for a backbone of `family` (transformer or cnn)."""
+    return {**RECIPES[recipe], **FAMILY_RECIPES.get((recipe, family), {})}
 
 
 @dataclass
@@ -121,8 +158,7 @@ class TrainConfig:
     )
     pretrained: str | None = option(
         None,
-        help="weights: a .safetensors or .pth state dict, a Hugging Face / timm folder (model.safetensors + "
-        "config.json), or pkg:<package>/<file> (never downloaded)",
+        help=WEIGHTS_HELP,
     )
     image_size: int | None = option(None, help="input side in px (default: the backbone's)")
     loss: str = option("raw_vthm", help="loss name from the registry (raw_vthm, proxy_anchor, ...)")
@@ -141,9 +177,22 @@ class TrainConfig:
     lr: float | None = option(None, help="the head's rate (default: the recipe's)")
     backbone_lr: float | None = option(None, help="the backbone's rate (default: the recipe's; scratch: --lr)")
     proxy_lr: float | None = option(None, help="the proxies' rate (default: the recipe's; scratch: --lr)")
-    weight_decay: float = option(1e-4, help="AdamW weight decay")
+    weight_decay: float | None = option(
+        None, help="AdamW weight decay (default: the recipe's; transformers 0.05, none on norms and biases)"
+    )
     warmup_epochs: int | None = option(
         None, help="epochs with the backbone frozen (rate 0, BatchNorm statistics kept; default: the recipe's)"
+    )
+    warmup_steps: int | None = option(
+        None, help="steps of the backbone's linear warm-up to its rate (default: the recipe's; transformers 100)"
+    )
+    layer_decay: float | None = option(
+        None,
+        help="layer-wise rate decay of a timm trunk: each layer below the last at this × the rate of the one above "
+        "(default: the recipe's; transformers 0.75; 1 or none: off)",
+    )
+    drop_path: float | None = option(
+        None, help="stochastic depth rate of a timm trunk (default: the recipe's; transformers 0.1)"
     )
     freeze_bn: bool | None = option(None, help="BatchNorm frozen throughout (default: the recipe's)")
     head_init: str | None = option(
@@ -193,7 +242,15 @@ class TrainConfig:
             raise ValueError(f"lr must be positive, got {self.lr}")
         # Unknown names, a pooling or an input size the backbone cannot take fail here, before any
         # data is touched; the pooling left to the backbone becomes its own.
-        self.pooling = check_backbone(self.backbone, self.pooling, self.image_size)
+        self.pooling = check_backbone(self.backbone, self.pooling, self.image_size, self.drop_path)
+        if self.layer_decay is not None and not 0 < self.layer_decay <= 1:
+            raise ValueError(f"layer_decay must be in (0, 1], got {self.layer_decay}")
+        if self.layer_decay is not None and self.layer_decay < 1 and backbone_spec(self.backbone).layer_groups is None:
+            raise ValueError(
+                f"--layer-decay {self.layer_decay}: {self.backbone} has no layers to decay over (timm trunks have)"
+            )
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
         get_loss_class(self.loss)
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
@@ -209,7 +266,7 @@ class TrainConfig:
             self.ks = list(get_dataset(self.dataset).recall_ks) if self.dataset else [1, 2, 4, 8]
         if not self.ks or min(self.ks) <= 0:
             raise ValueError(f"ks must be positive integers, got {self.ks}")
-        for name in ("warmup_epochs", "loader_workers"):
+        for name in ("warmup_epochs", "warmup_steps", "loader_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.warmup_epochs >= self.epochs:
@@ -236,14 +293,21 @@ class TrainConfig:
             # Weights of another architecture, a truncated file: refused before anything is written.
             EmbeddingNet(self.backbone, None, self.pooling, self.pretrained, image_size=self.image_size)
 
+    @property
+    def family(self) -> str:
+        """transformer or cnn: which of a recipe's variants applies (`FAMILY_RECIPES`)."""
+        return "transformer" if backbone_spec(self.backbone).transformer else "cnn"
+
     def _apply_recipe(self) -> None:
-        """Fill the schedule's unset values from the recipe (an explicit flag always wins)."""
+        """Fill the schedule's unset values from the recipe for the backbone's family (an
+        explicit flag always wins)."""
         if self.recipe is None:
             self.recipe = "finetune" if self.pretrained is not None else "scratch"
         if self.recipe not in RECIPES:
             raise ValueError(f"unknown recipe {self.recipe!r}; available: {', '.join(RECIPES)}")
-        explicit = {name for name in RECIPES[self.recipe] if getattr(self, name) is not None}
-        for name, value in RECIPES[self.recipe].items():
+        values = recipe_values(self.recipe, self.family)
+        explicit = {name for name in values if getattr(self, name) is not None}
+        for name, value in values.items():
             if name not in explicit:
                 setattr(self, name, value)
         if "warmup_epochs" not in explicit and self.epochs > 0:
@@ -267,7 +331,13 @@ def resolve_use_gpu(device: str, cluster_gpus: float) -> bool:
 def build_model(cfg: TrainConfig) -> EmbeddingNet:
     torch.manual_seed(cfg.seed)
     return EmbeddingNet(
-        cfg.backbone, cfg.embedding_dim, cfg.pooling, cfg.pretrained, cfg.freeze_bn, image_size=cfg.image_size
+        cfg.backbone,
+        cfg.embedding_dim,
+        cfg.pooling,
+        cfg.pretrained,
+        cfg.freeze_bn,
+        image_size=cfg.image_size,
+        drop_path=cfg.drop_path or 0.0,
     )
 
 
@@ -284,26 +354,79 @@ def build_optimizer(
     """AdamW with a learning rate per group (backbone, head, proxies) and a cosine schedule.
 
     During the warm-up epochs the backbone's factor is 0: only the head (and proxies) learn
-    while the pretrained features stay put, then the backbone follows its own cosine.
+    while the pretrained features stay put, then the backbone follows its own cosine — after
+    `warmup_steps` of linear warm-up, when the recipe has them. With `layer_decay` (a timm trunk)
+    the backbone is several groups, one per layer (and weight decay or not), each at its
+    `lr_scale` of the backbone's rate: the last layer at the rate, each one below at layer_decay ×
+    the one above.
     """
     rates = {"backbone": cfg.backbone_lr or cfg.lr, "head": cfg.lr, "proxies": cfg.proxy_lr or cfg.lr}
     params = {**model.parameter_groups(), "proxies": [p for p in loss_fn.parameters() if p.requires_grad]}
-    groups = [{"params": ps, "lr": rates[name], "name": name} for name, ps in params.items() if ps]
+    layered = model.layer_decay_groups(cfg.weight_decay, cfg.layer_decay) if cfg.layer_decay else None
+    groups = []
+    for name, ps in params.items():
+        if name == "backbone" and layered is not None:
+            groups += [
+                {
+                    "params": g["params"],
+                    "lr": rates[name] * g["lr_scale"],
+                    "weight_decay": g["weight_decay"],
+                    "name": name,
+                }
+                for g in layered
+                if g["params"]
+            ]
+        elif ps:
+            groups.append({"params": ps, "lr": rates[name], "name": name})
     optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
     total = max(1, cfg.epochs * steps_per_epoch)
 
-    def cosine_from(start: int):
-        """0 before `start`, then a cosine from 1 down to 0 at the last step."""
-        span = max(1, total - start)
-        return lambda step: 0.0 if step < start else 0.5 * (1.0 + math.cos(math.pi * min(step - start, span) / span))
+    def schedule_from(start: int, warm: int):
+        """0 before `start`, a linear rise over `warm` steps, then a cosine from 1 down to 0 at the last step."""
+        span = max(1, total - start - warm)
+
+        def factor(step: int) -> float:
+            if step < start:
+                return 0.0
+            if step < start + warm:
+                return (step - start + 1) / (warm + 1)
+            return 0.5 * (1.0 + math.cos(math.pi * min(step - start - warm, span) / span))
+
+        return factor
 
     warmup = cfg.warmup_epochs * steps_per_epoch
-    factors = [cosine_from(warmup if g["name"] == "backbone" else 0) for g in groups]
+    factors = [
+        schedule_from(warmup, cfg.warmup_steps or 0) if g["name"] == "backbone" else schedule_from(0, 0) for g in groups
+    ]
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
 
 
 def learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    return {group["name"]: group["lr"] for group in optimizer.param_groups}
+    """The rate of each named group; of a backbone in layer-decay groups, its top layer's."""
+    rates: dict[str, float] = {}
+    for group in optimizer.param_groups:
+        rates[group["name"]] = max(rates.get(group["name"], 0.0), group["lr"])
+    return rates
+
+
+def recipe_line(cfg: TrainConfig) -> str:
+    """What the recipe chose, for the log: every value below is also a flag."""
+    line = (
+        f"recipe {cfg.recipe} for a {cfg.family} ({cfg.backbone}): {cfg.epochs} epochs, head lr {cfg.lr:g}, "
+        f"backbone lr {cfg.backbone_lr or cfg.lr:g}, proxy lr {cfg.proxy_lr or cfg.lr:g}, weight decay "
+        f"{cfg.weight_decay:g}, {cfg.warmup_epochs} warm-up epoch(s) with the backbone held"
+    )
+    if cfg.warmup_steps:
+        line += f", the backbone warmed up linearly over {cfg.warmup_steps} steps"
+    if cfg.layer_decay and cfg.layer_decay < 1:
+        line += f", layer-wise rate decay {cfg.layer_decay:g}"
+    if cfg.drop_path:
+        line += f", drop path {cfg.drop_path:g}"
+    norm = "BatchNorm frozen" if cfg.freeze_bn else "BatchNorm training"
+    if cfg.family == "transformer":
+        norm = "LayerNorm training (no BatchNorm to freeze)"
+    head = "none" if cfg.embedding_dim is None else f"{cfg.embedding_dim}-d, {cfg.head_init} init"
+    return f"{line}, {norm}, head {head}, proxies {cfg.proxy_init}"
 
 
 def selection_score(metrics: dict[str, Any], epoch: int) -> float:
@@ -512,19 +635,7 @@ def run_training(cfg: TrainConfig) -> Path:
         cfg = dataclasses.replace(cfg, progress=sys.stderr.isatty())
     cfg = _absolute_paths(cfg)
     out = Path(cfg.out).resolve()
-    log.info(
-        "recipe %s: %d epochs, head lr %g, backbone lr %g, proxy lr %g, %d warm-up epoch(s) with the backbone "
-        "held, BatchNorm %s, head %s, proxies %s",
-        cfg.recipe,
-        cfg.epochs,
-        cfg.lr,
-        cfg.backbone_lr or cfg.lr,
-        cfg.proxy_lr or cfg.lr,
-        cfg.warmup_epochs,
-        "frozen" if cfg.freeze_bn else "training",
-        "none" if cfg.embedding_dim is None else f"{cfg.embedding_dim}-d, {cfg.head_init} init",
-        cfg.proxy_init,
-    )
+    log.info(recipe_line(cfg))
     work = _work_directory(cfg, out)
     splits = prepare_splits(
         cfg.catalog,
