@@ -18,6 +18,10 @@ from pathlib import Path
 REQUIRED_COLUMNS = ("id", "path")
 LABEL = "label"
 COLUMNS = (*REQUIRED_COLUMNS, LABEL)
+ITEM_COLUMN = "item"  # the item a row's image shows (a product's photos): answers can group by it
+# A row's region of interest, "x,y,width,height" in pixels of the upright image (a product
+# detector's box): the row is embedded from that crop (core.preprocess.Region).
+BBOX_COLUMN = "bbox"
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".avif", ".heic", ".heif"}
 
 
@@ -84,6 +88,11 @@ class Catalog:
     def with_classes(self, classes: Iterable[str]) -> Catalog:
         keep = set(classes)
         return self.subset(i for i, label in enumerate(self.require_labels("a class subset")) if label in keep)
+
+    @property
+    def regions(self) -> list[tuple[float, float, float, float] | None]:
+        """Each row's bbox (pixels of the upright image), None where it has none: embed that crop."""
+        return [parse_bbox(m[BBOX_COLUMN]) if m.get(BBOX_COLUMN) else None for m in self.metadata]
 
     def check_files(self) -> list[int]:
         """Rows whose image file does not exist."""
@@ -203,6 +212,7 @@ def _catalog_from_rows(rows: list[dict], path: Path) -> Catalog:
             f"{path}: mixes labelled and unlabelled rows ({len(unlabelled)} of {len(rows)} have no "
             f"{LABEL}: row {shown}); label every row or leave the {LABEL} column out"
         )
+    _check_bboxes(rows, path)
     base = path.parent
     ids, paths, labels, metadata = [], [], [], []
     for number, row in enumerate(rows, 1):
@@ -216,6 +226,36 @@ def _catalog_from_rows(rows: list[dict], path: Path) -> Catalog:
             labels.append(str(row[LABEL]))
         metadata.append({k: str(v) for k, v in row.items() if k not in COLUMNS and v is not None})
     return Catalog(ids, paths, labels if labelled else None, metadata, source=str(path))
+
+
+def parse_bbox(text: str) -> tuple[float, float, float, float]:
+    """ "x,y,width,height" (commas or spaces; a JSON list too) → four numbers: ValueError unless
+    they are four finite numbers, x and y at least 0, width and height above 0."""
+    parts = str(text).strip().strip("[]").replace(",", " ").split()
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"{text!r} is not four numbers x,y,width,height") from None
+    if len(values) != 4 or not all(math.isfinite(v) for v in values):
+        raise ValueError(f"{text!r} is not four numbers x,y,width,height")
+    if values[0] < 0 or values[1] < 0 or values[2] <= 0 or values[3] <= 0:
+        raise ValueError(f"{text!r}: x and y must be at least 0, width and height above 0")
+    return values  # type: ignore[return-value]
+
+
+def _check_bboxes(rows: list[dict], path: Path) -> None:
+    """A bbox column's values all parse (rows without one use the whole image); else the rows
+    that do not are named, as mixed labels are."""
+    bad = []
+    for number, row in enumerate(rows, 1):
+        if not _blank(row.get(BBOX_COLUMN)):
+            try:
+                parse_bbox(str(row[BBOX_COLUMN]))
+            except ValueError as exc:
+                bad.append((number, str(exc)))
+    if bad:
+        shown = "; ".join(f"row {n}: {why}" for n, why in bad[:5]) + (" ..." if len(bad) > 5 else "")
+        raise CatalogError(f"{path}: {len(bad)} row(s) with a bad {BBOX_COLUMN} ({shown})")
 
 
 def _images_in(folder: Path) -> list[Path]:

@@ -202,9 +202,14 @@ class QualityReport:
     probe_recall_at_k: dict[str, float] | None = None
     exact_recall_at_k: dict[str, float] | None = None
     search_tuning: dict[str, Any] | None = None
+    # The same sample's item-level Recall@K, where the catalog has items: its item among the top K
+    # items (grouped search), the query's own row left out.
+    item_recall_at_k: dict[str, float] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
-    _OPTIONAL: ClassVar[tuple[str, ...]] = ("probe_source", "probe_recall_at_k", "exact_recall_at_k", "search_tuning")
+    _OPTIONAL: ClassVar[tuple[str, ...]] = (
+        "probe_source", "probe_recall_at_k", "exact_recall_at_k", "search_tuning", "item_recall_at_k"
+    )  # fmt: skip
 
     @property
     def probe_recall_at_1(self) -> float | None:
@@ -225,6 +230,7 @@ class QualityReport:
             probe_recall_at_k=_figures(fields, "probe_recall_at_k"),
             exact_recall_at_k=_figures(fields, "exact_recall_at_k"),
             search_tuning=fields.get("search_tuning", dict, required=False),
+            item_recall_at_k=_figures(fields, "item_recall_at_k"),
             extra=fields.rest(),
         )
 
@@ -302,6 +308,7 @@ class IndexManifest(_Manifest):
     deleted_rows: int = 0  # rows removed but still in the index (HNSW tombstones, deleted.npy)
     engine: dict[str, Any] | None = None  # `index rebuild`: what embedded the catalog
     filterable: dict[str, str] = field(default_factory=dict)  # field → string|int|float (filters.npz)
+    item_field: str | None = None  # the filterable field naming each row's item: what answers group by
     schema_version: int = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -346,6 +353,7 @@ class IndexManifest(_Manifest):
             deleted_rows=fields.get("deleted_rows", int, required=False, default=0),
             engine=fields.get("engine", dict, required=False),
             filterable=fields.get("filterable", dict, required=False, default={}),
+            item_field=fields.get("item_field", str, required=False),
             schema_version=version,
         )
         manifest.extra = fields.rest()

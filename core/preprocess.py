@@ -50,6 +50,21 @@ class ImageNotFound(ImageDecodeError):
     reason = "missing"
 
 
+class RegionError(ImageDecodeError):
+    """A region (a query's crop, a catalog row's bbox) that does not fit the image."""
+
+    reason = "bad_region"
+
+
+# A region narrower or lower than this is refused: a handful of pixels upscaled to the model's
+# input is noise, and usually a click where a drag was meant.
+MIN_REGION_SIDE = 8
+
+# A region of an image: x, y, width, height in pixels of the image as it is seen — upright, after
+# its EXIF Orientation (what a browser shows and a detector annotates) — from the top left.
+Region = tuple[float, float, float, float]
+
+
 # Pixels of one forward pass on a CPU. Activation memory grows with rows × pixels (mobilenet_v2
 # at 224 px: ~17 MB per image in eval, so 256 rows held 4 GB, and ONNX Runtime's arena keeps its
 # peak), while CPU throughput stops improving at a few dozen rows: 32 images of 224 px per pass.
@@ -174,10 +189,52 @@ def load_pixels(image: Image.Image) -> Image.Image:
     return image
 
 
-def decode(image: Image.Image, contract: InputContract) -> np.ndarray:
+def upright_size(image: Image.Image) -> tuple[int, int]:
+    """(width, height) of an opened image as it is seen: its EXIF Orientation applied."""
+    turn = _upright_turn(image)
+    turned = turn in (
+        Image.Transpose.TRANSPOSE,
+        Image.Transpose.TRANSVERSE,
+        Image.Transpose.ROTATE_90,
+        Image.Transpose.ROTATE_270,
+    )
+    return (image.height, image.width) if turned else image.size
+
+
+def region_box(region: Region, size: tuple[int, int]) -> tuple[int, int, int, int]:
+    """The (left, top, right, bottom) pixel box of `region` in an image of `size` (upright);
+    RegionError when it is not finite, not inside the image, or under MIN_REGION_SIDE a side."""
+    x, y, width, height = (float(v) for v in region)
+    if not all(np.isfinite((x, y, width, height))):
+        raise RegionError(f"region {_region_text(region)} is not finite")
+    if width <= 0 or height <= 0:
+        raise RegionError(f"region {_region_text(region)} is empty (width and height must be positive)")
+    if x < 0 or y < 0 or x + width > size[0] + 0.5 or y + height > size[1] + 0.5:
+        raise RegionError(
+            f"region {_region_text(region)} (x, y, width, height) reaches outside the {size[0]}x{size[1]} image"
+        )
+    box = (round(x), round(y), min(round(x + width), size[0]), min(round(y + height), size[1]))
+    if box[2] - box[0] < MIN_REGION_SIDE or box[3] - box[1] < MIN_REGION_SIDE:
+        raise RegionError(f"region {_region_text(region)} is under the minimum of {MIN_REGION_SIDE} pixels a side")
+    return box
+
+
+def _region_text(region: Region) -> str:
+    return "(" + ", ".join(f"{float(v):g}" for v in region) + ")"
+
+
+def decode(image: Image.Image, contract: InputContract, region: Region | None = None) -> np.ndarray:
     """Decode an image opened with `open_image(..., load=False)` into the contract's model
     input, asking the decoder for a reduced scale first where the contract allows it (a 12 MP
-    JPEG: 3.6x less CPU at `reducing_gap` 2, see `benchmarks/bench_decode.py`)."""
+    JPEG: 3.6x less CPU at `reducing_gap` 2, see `benchmarks/bench_decode.py`). `region`: only
+    that part of the (upright) picture, cropped before the contract's resize and crop."""
+    if region is not None:
+        box = region_box(region, upright_size(image) if contract.exif_orientation else image.size)
+        turn = _upright_turn(image) if contract.exif_orientation else None
+        pixels = load_pixels(image)
+        if turn is not None:
+            pixels = pixels.transpose(turn)
+        return to_model_input(pixels.crop(box), contract, upright=True)
     box = None
     if contract.resize is not None and contract.reducing_gap is not None:
         width, height = _resized_size(image.size, contract.resize)
@@ -190,11 +247,15 @@ def decode(image: Image.Image, contract: InputContract) -> np.ndarray:
 
 
 def to_model_input(
-    image: Image.Image, contract: InputContract, box: tuple[float, float, float, float] | None = None
+    image: Image.Image,
+    contract: InputContract,
+    box: tuple[float, float, float, float] | None = None,
+    upright: bool = False,
 ) -> np.ndarray:
     """Convert a decoded image to one CHW float32 array following the contract. `box`: the
-    region of `image` holding the picture (what `Image.draft` answers), None for all of it."""
-    upright = _upright_turn(image) if contract.exif_orientation else None
+    region of `image` holding the picture (what `Image.draft` answers), None for all of it;
+    `upright`: the image is turned already (a region cropped from the upright picture)."""
+    upright = _upright_turn(image) if contract.exif_orientation and not upright else None
     # A grey image feeding an RGB model is resized as its one channel and replicated at the
     # end: the same numbers as converting first (each channel is resized alike), a third of
     # the resampling work, which dominates when small images are upscaled.
@@ -257,9 +318,15 @@ def _center_crop_or_resize(
     return image.resize((width, height), resample)
 
 
-def load_image(source: bytes | str | Path, contract: InputContract, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
-    """Decode and preprocess one image: the whole inference contract in one call."""
-    return decode(open_image(source, max_pixels=max_pixels, load=False), contract)
+def load_image(
+    source: bytes | str | Path,
+    contract: InputContract,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+    region: Region | None = None,
+) -> np.ndarray:
+    """Decode and preprocess one image (only `region` of it, when given): the whole inference
+    contract in one call."""
+    return decode(open_image(source, max_pixels=max_pixels, load=False), contract, region)
 
 
 def load_batch(

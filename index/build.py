@@ -16,12 +16,12 @@ import numpy as np
 
 from core import artifacts
 from core.artifacts import ArtifactError, utc_now
-from core.catalog import Catalog, CatalogError, read_catalog
+from core.catalog import ITEM_COLUMN, Catalog, CatalogError, read_catalog
 from core.config import DEVICES, option, to_jsonable
 from core.items import ItemTable
 from core.manifests import IndexManifest, ModelManifest, QualityGate, QualityReport, RowCounts
 from core.metrics import recall_at_k, recall_from_neighbor_labels
-from core.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, load_image
+from core.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, RegionError, load_image
 from core.progress import Progress
 from index.contact_sheet import contact_sheet, sample_neighbours
 from index.embedder import OnnxEmbedder
@@ -41,6 +41,7 @@ from index.faiss_index import (
     with_default_rerank,
 )
 from index.filters import FieldSpec, FilterIndex, check_catalog_fields, declared_json, parse_filterable, specs_of
+from index.grouping import Groups, item_recall_at_k
 from index.lifecycle import drop_rows, warn_of_returning_items
 from index.version import IndexVersion
 
@@ -108,6 +109,13 @@ class BuildConfig:
         "or label, e.g. category,brand,price:float; index add keeps the live version's",
     )
 
+    item_field: str | None = option(
+        None,
+        help="the catalog column naming each row's item (a product with several photos, an icon in several "
+        "themes; label for a labelled set): answers can be grouped by it and item Recall@K is measured "
+        f"(default: {ITEM_COLUMN} when the catalog has that column); declared filterable",
+    )
+
     def __post_init__(self) -> None:
         if self.batch_size <= 0 or self.decode_threads <= 0 or self.quality_sample <= 0:
             raise ValueError("batch_size, decode_threads and quality_sample must be positive")
@@ -127,6 +135,17 @@ class BuildConfig:
     @property
     def filterable_fields(self) -> list[FieldSpec]:
         return parse_filterable(self.filterable)
+
+    def with_item_field(self, catalog: Catalog) -> BuildConfig:
+        """The item field resolved against the catalog (`item` when it has that column and none
+        was named) and declared filterable — grouping reads a field's value → rows structure."""
+        name = self.item_field
+        if name is None and any(ITEM_COLUMN in meta for meta in catalog.metadata):
+            name = ITEM_COLUMN
+        if name is None:
+            return self
+        declared = self.filterable if name in {s.name for s in self.filterable_fields} else [*self.filterable, name]
+        return dataclasses.replace(self, item_field=name, filterable=declared)
 
     @property
     def given_search_params(self) -> dict[str, float]:
@@ -184,11 +203,18 @@ def embed_catalog(
 ) -> tuple[np.ndarray, list[int], dict[str, int]]:
     """Embeddings of every decodable row, the rows kept, and counts of skipped rows by reason."""
     skipped: dict[str, int] = {}
+    bad_regions: list[tuple[int, str]] = []
     counting = threading.Lock()  # decode threads skip rows at once: a get-then-set could lose one
+    regions = catalog.regions
 
-    def decode(path: Path) -> np.ndarray | None:
+    def decode(row: int) -> np.ndarray | None:
+        path = catalog.paths[row]
         try:
-            return load_image(path, embedder.contract, max_pixels)
+            return load_image(path, embedder.contract, max_pixels, regions[row])
+        except RegionError as exc:  # the catalog's own mistake, not an unreadable file: refused below
+            with counting:
+                bad_regions.append((row + 1, str(exc)))
+            return None
         except ImageDecodeError as exc:
             with counting:
                 skipped[exc.reason] = skipped.get(exc.reason, 0) + 1
@@ -202,12 +228,16 @@ def embed_catalog(
     ):
         for start in range(0, len(catalog), batch_size):
             rows = range(start, min(start + batch_size, len(catalog)))
-            arrays = list(pool.map(decode, (catalog.paths[r] for r in rows)))
+            arrays = list(pool.map(decode, rows))
             good = [(r, a) for r, a in zip(rows, arrays, strict=True) if a is not None]
             if good:
                 parts.append(embedder.embed(np.stack([a for _, a in good])))
                 kept.extend(r for r, _ in good)
             bar.update(len(rows))
+    if bad_regions:
+        bad_regions.sort()
+        shown = "; ".join(f"row {n}: {why}" for n, why in bad_regions[:5]) + (" ..." if len(bad_regions) > 5 else "")
+        raise CatalogError(f"{catalog.source}: {len(bad_regions)} row(s) whose bbox does not fit the image ({shown})")
     embeddings = np.concatenate(parts) if parts else np.zeros((0, embedder.dim), np.float32)
     return embeddings, kept, skipped
 
@@ -246,9 +276,12 @@ def probe_catalog_recall(index, labels: list[str] | None, cfg: BuildConfig) -> t
 NO_PROBE = "none: the catalog has no labels and no --probe-catalog was given"
 
 
-def quality_figures(index, embeddings: np.ndarray, labels: list[str] | None, cfg: BuildConfig) -> QualityReport:
+def quality_figures(
+    index, embeddings: np.ndarray, labels: list[str] | None, cfg: BuildConfig, items: Groups | None = None
+) -> QualityReport:
     """ANN recall vs exact search, and probe Recall@K, on a fixed sample of the catalog.
-    Without labels (`labels` None) the probe comes from --probe-catalog or is absent."""
+    Without labels (`labels` None) the probe comes from --probe-catalog or is absent. With
+    `items` (the rows grouped by the item field), item Recall@K of the same sample too."""
     n = len(embeddings)
     sample = sample_rows(n, cfg.quality_sample, seed=0)
     ann_k = min(cfg.ann_k, n)
@@ -258,6 +291,9 @@ def quality_figures(index, embeddings: np.ndarray, labels: list[str] | None, cfg
         ann_recall_at_k=ann_recall(index, embeddings, embeddings[sample], ann_k),
         labelled=labels is not None,
     )
+    if items is not None:
+        item_recall = item_recall_at_k(index, embeddings, items, sample, cfg.ks)
+        report.item_recall_at_k = None if item_recall is None else {str(k): v for k, v in item_recall.items()}
     if cfg.probe_catalog:
         report.probe_recall_at_k, report.probe_source = probe_catalog_recall(index, labels, cfg)
     if labels is None:
@@ -294,6 +330,8 @@ def describe_quality(figures: QualityReport) -> str:
         line += f"; probe {recall} ({figures.probe_source})"
     else:
         line += f"; probe Recall@K {figures.probe_source or NO_PROBE}"
+    if figures.item_recall_at_k:
+        line += "; item " + ", ".join(f"R@{k} {v:.4f}" for k, v in figures.item_recall_at_k.items())
     return line
 
 
@@ -343,6 +381,7 @@ def run_build(cfg: BuildConfig, progress: bool = True) -> Path:
     started = time.perf_counter()
     catalog_path = cfg.catalog or default_catalog(ModelManifest.read(cfg.model))
     catalog = read_catalog(catalog_path)
+    cfg = cfg.with_item_field(catalog)
     cfg.check_catalog(catalog)  # before the model's session is even loaded
     embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
     embeddings, kept, skipped = embed_catalog(
@@ -423,7 +462,8 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
         tuning = tune_search_effort(searched, embeddings, queries, k, cfg.target_ann_recall)
         search_params = {**search_params, tuning.parameter: tuning.value}
         (log.info if tuning.reached else log.warning)("search effort: %s", tuning)
-    quality = quality_figures(searched, embeddings, labels, cfg)
+    item_groups = Groups.of(cfg.item_field, filter_index.fields[cfg.item_field], len(table)) if cfg.item_field else None
+    quality = quality_figures(searched, embeddings, labels, cfg, item_groups)
     quality.search_tuning = tuning.to_dict() if tuning is not None else None
     log.info("quality: %s; search parameters %s", describe_quality(quality), search_params or "none")
     root = Path(cfg.index_root)
@@ -472,6 +512,7 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
             engine=new.engine,
             deleted_rows=len(deleted),
             filterable=declared_json(specs),
+            item_field=cfg.item_field,
         )
         manifest.rows = dataclasses.replace(new.rows, indexed=manifest.live_size)
         manifest.write(staging)
@@ -510,6 +551,7 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
         search_params=live.manifest.search_params,
         nprobe=None,
         filterable=declared,
+        item_field=live.manifest.item_field,
     )
     cfg.check_inputs()
     embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)

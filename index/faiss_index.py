@@ -282,14 +282,18 @@ def index_family(index: faiss.Index | ExactRerank) -> str | None:
     return None
 
 
-def selector_params(index: faiss.Index | ExactRerank, allowed: np.ndarray, k: int) -> faiss.SearchParameters:
-    """Search parameters restricting `index` to the rows `allowed` marks, with the index's own
-    nprobe / efSearch carried over (params given to a search replace them) and widened for the
-    filter's selectivity."""
+def selector_params(
+    index: faiss.Index | ExactRerank, allowed: np.ndarray | None, k: int, effort: float = 1.0
+) -> faiss.SearchParameters:
+    """Search parameters restricting `index` to the rows `allowed` marks (None: every row), with
+    the index's own nprobe / efSearch carried over (params given to a search replace them) and
+    widened for the filter's selectivity, times `effort` (a grouped search's later rounds)."""
     base = faiss.downcast_index(index.index if isinstance(index, ExactRerank) else index)
     # A bitmap, least significant bit first, is one load and a shift per test (IDSelectorBitmap).
-    selector = faiss.IDSelectorBitmap(np.packbits(allowed, bitorder="little"))
-    widen = (len(allowed) / max(int(np.count_nonzero(allowed)), 1)) ** WIDEN_POWER
+    selector = None if allowed is None else faiss.IDSelectorBitmap(np.packbits(allowed, bitorder="little"))
+    widen = effort
+    if allowed is not None:
+        widen *= (len(allowed) / max(int(np.count_nonzero(allowed)), 1)) ** WIDEN_POWER
     if isinstance(base, faiss.IndexIVF):
         nprobe = min(base.nlist, int(np.ceil(base.nprobe * widen)))
         return faiss.SearchParametersIVF(sel=selector, nprobe=nprobe, max_codes=base.max_codes)
@@ -344,20 +348,22 @@ def search_within(
     allowed: np.ndarray,
     exact_below: float | None = None,
     rows: np.ndarray | None = None,
+    effort: float = 1.0,
 ) -> tuple[np.ndarray, np.ndarray, str]:
     """Top-k (scores, rows) of L2-normalised `queries` among the rows `allowed` marks, and the
     path the planner took (EXACT or INDEX): exact search over those rows when they are at most
     `exact_below` of the index (default: its family's EXACT_BELOW, or EXACT_BELOW_ALONE for a
     few queries, which cannot share the reading of the rows), else the index's own
     search with a selector. Places past the matching rows hold row -1. `rows`: the mask's rows
-    (`np.flatnonzero(allowed)`) when the caller keeps them for a mask it reuses."""
+    (`np.flatnonzero(allowed)`) when the caller keeps them for a mask it reuses; `effort`
+    multiplies the widened nprobe / efSearch (`selector_params`)."""
     family = index_family(index)
     thresholds = EXACT_BELOW_ALONE if len(queries) <= IN_PLACE_QUERIES else EXACT_BELOW
     threshold = exact_below if exact_below is not None else thresholds.get(family or "", 1.0)
     count = len(rows) if rows is not None else int(np.count_nonzero(allowed))
     if family is None or count <= threshold * len(allowed) or count <= k:
         return (*exact_within(stored, queries, k, np.flatnonzero(allowed) if rows is None else rows), EXACT)
-    params = selector_params(index, allowed, k)
+    params = selector_params(index, allowed, k, effort)
     scores, rows = index.search(queries, min(k, index.ntotal), params=params)
     return scores, rows, INDEX
 

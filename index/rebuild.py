@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from core.artifacts import utc_now, write_json_atomic
-from core.catalog import Catalog, read_catalog
+from core.catalog import BBOX_COLUMN, Catalog, CatalogError, parse_bbox, read_catalog
 from core.cli import init_ray
 from core.config import option
 from core.manifests import ModelManifest
-from core.preprocess import ImageDecodeError, load_image
+from core.preprocess import ImageDecodeError, RegionError, load_image
 from index.build import (
     DEFAULT_MODEL,
     BuildConfig,
@@ -83,14 +83,14 @@ class EmbedImages:
         self.max_pixels = max_pixels
         self.decoders = ThreadPoolExecutor(max_workers=max(2, threads))
 
-    def decode(self, path: str) -> np.ndarray | str:
+    def decode(self, path: str, bbox: str) -> np.ndarray | str:
         try:
-            return load_image(path, self.embedder.contract, self.max_pixels)
+            return load_image(path, self.embedder.contract, self.max_pixels, parse_bbox(bbox) if bbox else None)
         except ImageDecodeError as exc:
             return exc.reason
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        decoded = list(self.decoders.map(self.decode, (str(p) for p in batch["path"])))
+        decoded = list(self.decoders.map(self.decode, (str(p) for p in batch["path"]), map(str, batch["bbox"])))
         reasons = np.asarray([d if isinstance(d, str) else "" for d in decoded], dtype=object)
         ok = reasons == ""
         embeddings = np.zeros((len(decoded), self.embedder.dim), dtype=np.float32)
@@ -103,8 +103,9 @@ def work_key(catalog: Catalog, model_id: str) -> str:
     """Where a catalog's shards for a model go: its rows (id and path), not its file's bytes, so a
     folder of images has a key too."""
     digest = hashlib.sha256(model_id.encode())
-    for item_id, path in zip(catalog.ids, catalog.paths, strict=True):
-        digest.update(f"{item_id}\t{path}\n".encode())
+    for item_id, path, meta in zip(catalog.ids, catalog.paths, catalog.metadata, strict=True):
+        bbox = f"\t{meta[BBOX_COLUMN]}" if BBOX_COLUMN in meta else ""  # a new crop is a new embedding
+        digest.update(f"{item_id}\t{path}{bbox}\n".encode())
     return digest.hexdigest()[:16]
 
 
@@ -126,7 +127,10 @@ def embed_with_ray_data(
     catalog = read_catalog(catalog_path)
     resources = embed_actor_resources(ray.cluster_resources().get("GPU", 0), provider)
     threads = max(1, (os.cpu_count() or 1) // max(workers, 1))
-    rows = [{"row": i, "path": str(p)} for i, p in enumerate(catalog.paths)]
+    rows = [
+        {"row": i, "path": str(p), "bbox": meta.get(BBOX_COLUMN, "")}
+        for i, (p, meta) in enumerate(zip(catalog.paths, catalog.metadata, strict=True))
+    ]
     ds = ray.data.from_items(rows, override_num_blocks=max(1, min(len(rows) // batch_size + 1, workers * 8)))
     ds = ds.map_batches(
         EmbedImages,
@@ -181,6 +185,10 @@ def read_shards(work: Path, n_rows: int) -> tuple[np.ndarray, list[int], dict[st
         seen[rows] = True
     if vectors is None or not seen.all():
         raise RuntimeError(f"{work}: shards hold {int(seen.sum())} rows, the catalog {n_rows}; delete the work dir")
+    misfits = np.flatnonzero(reasons == RegionError.reason)
+    if len(misfits):  # the catalog's mistake, not unreadable files: refused, naming the rows
+        shown = ", ".join(str(r + 1) for r in misfits[:5]) + (" ..." if len(misfits) > 5 else "")
+        raise CatalogError(f"{len(misfits)} row(s) whose bbox does not fit the image: row {shown}")
     bad = reasons != ""
     kept = [int(r) for r in np.flatnonzero(~bad)]
     skipped: dict[str, int] = {}
@@ -198,6 +206,7 @@ def run_rebuild(cfg: RebuildConfig, progress: bool = True) -> Path:
     model = ModelManifest.read(model_dir)
     catalog_path = Path(cfg.catalog or default_catalog(model))
     catalog = read_catalog(catalog_path)
+    cfg = cfg.with_item_field(catalog)
     cfg.check_catalog(catalog)
     work = Path(cfg.work_dir or Path(cfg.index_root) / ".rebuild") / work_key(catalog, model.model_id)
     if (work / DONE).is_file():

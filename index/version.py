@@ -12,6 +12,7 @@ The files are read when first used, so reading the manifest alone costs only the
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -25,6 +26,7 @@ from core.items import ItemTable
 from core.manifests import IndexManifest
 from index.faiss_index import ExactRerank, apply_search_params, load_index, searchable
 from index.filters import FilterIndex
+from index.grouping import Groups
 
 T = TypeVar("T")
 
@@ -37,6 +39,8 @@ class IndexVersion:
     def __init__(self, directory: str | Path, manifest: IndexManifest | None = None) -> None:
         self.directory = Path(directory)
         self.manifest = manifest if manifest is not None else IndexManifest.read(self.directory)
+        self._groups: dict[str, Groups] = {}
+        self._groups_lock = threading.Lock()  # inference threads group queries at once
 
     @classmethod
     def open(cls, root: str | Path, version: str | None = None) -> IndexVersion:
@@ -78,6 +82,23 @@ class IndexVersion:
         if not self.manifest.filterable:
             return None
         return _read_artifact(FilterIndex.load, self.directory / artifacts.FILTERS_FILE, "a filter structure")
+
+    def groups(self, name: str) -> Groups:
+        """Rows grouped by the filterable field `name` (built once per version and field, from
+        its value → rows structure). KeyError when the version does not declare it."""
+        with self._groups_lock:
+            found = self._groups.get(name)
+            if found is None:
+                field_rows = self.filters.fields[name] if self.filters is not None else None
+                if field_rows is None:
+                    raise KeyError(name)
+                found = self._groups[name] = Groups.of(name, field_rows, len(self.items))
+            return found
+
+    @property
+    def group_fields(self) -> list[str]:
+        """What queries may group by: the declared fields (the item field among them)."""
+        return list(self.manifest.filterable)
 
     @functools.cached_property
     def deleted(self) -> np.ndarray:

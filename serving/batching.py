@@ -53,6 +53,7 @@ from enum import StrEnum
 import numpy as np
 from PIL import Image
 
+from core.preprocess import Region
 from serving.engine import EVERY_ROW, Hit, Scope, SearchEngine, ServingPair
 from serving.errors import DeadlineExceeded, ResourceExhausted, ServiceError, Unavailable
 from serving.metrics import ServiceMetrics
@@ -81,6 +82,7 @@ class Query:
     scope: Scope = EVERY_ROW
     array: np.ndarray | None = None
     image: Image.Image | None = None  # opened, pixels not decoded: the inference thread decodes it
+    region: Region | None = None  # only this part of `image` (checked against its size already)
     vector: np.ndarray | None = None
     deadline: float | None = None  # time.monotonic() value
     received: float = field(default_factory=time.perf_counter)
@@ -94,6 +96,7 @@ class Result:
     hits: list[Hit] = field(default_factory=list)
     truncated: bool = False  # min_score: more rows reach it than `hits` holds
     path: str | None = None  # a filtered query's: exact or index, as the planner chose
+    candidates: int | None = None  # a grouped query's: rows its deciding round searched
     vector: np.ndarray | None = None
     decode_s: float = 0.0
     queue_s: float = 0.0
@@ -186,7 +189,7 @@ class Inference:
     def _decode(self, work: _Work) -> np.ndarray | None:
         started = time.perf_counter()
         try:
-            return self.engine.model_input(work.query.pair, work.query.image)
+            return self.engine.model_input(work.query.pair, work.query.image, work.query.region)
         except ServiceError as exc:
             work.error = exc
             return None
@@ -210,13 +213,20 @@ class Inference:
             k = max(w.query.k for w in to_search)
             vectors = np.stack([w.result.vector for w in to_search])
             found = self.engine.search(
-                pair, vectors, k, [w.query.exclude for w in to_search], [w.query.scope for w in to_search]
+                pair,
+                vectors,
+                k,
+                [w.query.exclude for w in to_search],
+                [w.query.scope for w in to_search],
+                [w.query.k for w in to_search],
             )
             for work, answer in zip(to_search, found, strict=True):
-                work.result.hits = answer.hits[: work.query.k]
-                cut = work.query.scope.min_score is not None and len(answer.hits) > work.query.k
+                grouped = work.query.scope.groups is not None  # searched to its own k groups already
+                work.result.hits = answer.hits if grouped else answer.hits[: work.query.k]
+                cut = not grouped and work.query.scope.min_score is not None and len(answer.hits) > work.query.k
                 work.result.truncated = answer.truncated or cut
                 work.result.path = answer.path
+                work.result.candidates = answer.candidates
         searched = time.perf_counter()
         self.metrics.batch_size.observe(len(batch))
         embedding, searching = set(map(id, to_embed)), set(map(id, to_search))

@@ -4,10 +4,14 @@ nothing themselves."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from PIL import Image
 
-from core.preprocess import open_image
+from core.preprocess import Region, RegionError, open_image, region_box, upright_size
+from index.grouping import Groups
+from protos.simsearch.v1 import search_pb2 as pb
 from serving.engine import Limits, ServingPair
 from serving.errors import InvalidArgument, image_errors
 
@@ -54,6 +58,52 @@ class RequestChecks:
         if row is None:
             raise InvalidArgument(f"unknown item id {item_id!r}")
         return pair.index_version.vector(row), row
+
+    def groups(self, pair: ServingPair, name: str) -> Groups:
+        """The rows grouped by `name`, a field the live version declares."""
+        version = pair.index_version
+        if name not in version.group_fields:
+            declared = ", ".join(version.group_fields) or "none (index build --item-field / --filterable)"
+            raise InvalidArgument(
+                f"group_by: {name!r} is not a declared field of this index version (declared: {declared})"
+            )
+        return version.groups(name)
+
+    def check_per_group(self, per_group: int) -> int:
+        if not 1 <= per_group <= self.limits.max_per_group:
+            raise InvalidArgument(f"per_group must be within 1..{self.limits.max_per_group}, got {per_group}")
+        return per_group
+
+    def check_region(self, region: pb.Region, image: Image.Image, upright: bool) -> Region:
+        """A request's region of an opened image (header only), checked against its size as seen."""
+        box = (region.x, region.y, region.width, region.height)
+        try:
+            region_box(box, upright_size(image) if upright else image.size)
+        except RegionError as exc:
+            raise InvalidArgument(str(exc)) from None
+        return box
+
+    def check_parts(self, parts: list[pb.QueryPart]) -> list[float]:
+        """Each part's signed weight: at most max_query_parts parts, weights finite and above 0,
+        a region only on an image part, and at least one positive part."""
+        if len(parts) > self.limits.max_query_parts:
+            raise InvalidArgument(f"{len(parts)} query parts exceed the maximum of {self.limits.max_query_parts}")
+        signed = []
+        for i, part in enumerate(parts):
+            kind = part.WhichOneof("query")
+            if kind is None:
+                raise InvalidArgument(f"parts[{i}]: has no query: set image, embedding or item_id")
+            if part.HasField("region") and kind != "image":
+                raise InvalidArgument(f"parts[{i}]: a region crops an image; this part is an {kind}")
+            weight = part.weight if part.HasField("weight") else 1.0
+            if not math.isfinite(weight) or weight <= 0:
+                raise InvalidArgument(
+                    f"parts[{i}]: weight must be a finite number above 0, got {weight} (mark a part negative instead)"
+                )
+            signed.append(-weight if part.negative else weight)
+        if all(w < 0 for w in signed):
+            raise InvalidArgument("query parts are all negative: give at least one positive part")
+        return signed
 
     def exclude_rows(self, pair: ServingPair, ids: list[str]) -> set[int]:
         """The rows of the ids a request leaves out (ids not indexed leave nothing out)."""

@@ -25,10 +25,11 @@ from core.artifacts import ArtifactError
 from core.config import option
 from core.items import ItemTable
 from core.manifests import IndexManifest, ModelManifest
-from core.preprocess import DEFAULT_MAX_PIXELS, decode
+from core.preprocess import DEFAULT_MAX_PIXELS, Region, decode
 from index import range_search
 from index.build import check_model_index_pair
 from index.faiss_index import ExactRerank, search_within
+from index.grouping import Groups, search_groups
 from index.version import IndexVersion
 from serving.errors import Unavailable, image_errors
 from serving.query_embedder import QueryEmbedder
@@ -44,9 +45,13 @@ class Limits:
     max_message_bytes: int = option(16 * 1024 * 1024, help="largest gRPC message, either way")
     max_image_pixels: int = option(DEFAULT_MAX_PIXELS, help="largest query image, in pixels")
     max_batch_queries: int = option(256, help="queries per SearchBatch")
+    max_query_parts: int = option(8, help="parts of one query (images, embeddings, item ids)")
+    max_per_group: int = option(16, help="most rows a grouped answer may give each group")
 
     def __post_init__(self) -> None:
-        for name in ("max_k", "max_message_bytes", "max_image_pixels", "max_batch_queries"):
+        for name in (
+            "max_k", "max_message_bytes", "max_image_pixels", "max_batch_queries", "max_query_parts", "max_per_group"
+        ):  # fmt: skip
             if not 0 < getattr(self, name) < 2**31:  # GetInfo carries them as int32
                 raise ValueError(f"{name} must be within 1..{2**31 - 1}, got {getattr(self, name)}")
 
@@ -147,20 +152,24 @@ def load_pair(
 class Hit:
     row: int
     score: float
+    group: int = -1  # a grouped answer's: the row's group (`Groups.label` names it)
 
 
 @dataclass(frozen=True, slots=True)
 class Scope:
     """Which rows may answer a query, beyond the rows it excludes: `allowed`, a bool per row of
     the pair (a filter's matches; None: every row), and `min_score`, the least cosine similarity
-    of an answer (None: the top k, whatever their scores)."""
+    of an answer (None: the top k, whatever their scores). With `groups`, k counts groups of
+    that field, each answering with up to `per_group` rows (`index.grouping`)."""
 
     allowed: np.ndarray | None = None
     min_score: float | None = None
+    groups: Groups | None = None
+    per_group: int = 1
 
     @property
     def plain(self) -> bool:
-        return self.allowed is None and self.min_score is None
+        return self.allowed is None and self.min_score is None and self.groups is None
 
 
 EVERY_ROW = Scope()
@@ -181,6 +190,7 @@ class Answer:
     hits: list[Hit]
     truncated: bool = False
     path: str | None = None  # a filtered query's: the planner's choice, exact or index (faiss_index.search_within)
+    candidates: int | None = None  # a grouped query's: rows its deciding round searched (EXACT_PASS: all)
 
 
 class SearchEngine:
@@ -214,10 +224,11 @@ class SearchEngine:
 
     # -- stages -----------------------------------------------------------------------------
 
-    def model_input(self, pair: ServingPair, image: Image.Image) -> np.ndarray:
-        """Decode the pixels of an opened image and apply the model's input contract."""
+    def model_input(self, pair: ServingPair, image: Image.Image, region: Region | None = None) -> np.ndarray:
+        """Decode the pixels of an opened image (`region` of it, when given) and apply the model's
+        input contract."""
         with image_errors():
-            return decode(image, pair.embedder.contract)
+            return decode(image, pair.embedder.contract, region)
 
     def embed(self, pair: ServingPair, arrays: list[np.ndarray], side_by_side: bool = False) -> np.ndarray:
         return pair.embedder.embed(np.stack(arrays), side_by_side=side_by_side)
@@ -229,14 +240,28 @@ class SearchEngine:
         k: int,
         exclude: list[frozenset[int]],
         scopes: list[Scope] | None = None,
+        ks: list[int] | None = None,
     ) -> list[Answer]:
         """Top-k per query within its scope, leaving out excluded and deleted rows. Plain
         queries share one faiss call (searching deeper to make up for excluded rows) — through
         a selector of the live rows while some are deleted (HNSW tombstones) —; queries of one
-        filter share one planned search; a min_score is searched alone."""
+        filter share one planned search; a min_score is searched alone; grouped queries of one
+        scope share each round of their widening search, each to its own k (`ks`, else k)."""
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         scopes = scopes or [EVERY_ROW] * len(vectors)
         answers: list[Answer | None] = [None] * len(vectors)
+        grouped: dict[tuple, list[int]] = {}
+        for i, scope in enumerate(scopes):
+            if scope.groups is not None:
+                key = (id(scope.groups), id(scope.allowed), scope.min_score, scope.per_group, ks[i] if ks else k)
+                grouped.setdefault(key, []).append(i)
+        for members in grouped.values():
+            scope = scopes[members[0]]
+            found = self.search_grouped(
+                pair, vectors[members], ks[members[0]] if ks else k, [exclude[i] for i in members], scope
+            )
+            for i, answer in zip(members, found, strict=True):
+                answers[i] = answer
         plain = [i for i, s in enumerate(scopes) if s.plain]
         live = pair.index_version.live_mask
         if plain and live is not None:
@@ -265,6 +290,27 @@ class SearchEngine:
             if answer is None:
                 answers[i] = self.search_scoped(pair, vectors[i], k, exclude[i], scopes[i])
         return answers
+
+    def search_grouped(
+        self, pair: ServingPair, vectors: np.ndarray, k: int, exclude: list[frozenset[int]], scope: Scope
+    ) -> list[Answer]:
+        """The top k groups of each query within the scope (`index.grouping.search_groups`), as
+        hits group by group, best group first."""
+        live = pair.index_version.live_mask
+        allowed = scope.allowed
+        if live is not None:
+            allowed = live if allowed is None else allowed & live
+        found = search_groups(
+            pair.index, pair.vectors, vectors, k, scope.groups, scope.per_group, allowed, exclude, scope.min_score
+        )
+        return [
+            Answer(
+                [Hit(row, score, group) for group, hits in g.groups for row, score in hits],
+                g.truncated,
+                candidates=g.candidates,
+            )
+            for g in found
+        ]
 
     def search_filtered(
         self, pair: ServingPair, vectors: np.ndarray, k: int, exclude: list[frozenset[int]], allowed: np.ndarray

@@ -28,6 +28,7 @@ from aiohttp import web
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from core.catalog import parse_bbox
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.auth import Scope, Tokens, token_fingerprint
 from serving.errors import InvalidArgument, PayloadTooLarge, ServiceError, status_of
@@ -84,6 +85,9 @@ _IMAGE_QUERY_PARAMS = (
     ("excludeIds", "string", "item ids to leave out, comma-separated"),
     ("requestId", "string", "the request's id, for Feedback (default: made up)"),
     ("label", "string", "the query's true label, scored into the traffic Recall@K"),
+    ("groupBy", "string", "k counts groups of this declared field (default: the index's item field; empty: none)"),
+    ("perGroup", "integer", "rows per group (default 1)"),
+    ("region", "string", "x,y,width,height: search for that crop, in pixels of the upright image"),
 )
 
 ROUTES: tuple[Route, ...] = (
@@ -351,6 +355,15 @@ class HttpApi:
         message.request_id = query.get("requestId", "")
         if "label" in query:
             message.label = query["label"]
+        if "groupBy" in query:
+            message.group_by = query["groupBy"]
+        message.per_group = self._query_int(request, "perGroup", 0, 0, 2**31 - 1)
+        if "region" in query:
+            try:
+                x, y, width, height = parse_bbox(query["region"])
+            except ValueError as exc:
+                raise InvalidArgument(f"region: {exc}") from None
+            message.region.CopyFrom(pb.Region(x=x, y=y, width=width, height=height))
         message.image = await self._image(request)
         return await self.service.search(message, self._timeout(request))
 

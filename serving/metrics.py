@@ -75,6 +75,12 @@ class ServiceMetrics:
         )
         for path in ("exact", "index"):  # both series from the start: a panel shows 0, not "no data"
             self.filtered_queries.labels(path)
+        self.group_candidates = Histogram(
+            "simsearch_group_candidates",
+            "Grouped queries: candidate rows the deciding round searched (the index size when the exact pass answered)",
+            buckets=(8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 16384, 65536, 262144, 1048576, float("inf")),
+            registry=r,
+        )
         self.batch_size = Histogram(
             "simsearch_batch_size",
             "Queries per embedding/search batch",

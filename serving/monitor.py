@@ -119,6 +119,7 @@ class RecallMonitor:
         self.feedback = SlidingRecall(config.ks, config.window)
         self.ann = {k: deque(maxlen=config.window) for k in config.ks}
         self.probe: dict[int, float] | None = None
+        self.probe_items: dict[int, float] | None = None  # item Recall@K of the probe round, where items exist
         self._live: ServingPair | None = None  # figures are kept for this pair only
         self._lock = threading.Lock()  # a record checks the pair and publishes while no reset runs
         self._ann_jobs: queue.Queue = queue.Queue(maxsize=config.ann_queue)
@@ -178,6 +179,7 @@ class RecallMonitor:
             for window in self.ann.values():
                 window.clear()
             self.probe = None
+            self.probe_items = None
             self.metrics.recall_at_k.clear()
             self.metrics.ann_recall_at_k.clear()
 
@@ -212,6 +214,15 @@ class RecallMonitor:
             self.probe = values
             self._publish("probe", values)
         return values
+
+    def record_item_probe(self, pair: ServingPair, values: dict[int, float] | None) -> bool:
+        """A probe round's item Recall@K (`ProbeRunner.item_round`), kept if `pair` is still live."""
+        with self._lock:
+            if values is None or self._live is not pair:
+                return False
+            self.probe_items = values
+            self._publish("probe_items", values)
+        return True
 
     def _probe_loop(self, probe: Callable[[], dict[int, float] | None]) -> None:
         while not self._stop.is_set():
@@ -271,6 +282,7 @@ class RecallMonitor:
         out = {}
         for source, values in (
             ("probe", self.probe),
+            ("probe_items", self.probe_items),
             ("traffic", self.traffic.values()),
             ("feedback", self.feedback.values()),
         ):

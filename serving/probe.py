@@ -67,11 +67,55 @@ class ProbeRunner:
             return None
         k = max(self.ks)
         requests = [
-            pb.SearchRequest(image=p.read_bytes(), k=k, exclude_ids=ex, filter=self.probe_filter)
+            pb.SearchRequest(image=p.read_bytes(), k=k, exclude_ids=ex, filter=self.probe_filter, group_by="")
             for p, ex in zip(paths, excludes, strict=True)
         ]
+        answers = self._answers(requests, loop)
+        return probe_recall([[n.label for n in a.neighbors] for a in answers], labels, self.ks)
+
+    def _answers(self, requests: list[pb.SearchRequest], loop: asyncio.AbstractEventLoop) -> list[pb.SearchResponse]:
         answers = []
         for start in range(0, len(requests), self.max_batch_queries):
             chunk = requests[start : start + self.max_batch_queries]
             answers += asyncio.run_coroutine_threadsafe(self.service.search_many(chunk, 60.0), loop).result()
-        return probe_recall([[n.label for n in a.neighbors] for a in answers], labels, self.ks)
+        return answers
+
+    def item_round(self, loop: asyncio.AbstractEventLoop) -> dict[int, float] | None:
+        """Item Recall@K where the live version has an item field: a fixed sample of rows whose
+        item has another row queries by its image, grouped by item, its own row left out; a hit
+        when its item is among the K best. Labels are not needed. Recorded on the monitor unless
+        a reload swapped the pair meanwhile; None with no item field or nothing to score."""
+        if not self.engine.loaded:
+            return None
+        pair = self.engine.pair
+        field = pair.manifest.item_field
+        if not field:
+            return None
+        groups = pair.index_version.groups(field)
+        sizes = np.diff(groups.offsets)
+        live = pair.index_version.live_mask
+        items = pair.items
+        order = np.random.default_rng(0).permutation(len(items))
+        rows = [
+            int(r) for r in order if groups.codes[r] >= 0 and sizes[groups.codes[r]] > 1 and (live is None or live[r])
+        ][: self.probe_size]
+        rows = [r for r in rows if Path(items.paths[r]).is_file()]
+        if not rows:
+            return None
+        k = max(self.ks)
+        requests = [
+            pb.SearchRequest(
+                image=Path(items.paths[r]).read_bytes(), k=k, exclude_ids=[items.ids[r]], group_by=field,
+                filter=self.probe_filter,
+            )
+            for r in rows
+        ]  # fmt: skip
+        answers = self._answers(requests, loop)
+        ranked = [[n.group for n in a.neighbors] for a in answers]
+        firsts = [[g for i, g in enumerate(top) if i == 0 or top[i - 1] != g] for top in ranked]
+        values = {
+            kk: float(np.mean([groups.label(groups.codes[r]) in top[:kk] for r, top in zip(rows, firsts, strict=True)]))
+            for kk in self.ks
+        }
+        self.service.monitor.record_item_probe(pair, values)
+        return values

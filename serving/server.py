@@ -498,9 +498,12 @@ class SearchApp:
             return report
 
     def run_probe(self) -> dict[int, float] | None:
-        """One probe round's Recall@K (None with nothing to score); blocks: call it from another
-        thread than the loop (the monitor's, a test's)."""
-        return self.prober.run(self._loop)
+        """One probe round's Recall@K (None with nothing to score) — and, where the live version
+        has items, its item Recall@K, recorded as source probe_items; blocks: call it from
+        another thread than the loop (the monitor's, a test's)."""
+        figures = self.prober.run(self._loop)
+        self.prober.item_round(self._loop)
+        return figures
 
     def _probe_now(self) -> None:
         try:

@@ -31,6 +31,7 @@ from core.manifests import IndexManifest
 from core.preprocess import ImageNotFound, load_pixels, open_image
 from index import filters
 from index.duplicates import GROUPS_FILE, SUMMARY_FILE, runs_of
+from index.grouping import EXACT_PASS
 from index.lifecycle import RemovalReport, audit_entries
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
@@ -195,17 +196,21 @@ class SearchService:
         deadline: float | None,
         received: float,
         scope: Scope = EVERY_ROW,
+        region: pb.Region | None = None,
     ) -> Query:
-        """A query for an image: decoded here or in the decode pool, or only opened, for the
-        inference thread to decode."""
+        """A query for an image (the region of it, when given): decoded here or in the decode
+        pool, or only opened, for the inference thread to decode."""
         image = self.checks.open_image(data)
+        crop = None
+        if region is not None:
+            crop = self.checks.check_region(region, image, pair.embedder.contract.exif_orientation)
         placement = self.placement(pair, image)
         array = None
         if placement == DecodePlacement.ON_LOOP:
-            array = self.engine.model_input(pair, image)
+            array = self.engine.model_input(pair, image, crop)
         elif placement == DecodePlacement.IN_POOL:
             loop = asyncio.get_running_loop()
-            array = await loop.run_in_executor(self.decode_pool, self.engine.model_input, pair, image)
+            array = await loop.run_in_executor(self.decode_pool, self.engine.model_input, pair, image, crop)
         return Query(
             pair,
             k,
@@ -213,18 +218,33 @@ class SearchService:
             scope,
             array=array,
             image=image if array is None else None,
+            region=crop,
             deadline=deadline,
             received=received,
             decode_s=time.perf_counter() - received,
         )
 
     def _scope(self, request: pb.SearchRequest, pair: ServingPair) -> Scope:
-        """The rows a request may be answered with: its filter's matches, at or above its min_score."""
+        """The rows a request may be answered with: its filter's matches, at or above its
+        min_score; grouped by its group_by field (the index's item field unless it says)."""
         min_score = None
         if request.HasField("min_score"):
             min_score = self.checks.check_min_score(float(request.min_score))
         allowed = self.filter_masks.mask(pair, request.filter) if request.HasField("filter") else None
-        return Scope(allowed, min_score) if allowed is not None or min_score is not None else EVERY_ROW
+        group_by = request.group_by if request.HasField("group_by") else pair.manifest.item_field or ""
+        if not group_by:
+            if request.per_group:
+                raise InvalidArgument("per_group needs group_by (this index has no item field to group by)")
+            return Scope(allowed, min_score) if allowed is not None or min_score is not None else EVERY_ROW
+        per_group = self.checks.check_per_group(request.per_group or 1)
+        return Scope(allowed, min_score, self.checks.groups(pair, group_by), per_group)
+
+    def _left_out(self, scope: Scope, rows: set[int]) -> set[int]:
+        """Rows a query's own items leave out: the rows themselves and, grouped, their groups'."""
+        if scope.groups is None:
+            return rows
+        codes = scope.groups.codes
+        return rows.union(*(scope.groups.rows_of(int(codes[r])).tolist() for r in rows if codes[r] >= 0))
 
     async def _prepare(self, request: pb.SearchRequest, pair: ServingPair, deadline: float | None) -> Query:
         checks = self.checks
@@ -235,15 +255,55 @@ class SearchService:
         exclude = frozenset(checks.exclude_rows(pair, list(request.exclude_ids)))
         received = time.perf_counter()
         kind = request.WhichOneof("query")
+        if request.HasField("region") and kind != "image":
+            raise InvalidArgument(f"region crops an image query; this query is {kind or 'a set of parts'}")
+        if request.parts:
+            if kind is not None:
+                raise InvalidArgument(f"set either {kind} or parts, not both")
+            vector, own = await self._combined(list(request.parts), pair, deadline)
+            exclude |= self._left_out(scope, own)
+            return Query(pair, k, exclude, scope, vector=vector, deadline=deadline, received=received)
         if kind == "image":
-            return await self._image_query(pair, request.image, k, exclude, deadline, received, scope)
+            region = request.region if request.HasField("region") else None
+            return await self._image_query(pair, request.image, k, exclude, deadline, received, scope, region)
         if kind == "embedding":
             vector = checks.check_embedding(pair, request.embedding.values)
             return Query(pair, k, exclude, scope, vector=vector, deadline=deadline, received=received)
         if kind == "item_id":
             vector, row = checks.item_vector(pair, request.item_id)
-            return Query(pair, k, exclude | {row}, scope, vector=vector, deadline=deadline, received=received)
-        raise InvalidArgument("request has no query: set image, embedding or item_id")
+            exclude |= self._left_out(scope, {row})
+            return Query(pair, k, exclude, scope, vector=vector, deadline=deadline, received=received)
+        raise InvalidArgument("request has no query: set image, embedding, item_id or parts")
+
+    async def _combined(
+        self, parts: list[pb.QueryPart], pair: ServingPair, deadline: float | None
+    ) -> tuple[np.ndarray, set[int]]:
+        """One query vector from several parts, Rocchio-style — normalise(sum of weight × unit
+        embedding, negatives subtracted) — and the rows of its item-id parts. A part's error
+        names the part."""
+        weights = self.checks.check_parts(parts)
+
+        async def vector_of(i: int, part: pb.QueryPart) -> tuple[np.ndarray, int | None]:
+            try:
+                kind = part.WhichOneof("query")
+                if kind == "embedding":
+                    return self.checks.check_embedding(pair, part.embedding.values), None
+                if kind == "item_id":
+                    return self.checks.item_vector(pair, part.item_id)
+                region = part.region if part.HasField("region") else None
+                query = await self._image_query(
+                    pair, part.image, 0, frozenset(), deadline, time.perf_counter(), region=region
+                )
+                return (await self.batcher.run(query)).vector, None
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"parts[{i}]: {exc}") from None
+
+        found = await asyncio.gather(*(vector_of(i, p) for i, p in enumerate(parts)))
+        combined = sum(w * v.astype(np.float64) for w, (v, _) in zip(weights, found, strict=True))
+        norm = float(np.linalg.norm(combined))
+        if not norm > 1e-6:
+            raise InvalidArgument("query parts cancel out: the weighted sum of their embeddings is zero")
+        return (combined / norm).astype(np.float32), {row for _, row in found if row is not None}
 
     # -- answers ----------------------------------------------------------------------------
 
@@ -265,6 +325,14 @@ class SearchService:
             )
             for h in result.hits
         ]
+        groups = query.scope.groups
+        if groups is not None:
+            for neighbor, hit in zip(neighbors, result.hits, strict=True):
+                neighbor.group = groups.label(hit.group)
+            if result.candidates is not None:
+                self.metrics.group_candidates.observe(
+                    pair.index_version.size if result.candidates == EXACT_PASS else result.candidates
+                )
         rows = [h.row for h in result.hits]
         self.feedback_log.remember(request_id, pair.serial, rows)
         if request.HasField("label") and items.labelled:
@@ -275,6 +343,7 @@ class SearchService:
             self.metrics.filtered_queries.labels(result.path).inc()
         return pb.SearchResponse(
             truncated=result.truncated,
+            group_by=groups.name if groups is not None else "",
             neighbors=neighbors,
             request_id=request_id,
             index_version=pair.version,
@@ -374,7 +443,10 @@ class SearchService:
                 max_message_bytes=limits.max_message_bytes,
                 max_image_pixels=limits.max_image_pixels,
                 max_batch_queries=limits.max_batch_queries,
+                max_query_parts=limits.max_query_parts,
+                max_per_group=limits.max_per_group,
             ),
+            item_field=pair.manifest.item_field or "",
             recall_at_k=recall,
             ann_recall_at_k=ann,
             filterable=[

@@ -537,3 +537,105 @@ def test_health_shows_the_live_figures_and_the_last_hour(page, console):
     live = page.find_element(By.ID, "health-live").text
     assert info.index_version in live and info.model_id in live and f"{info.index_size:,}" in live
     screenshot(page, "health", full=True)
+
+
+# -- a catalog of items: grouped answers, query parts, regions -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def catalog_console(demo_run, tmp_path_factory):
+    """A server over the demo's test split indexed with its label as the item field (a glyph
+    set's character is the item; its faces are the item's images)."""
+    work = tmp_path_factory.mktemp("catalog-console")
+    root = work / "index"
+    split = read_catalog(demo_run / "train" / "splits" / "test.csv")
+    characters = set(split.classes[:16])  # a few thousand images: the build stays short
+    catalog = split.subset(i for i, label in enumerate(split.labels) if label in characters).write(work / "catalog.csv")
+    cfg = BuildConfig(model=str(demo_run / "model"), index_root=str(root), catalog=str(catalog), item_field="label")
+    run_build(cfg, progress=False)
+    config = ServerConfig.flat(index_root=str(root), port=0, metrics_port=None, http_port=0, probe_interval_s=0)
+    server = SearchServer(config)
+    server.start()
+    client = SearchClient(f"127.0.0.1:{server.port}", timeout=60.0)
+    client.wait_ready(60)
+    version = artifacts.current_version(root)
+    yield Console(server, client, root, [version, version], read_catalog(catalog))
+    client.close()
+    server.stop(grace=1)
+
+
+@pytest.fixture()
+def catalog_page(browser, catalog_console):
+    browser.get_log("browser")
+    yield browser
+    severe = severe_entries(browser, [])
+    assert not severe, "the console logged errors:\n" + "\n".join(severe)
+
+
+def grouped_results(driver, after: str | None) -> list[tuple[str, str]]:
+    results(driver, after)
+    pairs = driver.execute_script(
+        """return [...document.querySelectorAll("#results-grid .card")].map(
+            (card) => [card.getAttribute("data-id"), card.getAttribute("data-group")]);"""
+    )
+    return [tuple(p) for p in pairs]
+
+
+def answer_of(response: pb.SearchResponse) -> list[tuple[str, str]]:
+    return [(n.id, n.group) for n in response.neighbors]
+
+
+def test_grouped_answers_query_parts_and_a_dragged_region(catalog_page, catalog_console):
+    page, console = catalog_page, catalog_console
+    open_page(page, console, "search")
+    select = page.find_element(By.ID, "group-by")
+    assert select.get_attribute("value") == "label"  # the index's item field, chosen by default
+    query = console.catalog.ids[7]
+    image = console.paths[query].read_bytes()
+    page.find_element(By.ID, "file-input").send_keys(str(console.paths[query]))
+    shown = grouped_results(page, None)
+    expected = console.client.search(pb.SearchRequest(image=image, k=K))
+    assert shown == answer_of(expected) and len({g for _, g in shown}) == K
+    assert f"{K} label groups" in page.find_element(By.ID, "search-status").text
+
+    # Two images per group.
+    per_group = page.find_element(By.ID, "per-group")
+    per_group.clear()
+    per_group.send_keys("2")
+    before = grid_request(page)
+    page.find_element(By.ID, "search-button").click()
+    shown = grouped_results(page, before)
+    assert shown == answer_of(console.client.search(pb.SearchRequest(image=image, k=K, per_group=2)))
+    assert len(shown) == 2 * K
+
+    # "+ like" the second group's first image, "− not like" the third's: both join the query.
+    cards = {c["id"]: i for i, c in enumerate(results(page, None))}
+    liked, unliked = shown[2][0], shown[4][0]
+    before = grid_request(page)
+    page.find_elements(By.CSS_SELECTOR, "#results-grid .card .like")[cards[liked]].click()
+    grouped_results(page, before)
+    before = grid_request(page)
+    index = {c["id"]: i for i, c in enumerate(results(page, None))}[unliked]
+    page.find_elements(By.CSS_SELECTOR, "#results-grid .card .unlike")[index].click()
+    shown = grouped_results(page, before)
+    parts = [pb.QueryPart(image=image), pb.QueryPart(item_id=liked), pb.QueryPart(item_id=unliked, negative=True)]
+    assert shown == answer_of(console.client.search(pb.SearchRequest(parts=parts, k=K, per_group=2)))
+    chips = [c.text.replace("\n", "") for c in page.find_elements(By.CSS_SELECTOR, "#query-parts .part")]
+    assert chips == [f"+ like {liked}✕", f"− not like {unliked}✕"]
+
+    # A region dragged over the query image: the answer is the crop's.
+    page.find_element(By.ID, "region-button").click()
+    preview = page.find_element(By.ID, "query-preview")
+    size = preview.size
+    before = grid_request(page)
+    drag = ActionChains(page).move_to_element_with_offset(preview, -size["width"] // 4, -size["height"] // 4)
+    drag.click_and_hold().move_by_offset(size["width"] // 2, size["height"] // 2).release().perform()
+    shown = grouped_results(page, before)
+    text = page.find_element(By.ID, "region-text").text  # "region X,Y W×H px"
+    x, y = (int(v) for v in text.split()[1].split(","))
+    width, height = (int(v) for v in text.split()[2].split("×"))
+    assert 8 <= width <= 28 and 8 <= height <= 28
+    assert page.find_element(By.ID, "region-box").is_displayed()
+    parts[0].region.CopyFrom(pb.Region(x=x, y=y, width=width, height=height))
+    assert shown == answer_of(console.client.search(pb.SearchRequest(parts=parts, k=K, per_group=2)))
+    screenshot(page, "search-grouped")

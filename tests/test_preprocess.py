@@ -18,6 +18,7 @@ from core.preprocess import (
     ImageDecodeError,
     ImageTooLarge,
     InputContract,
+    RegionError,
     decode,
     load_batch,
     load_image,
@@ -385,6 +386,29 @@ def test_exif_orientation_turns_the_picture_upright(orientation):
         load_image(tagged, dataclasses.replace(UPRIGHT, exif_orientation=False)), stored_as_is
     )
     assert np.abs(out - stored_as_is).mean() > 10 / 255
+
+
+@pytest.mark.parametrize("orientation", sorted(TURNS))
+def test_a_region_is_in_pixels_of_the_upright_picture(orientation):
+    stored = landscape()
+    upright = stored.transpose(Image.Transpose[TURNS[orientation]])
+    region = (5, 7, upright.width // 2, upright.height // 3)
+    box = (5, 7, 5 + upright.width // 2, 7 + upright.height // 3)
+    out = load_image(with_orientation(stored, orientation), UPRIGHT, region=region)
+    np.testing.assert_array_equal(out, load_image(encode(upright.crop(box)), UPRIGHT))
+
+
+def test_a_region_outside_empty_or_tiny_is_refused():
+    image = encode(landscape())
+    width, height = landscape().size
+    for region, message in [
+        ((width - 4, 0, 8, 8), f"reaches outside the {width}x{height} image"),
+        ((0, 0, 0, 10), "is empty"),
+        ((0, 0, 7, 30), "under the minimum of 8 pixels a side"),
+        ((float("nan"), 0, 9, 9), "is not finite"),
+    ]:
+        with pytest.raises(RegionError, match=message):
+            load_image(image, UPRIGHT, region=region)
 
 
 @pytest.mark.parametrize("junk", [b"\x00" * 3, b"Exif\x00\x00II*\x00\xff\xff\xff\x7f", b"MM\x00*" + bytes(range(40))])

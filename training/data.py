@@ -16,7 +16,7 @@ import torch
 
 from core.catalog import Catalog, read_catalog
 from core.memory import pin_mmap_threshold
-from core.preprocess import ImageDecodeError, InputContract, load_image, rows_per_pass
+from core.preprocess import ImageDecodeError, InputContract, Region, load_image, rows_per_pass
 from core.progress import Progress
 from training.glyphs import DEFAULT_DATA_DIR, build_glyph_dataset
 
@@ -141,17 +141,18 @@ def load_images(
     max_bad_fraction: float = 0.01,
     threads: int = 4,
 ) -> LoadedImages:
-    """Decode a whole catalog into memory; unreadable images are skipped and counted."""
+    """Decode a whole catalog into memory (a row with a bbox: that crop); unreadable images are
+    skipped and counted."""
 
-    def decode(path: Path) -> np.ndarray | None:
+    def decode(path: Path, region: Region | None) -> np.ndarray | None:
         try:
-            return load_image(path, contract)
+            return load_image(path, contract, region=region)
         except ImageDecodeError as exc:
             log.warning("skipping %s: %s", path, exc)
             return None
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        decoded = list(pool.map(decode, catalog.paths))
+        decoded = list(pool.map(decode, catalog.paths, catalog.regions))
     keep = [i for i, array in enumerate(decoded) if array is not None]
     skipped = len(decoded) - len(keep)
     if len(catalog) and skipped / len(catalog) > max_bad_fraction:
@@ -221,15 +222,17 @@ class LazyImages(torch.utils.data.Dataset):
         labels: np.ndarray,
         contract: InputContract,
         augment: Callable | None = None,
+        regions: Sequence[Region | None] | None = None,
     ) -> None:
         self.paths, self.labels, self.contract, self.augment = list(paths), labels, contract, augment
+        self.regions = list(regions) if regions is not None else [None] * len(self.paths)
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor | None, int]:
         try:
-            x = torch.from_numpy(load_image(self.paths[i], self.contract))
+            x = torch.from_numpy(load_image(self.paths[i], self.contract, region=self.regions[i]))
         except ImageDecodeError as exc:
             log.warning("skipping %s: %s", self.paths[i], exc)
             return None, int(self.labels[i])
@@ -345,4 +348,4 @@ def train_dataset(
         loaded = load_images(catalog, contract, max_bad_fraction)
         return MemoryImages(loaded.images, loaded.labels, augment), loaded.labels, loaded.skipped
     labels = np.asarray(catalog.label_codes(), dtype=np.int64)
-    return LazyImages(catalog.paths, labels, contract, augment), labels, 0
+    return LazyImages(catalog.paths, labels, contract, augment, catalog.regions), labels, 0

@@ -176,6 +176,9 @@
     info: null,
     page: null,
     query: null, // {kind: "image", blob, name} | {kind: "item", id, label}
+    parts: [], // more parts of the query: {id, negative} — "more like this" / "less like this"
+    region: null, // {x, y, width, height} in pixels of the upright query image
+    regionMode: false,
     previewUrl: null,
     response: null,
     marks: new Map(), // requestId -> Map(id -> true | false)
@@ -198,6 +201,7 @@
       const maxK = info.limits && info.limits.maxK;
       if (maxK) $("k").max = String(maxK);
       buildFilters(info.filterable || []);
+      buildGrouping(info);
       return info;
     } catch (err) {
       $("live-dot").className = "live-dot down";
@@ -315,7 +319,190 @@
     if (minScore !== "") options.minScore = Number(minScore);
     const filter = currentFilter();
     if (filter) options.filter = filter;
+    if (!$("group-row").hidden) {
+      options.groupBy = $("group-by").value;
+      const perGroup = parseInt($("per-group").value, 10);
+      if (options.groupBy && Number.isFinite(perGroup) && perGroup > 1) options.perGroup = perGroup;
+    }
     return options;
+  }
+
+  /** Group-by choices: none, or any declared field; the index's item field first and chosen. */
+  function buildGrouping(info) {
+    const fields = (info.filterable || []).map((f) => f.name);
+    const key = JSON.stringify([fields, info.itemField || ""]);
+    if (key === state.groupKey) return;
+    state.groupKey = key;
+    const select = clear($("group-by"));
+    select.append(el("option", { value: "" }, "none (image by image)"));
+    for (const name of fields) select.append(el("option", { value: name }, name === info.itemField ? `${name} (item)` : name));
+    select.value = info.itemField || "";
+    $("group-row").hidden = fields.length === 0;
+    const maxPerGroup = info.limits && info.limits.maxPerGroup;
+    if (maxPerGroup) $("per-group").max = String(maxPerGroup);
+    showPerGroup();
+  }
+
+  function showPerGroup() {
+    $("per-group-row").hidden = $("group-row").hidden || !$("group-by").value;
+  }
+
+  // ---- query parts and regions ------------------------------------------------------------------
+
+  function renderParts() {
+    const box = clear($("query-parts"));
+    box.hidden = state.parts.length === 0;
+    state.parts.forEach((part, i) => {
+      const remove = el(
+        "button",
+        { type: "button", class: "link part-remove", "aria-label": `Remove ${part.id} from the query` },
+        "✕",
+      );
+      remove.addEventListener("click", () => {
+        state.parts.splice(i, 1);
+        renderParts();
+        runSearch();
+      });
+      box.append(
+        el(
+          "span",
+          { class: `part ${part.negative ? "part-negative" : "part-positive"}`, "data-id": part.id },
+          `${part.negative ? "− not like" : "+ like"} ${part.id}`,
+          remove,
+        ),
+      );
+    });
+  }
+
+  /** A new query starts alone: no parts, no region (a region needs an image query). */
+  function resetParts(imageQuery) {
+    state.parts = [];
+    state.region = null;
+    renderParts();
+    setRegionMode(false);
+    $("region-tools").hidden = !imageQuery;
+    drawRegion();
+  }
+
+  function addPart(id, negative) {
+    if (!state.query) return;
+    state.parts = state.parts.filter((p) => p.id !== id);
+    state.parts.push({ id, negative });
+    renderParts();
+    runSearch();
+  }
+
+  function setRegionMode(on) {
+    state.regionMode = on;
+    $("region-button").setAttribute("aria-pressed", String(on));
+    $("region-button").textContent = on ? "Drag over the image…" : "Select a region";
+    $("dropzone").classList.toggle("selecting", on);
+  }
+
+  /** Where the picture sits inside the preview element (object-fit: contain letterboxes it). */
+  function pictureRect() {
+    const img = $("query-preview");
+    const box = img.getBoundingClientRect();
+    const scale = Math.min(box.width / img.naturalWidth, box.height / img.naturalHeight);
+    const width = img.naturalWidth * scale;
+    const height = img.naturalHeight * scale;
+    return { left: box.left + (box.width - width) / 2, top: box.top + (box.height - height) / 2, width, height, scale };
+  }
+
+  function drawRegion() {
+    const box = $("region-box");
+    const region = state.region;
+    const img = $("query-preview");
+    if (!region || img.hidden || !img.naturalWidth) {
+      box.hidden = true;
+      $("region-clear").hidden = true;
+      $("region-text").textContent = "";
+      return;
+    }
+    const pic = pictureRect();
+    const zone = $("dropzone").getBoundingClientRect();
+    box.style.left = `${pic.left - zone.left + region.x * pic.scale}px`;
+    box.style.top = `${pic.top - zone.top + region.y * pic.scale}px`;
+    box.style.width = `${region.width * pic.scale}px`;
+    box.style.height = `${region.height * pic.scale}px`;
+    box.hidden = false;
+    $("region-clear").hidden = false;
+    $("region-text").textContent = `region ${region.x},${region.y} ${region.width}×${region.height} px`;
+  }
+
+  function initRegion() {
+    const img = $("query-preview");
+    const zone = $("dropzone");
+    let start = null;
+    const toPixels = (e) => {
+      const pic = pictureRect();
+      const x = Math.min(Math.max((e.clientX - pic.left) / pic.scale, 0), img.naturalWidth);
+      const y = Math.min(Math.max((e.clientY - pic.top) / pic.scale, 0), img.naturalHeight);
+      return { x, y };
+    };
+    const regionOf = (a, b) => ({
+      x: Math.round(Math.min(a.x, b.x)),
+      y: Math.round(Math.min(a.y, b.y)),
+      width: Math.round(Math.abs(a.x - b.x)),
+      height: Math.round(Math.abs(a.y - b.y)),
+    });
+    zone.addEventListener("pointerdown", (e) => {
+      if (!state.regionMode || img.hidden) return;
+      e.preventDefault();
+      start = toPixels(e);
+      zone.setPointerCapture(e.pointerId);
+    });
+    zone.addEventListener("pointermove", (e) => {
+      if (!start) return;
+      state.region = regionOf(start, toPixels(e));
+      drawRegion();
+    });
+    zone.addEventListener("pointerup", (e) => {
+      if (!start) return;
+      const region = regionOf(start, toPixels(e));
+      start = null;
+      zone.releasePointerCapture(e.pointerId);
+      setRegionMode(false);
+      if (region.width < 8 || region.height < 8) {
+        state.region = null;
+        drawRegion();
+        showError("drag a larger region: at least 8 pixels a side", "region");
+        return;
+      }
+      state.region = region;
+      drawRegion();
+      runSearch();
+    });
+    // A drag that ends over the label must not open the file chooser.
+    zone.addEventListener("click", (e) => {
+      if (state.regionMode || zone.classList.contains("selecting")) e.preventDefault();
+    });
+    $("region-button").addEventListener("click", () => setRegionMode(!state.regionMode));
+    $("region-clear").addEventListener("click", () => {
+      state.region = null;
+      drawRegion();
+      runSearch();
+    });
+    window.addEventListener("resize", drawRegion);
+    img.addEventListener("load", drawRegion);
+  }
+
+  function base64Of(blob) {
+    return new Promise((resolve, reject) => {
+      const reader = new FileReader();
+      reader.onload = () => resolve(String(reader.result).replace(/^data:[^,]*,/, ""));
+      reader.onerror = () => reject(reader.error);
+      reader.readAsDataURL(blob);
+    });
+  }
+
+  /** The query as parts: the image (its region) or item, then the "like" / "not like" items. */
+  async function queryParts(query) {
+    const first =
+      query.kind === "image"
+        ? { image: await base64Of(query.blob), ...(state.region ? { region: state.region } : {}) }
+        : { itemId: query.id };
+    return [first, ...state.parts.map((p) => ({ itemId: p.id, ...(p.negative ? { negative: true } : {}) }))];
   }
 
   function setQueryImage(blob, name) {
@@ -325,6 +512,7 @@
       return;
     }
     state.query = { kind: "image", blob, name: name || "pasted image" };
+    resetParts(true);
     $("item-id").value = "";
     showQueryPreview(URL.createObjectURL(blob), true);
     $("query-caption").textContent = `${state.query.name}${blob.size ? ` · ${(blob.size / 1024).toFixed(1)} kB` : ""}`;
@@ -333,6 +521,7 @@
 
   function setQueryItem(id, label) {
     state.query = { kind: "item", id, label };
+    resetParts(false);
     $("item-id").value = id;
     showQueryPreview(thumbUrl(id), false);
     $("query-caption").textContent = label ? `item ${id} · ${label}` : `item ${id}`;
@@ -355,6 +544,7 @@
     state.previewUrl = null;
     state.query = null;
     state.response = null;
+    resetParts(false);
     $("query-preview").hidden = true;
     $("query-preview").removeAttribute("src");
     $("dropzone-empty").hidden = false;
@@ -384,10 +574,16 @@
     const started = performance.now();
     try {
       let response;
-      if (query.kind === "image") {
+      if (state.parts.length) {
+        response = await api("/v1/search", { json: { parts: await queryParts(query), ...options } });
+      } else if (query.kind === "image") {
         const params = new URLSearchParams({ k: String(options.k) });
         if (options.minScore !== undefined) params.set("minScore", String(options.minScore));
         if (options.filter) params.set("filter", JSON.stringify(options.filter));
+        if (options.groupBy !== undefined) params.set("groupBy", options.groupBy);
+        if (options.perGroup) params.set("perGroup", String(options.perGroup));
+        const r = state.region;
+        if (r) params.set("region", `${r.x},${r.y},${r.width},${r.height}`);
         response = await api(`/v1/search/image?${params}`, {
           method: "POST",
           body: query.blob,
@@ -414,7 +610,10 @@
   function renderResults(response, elapsed) {
     const neighbors = response.neighbors || [];
     const grid = clear($("results-grid"));
-    const count = `${neighbors.length} neighbour${neighbors.length === 1 ? "" : "s"}`;
+    const groups = response.groupBy ? new Set(neighbors.map((n) => n.group)).size : 0;
+    const count = response.groupBy
+      ? `${groups} ${response.groupBy} group${groups === 1 ? "" : "s"} (${neighbors.length} images)`
+      : `${neighbors.length} neighbour${neighbors.length === 1 ? "" : "s"}`;
     const notes = [];
     if (response.truncated) notes.push("more qualify than shown");
     $("search-status").textContent = neighbors.length
@@ -432,11 +631,16 @@
     $("timings").textContent =
       `${fmtMs(elapsed)} round trip · server ${fmtMs(t.totalMs || 0)}${parts.length ? ` (${parts.join(", ")})` : ""}`;
     const marks = state.marks.get(response.requestId) || new Map();
-    neighbors.forEach((n, i) => grid.append(resultCard(n, i, response.requestId, marks)));
+    let rank = 0;
+    neighbors.forEach((n, i) => {
+      const first = !response.groupBy || i === 0 || neighbors[i - 1].group !== n.group;
+      if (first) rank += 1;
+      grid.append(resultCard(n, rank - 1, response.requestId, marks, response.groupBy ? n.group : null, first));
+    });
     grid.dataset.requestId = response.requestId || "";
   }
 
-  function resultCard(n, index, requestId, marks) {
+  function resultCard(n, index, requestId, marks, group, firstOfGroup) {
     const id = n.id;
     const label = n.label || "";
     const meta = Object.entries(n.metadata || {})
@@ -465,9 +669,24 @@
       },
       "✗ No",
     );
+    const like = el(
+      "button",
+      { type: "button", class: "secondary like", title: `Add ${id} to the query`, "aria-label": `More like ${id}` },
+      "+ like",
+    );
+    const unlike = el(
+      "button",
+      { type: "button", class: "secondary unlike", title: `Search away from ${id}`, "aria-label": `Less like ${id}` },
+      "− not like",
+    );
     const card = el(
       "article",
-      { class: "card", "data-id": id, "data-rank": index + 1 },
+      {
+        class: `card${group !== null && !firstOfGroup ? " card-same-group" : ""}`,
+        "data-id": id,
+        "data-rank": index + 1,
+        ...(group !== null ? { "data-group": group } : {}),
+      },
       el(
         "button",
         { type: "button", class: "thumb by-this-thumb", title: `Search by ${id}`, "aria-label": `Search by ${id}` },
@@ -484,8 +703,10 @@
           el("span", { class: "card-label", title: label }, label),
         ),
         el("div", { class: "card-id", title: id }, id),
+        group !== null ? el("div", { class: "card-group", title: `group ${group}` }, `◆ ${group}`) : null,
         meta ? el("div", { class: "card-meta", title: meta }, meta) : null,
         el("button", { type: "button", class: "by-this secondary" }, "Search by this"),
+        el("div", { class: "part-buttons" }, like, unlike),
         el("div", { class: "marks" }, el("span", { class: "marks-label" }, "Relevant?"), yes, no),
       ),
     );
@@ -495,6 +716,8 @@
     };
     card.querySelector(".by-this-thumb").addEventListener("click", search);
     card.querySelector(".by-this").addEventListener("click", search);
+    like.addEventListener("click", () => addPart(id, false));
+    unlike.addEventListener("click", () => addPart(id, true));
     const paint = () => {
       const mark = marks.get(id);
       yes.setAttribute("aria-pressed", String(mark === true));
@@ -573,6 +796,11 @@
       runSearch();
     });
     $("clear-button").addEventListener("click", clearQuery);
+    $("group-by").addEventListener("change", () => {
+      showPerGroup();
+      if (state.query) runSearch();
+    });
+    initRegion();
   }
 
   // ---- health page ---------------------------------------------------------------------------

@@ -52,11 +52,43 @@ class Filter(_message.Message):
     must_not: _containers.RepeatedCompositeFieldContainer[Condition]
     def __init__(self, must: _Optional[_Iterable[_Union[Condition, _Mapping]]] = ..., should: _Optional[_Iterable[_Union[Condition, _Mapping]]] = ..., must_not: _Optional[_Iterable[_Union[Condition, _Mapping]]] = ...) -> None: ...
 
-class SearchRequest(_message.Message):
-    __slots__ = ("image", "embedding", "item_id", "k", "request_id", "label", "exclude_ids", "filter", "min_score")
+class Region(_message.Message):
+    __slots__ = ("x", "y", "width", "height")
+    X_FIELD_NUMBER: _ClassVar[int]
+    Y_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    x: float
+    y: float
+    width: float
+    height: float
+    def __init__(self, x: _Optional[float] = ..., y: _Optional[float] = ..., width: _Optional[float] = ..., height: _Optional[float] = ...) -> None: ...
+
+class QueryPart(_message.Message):
+    __slots__ = ("image", "embedding", "item_id", "weight", "negative", "region")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    NEGATIVE_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    image: bytes
+    embedding: Embedding
+    item_id: str
+    weight: float
+    negative: bool
+    region: Region
+    def __init__(self, image: _Optional[bytes] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ..., item_id: _Optional[str] = ..., weight: _Optional[float] = ..., negative: _Optional[bool] = ..., region: _Optional[_Union[Region, _Mapping]] = ...) -> None: ...
+
+class SearchRequest(_message.Message):
+    __slots__ = ("image", "embedding", "item_id", "parts", "region", "group_by", "per_group", "k", "request_id", "label", "exclude_ids", "filter", "min_score")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BY_FIELD_NUMBER: _ClassVar[int]
+    PER_GROUP_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
@@ -66,16 +98,20 @@ class SearchRequest(_message.Message):
     image: bytes
     embedding: Embedding
     item_id: str
+    parts: _containers.RepeatedCompositeFieldContainer[QueryPart]
+    region: Region
+    group_by: str
+    per_group: int
     k: int
     request_id: str
     label: str
     exclude_ids: _containers.RepeatedScalarFieldContainer[str]
     filter: Filter
     min_score: float
-    def __init__(self, image: _Optional[bytes] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ..., item_id: _Optional[str] = ..., k: _Optional[int] = ..., request_id: _Optional[str] = ..., label: _Optional[str] = ..., exclude_ids: _Optional[_Iterable[str]] = ..., filter: _Optional[_Union[Filter, _Mapping]] = ..., min_score: _Optional[float] = ...) -> None: ...
+    def __init__(self, image: _Optional[bytes] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ..., item_id: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[QueryPart, _Mapping]]] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., group_by: _Optional[str] = ..., per_group: _Optional[int] = ..., k: _Optional[int] = ..., request_id: _Optional[str] = ..., label: _Optional[str] = ..., exclude_ids: _Optional[_Iterable[str]] = ..., filter: _Optional[_Union[Filter, _Mapping]] = ..., min_score: _Optional[float] = ...) -> None: ...
 
 class Neighbor(_message.Message):
-    __slots__ = ("id", "score", "label", "metadata")
+    __slots__ = ("id", "score", "label", "metadata", "group")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,11 +123,13 @@ class Neighbor(_message.Message):
     SCORE_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     id: str
     score: float
     label: str
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, id: _Optional[str] = ..., score: _Optional[float] = ..., label: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    group: str
+    def __init__(self, id: _Optional[str] = ..., score: _Optional[float] = ..., label: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., group: _Optional[str] = ...) -> None: ...
 
 class StageTimings(_message.Message):
     __slots__ = ("decode_ms", "queue_ms", "embed_ms", "search_ms", "total_ms")
@@ -108,7 +146,7 @@ class StageTimings(_message.Message):
     def __init__(self, decode_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., embed_ms: _Optional[float] = ..., search_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class SearchResponse(_message.Message):
-    __slots__ = ("neighbors", "request_id", "index_version", "index_id", "model_id", "timings", "truncated")
+    __slots__ = ("neighbors", "request_id", "index_version", "index_id", "model_id", "timings", "truncated", "group_by")
     NEIGHBORS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +154,7 @@ class SearchResponse(_message.Message):
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BY_FIELD_NUMBER: _ClassVar[int]
     neighbors: _containers.RepeatedCompositeFieldContainer[Neighbor]
     request_id: str
     index_version: str
@@ -123,7 +162,8 @@ class SearchResponse(_message.Message):
     model_id: str
     timings: StageTimings
     truncated: bool
-    def __init__(self, neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., request_id: _Optional[str] = ..., index_version: _Optional[str] = ..., index_id: _Optional[str] = ..., model_id: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+    group_by: str
+    def __init__(self, neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., request_id: _Optional[str] = ..., index_version: _Optional[str] = ..., index_id: _Optional[str] = ..., model_id: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., truncated: _Optional[bool] = ..., group_by: _Optional[str] = ...) -> None: ...
 
 class SearchBatchRequest(_message.Message):
     __slots__ = ("requests",)
@@ -176,16 +216,20 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_k", "max_message_bytes", "max_image_pixels", "max_batch_queries")
+    __slots__ = ("max_k", "max_message_bytes", "max_image_pixels", "max_batch_queries", "max_query_parts", "max_per_group")
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_IMAGE_PIXELS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUERY_PARTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PER_GROUP_FIELD_NUMBER: _ClassVar[int]
     max_k: int
     max_message_bytes: int
     max_image_pixels: int
     max_batch_queries: int
-    def __init__(self, max_k: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_batch_queries: _Optional[int] = ...) -> None: ...
+    max_query_parts: int
+    max_per_group: int
+    def __init__(self, max_k: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_batch_queries: _Optional[int] = ..., max_query_parts: _Optional[int] = ..., max_per_group: _Optional[int] = ...) -> None: ...
 
 class RecallFigure(_message.Message):
     __slots__ = ("source", "k", "value")
@@ -198,7 +242,7 @@ class RecallFigure(_message.Message):
     def __init__(self, source: _Optional[str] = ..., k: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_id", "index_version", "index_id", "index_size", "embedding_dim", "factory", "limits", "recall_at_k", "ann_recall_at_k", "providers", "deleted_rows", "filterable")
+    __slots__ = ("model_id", "index_version", "index_id", "index_size", "embedding_dim", "factory", "limits", "recall_at_k", "ann_recall_at_k", "providers", "deleted_rows", "filterable", "item_field")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
     INDEX_ID_FIELD_NUMBER: _ClassVar[int]
@@ -211,6 +255,7 @@ class GetInfoResponse(_message.Message):
     PROVIDERS_FIELD_NUMBER: _ClassVar[int]
     DELETED_ROWS_FIELD_NUMBER: _ClassVar[int]
     FILTERABLE_FIELD_NUMBER: _ClassVar[int]
+    ITEM_FIELD_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     index_version: str
     index_id: str
@@ -223,7 +268,8 @@ class GetInfoResponse(_message.Message):
     providers: _containers.RepeatedScalarFieldContainer[str]
     deleted_rows: int
     filterable: _containers.RepeatedCompositeFieldContainer[FilterableField]
-    def __init__(self, model_id: _Optional[str] = ..., index_version: _Optional[str] = ..., index_id: _Optional[str] = ..., index_size: _Optional[int] = ..., embedding_dim: _Optional[int] = ..., factory: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., recall_at_k: _Optional[_Iterable[_Union[RecallFigure, _Mapping]]] = ..., ann_recall_at_k: _Optional[_Iterable[_Union[RecallFigure, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., deleted_rows: _Optional[int] = ..., filterable: _Optional[_Iterable[_Union[FilterableField, _Mapping]]] = ...) -> None: ...
+    item_field: str
+    def __init__(self, model_id: _Optional[str] = ..., index_version: _Optional[str] = ..., index_id: _Optional[str] = ..., index_size: _Optional[int] = ..., embedding_dim: _Optional[int] = ..., factory: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., recall_at_k: _Optional[_Iterable[_Union[RecallFigure, _Mapping]]] = ..., ann_recall_at_k: _Optional[_Iterable[_Union[RecallFigure, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., deleted_rows: _Optional[int] = ..., filterable: _Optional[_Iterable[_Union[FilterableField, _Mapping]]] = ..., item_field: _Optional[str] = ...) -> None: ...
 
 class FilterableField(_message.Message):
     __slots__ = ("name", "type")

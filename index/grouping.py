@@ -1,0 +1,240 @@
+"""Grouped search: the top k *groups* of rows (an item's photos, a product's images, any declared
+field's values), each with up to `per_group` of its rows and its best score.
+
+Grouping happens inside the search, never as a post-filter of a fixed top-k that can come back
+short. A round searches the index for `depth` candidates (`OVERFETCH`·k to start) and walks them
+best first, keeping the first k distinct groups. When a round finds fewer, the next doubles the
+depth and the index's effort (IVF nprobe, HNSW efSearch, through the same search parameters a
+filter widens); past `max_candidates` rows, or at once for an index that scans everything
+anyway (Flat, or an index that takes no search parameters), the rest is searched exactly: every
+eligible row is scored and each group's best found with one pass over the rows grouped by value
+(`np.maximum.reduceat`). So k groups come back whenever k groups have an eligible row, and the
+work is bounded: log2(max_candidates / (OVERFETCH·k)) index rounds and one exact scan at worst.
+
+The groups found are then filled exactly: each group's eligible rows are scored against the
+stored vectors and its best `per_group` kept, so a group's images and its score do not depend on
+which of them the approximate search happened to meet. Rows without a value in the grouping field
+never answer a grouped query (Qdrant's `search_groups` does the same).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import faiss
+import numpy as np
+
+from index.faiss_index import EXACT, ExactRerank, index_family, search_within, selector_params
+from index.filters import FieldRows
+
+OVERFETCH = 4  # first round: 4 candidate rows per group wanted (catalog items hold a few photos)
+MAX_CANDIDATES = 4096  # index rounds stop here; past it the rest is searched exactly
+EXACT_PASS = -1  # `GroupedAnswer.candidates` of a query the exact pass answered
+
+
+@dataclass(frozen=True)
+class Groups:
+    """A field's rows grouped by value: group g's rows are `rows[offsets[g]:offsets[g + 1]]`,
+    named `values[g]`; `codes[row]` is the row's group (-1: the row has no value)."""
+
+    name: str
+    values: np.ndarray
+    offsets: np.ndarray
+    rows: np.ndarray
+    codes: np.ndarray
+    has_value: np.ndarray | None  # bool per row; None when every row has a value
+
+    @classmethod
+    def of(cls, name: str, field_rows: FieldRows, size: int) -> Groups:
+        codes = np.full(size, -1, dtype=np.int32)
+        counts = np.diff(field_rows.offsets)
+        codes[field_rows.rows] = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+        has_value = None if len(field_rows.rows) == size else codes >= 0
+        if has_value is not None:
+            has_value.flags.writeable = False
+        return cls(name, field_rows.values, field_rows.offsets, field_rows.rows, codes, has_value)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def label(self, group: int) -> str:
+        return str(self.values[group])
+
+    def rows_of(self, group: int) -> np.ndarray:
+        return self.rows[self.offsets[group] : self.offsets[group + 1]]
+
+
+@dataclass
+class GroupedAnswer:
+    """A query's groups, best first: (group, [(row, score), ...] best first). `truncated`: fewer
+    than k groups came back (fewer have an eligible row), or — with a min_score — more groups
+    reach it than the answer holds. `candidates`: rows the deciding round asked the index for
+    (EXACT_PASS when the exact pass answered)."""
+
+    groups: list[tuple[int, list[tuple[int, float]]]]
+    truncated: bool
+    candidates: int
+
+
+def search_groups(
+    index: faiss.Index | ExactRerank,
+    stored: np.ndarray,
+    queries: np.ndarray,
+    k: int,
+    groups: Groups,
+    per_group: int = 1,
+    allowed: np.ndarray | None = None,
+    exclude: Sequence[frozenset[int]] | None = None,
+    min_score: float | None = None,
+    max_candidates: int = MAX_CANDIDATES,
+) -> list[GroupedAnswer]:
+    """The top k groups of each of the L2-normalised `queries` among the rows `allowed` marks
+    (a filter's matches less deleted rows; None: every row), leaving out each query's `exclude`
+    rows and — with `min_score` — rows scoring below it. Queries share each round's index call."""
+    if k < 1 or per_group < 1:
+        raise ValueError(f"k and per_group must be at least 1, got {k} and {per_group}")
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    exclude = list(exclude) if exclude is not None else [frozenset()] * len(queries)
+    eligible = allowed
+    if groups.has_value is not None:
+        eligible = groups.has_value if allowed is None else allowed & groups.has_value
+    count = len(groups.codes) if eligible is None else int(np.count_nonzero(eligible))
+    family = index_family(index)
+    answers: list[GroupedAnswer | None] = [None] * len(queries)
+    pending = list(range(len(queries)))
+    depth, effort = OVERFETCH * k, 1.0
+    while pending and depth <= max_candidates and depth < count:
+        asked = depth + max(len(exclude[i]) for i in pending)
+        scores, rows, exact = _candidates(index, stored, queries[pending], min(asked, count), eligible, effort)
+        exhaustive = exact and asked >= count  # every eligible row was a candidate: a short list is final
+        still = []
+        for i, s_row, r_row in zip(pending, scores, rows, strict=True):
+            found, complete = _first_groups(s_row, r_row, groups.codes, k, exclude[i], min_score)
+            if len(found) >= k or complete or exhaustive:
+                answers[i] = _filled(found, queries[i], stored, groups, per_group, eligible, exclude[i], min_score, k)
+                answers[i].candidates = depth
+            else:
+                still.append(i)
+        pending = still
+        if family not in ("ivf", "hnsw"):
+            break  # a Flat scan (or an index taking no parameters) costs an exact pass anyway
+        depth, effort = depth * 2, effort * 2
+    for i in pending:
+        found = _exact_groups(queries[i], stored, groups, k, eligible, exclude[i], min_score)
+        answers[i] = _filled(found, queries[i], stored, groups, per_group, eligible, exclude[i], min_score, k)
+        answers[i].candidates = EXACT_PASS
+    return answers  # type: ignore[return-value]
+
+
+def _candidates(
+    index: faiss.Index | ExactRerank,
+    stored: np.ndarray,
+    queries: np.ndarray,
+    depth: int,
+    eligible: np.ndarray | None,
+    effort: float,
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(scores, rows, exact): the index's top `depth` (rows -1 past what it found), and whether
+    they are the exact top `depth`."""
+    if eligible is None:
+        params = selector_params(index, None, depth, effort) if index_family(index) in ("ivf", "hnsw") else None
+        scores, rows = index.search(queries, min(depth, index.ntotal), params=params)
+        return scores, rows, index_family(index) == "flat" and not isinstance(index, ExactRerank)
+    scores, rows, path = search_within(index, stored, queries, depth, eligible, effort=effort)
+    return scores, rows, path == EXACT
+
+
+def _first_groups(
+    scores: np.ndarray, rows: np.ndarray, codes: np.ndarray, k: int, exclude: frozenset[int], min_score: float | None
+) -> tuple[list[int], bool]:
+    """The first k + 1 distinct groups of one query's candidates (best first: one past k says
+    whether more groups qualify), and whether the candidates ran below `min_score` — then no
+    row further down can reach it."""
+    found: list[int] = []
+    seen: set[int] = set()
+    for score, row in zip(scores.tolist(), rows.tolist(), strict=True):
+        if row < 0:
+            continue
+        if min_score is not None and score < min_score:
+            return found, True
+        group = int(codes[row])
+        if group < 0 or group in seen or row in exclude:
+            continue
+        seen.add(group)
+        found.append(group)
+        if len(found) > k:
+            break
+    return found, False
+
+
+def _exact_groups(
+    query: np.ndarray,
+    stored: np.ndarray,
+    groups: Groups,
+    k: int,
+    eligible: np.ndarray | None,
+    exclude: frozenset[int],
+    min_score: float | None,
+) -> list[int]:
+    """Every eligible row scored: the k groups with the best rows, best first."""
+    scores = np.asarray(stored @ query, dtype=np.float32)
+    if eligible is not None:
+        scores[~eligible] = -np.inf
+    if exclude:
+        scores[list(exclude)] = -np.inf
+    if min_score is not None:
+        scores[scores < min_score] = -np.inf
+    if not len(groups):
+        return []
+    best = np.maximum.reduceat(scores[groups.rows], groups.offsets[:-1])
+    reachable = np.flatnonzero(np.isfinite(best))
+    top = reachable[np.argsort(-best[reachable], kind="stable")[: k + 1]]  # one past k: is there more?
+    return top.tolist()
+
+
+def _filled(
+    found: list[int],
+    query: np.ndarray,
+    stored: np.ndarray,
+    groups: Groups,
+    per_group: int,
+    eligible: np.ndarray | None,
+    exclude: frozenset[int],
+    min_score: float | None,
+    k: int,
+) -> GroupedAnswer:
+    """Each group's best `per_group` eligible rows, scored exactly; groups ranked by their best."""
+    filled = []
+    for group in found:
+        rows = groups.rows_of(group)
+        if eligible is not None:
+            rows = rows[eligible[rows]]
+        if exclude:
+            rows = rows[~np.isin(rows, list(exclude))]
+        scores = np.asarray(stored[rows] @ query, dtype=np.float32)
+        keep = np.argsort(-scores, kind="stable")[:per_group]
+        hits = [(int(rows[j]), float(scores[j])) for j in keep if min_score is None or scores[j] >= min_score]
+        if hits:
+            filled.append((group, hits))
+    filled.sort(key=lambda g: -g[1][0][1])
+    more = len(filled) > k
+    filled = filled[:k]
+    truncated = more if min_score is not None else len(filled) < k
+    return GroupedAnswer(filled, truncated, 0)
+
+
+def item_recall_at_k(
+    index: faiss.Index | ExactRerank, stored: np.ndarray, groups: Groups, rows: np.ndarray, ks: Sequence[int]
+) -> dict[int, float] | None:
+    """Item-level Recall@K: each of `rows` whose item has another row queries the index with its
+    own vector, its own row left out; a hit when its item is among the top K items (groups).
+    None when no row qualifies (every item has one row)."""
+    sizes = np.diff(groups.offsets)
+    codes = groups.codes
+    queries = [int(r) for r in rows if codes[r] >= 0 and sizes[codes[r]] > 1]
+    if not queries or not ks:
+        return None
+    found = search_groups(index, stored, stored[queries], max(ks), groups, exclude=[frozenset({r}) for r in queries])
+    ranked = [[g for g, _ in answer.groups] for answer in found]
+    return {k: float(np.mean([codes[r] in top[:k] for r, top in zip(queries, ranked, strict=True)])) for k in ks}
