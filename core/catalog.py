@@ -283,3 +283,11 @@ def read_class_folders(root: str | Path) -> Catalog:
     if not ids:
         raise CatalogError(f"{root}: no images found, neither in the folder nor in class sub-folders")
     return Catalog(ids, paths, labels, source=str(root))
+
+
+def read_probe_catalog(path: str | Path) -> Catalog:
+    """A `--probe-catalog`: held-out labelled images whose Recall@K the build and the server
+    measure (CatalogError when it has no labels)."""
+    probe = read_catalog(path)
+    probe.require_labels("--probe-catalog (Recall@K of its images)")
+    return probe

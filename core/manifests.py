@@ -393,3 +393,13 @@ def _quality_gate(fields: _Fields) -> QualityGate:
         forced=fields.get("forced", bool, required=False, default=False),
         reasons=fields.get("reasons", list, required=False, default=[]),
     )
+
+
+def check_model_index_pair(model_manifest: ModelManifest, index_manifest: IndexManifest) -> None:
+    """An index answers only for the model that embedded it: ArtifactError when the ids differ.
+    Here, not in the build pipeline, because the server checks every pair it loads."""
+    if model_manifest.model_id != index_manifest.model_id:
+        raise ArtifactError(
+            f"index {index_manifest.version} was built with model {index_manifest.model_id}, "
+            f"not the loaded model {model_manifest.model_id}"
+        )

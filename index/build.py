@@ -15,11 +15,11 @@ import faiss
 import numpy as np
 
 from core import artifacts
-from core.artifacts import ArtifactError, utc_now
-from core.catalog import ITEM_COLUMN, Catalog, CatalogError, read_catalog
+from core.artifacts import utc_now
+from core.catalog import ITEM_COLUMN, Catalog, CatalogError, read_catalog, read_probe_catalog
 from core.config import DEVICES, option, to_jsonable
 from core.items import ItemTable
-from core.manifests import IndexManifest, ModelManifest, QualityGate, QualityReport, RowCounts
+from core.manifests import IndexManifest, ModelManifest, QualityGate, QualityReport, RowCounts, check_model_index_pair
 from core.metrics import recall_at_k, recall_from_neighbor_labels
 from core.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, RegionError, load_image
 from core.progress import Progress
@@ -240,12 +240,6 @@ def embed_catalog(
         raise CatalogError(f"{catalog.source}: {len(bad_regions)} row(s) whose bbox does not fit the image ({shown})")
     embeddings = np.concatenate(parts) if parts else np.zeros((0, embedder.dim), np.float32)
     return embeddings, kept, skipped
-
-
-def read_probe_catalog(path: str | Path) -> Catalog:
-    probe = read_catalog(path)
-    probe.require_labels("--probe-catalog (Recall@K of its images)")
-    return probe
 
 
 def probe_catalog_recall(index, labels: list[str] | None, cfg: BuildConfig) -> tuple[dict[str, float], str]:
@@ -635,11 +629,3 @@ def live_model_dir(manifest: IndexManifest) -> str:
         where = "records none" if manifest.model_dir is None else f"is {manifest.model_dir}, which no longer exists"
         raise ValueError(f"no --model given, and version {manifest.version}'s model directory {where}: pass --model")
     return manifest.model_dir
-
-
-def check_model_index_pair(model_manifest: ModelManifest, index_manifest: IndexManifest) -> None:
-    if model_manifest.model_id != index_manifest.model_id:
-        raise ArtifactError(
-            f"index {index_manifest.version} was built with model {index_manifest.model_id}, "
-            f"not the loaded model {model_manifest.model_id}"
-        )

@@ -24,10 +24,9 @@ from core import artifacts
 from core.artifacts import ArtifactError
 from core.config import option
 from core.items import ItemTable
-from core.manifests import IndexManifest, ModelManifest
+from core.manifests import IndexManifest, ModelManifest, check_model_index_pair
 from core.preprocess import DEFAULT_MAX_PIXELS, Region, decode
 from index import range_search
-from index.build import check_model_index_pair
 from index.faiss_index import ExactRerank, search_within
 from index.grouping import Groups, search_groups
 from index.version import IndexVersion

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from index.build import read_probe_catalog
+from core.catalog import read_probe_catalog
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.engine import SearchEngine, ServingPair
 from serving.monitor import probe_recall

@@ -34,8 +34,8 @@ from grpc_reflection.v1alpha import reflection
 
 from core import artifacts
 from core.artifacts import ArtifactError
+from core.catalog import read_probe_catalog
 from core.config import DEVICES, option, resolve_config, section
-from index.build import read_probe_catalog
 from index.lifecycle import RemovalReport, remove_items
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from serving.auth import Tokens

@@ -1,5 +1,7 @@
-"""The layering rule: `core` is the bottom layer (it imports neither torch nor `training`, `index`
-or `serving`), and `index` and `serving` import without torch, so a serving image has none.
+"""The layering rule: `core` imports no project package, `index` only `core`, `training` and
+`serving` `core` and `index` and never each other, `protos` is imported by `serving` alone (read
+from the source: `test_each_package_imports_only_the_layers_below_it`); and `index` and
+`serving` import without torch, so a serving image has none.
 
 Each check runs in a fresh interpreter (this test process may already have torch loaded). Every
 module under core/, index/ and serving/ is found with pkgutil, so modules added later are covered
@@ -139,3 +141,46 @@ def test_core_imports_nothing_above_it_and_no_torch():
     )
     assert result["heavy"] == []
     assert expected_modules(("core",)) <= set(result["imported"])
+
+
+# -- the package rule, read from the source -------------------------------------------------------
+
+PACKAGES = ("core", "index", "training", "serving", "protos")
+# Which project packages each may import: core at the bottom, index over it, training and serving
+# each over index and never each other, the generated protos for serving alone.
+ALLOWED = {
+    "core": set(),
+    "index": {"core"},
+    "training": {"core", "index"},
+    "serving": {"core", "index", "protos"},
+    "protos": {"protos"},
+}
+
+
+def project_imports(path: Path, package: str) -> set[tuple[str, int]]:
+    """(other project package, line) of every absolute import in a file, at module level or inside
+    a function (a relative import stays inside its own package)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        found |= {(name.split(".")[0], node.lineno) for name in names}
+    return {(top, line) for top, line in found if top in PACKAGES and top != package}
+
+
+def test_each_package_imports_only_the_layers_below_it():
+    edges = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            for imported, line in project_imports(path, package):
+                edges.setdefault((package, imported), []).append(f"{path.relative_to(REPO)}:{line}")
+    wrong = {edge: where for edge, where in edges.items() if edge[1] not in ALLOWED[edge[0]]}
+    assert not wrong, "\n".join(f"{a} imports {b}: {', '.join(where[:3])}" for (a, b), where in sorted(wrong.items()))
+    # The rule is not vacuous: the edges it allows are there.
+    assert {("index", "core"), ("training", "index"), ("serving", "index"), ("serving", "protos")} <= set(edges)

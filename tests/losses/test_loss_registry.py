@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import training.losses as losses_pkg
+import training.losses.registry as losses_pkg
 from tests.losses.test_all_losses import PAPER_DEFAULTS
 from training.losses import available_losses, build_loss, get_loss_class, loss_requires_num_classes, register_loss
 from training.losses.proxy_anchor import ProxyAnchorLoss

@@ -22,12 +22,16 @@ are RAW + VTHM) that keeps the thesis's option names: its ``margin`` is γ and i
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch.nn as nn
-
-from core.registry import Registry
-
+# Importing the loss modules is what fills the registry.
+from . import direct_gradient, histogram, pair_based, proxy_anchor, proxy_based, raw_vthm, reference  # noqa: F401
+from .registry import (
+    LOSSES,
+    available_losses,
+    build_loss,
+    get_loss_class,
+    loss_requires_num_classes,
+    register_loss,
+)
 from .similarity import cosine_similarity_matrix, log1p_sum_exp
 
 __all__ = [
@@ -40,44 +44,5 @@ __all__ = [
     "loss_requires_num_classes",
     "register_loss",
 ]
-
-LOSSES: Registry[type[nn.Module]] = Registry("loss", plural="losses", base=nn.Module, base_label="nn.Module")
-
-
-# The functions below look LOSSES up when called, so a test can swap in a copy of the registry.
-def register_loss(name: str) -> Any:
-    """Class decorator adding a loss to the registry under ``name``."""
-    return LOSSES.register(name)
-
-
-def available_losses() -> list[str]:
-    """Sorted names of every registered loss (aliases excluded)."""
-    return LOSSES.names()
-
-
-def get_loss_class(name: str) -> type[nn.Module]:
-    """The class registered under ``name`` (or the name it aliases); ``ValueError`` listing the known names."""
-    return LOSSES.get(name)
-
-
-def loss_requires_num_classes(name: str) -> bool:
-    """Whether the loss needs ``num_classes`` and ``embedding_dim`` (proxy-based losses)."""
-    return bool(getattr(get_loss_class(name), "requires_num_classes", False))
-
-
-def build_loss(name: str, **options: Any) -> nn.Module:
-    """Instantiate the loss registered under ``name`` with keyword ``options``.
-
-    Raises ``ValueError`` for an unknown name and ``TypeError`` naming the offending option for
-    unknown or missing options (checked against the constructor signature before calling it, so
-    the message lists the valid options). Invalid option values raise the loss's own
-    ``ValueError``.
-    """
-    return LOSSES.create(name, **options)
-
-
-# The loss modules register into LOSSES, so they are imported only after it exists; importing
-# them here is what populates the registry.
-from . import direct_gradient, histogram, pair_based, proxy_anchor, proxy_based, raw_vthm, reference  # noqa: E402, F401
 
 LOSSES.alias("multi_similarity", "raw_vthm", options={"margin": "gamma", "epsilon": "margin"})

@@ -85,11 +85,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import LOSSES
 from ._common import check_batch, check_positive, distance_from_similarity, normalized_embeddings
 from .base import ElementLosses, PairBasedLoss
 from .mining import TRIPLET_MINERS, TripletMiner, Triplets, VthmMiner, build_triplet_miner
 from .reducers import MeanReducer
+from .registry import LOSSES
 from .similarity import cosine_similarity_matrix
 
 __all__ = [

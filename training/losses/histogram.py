@@ -35,10 +35,10 @@ from typing import Any
 
 import torch
 
-from . import LOSSES
 from .base import ElementLosses, PairBasedLoss
 from .mining import PairMasks
 from .reducers import SumReducer
+from .registry import LOSSES
 
 __all__ = ["HistogramLoss", "histogram_overlap", "similarity_histogram"]
 

@@ -52,7 +52,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import LOSSES
 from ._common import (
     check_batch,
     check_finite,
@@ -65,6 +64,7 @@ from ._common import (
 from .base import ElementLosses, PairBasedLoss
 from .mining import PairMasks, TripletMiner, Triplets, all_pairs, build_triplet_miner
 from .reducers import BaseReducer
+from .registry import LOSSES
 
 __all__ = [
     "BinomialDevianceLoss",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import build_loss
+from .registry import build_loss
 from .weights import pair_based_losses, pair_weights
 
 __all__ = ["context_batch", "plot_pair_weights", "weight_curve"]

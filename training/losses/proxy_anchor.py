@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import LOSSES
 from ._common import check_finite, check_positive
 from .base import ElementLosses, ProxyBasedLoss
+from .registry import LOSSES
 from .similarity import log1p_sum_exp
 
 __all__ = ["ProxyAnchorLoss"]

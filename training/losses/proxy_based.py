@@ -30,10 +30,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import LOSSES
 from ._common import check_finite, check_positive, masked_logsumexp
 from .base import ElementLosses, ProxyBasedLoss
 from .reducers import BaseReducer
+from .registry import LOSSES
 
 __all__ = ["ArcFaceLoss", "NormalizedSoftmaxLoss", "ProxyNCALoss", "SoftTripleLoss"]
 

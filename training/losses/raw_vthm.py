@@ -80,11 +80,11 @@ from typing import Any
 
 import torch
 
-from . import LOSSES
 from ._common import check_finite, check_positive
 from .base import ElementLosses, PairBasedLoss
 from .mining import PairMasks, VthmMiner
 from .reducers import BaseReducer
+from .registry import LOSSES
 from .similarity import cosine_similarity_matrix, log1p_sum_exp
 from .weights import PairWeightView, pair_weights
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import LOSSES
+from .registry import LOSSES
 
 try:
     from pytorch_metric_learning import losses as pml_losses

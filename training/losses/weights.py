@@ -22,9 +22,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 
-from . import available_losses, build_loss, get_loss_class
 from ._common import label_masks
 from .base import PairBasedLoss
+from .registry import available_losses, build_loss, get_loss_class
 
 __all__ = ["PairWeightView", "pair_based_losses", "pair_weights"]
 
