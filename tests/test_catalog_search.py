@@ -19,7 +19,8 @@ from PIL import Image
 
 from core.catalog import CatalogError, read_catalog
 from core.manifests import IndexManifest
-from index.build import BuildConfig, run_build
+from index.build import run_build
+from index.config import BuildConfig
 from index.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient
@@ -283,3 +284,20 @@ def test_the_probe_measures_item_recall_online(served):
     figures = {f.k: f.value for f in client.get_info().recall_at_k if f.source == "probe_items"}
     assert set(figures) == set(server.config.monitor.ks) and figures[1] == 1.0
     assert server.monitor.probe_items == figures
+
+
+def test_a_batch_groups_each_query_to_its_own_k(served):
+    _, client, _, _ = served
+    image = png(item_pixels(6, 9))
+    requests = [
+        pb.SearchRequest(image=image, k=3),
+        pb.SearchRequest(image=image, k=7, per_group=2),
+        pb.SearchRequest(image=image, k=5, group_by=""),
+        pb.SearchRequest(parts=[pb.QueryPart(image=image), pb.QueryPart(item_id="p20-0", negative=True)], k=4),
+    ]
+    answers = client.search_batch(requests).responses
+    assert [len(groups_of(a)) for a in answers[:2]] == [3, 7] and len(answers[1].neighbors) == 14
+    assert len(answers[2].neighbors) == 5 and answers[2].group_by == ""
+    assert len(groups_of(answers[3])) == 4 and "p20" not in groups_of(answers[3])
+    for request, answer in zip(requests, answers, strict=True):  # each as if asked alone
+        assert [n.id for n in answer.neighbors] == [n.id for n in client.search(request).neighbors]
