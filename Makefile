@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) scripts/demo.py --out $(DEMO)
+	$(PY) -m scripts.demo --out $(DEMO)
 
 # After `make demo`: its index served over gRPC (50051) and HTTP, the web console at http://127.0.0.1:8080/
 console: $(STAMP)

@@ -19,15 +19,11 @@ import json
 import shlex
 import shutil
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_serving as bs  # noqa: E402
-
-from core.catalog import read_catalog  # noqa: E402
+from benchmarks import bench_serving as bs
+from core.catalog import read_catalog
 
 
 def parse_config(text: str) -> tuple[str, tuple[str, ...]]:

@@ -24,13 +24,10 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from core.catalog import read_catalog  # noqa: E402
-from index.build import embed_catalog  # noqa: E402
-from index.embedder import OnnxEmbedder  # noqa: E402
-from index.faiss_index import (  # noqa: E402
+from core.catalog import read_catalog
+from index.build import embed_catalog
+from index.embedder import OnnxEmbedder
+from index.faiss_index import (
     apply_search_params,
     build_index,
     exact_search,
@@ -38,6 +35,8 @@ from index.faiss_index import (  # noqa: E402
     search,
     searchable,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def factories(n: int) -> list[tuple[str, list[dict]]]:
@@ -134,7 +133,7 @@ def main() -> None:
     faiss.omp_set_num_threads(2)
     run = ROOT / args.run
     if not (run / "model" / "manifest.json").is_file():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--out", str(run)], check=True, cwd=ROOT)
+        subprocess.run([sys.executable, "-m", "scripts.demo", "--out", str(run)], check=True, cwd=ROOT)
     embedder = OnnxEmbedder(run / "model", provider="cpu")
     glyphs = ROOT / "data" / "glyphs" / "catalog.csv"
     rng = np.random.default_rng(1)

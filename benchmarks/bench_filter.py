@@ -20,25 +20,19 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `serving serve` sets it: idle threads do not spin
 
-import faiss  # noqa: E402
-import numpy as np  # noqa: E402
+import faiss
+import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_ann import grown_glyph_embeddings  # noqa: E402
-
-from core.items import ItemTable  # noqa: E402
-from index import faiss_index  # noqa: E402
-from index.embedder import OnnxEmbedder  # noqa: E402
-from index.faiss_index import (  # noqa: E402
+from benchmarks.bench_ann import grown_glyph_embeddings
+from core.items import ItemTable
+from index import faiss_index
+from index.embedder import OnnxEmbedder
+from index.faiss_index import (
     EXACT_BELOW,
     apply_search_params,
     build_index,
@@ -47,7 +41,9 @@ from index.faiss_index import (  # noqa: E402
     l2_normalized,
     search_within,
 )
-from index.filters import Condition, Filter, FilterIndex, Range, parse_filterable  # noqa: E402
+from index.filters import Condition, Filter, FilterIndex, Range, parse_filterable
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SELECTIVITIES = (0.5, 0.1, 0.01, 0.001, 0.0001)
 

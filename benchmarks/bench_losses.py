@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from training.losses import build_loss  # noqa: E402
+from training.losses import build_loss
 
 
 def timed(step, repeats: int) -> float:

@@ -17,14 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from core.catalog import Catalog, read_catalog
+from core.preprocess import load_batch
+from index.build import embed_catalog
+from index.embedder import OnnxEmbedder
+from index.rebuild import embed_with_ray_data
 
-from core.catalog import Catalog, read_catalog  # noqa: E402
-from core.preprocess import load_batch  # noqa: E402
-from index.build import embed_catalog  # noqa: E402
-from index.embedder import OnnxEmbedder  # noqa: E402
-from index.rebuild import embed_with_ray_data  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def grown_catalog(base: Catalog, rows: int, path: Path) -> Path:
@@ -46,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     run = ROOT / args.run
     if not (run / "model" / "manifest.json").is_file():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--out", str(run)], check=True, cwd=ROOT)
+        subprocess.run([sys.executable, "-m", "scripts.demo", "--out", str(run)], check=True, cwd=ROOT)
     rows = args.rows or (2000 if args.quick else 20000)
     tmp = Path(tempfile.mkdtemp(prefix="bench-rebuild-"))
     try:

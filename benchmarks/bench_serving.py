@@ -47,15 +47,14 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from core import artifacts
+from core.catalog import read_catalog
+from core.preprocess import load_image
+from protos.simsearch.v1 import search_pb2 as pb
+from serving.__main__ import server_config
+from serving.server import ServerConfig
 
-from core import artifacts  # noqa: E402
-from core.catalog import read_catalog  # noqa: E402
-from core.preprocess import load_image  # noqa: E402
-from protos.simsearch.v1 import search_pb2 as pb  # noqa: E402
-from serving.__main__ import server_config  # noqa: E402
-from serving.server import ServerConfig  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 LEVELS = [1, 8, 32, 64]
 # Server modes and their `serve` flags.
@@ -75,7 +74,7 @@ def ensure_artifacts(run: Path, quick: bool) -> None:
         return
     slice_args = ["--max-classes", "40", "--max-per-class", "40", "--epochs", "2", "--classes-per-batch", "10"]
     subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "demo.py"), "--out", str(run), *(slice_args if quick else [])],
+        [sys.executable, "-m", "scripts.demo", "--out", str(run), *(slice_args if quick else [])],
         check=True,
         cwd=ROOT,
     )
@@ -370,7 +369,7 @@ def serve_and_load(
 def floor_and_load(load: Load, levels: list[int], seconds: float) -> list[dict]:
     port = free_port()
     proc = start(
-        [sys.executable, str(ROOT / "benchmarks" / "grpc_floor.py"), "--port", str(port)],
+        [sys.executable, "-m", "benchmarks.grpc_floor", "--port", str(port)],
         lambda: _accepts(port),
     )
     try:

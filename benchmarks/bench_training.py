@@ -15,14 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from training.benchmark import BenchmarkConfig, markdown_table, run_benchmark  # noqa: E402
-from training.train import RESULTS_FILE, TrainConfig, run_training  # noqa: E402
+from training.benchmark import BenchmarkConfig, markdown_table, run_benchmark
+from training.train import RESULTS_FILE, TrainConfig, run_training
 
 LOSSES = ["raw_vthm", "pml_multi_similarity", "proxy_anchor", "pml_proxy_anchor"]
 

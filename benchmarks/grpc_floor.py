@@ -11,15 +11,11 @@ import argparse
 import asyncio
 import json
 import signal
-import sys
-from pathlib import Path
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from protos.simsearch.v1 import search_pb2 as pb  # noqa: E402
-from protos.simsearch.v1 import search_pb2_grpc as pb_grpc  # noqa: E402
+from protos.simsearch.v1 import search_pb2 as pb
+from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 
 CANNED = pb.SearchResponse(
     neighbors=[pb.Neighbor(id=f"U+0041/{i:03d}", score=0.9, label="U+0041") for i in range(10)],

@@ -43,14 +43,11 @@ import grpc
 import numpy as np
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_serving as bs  # noqa: E402
-
-from core import artifacts  # noqa: E402
-from core.items import ItemTable  # noqa: E402
-from protos.simsearch.v1 import search_pb2 as pb  # noqa: E402
-from protos.simsearch.v1 import search_pb2_grpc as pb_grpc  # noqa: E402
+from benchmarks import bench_serving as bs
+from core import artifacts
+from core.items import ItemTable
+from protos.simsearch.v1 import search_pb2 as pb
+from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "soak-admin-token"

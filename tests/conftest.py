@@ -21,10 +21,10 @@ SLICE = ["--max-classes", "40", "--max-per-class", "40", "--epochs", "4", "--cla
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> Path:
-    """Run scripts/demo.py (every stage as its own command, served over gRPC) on a slice."""
+    """Run `python -m scripts.demo` (every stage as its own command, served over gRPC) on a slice."""
     out = tmp_path_factory.mktemp("demo")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "demo.py"), "--out", str(out), *SLICE],
+        [sys.executable, "-m", "scripts.demo", "--out", str(out), *SLICE],
         cwd=ROOT,
         capture_output=True,
         text=True,

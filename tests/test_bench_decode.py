@@ -8,11 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "bench_decode.py"
+MODULE = "benchmarks.bench_decode"
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return subprocess.run([sys.executable, "-m", MODULE, *args], capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
 def test_rows_compare_the_fair_and_reduced_paths():

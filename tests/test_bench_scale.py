@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(ROOT / "benchmarks" / script), *args]
+    command = [sys.executable, "-m", f"benchmarks.{Path(script).stem}", *args]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 

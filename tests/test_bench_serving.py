@@ -113,7 +113,7 @@ def test_h2load_figures_count_only_their_own_run(tmp_path):
     # The benchmark warms each level up with a run logged to the same file as the measured one.
     port = free_port()
     floor = start(
-        [sys.executable, str(ROOT / "benchmarks" / "grpc_floor.py"), "--port", str(port)], lambda: _accepts(port)
+        [sys.executable, "-m", "benchmarks.grpc_floor", "--port", str(port)], lambda: _accepts(port)
     )
     try:
         body = tmp_path / "search.grpc"
@@ -128,7 +128,7 @@ def test_h2load_figures_count_only_their_own_run(tmp_path):
 
 
 def run_ab(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(ROOT / "benchmarks" / "ab_serving.py"), *args]
+    command = [sys.executable, "-m", "benchmarks.ab_serving", *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 

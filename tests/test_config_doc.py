@@ -11,16 +11,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_configuration_reference_matches_the_option_schemas():
     done = subprocess.run(
-        [sys.executable, "scripts/gen_config_doc.py", "--check"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "scripts.gen_config_doc", "--check"], cwd=ROOT, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
 
 
 def test_every_flag_of_a_command_is_in_the_reference():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import gen_config_doc
-
     from core.config import options
+    from scripts import gen_config_doc
 
     text = (ROOT / "docs" / "configuration.md").read_text()
     for command, _, cls, exclude in gen_config_doc.command_tables():
@@ -32,8 +30,7 @@ def test_every_flag_of_a_command_is_in_the_reference():
 
 def test_every_command_has_a_section_and_every_argument_a_row():
     """Commands whose flags are plain argparse arguments (`serving query`, `index list`, …) too."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import gen_config_doc
+    from scripts import gen_config_doc
 
     text = (ROOT / "docs" / "configuration.md").read_text()
     plain = gen_config_doc.plain_commands()
