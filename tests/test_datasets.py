@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 from core.catalog import Catalog, CatalogError, read_catalog
+from tests.support.datasets import write_replica
 from training.datasets import (
     BenchmarkDataset,
     available_datasets,
     get_dataset,
     load_benchmark,
     register_dataset,
-    write_replica,
 )
 
 NAMES = ["cars196", "cub", "inshop", "sop"]

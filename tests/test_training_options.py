@@ -14,6 +14,7 @@ from PIL import Image
 from core.catalog import Catalog
 from core.metrics import query_gallery_recall_at_k
 from core.preprocess import InputContract
+from tests.support.datasets import write_replica
 from training.data import (
     EvalImages,
     LazyImages,
@@ -23,7 +24,6 @@ from training.data import (
     prepare_splits,
     train_dataset,
 )
-from training.datasets import write_replica
 from training.evaluate import histogram_overlap, kmeans_schedule, nmi, pair_similarities
 from training.losses import build_loss
 from training.models import EmbeddingNet

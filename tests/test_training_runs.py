@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from training.datasets import write_replica
+from tests.support.datasets import write_replica
 
 ROOT = Path(__file__).resolve().parents[1]
 # Slow enough per epoch (~3 s) that a kill lands inside training, small enough to stay quick.

@@ -55,9 +55,9 @@ unreadable images), only the annotations.
 
 For CUB and Cars the split point is the first half of the class list (``classes.txt``,
 ``class_names``): exactly classes 1-100 and 1-98 on the published data, and the same rule on a
-smaller copy. ``write_replica`` writes a miniature copy of any of the four in its published
-layout (tiny solid-colour images, real annotation files), so the readers can be tried and tested
-without the real data.
+smaller copy. The tests write a miniature copy of any of the four in its published layout (tiny
+solid-colour images, real annotation files: ``tests/support/datasets.py``, ``write_replica``), so
+the readers are tested without the real data.
 """
 
 from __future__ import annotations
@@ -68,7 +68,6 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
-from PIL import Image
 
 from core.catalog import Catalog, CatalogError
 from core.registry import Registry
@@ -82,15 +81,14 @@ __all__ = [
     "get_dataset",
     "load_benchmark",
     "register_dataset",
-    "write_replica",
 ]
 
 
 class BenchmarkDataset:
-    """A benchmark reader: where its annotation files live, how to read them, how to fake them.
+    """A benchmark reader: where its annotation files live and how to read them.
 
-    Subclasses set the class attributes and implement `load` and `_write_replica`; they are
-    stateless, so the registry holds classes and instantiates one per call.
+    Subclasses set the class attributes and implement `load`; they are stateless, so the registry
+    holds classes and instantiates one per call.
     """
 
     name: ClassVar[str] = ""  # set by @register_dataset
@@ -99,22 +97,10 @@ class BenchmarkDataset:
     # Folders under the root, in order, where the annotation files may be ("" = the root itself).
     subdirs: ClassVar[tuple[str, ...]] = ("",)
     annotation_files: ClassVar[tuple[str, ...]] = ()
-    default_classes: ClassVar[int] = 2
-    default_images_per_class: ClassVar[int] = 2
-    min_images_per_class: ClassVar[int] = 1
     # The Ks the literature reports Recall@K at on this dataset (docs/architecture.md, evaluation protocol).
     recall_ks: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32)
 
     def load(self, root: Path) -> dict[str, Catalog]:
-        raise NotImplementedError
-
-    def replica_marker(self, root: Path) -> Path:
-        """The path whose existence means a copy of the dataset is already in `root`."""
-        raise NotImplementedError
-
-    def _write_replica(
-        self, root: Path, classes: int, images_per_class: int, rng: np.random.Generator, image_size: int
-    ) -> None:
         raise NotImplementedError
 
     def locate(self, root: Path) -> Path:
@@ -159,41 +145,6 @@ def load_benchmark(name: str, root: str | Path) -> dict[str, Catalog]:
     a missing annotation file, a malformed line or inconsistent annotations.
     """
     return get_dataset(name)().load(Path(root))
-
-
-def write_replica(
-    name: str,
-    root: str | Path,
-    classes: int | None = None,
-    images_per_class: int | None = None,
-    seed: int = 0,
-    image_size: int = 8,
-) -> Path:
-    """Write a miniature copy of benchmark `name` in its published layout under `root`.
-
-    Annotation files are real (same names, format and, for Cars196, the same MATLAB struct
-    layout), images are `image_size`-pixel solid random colours. `classes` defaults to the real
-    class count for CUB (200) and Cars196 (196) so the standard class ranges hold, and to a
-    small number for SOP and In-shop (items). Returns `root`, the folder to pass to
-    `load_benchmark`. Refuses (FileExistsError) to write over a dataset already in `root`.
-    """
-    dataset = get_dataset(name)()
-    classes = dataset.default_classes if classes is None else classes
-    images_per_class = dataset.default_images_per_class if images_per_class is None else images_per_class
-    if classes < 2:
-        raise ValueError(f"a {dataset.title} replica needs at least 2 classes (one per side of the split)")
-    if images_per_class < dataset.min_images_per_class:
-        raise ValueError(f"a {dataset.title} replica needs at least {dataset.min_images_per_class} images per class")
-    if image_size < 1:
-        raise ValueError("image_size must be at least 1")
-    root = Path(root)
-    marker = dataset.replica_marker(root)
-    if marker.exists():
-        # The root may hold the real dataset; a replica must never overwrite it.
-        raise FileExistsError(f"{marker} already exists; write the {dataset.title} replica to an empty folder")
-    root.mkdir(parents=True, exist_ok=True)
-    dataset._write_replica(root, classes, images_per_class, np.random.default_rng(seed), image_size)
-    return root
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,18 +255,6 @@ def _catalogs(
     return {s: Catalog(*columns[s], source=f"{sources[s]} [{s}]") for s in splits}
 
 
-def _save_image(path: Path, rng: np.random.Generator, size: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    colour = tuple(int(v) for v in rng.integers(0, 256, size=3))
-    fmt = "PNG" if path.suffix.lower() == ".png" else "JPEG"
-    Image.new("RGB", (size, size), colour).save(path, format=fmt)
-
-
-def _write_text(path: Path, lines: Sequence[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(f"{line}\n" for line in lines), encoding="utf-8")
-
-
 # ---------------------------------------------------------------------------------------------
 # CUB-200-2011
 
@@ -326,8 +265,6 @@ class CUB200(BenchmarkDataset):
     splits = ("train", "test")
     subdirs = ("", "CUB_200_2011")
     annotation_files = ("images.txt", "image_class_labels.txt", "classes.txt")
-    default_classes = 200
-    default_images_per_class = 2
 
     def load(self, root: Path) -> dict[str, Catalog]:
         folder = self.locate(root)
@@ -375,34 +312,6 @@ class CUB200(BenchmarkDataset):
             rows.append((split, relative, folder / "images" / relative, str(class_id), meta))
         return _catalogs(self.title, self.splits, rows, images_file)
 
-    def replica_marker(self, root: Path) -> Path:
-        return root / "CUB_200_2011"
-
-    def _write_replica(
-        self, root: Path, classes: int, images_per_class: int, rng: np.random.Generator, image_size: int
-    ) -> None:
-        folder = root / "CUB_200_2011"
-        class_lines, image_lines, label_lines, split_lines, box_lines = [], [], [], [], []
-        image_id = 0
-        for class_id in range(1, classes + 1):
-            species = f"Species_{class_id:03d}"
-            class_name = f"{class_id:03d}.{species}"
-            class_lines.append(f"{class_id} {class_name}")
-            for k in range(images_per_class):
-                image_id += 1
-                relative = f"{class_name}/{species}_{k + 1:04d}_{image_id}.jpg"
-                _save_image(folder / "images" / relative, rng, image_size)
-                image_lines.append(f"{image_id} {relative}")
-                label_lines.append(f"{image_id} {class_id}")
-                split_lines.append(f"{image_id} {1 - k % 2}")
-                x, y = rng.integers(0, image_size, size=2)
-                box_lines.append(f"{image_id} {float(x)} {float(y)} {float(image_size - x)} {float(image_size - y)}")
-        _write_text(folder / "classes.txt", class_lines)
-        _write_text(folder / "images.txt", image_lines)
-        _write_text(folder / "image_class_labels.txt", label_lines)
-        _write_text(folder / "train_test_split.txt", split_lines)
-        _write_text(folder / "bounding_boxes.txt", box_lines)
-
 
 def _preview(values: Sequence[Any], limit: int = 5) -> str:
     shown = ", ".join(str(v) for v in values[:limit])
@@ -411,8 +320,6 @@ def _preview(values: Sequence[Any], limit: int = 5) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Cars196
-
-_CARS_FIELDS = ("relative_im_path", "bbox_x1", "bbox_y1", "bbox_x2", "bbox_y2", "class", "test")
 _CARS_BBOX = ("bbox_x1", "bbox_y1", "bbox_x2", "bbox_y2")
 
 
@@ -454,8 +361,6 @@ class Cars196(BenchmarkDataset):
     splits = ("train", "test")
     subdirs = ("",)
     annotation_files = ("cars_annos.mat",)
-    default_classes = 196
-    default_images_per_class = 2
 
     def load(self, root: Path) -> dict[str, Catalog]:
         folder = self.locate(root)
@@ -526,55 +431,11 @@ class Cars196(BenchmarkDataset):
             names.append(text)
         return names
 
-    def replica_marker(self, root: Path) -> Path:
-        return root / "cars_annos.mat"
-
-    def _write_replica(
-        self, root: Path, classes: int, images_per_class: int, rng: np.random.Generator, image_size: int
-    ) -> None:
-        try:
-            from scipy.io import savemat
-        except ImportError as exc:
-            raise ImportError("writing a Cars196 replica (cars_annos.mat) needs scipy (pip install scipy)") from exc
-        # The published file numbers images in one sequence across classes; assigning classes
-        # in random order makes sure the reader relies on the `class` field, not on order.
-        class_of = rng.permutation(np.repeat(np.arange(1, classes + 1), images_per_class))
-        class_dtype = np.uint8 if classes <= np.iinfo(np.uint8).max else np.uint16
-        records = np.zeros((1, len(class_of)), dtype=[(f, object) for f in _CARS_FIELDS])
-        for index, class_id in enumerate(class_of):
-            relative = f"car_ims/{index + 1:06d}.jpg"
-            _save_image(root / relative, rng, image_size)
-            x1, y1 = (int(v) for v in rng.integers(0, image_size, size=2))
-            record = records[0, index]
-            record["relative_im_path"] = np.array([relative])
-            for field, v in zip(_CARS_BBOX, (x1, y1, image_size - 1, image_size - 1), strict=True):
-                record[field] = np.array([[v]], dtype=np.uint16)
-            record["class"] = np.array([[class_id]], dtype=class_dtype)
-            record["test"] = np.array([[rng.integers(0, 2)]], dtype=np.uint8)
-        class_names = np.empty((1, classes), dtype=object)
-        for c in range(classes):
-            class_names[0, c] = f"Make{c + 1} Model{c + 1} {2000 + c % 13}"
-        savemat(str(root / "cars_annos.mat"), {"annotations": records, "class_names": class_names})
-
 
 # ---------------------------------------------------------------------------------------------
 # Stanford Online Products
 
 _SOP_HEADER = ("image_id", "class_id", "super_class_id", "path")
-_SOP_SUPER_CLASSES = (
-    "bicycle",
-    "cabinet",
-    "chair",
-    "coffee_maker",
-    "fan",
-    "kettle",
-    "lamp",
-    "mug",
-    "sofa",
-    "stapler",
-    "table",
-    "toaster",
-)
 
 
 @register_dataset("sop")
@@ -584,8 +445,6 @@ class StanfordOnlineProducts(BenchmarkDataset):
     splits = ("train", "test")
     subdirs = ("", "Stanford_Online_Products")
     annotation_files = ("Ebay_train.txt", "Ebay_test.txt")
-    default_classes = 24
-    default_images_per_class = 2
 
     def load(self, root: Path) -> dict[str, Catalog]:
         folder = self.locate(root)
@@ -636,52 +495,11 @@ class StanfordOnlineProducts(BenchmarkDataset):
             rows.append((split, relative, folder / relative, str(class_id), meta))
         return rows
 
-    def replica_marker(self, root: Path) -> Path:
-        return root / "Stanford_Online_Products"
-
-    def _write_replica(
-        self, root: Path, classes: int, images_per_class: int, rng: np.random.Generator, image_size: int
-    ) -> None:
-        folder = root / "Stanford_Online_Products"
-        n_train = classes - classes // 2
-        listings = 100_000_000_000 + rng.choice(300_000_000_000, size=classes, replace=False)
-        header = " ".join(_SOP_HEADER)
-        files: dict[str, list[str]] = {"Ebay_train.txt": [header], "Ebay_test.txt": [header]}
-        info = [header]
-        image_id = 0
-        for index in range(classes):
-            train = index < n_train
-            position, size = (index, n_train) if train else (index - n_train, classes - n_train)
-            # Within a split the published files run through the super classes in blocks.
-            super_index = position * len(_SOP_SUPER_CLASSES) // size
-            category = f"{_SOP_SUPER_CLASSES[super_index]}_final"
-            for k in range(images_per_class):
-                image_id += 1
-                relative = f"{category}/{listings[index]}_{k}.JPG"
-                _save_image(folder / relative, rng, image_size)
-                line = f"{image_id} {index + 1} {super_index + 1} {relative}"
-                files["Ebay_train.txt" if train else "Ebay_test.txt"].append(line)
-                info.append(line)
-        for name, lines in files.items():
-            _write_text(folder / name, lines)
-        _write_text(folder / "Ebay_info.txt", info)
-
 
 # ---------------------------------------------------------------------------------------------
 # In-shop Clothes Retrieval
 
 _INSHOP_HEADER = ("image_name", "item_id", "evaluation_status")
-_INSHOP_CATEGORIES = (
-    "MEN/Denim",
-    "MEN/Jackets_Vests",
-    "MEN/Shirts_Polos",
-    "MEN/Tees_Tanks",
-    "WOMEN/Blouses_Shirts",
-    "WOMEN/Dresses",
-    "WOMEN/Skirts",
-    "WOMEN/Tees_Tanks",
-)
-_INSHOP_VIEWS = ("1_front", "2_side", "3_back", "4_full", "7_additional")
 _INSHOP_BUNDLE = "In-shop Clothes Retrieval Benchmark"
 
 
@@ -692,9 +510,6 @@ class InShop(BenchmarkDataset):
     splits = ("train", "query", "gallery")
     subdirs = ("Eval", "", f"{_INSHOP_BUNDLE}/Eval", _INSHOP_BUNDLE)
     annotation_files = ("list_eval_partition.txt",)
-    default_classes = 20
-    default_images_per_class = 4
-    min_images_per_class = 2  # a test item needs a query and a gallery image
 
     def load(self, root: Path) -> dict[str, Catalog]:
         eval_folder = self.locate(root)
@@ -746,31 +561,3 @@ class InShop(BenchmarkDataset):
         if lonely:
             log.warning("%s: %d query item(s) have no gallery image, e.g. %s", path, len(lonely), min(lonely))
         return catalogs
-
-    def replica_marker(self, root: Path) -> Path:
-        return root / "Eval" / "list_eval_partition.txt"
-
-    def _write_replica(
-        self, root: Path, classes: int, images_per_class: int, rng: np.random.Generator, image_size: int
-    ) -> None:
-        # Published item ids are sparse 8-digit numbers, and train and test items interleave.
-        numbers = np.sort(1 + rng.choice(10 * classes, size=classes, replace=False))
-        test_items = set(rng.permutation(classes)[: classes // 2].tolist())
-        entries = []
-        for index, number in enumerate(numbers):
-            item_id = f"id_{number:08d}"
-            category = _INSHOP_CATEGORIES[int(rng.integers(len(_INSHOP_CATEGORIES)))]
-            for k in range(images_per_class):
-                clothes, view = divmod(k, len(_INSHOP_VIEWS))
-                relative = f"img/{category}/{item_id}/{clothes + 1:02d}_{_INSHOP_VIEWS[view]}.jpg"
-                _save_image(root / "Img" / relative, rng, image_size)
-                if index in test_items:
-                    status = "query" if k % 2 == 0 else "gallery"
-                else:
-                    status = "train"
-                entries.append((relative, item_id, status))
-        width = max(len(r) for r, _, _ in entries) + 8
-        # Column-aligned with runs of spaces, as the published file is.
-        lines = [str(len(entries)), " ".join(_INSHOP_HEADER)]
-        lines += [f"{relative.ljust(width)}{item_id} {status}" for relative, item_id, status in entries]
-        _write_text(root / "Eval" / "list_eval_partition.txt", lines)

@@ -1,0 +1,1 @@
+"""Helpers only tests use: fake datasets in their published layouts."""
