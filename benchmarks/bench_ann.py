@@ -25,7 +25,7 @@ import faiss
 import numpy as np
 
 from core.catalog import read_catalog
-from index.build import embed_catalog
+from index.embed import embed_catalog
 from index.embedder import OnnxEmbedder
 from index.faiss_index import (
     apply_search_params,

@@ -32,7 +32,7 @@ import numpy as np
 from core.catalog import Catalog, read_catalog
 from core.metrics import recall_at_k
 from core.vectors import l2_normalized
-from index.build import embed_catalog
+from index.embed import embed_catalog
 from index.embedder import OnnxEmbedder
 from index.faiss_index import build_index
 from index.filters import FieldRows, FieldSpec

@@ -19,7 +19,7 @@ import numpy as np
 
 from core.catalog import Catalog, read_catalog
 from core.preprocess import load_batch
-from index.build import embed_catalog
+from index.embed import embed_catalog
 from index.embedder import OnnxEmbedder
 from index.rebuild import embed_with_ray_data
 

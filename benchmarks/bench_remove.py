@@ -25,8 +25,9 @@ import numpy as np
 
 from core.items import ItemTable
 from core.manifests import RowCounts
-from index.build import BuildConfig, NewVersion, publish_index_version
+from index.config import BuildConfig
 from index.lifecycle import how_rows_leave, remove_items
+from index.publish import NewVersion, publish_index_version
 from index.version import IndexVersion
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import sys
 from core.cli import add_config_flag, add_progress_flag, add_verbose_flag, run_cli
 from core.config import add_options, from_cli
 from core.manifests import IndexManifest
-from index.build import BuildConfig
+from index.config import BuildConfig
 from index.duplicates import DuplicatesConfig
 from index.lifecycle import RemoveConfig
 from index.rebuild import RebuildConfig
@@ -86,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("list", "rollback") and not Path(args.index_root).is_dir():
             raise ValueError(f"index root not found: {args.index_root}")
         if args.command in ("build", "add"):
-            from index.build import BuildConfig, run_add, run_build
+            from index.add import run_add
+            from index.build import run_build
+            from index.config import BuildConfig
 
             progress = args.progress
             del args.progress

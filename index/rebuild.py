@@ -29,14 +29,9 @@ from core.cli import init_ray
 from core.config import option
 from core.manifests import ModelManifest
 from core.preprocess import ImageDecodeError, RegionError, load_image
-from index.build import (
-    DEFAULT_MODEL,
-    BuildConfig,
-    NewVersion,
-    check_bad_rows,
-    default_catalog,
-    publish_index_version,
-)
+from index.config import DEFAULT_MODEL, BuildConfig, default_catalog
+from index.embed import check_bad_rows
+from index.publish import NewVersion, publish_index_version
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from core.config import (
     section,
     to_jsonable,
 )
-from index.build import BuildConfig
+from index.config import BuildConfig
 
 
 @dataclass

@@ -28,7 +28,8 @@ import pytest
 
 from core import artifacts
 from core.catalog import read_catalog
-from index.build import BuildConfig, run_build
+from index.build import run_build
+from index.config import BuildConfig
 from index.duplicates import DuplicatesConfig, run_duplicates
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient, condition

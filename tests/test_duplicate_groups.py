@@ -13,9 +13,10 @@ from PIL import Image
 
 from core.items import ItemTable
 from core.manifests import RowCounts
-from index.build import BuildConfig, NewVersion, publish_index_version
+from index.config import BuildConfig
 from index.contact_sheet import CAPTION, PAD, THUMB
 from index.duplicates import CHAINING_MEMBERS, SHEET_MEMBERS, DuplicatesConfig, run_duplicates
+from index.publish import NewVersion, publish_index_version
 
 DIM, CHAIN, OTHERS = 16, 60, 200
 STEP = np.radians(2.0)  # cosine 0.9994 between neighbours along the chain; its ends are 118° apart

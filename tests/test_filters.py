@@ -13,7 +13,9 @@ import pytest
 
 from core.catalog import read_catalog
 from core.items import ItemTable
-from index.build import BuildConfig, run_add, run_build
+from index.add import run_add
+from index.build import run_build
+from index.config import BuildConfig
 from index.faiss_index import (
     EXACT,
     INDEX,

@@ -18,8 +18,10 @@ from core import artifacts
 from core.artifacts import ArtifactError
 from core.items import ItemTable
 from core.manifests import IndexManifest, RowCounts
-from index.build import BuildConfig, NewVersion, QualityGateError, publish_index_version
+from index.config import BuildConfig
 from index.faiss_index import build_index
+from index.gate import QualityGateError
+from index.publish import NewVersion, publish_index_version
 from index.version import IndexVersion
 from tests.index_support import write_images, write_tiny_model
 
@@ -48,7 +50,7 @@ def publish(root: Path, vectors: np.ndarray, **options) -> IndexVersion:
 
 
 def test_ivf_without_nprobe_gets_the_least_that_meets_the_recall_target(tmp_path, clustered, caplog):
-    with caplog.at_level(logging.INFO, logger="index.build"):
+    with caplog.at_level(logging.INFO, logger="index.publish"):
         version = publish(tmp_path, clustered, factory="IVF256,Flat")
     manifest = version.manifest
     nprobe = manifest.search_params["nprobe"]

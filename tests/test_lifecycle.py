@@ -16,9 +16,10 @@ import pytest
 from core import artifacts
 from core.items import ItemTable
 from core.manifests import RowCounts
-from index.build import BuildConfig, NewVersion, publish_index_version
+from index.config import BuildConfig
 from index.filters import Condition, Filter, Range
 from index.lifecycle import AUDIT_LOG, how_rows_leave, remove_items
+from index.publish import NewVersion, publish_index_version
 from index.version import IndexVersion
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,0 +1,136 @@
+"""`index add`: a new version = the live one + the catalog rows it lacks (or, with --upsert,
+replacing the rows it has), embedding only those."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from core.catalog import CatalogError, read_catalog
+from core.items import ItemTable
+from core.manifests import IndexManifest, RowCounts, check_model_index_pair
+from index.config import BuildConfig
+from index.embed import check_bad_rows, embed_catalog
+from index.embedder import OnnxEmbedder
+from index.faiss_index import l2_normalized
+from index.filters import parse_filterable, specs_of
+from index.lifecycle import drop_rows
+from index.publish import NewVersion, publish_index_version
+from index.version import IndexVersion
+
+log = logging.getLogger(__name__)
+
+
+def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
+    """Publish a new version = the live one + the catalog rows it lacks, embedding only those.
+
+    Existing vectors are reused byte for byte (from the live version's embeddings.npy) and the
+    live faiss index is extended in place of a rebuild, so IVF/PQ keep their trained quantisers.
+    Rows whose id is already indexed are skipped and counted, not re-embedded — or, with
+    `upsert`, replace the indexed ones: those leave the live version as a removal does
+    (`index.lifecycle.drop_rows`) and come back at the end with their new vector and metadata.
+    The live version's model (unless --model names another directory of it), factory, search
+    parameters and filterable fields hold for the rows it gains.
+    """
+    started = time.perf_counter()
+    if cfg.catalog is None:
+        raise ValueError("index add needs --catalog with the new rows")
+    live = IndexVersion.open(cfg.index_root)
+    declared = [str(spec) for spec in specs_of(live.manifest.filterable)]
+    if cfg.filterable and parse_filterable(cfg.filterable) != parse_filterable(declared):
+        log.warning("index add keeps the live version's filterable fields %s, not %s", declared, cfg.filterable)
+    cfg = dataclasses.replace(
+        cfg,
+        model=cfg.model or live_model_dir(live.manifest),
+        factory=live.manifest.factory,
+        search_params=live.manifest.search_params,
+        nprobe=None,
+        filterable=declared,
+        item_field=live.manifest.item_field,
+    )
+    cfg.check_inputs()
+    embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
+    check_model_index_pair(embedder.manifest, live.manifest)
+    catalog = read_catalog(cfg.catalog)
+    cfg.check_catalog(catalog, trains_index=False)  # the live index is trained already
+    if catalog.labelled != live.items.labelled:
+        has, lacks = (
+            (catalog.source, f"version {live.manifest.version}")
+            if catalog.labelled
+            else (f"version {live.manifest.version}", catalog.source)
+        )
+        raise CatalogError(f"{has} has labels and {lacks} has none: a version's items are all labelled or none are")
+    indexed_rows = [live.row_of(item_id) for item_id in catalog.ids]
+    replaced = np.array(sorted(r for r in indexed_rows if r is not None), dtype=np.int64)
+    new_rows = [r for r, row in enumerate(indexed_rows) if row is None or cfg.upsert]
+    already = 0 if cfg.upsert else len(replaced)
+    if not new_rows:
+        raise ValueError(
+            f"all {len(catalog)} rows of {cfg.catalog} are already in version {live.manifest.version} (by id: "
+            f"the catalog's id column, or for a folder the image's path relative to it, e.g. {catalog.ids[0]!r}): "
+            "pass --upsert to replace them with these images"
+        )
+    if already:
+        log.warning(
+            "%d of %d rows of %s are already in version %s and are skipped, e.g. %r (--upsert replaces them)",
+            already, len(catalog), cfg.catalog, live.manifest.version, live.items.ids[int(replaced[0])],
+        )  # fmt: skip
+    fresh = catalog.subset(new_rows)
+    vectors, kept, skipped = embed_catalog(
+        fresh, embedder, cfg.batch_size, cfg.decode_threads, cfg.max_pixels, progress
+    )
+    check_bad_rows(len(fresh), len(kept), skipped, cfg.max_bad_fraction)
+    added = fresh.subset(kept)
+    if cfg.upsert and len(replaced):
+        # A row that failed to embed keeps its old vector rather than vanishing.
+        rows_now = (live.row_of(i) for i in added.ids)
+        replaced = np.array(sorted(r for r in rows_now if r is not None), dtype=np.int64)
+    base = drop_rows(live, replaced) if cfg.upsert and len(replaced) else None
+    index = base.index if base is not None and base.index is not None else live.read_index()
+    old_vectors = base.vectors if base is not None else live.vectors
+    old_items = base.items if base is not None else live.items
+    deleted = base.deleted if base is not None else live.deleted
+    index.add(l2_normalized(vectors))
+    items = old_items.concat(
+        ItemTable(
+            ids=added.ids,
+            labels=added.labels,
+            paths=[str(p.resolve()) for p in added.paths],
+            metadata=added.metadata,
+        )
+    )
+    rows = RowCounts(
+        catalog=len(catalog),
+        indexed=0,  # publish_index_version counts it: the new version's live_size
+        skipped=skipped,
+        added=len(kept) - len(replaced) if cfg.upsert else len(kept),
+        already_indexed=already,
+        replaced=int(len(replaced)) if cfg.upsert else None,
+    )
+    return publish_index_version(
+        cfg,
+        NewVersion(
+            model_id=embedder.model_id,
+            embeddings=np.concatenate([old_vectors, vectors]),
+            items=items,
+            catalog=cfg.catalog,
+            rows=rows,
+            started=started,
+            embed_seconds=time.perf_counter() - started,
+            index=index,
+            parent_version=live.manifest.version,
+            deleted=deleted,
+        ),
+    )
+
+
+def live_model_dir(manifest: IndexManifest) -> str:
+    """The model directory `manifest`'s version was built with, for `index add` without --model."""
+    if manifest.model_dir is None or not Path(manifest.model_dir).is_dir():
+        where = "records none" if manifest.model_dir is None else f"is {manifest.model_dir}, which no longer exists"
+        raise ValueError(f"no --model given, and version {manifest.version}'s model directory {where}: pass --model")
+    return manifest.model_dir
