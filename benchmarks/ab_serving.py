@@ -4,7 +4,7 @@ their `serve` flags.
     python benchmarks/ab_serving.py --run runs/bench-mobilenet_v2-224 --rounds 6 \\
         --config "one stream=--batch-streams 1" --config "default="
 
-Every round starts each configuration's server in turn (bench_serving's own server start, h2load
+Every round starts each configuration's server in turn (benchmarks/harness.py's server start, h2load
 load, warm-up and /proc CPU reading), so the drift of a shared machine hits them alike. Printed:
 each round as it ends, then per configuration and concurrency the medians, and for every
 configuration after the first the median of its per-round ratios to the first (q/s and server
@@ -22,7 +22,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from benchmarks import bench_serving as bs
+from benchmarks import harness
 from core.catalog import read_catalog
 
 
@@ -61,11 +61,11 @@ def main() -> None:
         parser.error(f"--query-image {image} is not a file")
 
     workdir = Path(tempfile.mkdtemp(prefix="ab-serving-"))
-    load = bs.h2load_sending(Path(image).read_bytes(), workdir)
+    load = harness.h2load_sending(Path(image).read_bytes(), workdir)
     rounds: dict[str, list[list[dict]]] = {name: [] for name in names}
     for i in range(args.rounds):
         for name, flags in args.config:
-            figures = bs.serve_and_load(run, None, load, args.seconds, flags, args.levels)
+            figures = harness.serve_and_load(run, None, load, args.seconds, flags, args.levels)
             rounds[name].append(figures)
             cells = ", ".join(
                 f"c={r['concurrency']} {r['qps']:.0f} q/s p50 {r['p50_ms']:.2f} ms "
@@ -79,7 +79,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     first = names[0]
     for name in names:
-        for level, merged in enumerate(bs.median_rounds(rounds[name])):
+        for level, merged in enumerate(harness.median_rounds(rounds[name])):
             versus = "–"
             if name != first:
                 pairs = [(r[level], f[level]) for r, f in zip(rounds[name], rounds[first], strict=True)]

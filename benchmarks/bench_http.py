@@ -20,7 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.bench_serving import ensure_artifacts, free_port, healthy, python_loadgen, start, stop
+from benchmarks.harness import ensure_artifacts, free_port, healthy, python_loadgen, start, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("image", "item")

@@ -46,7 +46,7 @@ import psutil
 # the machine leaves (12 img/s instead of 72 beside a test run), and its wall time measures that.
 os.environ.setdefault("RAY_worker_niceness", "0")
 
-from benchmarks import bench_serving as bs
+from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -195,14 +195,14 @@ def serve_stage(index_root: Path, catalog: Path, queries: int, concurrency: int)
     from core.catalog import read_catalog
     from serving.client import SearchClient
 
-    port, metrics_port = bs.free_port(), bs.free_port()
+    port, metrics_port = harness.free_port(), harness.free_port()
     command = [
         sys.executable, "-m", "serving", "serve", "--index-root", str(index_root),
         "--port", str(port), "--metrics-port", str(metrics_port),
     ]  # fmt: skip
     print(f"[serve] {' '.join(command)}", flush=True)
     started = time.perf_counter()
-    proc = bs.start(command, lambda: bs.healthy(metrics_port))
+    proc = harness.start(command, lambda: harness.healthy(metrics_port))
     ready_seconds = time.perf_counter() - started
     sampler = TreeSampler(proc.pid)
     sampler.start()
@@ -229,7 +229,7 @@ def serve_stage(index_root: Path, catalog: Path, queries: int, concurrency: int)
             query_seconds = time.perf_counter() - t0
     finally:
         memory = sampler.stop()
-        bs.stop(proc)
+        harness.stop(proc)
     latencies.sort()
     return {
         "seconds": ready_seconds + query_seconds,

@@ -43,7 +43,7 @@ import grpc
 import numpy as np
 import psutil
 
-from benchmarks import bench_serving as bs
+from benchmarks import harness
 from core import artifacts
 from core.items import ItemTable
 from protos.simsearch.v1 import search_pb2 as pb
@@ -285,12 +285,12 @@ def soak(
         root = Path(tmp) / "index"
         shutil.copytree(run / "index", root)
         bad_versions = damaged_and_missing_versions(root) if reload_every else []
-        port, metrics_port, http_port = bs.free_port(), bs.free_port(), bs.free_port()
+        port, metrics_port, http_port = harness.free_port(), harness.free_port(), harness.free_port()
         command = [
             sys.executable, "-m", "serving", "serve", "--index-root", str(root), "--port", str(port),
             "--metrics-port", str(metrics_port), "--http-port", str(http_port), "--admin-token", TOKEN, *server_flags,
         ]  # fmt: skip
-        proc = bs.start(command, lambda: bs.healthy(metrics_port))
+        proc = harness.start(command, lambda: harness.healthy(metrics_port))
         target = f"127.0.0.1:{port}"
         try:
             with grpc.insecure_channel(target) as channel:
@@ -392,7 +392,7 @@ def main() -> None:
         parser.error(f"--http-share must be within [0, 1], got {args.http_share}")
     if args.warmup_min >= args.minutes:
         parser.error(f"--warmup-min ({args.warmup_min}) must be shorter than --minutes ({args.minutes})")
-    bs.ensure_artifacts(args.run.resolve(), quick=False)
+    harness.ensure_artifacts(args.run.resolve(), quick=False)
     runs = {f"{args.minutes:g} min, reload every {args.reload_every:g} s": args.reload_every}
     if args.baseline:
         runs[f"{args.minutes:g} min, no reload"] = 0.0

@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from benchmarks.bench_serving import (
+from benchmarks.bench_serving import paired_ratios
+from benchmarks.harness import (
     MODES,
     ROOT,
     Ceiling,
@@ -20,7 +21,6 @@ from benchmarks.bench_serving import (
     free_port,
     grpc_body,
     h2load,
-    paired_ratios,
     serve_flags,
     start,
     stop,
@@ -112,9 +112,7 @@ def test_the_ceiling_loads_the_pairs_the_servers_would(demo_run, flags):
 def test_h2load_figures_count_only_their_own_run(tmp_path):
     # The benchmark warms each level up with a run logged to the same file as the measured one.
     port = free_port()
-    floor = start(
-        [sys.executable, "-m", "benchmarks.grpc_floor", "--port", str(port)], lambda: _accepts(port)
-    )
+    floor = start([sys.executable, "-m", "benchmarks.grpc_floor", "--port", str(port)], lambda: _accepts(port))
     try:
         body = tmp_path / "search.grpc"
         body.write_bytes(grpc_body(b"not decoded by the floor server"))

@@ -193,7 +193,7 @@ def test_server_without_index_is_unavailable_and_not_healthy(tmp_path):
 
 def test_benchmark_load_generator_is_answered_ok(served, test_catalog, tmp_path):
     """bench_serving's load: gRPC-framed SearchRequests over raw HTTP/2 (h2load), no deadline."""
-    from benchmarks.bench_serving import grpc_body, h2load
+    from benchmarks.harness import grpc_body, h2load
 
     server, _ = served
 
