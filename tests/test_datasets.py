@@ -113,7 +113,7 @@ def test_cub_uses_classes_1_to_100_for_training(replicas):
     assert first.ids[0] == "001.Species_001/Species_001_0001_1.jpg"
     assert first.paths[0].parts[-4:-2] == ("CUB_200_2011", "images")
     assert first.metadata[0]["class_name"] == "001.Species_001"
-    assert len(first.metadata[0]["bbox"].split()) == 4
+    assert len(first.metadata[0]["box_xywh"].split()) == 4
 
 
 def test_cars196_uses_classes_1_to_98_for_training_ignoring_the_test_flag(replicas):
@@ -125,7 +125,7 @@ def test_cars196_uses_classes_1_to_98_for_training_ignoring_the_test_flag(replic
     for catalog in splits.values():
         assert {m["test_flag"] for m in catalog.metadata} == {"0", "1"}
     assert all(i.startswith("car_ims/") and i.endswith(".jpg") for i in splits["test"].ids)
-    assert all(m["class_name"] and len(m["bbox"].split()) == 4 for m in splits["test"].metadata)
+    assert all(m["class_name"] and len(m["box_x1y1x2y2"].split()) == 4 for m in splits["test"].metadata)
 
 
 def test_sop_splits_follow_the_ebay_files(replicas):

@@ -307,7 +307,9 @@ class CUB200(BenchmarkDataset):
                 )
             meta = {"image_id": str(image_id), "class_name": class_names[class_id]}
             if image_id in boxes:
-                meta["bbox"] = " ".join(boxes[image_id][1])
+                # Kept as annotation, not as a catalog `bbox` (a crop): the published protocol
+                # trains and tests on whole images.
+                meta["box_xywh"] = " ".join(boxes[image_id][1])
             split = "train" if class_id in train_classes else "test"
             rows.append((split, relative, folder / "images" / relative, str(class_id), meta))
         return _catalogs(self.title, self.splits, rows, images_file)
@@ -392,7 +394,7 @@ class Cars196(BenchmarkDataset):
                 box = [_mat_int(record[f]) for f in _CARS_BBOX]
                 if any(v is None for v in box):
                     raise CatalogError(f"{mat_file}: annotations({number}) has a non-integer bbox field")
-                meta["bbox"] = " ".join(str(v) for v in box)
+                meta["box_x1y1x2y2"] = " ".join(str(v) for v in box)  # annotation, not a crop (see CUB)
             if "test" in annotations.dtype.names:
                 flag = _mat_int(record["test"])
                 if flag is not None:
