@@ -175,3 +175,23 @@ def test_exact_search_matches_brute_force_and_keeps_unit_rows_in_place():
         np.testing.assert_allclose(scores, np.take_along_axis(unit[:20] @ unit.T, expected, 1), atol=1e-5)
     _, none = exact_search(np.zeros((0, 16), np.float32), unit[:2], 3)
     assert (none == -1).all()
+
+
+def test_item_recall_counts_a_query_by_its_item_among_the_k_best_items():
+    from training.evaluate import item_recall
+
+    # Items a, b, c. a0's nearest image is b0 (another item), its own a1 comes third: item
+    # R@1 misses, R@2 hits (b, then a). The other five find their item first.
+    vectors = np.array(
+        [[1, 0, 0], [0.6, 0.8, 0], [0.95, 0.31, 0], [0.6, 0.8, 0.02], [0, 0, 1], [0, 0.1, 0.99]], dtype=np.float32
+    )
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    items = ["a", "a", "b", "b", "c", "c"]
+    figures = item_recall(vectors, items, [1, 2])
+    rows = np.argsort(-(vectors @ vectors.T), axis=1)[:, 1:]  # brute force, own row left out
+    firsts = [[items[r] for r in row] for row in rows]
+    best_items = [list(dict.fromkeys(f)) for f in firsts]
+    expected = {str(k): np.mean([items[i] in best_items[i][:k] for i in range(6)]) for k in (1, 2)}
+    assert figures == pytest.approx(expected)
+    assert figures["1"] < 1.0 and figures["2"] == 1.0
+    assert item_recall(vectors, ["a", "b", "c", "d", "e", "f"], [1]) is None  # no item has two images

@@ -167,3 +167,27 @@ def test_training_on_benchmark_replicas(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["test_classes"] == 100 and 0 <= results["trained"]["nmi"] <= 1
     assert (out / "recall_per_epoch.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_catalog_of_items_is_scored_by_item_too(tmp_path):
+    """A catalog whose rows name their item (the `item` column) gets item Recall@K beside the
+    image-level figures, on the unseen classes."""
+    import numpy as np
+    from PIL import Image
+
+    rows = ["id,path,label,item"]
+    rng = np.random.default_rng(0)
+    for cls in range(16):
+        base = rng.integers(0, 256, (28, 28), dtype=np.uint8)
+        for shot in range(4):
+            noisy = np.clip(base.astype(int) + rng.integers(-20, 21, base.shape), 0, 255).astype(np.uint8)
+            Image.fromarray(noisy).save(tmp_path / f"c{cls}-{shot}.png")
+            rows.append(f"c{cls}-{shot},c{cls}-{shot}.png,c{cls},p{cls}")
+    (tmp_path / "catalog.csv").write_text("\n".join(rows) + "\n")
+    out = tmp_path / "run"
+    args = ["--catalog", str(tmp_path / "catalog.csv"), "--epochs", "1", "--classes-per-batch", "4"]
+    finish(start_training(out, *args, "--samples-per-class", "2", "--val-fraction", "0", base=()))
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["trained"]["item_recall_at_k"]) == set(results["trained"]["recall_at_k"])
+    assert all(0 <= v <= 1 for v in results["trained"]["item_recall_at_k"].values())

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from core.artifacts import staging_directory, utc_now, write_json_atomic
-from core.catalog import read_catalog
+from core.catalog import ITEM_COLUMN, read_catalog
 from core.cli import init_ray, verbose
 from core.config import to_jsonable
 from training.config import TrainConfig, recipe_line
@@ -46,6 +46,7 @@ from training.data import (
 )
 from training.evaluate import (
     histogram_overlap,
+    item_recall,
     pair_similarities,
     query_gallery_metrics,
     retrieval_metrics,
@@ -555,9 +556,16 @@ def evaluate_test_classes(
     else:
         test = _load_eval(splits, "test", cfg, contract)
 
+        items = [m.get(ITEM_COLUMN) for m in test.catalog.metadata]
+
         def score(net):
             embeddings, codes = test.embed(net)
-            return retrieval_metrics(embeddings, codes, cfg.ks, with_nmi=True), embeddings, codes
+            metrics = retrieval_metrics(embeddings, codes, cfg.ks, with_nmi=True)
+            # A catalog of items (several images each) is scored by item too, where every row
+            # names its item and every image was read (so rows and embeddings line up).
+            if all(items) and len(items) == len(embeddings):
+                metrics["item_recall_at_k"] = item_recall(embeddings, items, cfg.ks)
+            return metrics, embeddings, codes
 
         test_images, test_classes = len(test), len(test.classes)
     untrained, untrained_embeddings, labels = score(untrained_model)
