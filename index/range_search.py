@@ -7,7 +7,7 @@ Two ways, by index type (`by_range_search`):
   vectors, so the answer's scores are exact and a row is not lost to its code's error.
 - **a widened k-NN** elsewhere (HNSW): faiss's HNSW range search walks the graph with a
   candidate list of efSearch, whatever the number of rows in range, and says nothing of what it
-  left: on 2,400 clustered 32-d vectors (tests/test_range_search.py's) at efSearch 16 it found
+  left: on 2,400 clustered 32-d vectors (tests/index/test_range_search.py's) at efSearch 16 it found
   63% of the rows above 0.3 that exact search finds. A k-NN search deepened (doubling) until
   its last score falls below `min_score`, its walk widened to its depth, found 99%+ — and knows
   when the bound cut it.

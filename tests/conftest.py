@@ -41,7 +41,7 @@ def served(demo_run):
     """A real SearchServer on a loopback port over the demo's model and index."""
     from serving.client import SearchClient
     from serving.server import ServerConfig
-    from tests.server_support import SearchServer
+    from tests.support.server import SearchServer
 
     server = SearchServer(
         ServerConfig.flat(

@@ -1,0 +1,91 @@
+"""Every stage command answers bad input with one clear line and exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    # The timeout only ends a hang: importing a stage (Ray, torch) takes seconds alone and
+    # minutes on a machine busy with other work.
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+BAD_INPUT = [
+    (("training", "train", "--catalog", "/no/such/catalog.csv"), "catalog not found"),
+    (("training", "benchmark", "--catalog", "/no/such/catalog.csv", "--losses", "raw_vthm"), "catalog not found"),
+    (("index", "rebuild", "--workers", "0"), "workers must be at least 1"),
+    (("training", "train", "--epochs", "0"), "epochs must be positive"),
+    (("training", "train", "--device", "maybe"), "invalid choice"),
+    (("training", "train", "--backbone", "vgg99", "--catalog", "."), "unknown backbone"),
+    (("training", "train", "--pretrained", "/no/weights.pth"), "pretrained weights file not found"),
+    (("training", "train", "--pretrained", "pkg:no_such_pkg/w.pth"), "package 'no_such_pkg' is not installed"),
+    (("training", "train", "--dataset", "cub", "--data-root", "/no/such/dir"), "needs data_root"),
+    (("training", "train", "--dataset", "imagenet", "--data-root", "."), "unknown dataset 'imagenet'"),
+    (("training", "train", "--warmup-epochs", "9", "--epochs", "3"), "warmup_epochs (9) must be fewer"),
+    (("training", "train", "--resume", "--out", "/no/such/run"), "nothing to resume"),
+    (("training", "benchmark", "--losses", "raw_vthm,nope"), "unknown loss 'nope'"),
+    (("training", "benchmark", "--seeds", "0"), "seeds must be positive"),
+    (("training", "export", "--run", "/no/such/run"), "no checkpoint.pt"),
+    (("index", "build", "--model", "/no/such/model", "--index-root", "/tmp/x"), "not a published artifact"),
+    (("index", "list", "--index-root", "/no/such/root"), "index root not found"),
+    (("index", "rollback", "--index-root", "/no/such/root"), "index root not found"),
+    (("serving", "serve", "--index-root", "/no/such/root"), "index root not found"),
+    (("serving", "serve", "--workers", "0"), "workers must be positive"),
+    (("serving", "serve", "--intra-op-threads", "-1"), "intra_op_threads must be positive"),
+    (("serving", "serve", "--batch-streams", "0"), "batch_streams must be positive"),
+    (("serving", "serve", "--inline-decode-pixels", "-1"), "inline_decode_pixels must be ≥ 0"),
+    (("serving", "serve", "--inference-decode-pixels", "-2"), "inference_decode_pixels must be ≥ 0"),
+    (("serving", "serve", "--run-rows", "-1"), "run_rows must be ≥ 0"),
+    (("serving", "serve", "--event-loop", "trio"), "invalid choice"),
+    (("serving", "serve", "--max-connection-age-s", "-1"), "max_connection_age_s must be ≥ 0 seconds"),
+    (("serving", "serve", "--probe-interval-s", "-1"), "probe_interval_s must be ≥ 0 seconds"),
+    (("serving", "query", "/no/such.png", "--k", "0"), "--k must be at least 1"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_answers():
+    """Every bad-input command started at once, as many at a time as there are cores: each
+    spends seconds importing its stage before it validates, and one after another they took
+    two minutes of the suite."""
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        yield {args: pool.submit(run, *args) for args, _ in BAD_INPUT}
+
+
+@pytest.mark.parametrize("args, fragment", BAD_INPUT)
+def test_bad_input_is_one_clear_line(bad_input_answers: dict[tuple, Future], args, fragment):
+    proc = bad_input_answers[args].result()
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert fragment in proc.stderr
+
+
+def test_bad_config_file_is_reported(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("epochs: [unclosed\n")
+    proc = run("training", "train", "--config", str(config))
+    assert proc.returncode == 2 and "cannot parse" in proc.stderr
+    config.write_text("epoks: 3\n")
+    proc = run("training", "train", "--config", str(config))
+    assert proc.returncode == 2 and "unknown option(s) epoks" in proc.stderr
+
+
+def test_every_command_has_help():
+    for args in (
+        ("training", "train"),
+        ("training", "export"),
+        ("index", "build"),
+        ("serving", "serve"),
+        ("serving", "query"),
+    ):
+        proc = run(*args, "--help")
+        assert proc.returncode == 0 and "usage:" in proc.stdout

@@ -1,0 +1,214 @@
+"""What a new user gets without asking (issue 32): IVF searched hard enough to answer, a quality
+floor by default, bad factory strings refused before anything is embedded, one size of a
+version everywhere, and `index add` / `remove` / `list` that need no more than they must."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pytest
+
+from core import artifacts
+from core.artifacts import ArtifactError
+from core.items import ItemTable
+from core.manifests import IndexManifest, RowCounts
+from index.config import BuildConfig
+from index.faiss_index import build_index
+from index.gate import QualityGateError
+from index.publish import NewVersion, publish_index_version
+from index.version import IndexVersion
+from tests.support.index import write_images, write_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+N, DIM = 6000, 32
+
+
+@pytest.fixture(scope="module")
+def clustered() -> np.ndarray:
+    """Vectors in 60 clusters: an IVF's lists split them, so one list of 256 holds few neighbours."""
+    rng = np.random.default_rng(0)
+    centres = rng.standard_normal((60, DIM))
+    vectors = (centres[rng.integers(0, 60, N)] + 0.6 * rng.standard_normal((N, DIM))).astype(np.float32)
+    faiss.normalize_L2(vectors)
+    return vectors
+
+
+def publish(root: Path, vectors: np.ndarray, **options) -> IndexVersion:
+    n = len(vectors)
+    items = ItemTable([f"item-{i}" for i in range(n)], None, [f"/nonexistent/{i}.png" for i in range(n)], [{}] * n)
+    cfg = BuildConfig(model=str(root / "model"), index_root=str(root), **options)
+    publish_index_version(
+        cfg, NewVersion("model-a", vectors, items, root / "c.csv", RowCounts(n, n), time.perf_counter(), 0)
+    )
+    return IndexVersion.open(root).load()
+
+
+def test_ivf_without_nprobe_gets_the_least_that_meets_the_recall_target(tmp_path, clustered, caplog):
+    with caplog.at_level(logging.INFO, logger="index.publish"):
+        version = publish(tmp_path, clustered, factory="IVF256,Flat")
+    manifest = version.manifest
+    nprobe = manifest.search_params["nprobe"]
+    tuning = manifest.quality.search_tuning
+    assert tuning["parameter"] == "nprobe" and tuning["value"] == nprobe > 1 and tuning["target"] == 0.95
+    tried = {int(v): r for v, r in tuning["tried"].items()}
+    assert list(tried) == [2**i for i in range(len(tried))] and tried[nprobe] >= 0.95
+    assert all(r < 0.95 for v, r in tried.items() if v < nprobe)  # the least nprobe that reaches it
+    assert manifest.quality.ann_recall_at_k >= 0.9 and manifest.quality_gate.passed
+    assert version.index.nprobe == nprobe  # a loader applies what the manifest records
+    # The build says what it measured and chose.
+    assert f"nprobe {nprobe} chosen" in caplog.text and "quality: ANN recall@10 0." in caplog.text
+    assert "probe Recall@K none" in caplog.text
+
+
+def test_nprobe_given_is_kept_and_the_default_floor_refuses_what_misses_it(tmp_path, clustered):
+    with pytest.raises(QualityGateError, match=r"ANN recall@10 0\.\d+ < floor 0\.9 \(search harder: --nprobe"):
+        publish(tmp_path, clustered, factory="IVF256,Flat", nprobe=1)
+    assert artifacts.current_version(tmp_path) is None
+    forced = publish(tmp_path, clustered, factory="IVF256,Flat", search_params={"nprobe": 64}, nprobe=1, force=True)
+    assert forced.manifest.search_params == {"nprobe": 1}  # --nprobe over --search-params'
+    assert forced.manifest.quality.search_tuning is None and forced.manifest.quality_gate.forced
+    given = publish(tmp_path, clustered, factory="IVF256,Flat", search_params={"nprobe": 32})
+    assert given.manifest.search_params == {"nprobe": 32} and given.manifest.quality.search_tuning is None
+
+
+def test_hnsw_without_ef_search_records_the_one_it_measured(tmp_path, clustered):
+    version = publish(tmp_path, clustered[:2000], factory="HNSW16")
+    ef = version.manifest.search_params["efSearch"]
+    assert ef >= 16 and version.manifest.quality.search_tuning["value"] == ef
+    assert version.manifest.quality.ann_recall_at_k >= 0.9
+
+
+def test_a_faiss_failure_the_checks_do_not_foresee_is_a_value_error():
+    vectors = np.random.default_rng(0).standard_normal((100, 16)).astype(np.float32)
+    # OPQ trains a product quantizer of 256 codes on 100 vectors: faiss's own RuntimeError.
+    with pytest.raises(ValueError, match=r"faiss could not build 'OPQ4,IVF4,Flat' over 100 vectors.*training points"):
+        build_index(vectors, "OPQ4,IVF4,Flat", device="cpu")
+
+
+def index_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "index", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, input=stdin
+    )
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("photos")
+    write_images(folder, 300)
+    return folder
+
+
+@pytest.mark.parametrize("command", ["build", "rebuild"])
+@pytest.mark.parametrize(
+    "factory, fragments",
+    [
+        ("Flatt", ["invalid faiss factory string 'Flatt' for 16-d vectors: could not parse index string Flatt"]),
+        ("IVF4096,Flat", ["(300 rows)", "has 4096 lists", "there are 300", "about 7 lists", "'IVF7,Flat'"]),
+        # 300 rows, but a sample of 100 to train on: fewer than a code book's 256 codes.
+        ("IVF8,PQ4", ["(300 rows, --train-size 100)", "code books of 256 codes", "there are 100"]),
+    ],
+)
+def test_a_factory_the_catalog_cannot_train_is_refused_before_anything_is_embedded(
+    model, photos, tmp_path, command, factory, fragments
+):
+    extra = ("--train-size", "100") if "PQ" in factory else ()
+    done = index_cli(
+        command, "--model", str(model), "--catalog", str(photos), "--index-root", str(tmp_path / "index"),
+        "--factory", factory, *extra, "--no-progress",
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert all(fragment in errors[0] for fragment in fragments), errors[0]
+    assert "loaded model" not in done.stderr  # the model was never loaded: nothing was embedded
+    assert not (tmp_path / "index").exists() or artifacts.current_version(tmp_path / "index") is None
+
+
+def listing(root: Path) -> str:
+    done = index_cli("list", "--index-root", str(root))
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_one_size_through_remove_and_add_and_add_defaults_to_the_live_model(model, photos, tmp_path):
+    root = tmp_path / "index"
+    built = index_cli(
+        "build", "--model", str(model), "--catalog", str(photos), "--index-root", str(root), "--factory", "HNSW16",
+        "--no-progress",
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    assert "published index" in built.stderr and "(300 items)" in built.stderr
+    first = listing(root)
+    assert "size=300  factory=HNSW16  search=efSearch=" in first and "ann_R@10=" in first
+    assert "probe_R@1=-" in first and "None" not in first  # unlabelled: no probe figure
+
+    # A takedown from standard input: one summary, the new version's directory on stdout.
+    removed = index_cli(
+        "remove", "--index-root", str(root), "--ids", "-", stdin="img-0000.png\nimg-0001.png\nimg-0002.png\n"
+    )
+    assert removed.returncode == 0, removed.stderr
+    assert removed.stdout.strip() == str(artifacts.version_dir(root))
+    assert removed.stderr.count("removed 3 of 3 requested ids") == 1 and "(297 items)" in removed.stderr
+    live = IndexVersion.open(root).load()
+    assert live.size == live.manifest.live_size == 297 and live.index.ntotal == 300  # HNSW: masked rows
+    assert "size=297 (+3 removed, masked)" in listing(root)
+
+    # Add without --model: the live version's model. Three new images, the three masked rows stay.
+    new = tmp_path / "new"
+    write_images(new, 3, seed=1, prefix="new")
+    added = index_cli("add", "--index-root", str(root), "--catalog", str(new), "--no-progress")
+    assert added.returncode == 0, added.stderr
+    assert "(300 items, +3 removed, masked)" in added.stderr
+    live = IndexVersion.open(root).load()
+    assert live.size == live.manifest.live_size == live.manifest.rows.indexed == 300 and live.index.ntotal == 303
+    assert live.manifest.model_dir == str(model.resolve())
+    assert "size=300 (+3 removed, masked)" in next(line for line in listing(root).splitlines() if line[0] == "*")
+
+    # The same rows again: what to do about it, by name.
+    again = index_cli("add", "--index-root", str(root), "--catalog", str(new), "--no-progress")
+    assert again.returncode == 2 and "already in version" in again.stderr and "pass --upsert" in again.stderr
+    assert "'new-0000.png'" in again.stderr  # what an id of a folder catalog looks like
+    # A takedown that takes nothing down is an error, not a success.
+    ghost = index_cli("remove", "--index-root", str(root), "--ids", "-", stdin="img-0000.png\nghost.png\n")
+    assert ghost.returncode == 2, ghost.stderr
+    assert "error: none of the 2 ids is in version" in ghost.stderr and "nothing was published" in ghost.stderr
+
+
+def test_add_names_the_missing_model_of_the_live_version(model, photos, tmp_path):
+    root = tmp_path / "index"
+    publish_index_version(
+        BuildConfig(model=str(tmp_path / "gone"), index_root=str(root)),
+        NewVersion(
+            "tiny000000000000",
+            np.eye(4, 16, dtype=np.float32),
+            ItemTable([f"i{n}" for n in range(4)], None, [f"/x/{n}.png" for n in range(4)], [{}] * 4),
+            root / "c.csv",
+            RowCounts(4, 4),
+            time.perf_counter(),
+            0,
+        ),
+    )
+    done = index_cli("add", "--index-root", str(root), "--catalog", str(photos), "--no-progress")
+    assert done.returncode == 2 and "no --model given" in done.stderr and "pass --model" in done.stderr
+    assert str(tmp_path / "gone") in done.stderr
+
+
+def test_a_manifest_that_disagrees_with_its_files_is_refused(tmp_path, clustered):
+    version = publish(tmp_path, clustered[:100], factory="Flat")
+    manifest = version.manifest
+    IndexManifest.from_dict({**manifest.to_dict(), "deleted_rows": 3}).write(version.directory)
+    with pytest.raises(
+        ArtifactError, match="the manifest counts 100 rows, 3 of them deleted; the files hold 100 rows, 0"
+    ):
+        IndexVersion.open(tmp_path).load()

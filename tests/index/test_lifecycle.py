@@ -1,0 +1,177 @@
+"""Takedowns on real faiss index versions of every type: rows leave (or are masked), the rest
+keep their vectors and ids, and the audit log says who removed what."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import faiss
+import numpy as np
+import pytest
+
+from core import artifacts
+from core.items import ItemTable
+from core.manifests import RowCounts
+from index.config import BuildConfig
+from index.filters import Condition, Filter, Range
+from index.lifecycle import AUDIT_LOG, how_rows_leave, remove_items
+from index.publish import NewVersion, publish_index_version
+from index.version import IndexVersion
+
+ROOT = Path(__file__).resolve().parents[2]
+FACTORIES = {
+    "flat": ("Flat", {}),
+    "ivf-flat": ("IVF16,Flat", {"nprobe": 16}),
+    "ivf-pq": ("IVF16,PQ4", {"nprobe": 16}),
+    "hnsw": ("HNSW16", {"efSearch": 64}),
+}
+N, DIM = 600, 16
+
+
+def publish_synthetic(
+    root: Path, factory: str, params: dict, n: int = N, seed: int = 0, filterable: tuple[str, ...] = ("n:int",)
+) -> IndexVersion:
+    rng = np.random.default_rng(seed)
+    vectors = rng.standard_normal((n, DIM)).astype(np.float32)
+    faiss.normalize_L2(vectors)
+    items = ItemTable(
+        ids=[f"item-{i}" for i in range(n)],
+        labels=[f"class-{i % 30}" for i in range(n)],
+        paths=[f"/nonexistent/{i}.png" for i in range(n)],
+        metadata=[{"n": str(i)} for i in range(n)],
+    )
+    cfg = BuildConfig(
+        model=str(root / "model"),
+        index_root=str(root),
+        factory=factory,
+        search_params=params,
+        filterable=list(filterable),
+    )
+    new = NewVersion("model-a", vectors, items, root / "catalog.csv", RowCounts(n, n), time.perf_counter(), 0.0)
+    publish_index_version(cfg, new)
+    return IndexVersion.open(root).load()
+
+
+def row_vectors_by_id(version: IndexVersion) -> dict[str, np.ndarray]:
+    mask = version.live_mask
+    return {version.items.ids[r]: version.vector(r) for r in range(len(version.items)) if mask is None or mask[r]}
+
+
+@pytest.mark.parametrize("kind", list(FACTORIES))
+def test_removed_items_leave_and_the_rest_keep_their_vectors(tmp_path, kind):
+    factory, params = FACTORIES[kind]
+    parent = publish_synthetic(tmp_path, factory, params)
+    before = row_vectors_by_id(parent)
+    removed = [f"item-{i}" for i in range(0, N, 10)]  # 60 of 600: 10%, under HNSW's compaction fraction
+    report = remove_items(tmp_path, [*removed, "no-such-item", removed[0]], who="test", reason="legal")
+
+    assert report.removed == len(removed) and report.not_found == ["no-such-item"] and report.requested == 61
+    child = IndexVersion.open(tmp_path).load()
+    assert child.name == report.version != parent.name and child.manifest.parent_version == parent.name
+    assert child.size == report.size == N - len(removed)
+    assert all(child.row_of(i) is None for i in removed)
+    after = row_vectors_by_id(child)
+    assert set(after) == set(before) - set(removed)
+    for item_id, vector in after.items():  # every row kept its own vector (the IVF ids renumbered right)
+        np.testing.assert_array_equal(vector, before[item_id])
+
+    # The filterable field's value → rows structure describes the child's rows, not the parent's.
+    below = Filter(must=(Condition("n", range=Range(lt=100)),))
+    matching = child.filters.mask(below)
+    if child.live_mask is not None:
+        matching &= child.live_mask
+    expected = {f"item-{i}" for i in range(100)} - set(removed)
+    assert {child.items.ids[r] for r in np.flatnonzero(matching)} == expected
+
+    index = child.searchable()
+    live_rows = np.flatnonzero(child.live_mask) if child.live_mask is not None else np.arange(len(child.items))
+    queries = child.vectors[live_rows]
+    if how_rows_leave(child.manifest) == "tombstone":
+        assert len(child.deleted) == len(removed) and child.manifest.deleted_rows == len(removed)
+        # The graph, vectors and items are the parent's files, hard-linked: a takedown writes kilobytes.
+        for name in (artifacts.INDEX_FILE, artifacts.EMBEDDINGS_FILE, artifacts.ITEMS_FILE):
+            assert (child.directory / name).stat().st_ino == (parent.directory / name).stat().st_ino
+        assert np.isneginf(child.exact_scores(queries[0])[child.deleted]).all()
+    else:
+        assert len(child.deleted) == 0 and index.ntotal == N - len(removed)
+        _, rows = index.search(queries, 1)
+        # Each kept row finds itself: the index's ids are the items table's rows.
+        assert np.mean(rows[:, 0] == live_rows) >= (1.0 if kind == "flat" else 0.9)
+
+
+def test_hnsw_is_rebuilt_without_its_removed_rows_past_the_fraction(tmp_path):
+    parent = publish_synthetic(tmp_path, "HNSW16", {"efSearch": 64})
+    first = [f"item-{i}" for i in range(0, 60)]
+    remove_items(tmp_path, first, who="test", max_deleted_fraction=0.15)
+    masked = IndexVersion.open(tmp_path).load()
+    assert len(masked.deleted) == 60 and masked.index.ntotal == N
+    second = [f"item-{i}" for i in range(60, 120)]  # 120 of 600 > 15%: compacted
+    report = remove_items(tmp_path, second, who="test", max_deleted_fraction=0.15)
+    compacted = IndexVersion.open(tmp_path).load()
+    assert report.deleted_rows == 0 and len(compacted.deleted) == 0 and compacted.index.ntotal == N - 120
+    assert not (compacted.directory / artifacts.DELETED_FILE).exists()
+    before = row_vectors_by_id(parent)
+    for item_id, vector in row_vectors_by_id(compacted).items():
+        np.testing.assert_array_equal(vector, before[item_id])
+    _, rows = compacted.index.search(np.ascontiguousarray(compacted.vectors), 1)
+    assert np.mean(rows[:, 0] == np.arange(N - 120)) >= 0.95
+
+
+def test_ids_not_indexed_change_nothing_and_every_removal_is_audited(tmp_path):
+    parent = publish_synthetic(tmp_path, "Flat", {})
+    report = remove_items(tmp_path, ["ghost-1", "ghost-2"], who="token sha256:abc", reason="typo")
+    assert report.version is None and report.removed == 0 and report.not_found == ["ghost-1", "ghost-2"]
+    assert artifacts.current_version(tmp_path) == parent.name
+    assert artifacts.list_versions(tmp_path) == [parent.name]
+    remove_items(tmp_path, ["item-3"], who="token sha256:abc", reason="DMCA #12")
+    entries = [json.loads(line) for line in (tmp_path / AUDIT_LOG).read_text().splitlines()]
+    assert [e["removed"] for e in entries] == [0, 1]
+    assert entries[1]["ids"] == ["item-3"] and entries[1]["who"] == "token sha256:abc"
+    assert entries[1]["reason"] == "DMCA #12" and entries[1]["parent_version"] == parent.name
+    assert entries[1]["version"] == artifacts.current_version(tmp_path)
+    with pytest.raises(ValueError, match="no item id"):
+        remove_items(tmp_path, [], who="test")
+
+
+def test_a_build_that_brings_taken_down_items_back_says_so(tmp_path, caplog):
+    publish_synthetic(tmp_path, "Flat", {})
+    remove_items(tmp_path, ["item-3", "item-4"], who="test")
+    with caplog.at_level("WARNING", logger="index.lifecycle"):
+        publish_synthetic(tmp_path, "Flat", {})  # the same catalog again, taken-down items in it
+    assert "2 items of this version were taken down earlier" in caplog.text and "item-3" in caplog.text
+
+
+def index_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "index", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_remove_command_publishes_lists_and_rolls_back(tmp_path):
+    parent = publish_synthetic(tmp_path, "HNSW16", {"efSearch": 64})
+    ids = tmp_path / "takedown.txt"
+    ids.write_text("# legal request 7\nitem-1\n\nitem-2\nghost\n")
+    done = index_cli("remove", "--index-root", str(tmp_path), "--ids", str(ids), "--reason", "legal request 7")
+    assert done.returncode == 0, done.stderr
+    # The summary once (the log's), the new version's directory on stdout, as build and add print theirs.
+    assert done.stderr.count("removed 2 of 3 requested ids; 1 not in version") == 1
+    assert done.stdout.strip() == str(artifacts.version_dir(tmp_path))
+    listing = index_cli("list", "--index-root", str(tmp_path))
+    assert f"size={N - 2} (+2 removed, masked)" in listing.stdout and f"  {parent.name}" in listing.stdout
+    audit = json.loads((tmp_path / AUDIT_LOG).read_text().splitlines()[-1])
+    assert audit["via"] == "cli" and audit["who"].startswith(("user:", "uid:")) and audit["not_found"] == ["ghost"]
+    assert index_cli("rollback", "--index-root", str(tmp_path)).returncode == 0
+    assert artifacts.current_version(tmp_path) == parent.name
+
+    (tmp_path / "empty.txt").write_text("# nothing\n")
+    (tmp_path / "ghosts.txt").write_text("ghost\nghost-2\n")
+    for args, message in (
+        (("--ids", str(tmp_path / "missing.txt")), "--ids file not found"),
+        (("--ids", str(tmp_path / "empty.txt")), "names no item id"),
+        ((), "needs --ids FILE"),
+        (("--ids", str(tmp_path / "ghosts.txt")), "none of the 2 ids is in version"),  # a takedown of nothing
+    ):
+        bad = index_cli("remove", "--index-root", str(tmp_path), *args)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr

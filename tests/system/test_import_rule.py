@@ -1,0 +1,186 @@
+"""The layering rule: `core` imports no project package, `index` only `core`, `training` and
+`serving` `core` and `index` and never each other, `protos` is imported by `serving` alone (read
+from the source: `test_each_package_imports_only_the_layers_below_it`); and `index` and
+`serving` import without torch, so a serving image has none.
+
+Each check runs in a fresh interpreter (this test process may already have torch loaded). Every
+module under core/, index/ and serving/ is found with pkgutil, so modules added later are covered
+too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+NAMED = [
+    "core",
+    "core.artifacts",
+    "core.catalog",
+    "core.cli",
+    "core.config",
+    "core.items",
+    "core.metrics",
+    "core.preprocess",
+    "core.progress",
+    "core.registry",
+    "core.vectors",
+    "index",
+    "index.build",
+    "index.embedder",
+    "index.faiss_index",
+    "core.artifacts",
+    "core.catalog",
+    "core.preprocess",
+    "core.metrics",
+    "core.items",
+    "core.config",
+    "core.cli",
+]
+
+IMPORT_ALL = """
+import importlib, json, pkgutil, sys
+from pathlib import Path
+
+BLOCK = {block!r}
+if BLOCK:
+    class NoTorch:
+        # Acts as if torch were not installed at all.
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("torch", "torchvision"):
+                raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+            return None
+    sys.meta_path.insert(0, NoTorch())
+
+imported = []
+for name in {named!r}:
+    importlib.import_module(name)
+    imported.append(name)
+packages = {packages!r}
+for package in packages:
+    module = importlib.import_module(package)
+    imported.append(package)
+    for info in pkgutil.walk_packages(module.__path__, package + "."):
+        importlib.import_module(info.name)
+        imported.append(info.name)
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in {forbidden!r})
+torch_importable = None
+if BLOCK:
+    try:  # the blocker really hides torch (so the blocked run is not vacuous)
+        import torch  # noqa: F401
+        torch_importable = True
+    except ModuleNotFoundError:
+        torch_importable = False
+print(json.dumps({{"imported": imported, "heavy": heavy, "torch_importable": torch_importable}}))
+"""
+
+
+TORCH = ("torch", "torchvision")
+
+
+def run_imports(
+    block_torch: bool,
+    named: list[str] = NAMED,
+    packages: tuple[str, ...] = ("core", "index", "serving"),
+    forbidden: tuple[str, ...] = TORCH,
+) -> dict:
+    code = textwrap.dedent(
+        IMPORT_ALL.format(block=block_torch, named=named, packages=list(packages), forbidden=forbidden)
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def expected_modules(packages: tuple[str, ...] = ("core", "index", "serving")) -> set[str]:
+    found = set()
+    for package in packages:
+        found.add(package)
+        for path in (REPO / package).rglob("*.py"):
+            rel = path.relative_to(REPO).with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            if all((REPO.joinpath(*parts[:i]) / "__init__.py").is_file() for i in range(1, len(parts))):
+                found.add(".".join(parts))
+    return found
+
+
+def test_index_and_serving_import_without_loading_torch():
+    result = run_imports(block_torch=False)
+    assert result["heavy"] == []
+    imported = set(result["imported"])
+    assert set(NAMED) <= imported
+    assert expected_modules() <= imported  # every module file was actually imported
+
+
+def test_index_and_serving_import_when_torch_is_not_installed():
+    result = run_imports(block_torch=True)
+    assert result["torch_importable"] is False
+    assert result["heavy"] == []
+    assert expected_modules() <= set(result["imported"])
+
+
+def test_core_imports_nothing_above_it_and_no_torch():
+    core_named = [name for name in NAMED if name.split(".")[0] == "core"]
+    result = run_imports(
+        block_torch=True, named=core_named, packages=("core",), forbidden=(*TORCH, "training", "index", "serving")
+    )
+    assert result["heavy"] == []
+    assert expected_modules(("core",)) <= set(result["imported"])
+
+
+# -- the package rule, read from the source -------------------------------------------------------
+
+PACKAGES = ("core", "index", "training", "serving", "protos")
+# Which project packages each may import: core at the bottom, index over it, training and serving
+# each over index and never each other, the generated protos for serving alone.
+ALLOWED = {
+    "core": set(),
+    "index": {"core"},
+    "training": {"core", "index"},
+    "serving": {"core", "index", "protos"},
+    "protos": {"protos"},
+}
+
+
+def project_imports(path: Path, package: str) -> set[tuple[str, int]]:
+    """(other project package, line) of every absolute import in a file, at module level or inside
+    a function (a relative import stays inside its own package)."""
+    import ast
+
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        found |= {(name.split(".")[0], node.lineno) for name in names}
+    return {(top, line) for top, line in found if top in PACKAGES and top != package}
+
+
+def test_each_package_imports_only_the_layers_below_it():
+    edges = {}
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            for imported, line in project_imports(path, package):
+                edges.setdefault((package, imported), []).append(f"{path.relative_to(REPO)}:{line}")
+    wrong = {edge: where for edge, where in edges.items() if edge[1] not in ALLOWED[edge[0]]}
+    assert not wrong, "\n".join(f"{a} imports {b}: {', '.join(where[:3])}" for (a, b), where in sorted(wrong.items()))
+    # The rule is not vacuous: the edges it allows are there.
+    assert {("index", "core"), ("training", "index"), ("serving", "index"), ("serving", "protos")} <= set(edges)
