@@ -357,7 +357,8 @@ class HttpApi:
             message.label = query["label"]
         if "groupBy" in query:
             message.group_by = query["groupBy"]
-        message.per_group = self._query_int(request, "perGroup", 0, 0, 2**31 - 1)
+        if "perGroup" in query:  # 0 is refused as out of range, not read as unset
+            message.per_group = self._query_int(request, "perGroup", 1, -(2**31), 2**31 - 1)
         if "region" in query:
             try:
                 x, y, width, height = parse_bbox(query["region"])

@@ -233,10 +233,10 @@ class SearchService:
         allowed = self.filter_masks.mask(pair, request.filter) if request.HasField("filter") else None
         group_by = request.group_by if request.HasField("group_by") else pair.manifest.item_field or ""
         if not group_by:
-            if request.per_group:
+            if request.HasField("per_group"):
                 raise InvalidArgument("per_group needs group_by (this index has no item field to group by)")
             return Scope(allowed, min_score) if allowed is not None or min_score is not None else EVERY_ROW
-        per_group = self.checks.check_per_group(request.per_group or 1)
+        per_group = self.checks.check_per_group(request.per_group if request.HasField("per_group") else 1)
         return Scope(allowed, min_score, self.checks.groups(pair, group_by), per_group)
 
     def _left_out(self, scope: Scope, rows: set[int]) -> set[int]:

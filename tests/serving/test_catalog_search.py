@@ -188,6 +188,7 @@ def test_bad_requests_name_the_part_or_field(served):
     )
     assert "per_group must be within 1..16" in invalid(client, pb.SearchRequest(image=image, k=3, per_group=17))
     assert "per_group must be within" in invalid(client, pb.SearchRequest(image=image, k=3, per_group=-1))
+    assert "per_group must be within 1..16, got 0" in invalid(client, pb.SearchRequest(image=image, k=3, per_group=0))
     negative = [pb.QueryPart(image=image, negative=True)]
     assert "all negative" in invalid(client, pb.SearchRequest(parts=negative, k=3))
     nan = [pb.QueryPart(image=image, weight=float("nan"))]
