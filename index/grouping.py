@@ -25,36 +25,14 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from index.faiss_index import EXACT, ExactRerank, index_family, search_within, selector_params
-from index.filters import FieldRows
+from index.faiss_index import EXACT, ExactRerank, index_family, inner_products, search_within, selector_params
+from index.filters import FieldRows, FieldSpec
 
 OVERFETCH = 4  # first round: 4 candidate rows per group wanted (catalog items hold a few photos)
 MAX_CANDIDATES = 4096  # index rounds stop here; past it the rest is searched exactly
 EXACT_PASS = -1  # `GroupedAnswer.candidates` of a query the exact pass answered
 GROWTH_CAP = 16.0  # the most one round multiplies the depth by
 EXACT_FRACTION = 16  # a round asks for at most 1/16 of the eligible rows before the exact pass
-
-
-def inner_products(stored: np.ndarray, query: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
-    """`stored[rows] @ query` (every row when None) by faiss's kernels, where the rows lie (a
-    memory map too): NumPy's BLAS product starts threads that a busy machine stalls (7 ms for
-    10k rows under load, against 0.1 ms here)."""
-    query = np.ascontiguousarray(query, dtype=np.float32)
-    if stored.dtype != np.float32 or not stored.flags.c_contiguous:
-        return np.asarray((stored if rows is None else stored[rows]) @ query, dtype=np.float32)
-    dim = stored.shape[1]
-    if rows is None:
-        out = np.empty(len(stored), dtype=np.float32)
-        faiss.fvec_inner_products_ny(
-            faiss.swig_ptr(out), faiss.swig_ptr(query), faiss.swig_ptr(stored), dim, len(stored)
-        )
-        return out
-    rows = np.ascontiguousarray(rows, dtype=np.int64)
-    out = np.empty(len(rows), dtype=np.float32)
-    faiss.fvec_inner_products_by_idx(
-        faiss.swig_ptr(out), faiss.swig_ptr(query), faiss.swig_ptr(stored), faiss.swig_ptr(rows), dim, 1, len(rows)
-    )
-    return out
 
 
 @dataclass(frozen=True)
@@ -78,6 +56,11 @@ class Groups:
         if has_value is not None:
             has_value.flags.writeable = False
         return cls(name, field_rows.values, field_rows.offsets, field_rows.rows, codes, has_value)
+
+    @classmethod
+    def of_values(cls, name: str, values: Sequence[str | None]) -> Groups:
+        """Rows grouped by a list of string values, one per row (None: the row has none)."""
+        return cls.of(name, FieldRows.build(FieldSpec(name, "string"), values, len(values)), len(values))
 
     def __len__(self) -> int:
         return len(self.values)

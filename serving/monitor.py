@@ -208,20 +208,20 @@ class RecallMonitor:
         may then come from either pair; the reload's own round follows)."""
         live = self._live
         values = probe()
-        with self._lock:
-            if values is None or self._live is not live:
-                return None
-            self.probe = values
-            self._publish("probe", values)
-        return values
+        return values if self._keep_probe("probe", live, values) else None
 
     def record_item_probe(self, pair: ServingPair, values: dict[int, float] | None) -> bool:
         """A probe round's item Recall@K (`ProbeRunner.item_round`), kept if `pair` is still live."""
+        return self._keep_probe("probe_items", pair, values)
+
+    def _keep_probe(self, source: str, pair: ServingPair | None, values: dict[int, float] | None) -> bool:
+        """Keep and publish a probe round's figures as `source` (the attribute of that name)
+        while `pair`, the pair live when the round started, is still live."""
         with self._lock:
             if values is None or self._live is not pair:
                 return False
-            self.probe_items = values
-            self._publish("probe_items", values)
+            setattr(self, source, values)
+            self._publish(source, values)
         return True
 
     def _probe_loop(self, probe: Callable[[], dict[int, float] | None]) -> None:

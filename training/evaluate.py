@@ -17,7 +17,6 @@ from core.catalog import ITEM_COLUMN
 from core.metrics import map_at_r, query_gallery_recall_at_k, recall_at_k
 from core.preprocess import rows_per_pass
 from index.faiss_index import build_index
-from index.filters import FieldRows, FieldSpec
 from index.grouping import Groups, item_recall_at_k
 
 
@@ -72,8 +71,7 @@ def item_recall(embeddings: np.ndarray, items: Sequence[str], ks: Sequence[int])
     each image queries the others, its own row left out, and hits when its item is among the K
     best items — the index's grouped search over an exact (Flat) index. None when no item has
     two images."""
-    field_rows = FieldRows.build(FieldSpec(ITEM_COLUMN, "string"), items, len(items))
-    groups = Groups.of(ITEM_COLUMN, field_rows, len(items))
+    groups = Groups.of_values(ITEM_COLUMN, items)
     found = item_recall_at_k(build_index(embeddings, "Flat"), embeddings, groups, np.arange(len(items)), ks)
     return None if found is None else {str(k): v for k, v in found.items()}
 

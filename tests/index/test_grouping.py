@@ -33,8 +33,7 @@ def random_catalog(seed: int, n: int = 600, dim: int = 16) -> tuple[np.ndarray, 
 
 
 def groups_of(names: list[str | None]) -> Groups:
-    rows = FieldRows.build(FieldSpec("item", "string"), names, len(names))
-    return Groups.of("item", rows, len(names))
+    return Groups.of_values("item", names)
 
 
 def reference(vectors, names, query, k, per_group, eligible, exclude):
