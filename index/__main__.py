@@ -58,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     rollback = sub.add_parser("rollback", help="point CURRENT at an earlier version")
     rollback.add_argument("--index-root", required=True, help="index root with versions/ and CURRENT")
     rollback.add_argument("--to", help="version name (default: the one before the live one)")
+    rollback.add_argument(
+        "--restore-taken-down",
+        action="store_true",
+        help="republish items taken down since that version was built (default: the takedowns are re-applied)",
+    )
+    rollback.add_argument("--keep", type=int, default=5, help="versions to retain when takedowns are re-applied")
     add_verbose_flag(sub)
     return parser
 
@@ -129,9 +135,14 @@ def main(argv: list[str] | None = None) -> int:
                 if not older:
                     raise ValueError("no earlier version to roll back to")
                 target = older[-1]
-            with artifacts.current_lock(args.index_root):
-                artifacts.set_current(args.index_root, target)
-            print(f"CURRENT → {target}")
+            if args.keep < 1:
+                raise ValueError(f"--keep must be at least 1, got {args.keep}")
+            from index.lifecycle import local_identity, rollback
+
+            report = rollback(
+                args.index_root, target, local_identity(), "cli", args.restore_taken_down, keep=args.keep
+            )  # its summary is logged
+            print(f"CURRENT → {report.version}")
 
     return run_cli(command, verbose=bool(args.verbose))
 

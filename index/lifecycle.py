@@ -14,6 +14,10 @@ live vectors and index for everything else. How the rows leave depends on what t
 
 An upsert (`index add --upsert`) is a removal of the rows whose ids come again, then an add.
 Every removal is appended to the index root's audit log with who asked and what left.
+
+A takedown outlives the version it was made on: making an older version live (`rollback`)
+re-applies the takedowns recorded since it was built, as a takedown of that version, unless the
+caller asks to restore them — audited either way (docs/operations.md, "Takedowns and rollback").
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ from index.version import IndexVersion
 
 log = logging.getLogger(__name__)
 
-AUDIT_LOG = "audit.jsonl"  # in the index root: one JSON line per removal
+AUDIT_LOG = "audit.jsonl"  # in the index root: one JSON line per removal, rollback or restore
+REMOVE, ROLLBACK, RESTORE = "remove", "rollback", "restore"  # the audit log's actions
 
 
 @dataclass
@@ -196,16 +201,19 @@ def remove_items(
     max_deleted_fraction: float = 0.2,
     compact: bool = False,
     keep: int = 5,
+    source: str | None = None,
+    action: str = REMOVE,
 ) -> RemovalReport:
-    """Publish the live version less `ids`; ids not in it are reported, and when none is, nothing
-    is published. Logged to the root's audit log either way. When another publisher switches
-    CURRENT meanwhile, the removal is made again from the version it published."""
+    """Publish the live version (or `source`, a rollback's target) less `ids`; ids not in it are
+    reported, and when none is, nothing is published. Logged to the root's audit log either way,
+    as `action`. When another publisher switches CURRENT meanwhile, the removal is made again
+    against the version it published."""
     if not ids:
         raise ValueError("no item id to remove")
     attempt = 1
     while True:
         try:
-            return _remove_once(index_root, ids, who, reason, via, max_deleted_fraction, compact, keep)
+            return _remove_once(index_root, ids, who, reason, via, max_deleted_fraction, compact, keep, source, action)
         except artifacts.StaleParentError as exc:
             if attempt == ATTEMPTS:
                 raise
@@ -225,29 +233,39 @@ def _remove_once(
     max_deleted_fraction: float,
     compact: bool,
     keep: int,
+    source: str | None = None,
+    action: str = REMOVE,
 ) -> RemovalReport:
     started = time.perf_counter()
-    live = IndexVersion.open(index_root)
+    # A rollback derives from an older version, yet must still find CURRENT where it was.
+    current = artifacts.current_version(index_root) if source is not None else None
+    live = IndexVersion.open(index_root, source)
     found = {item_id: live.row_of(item_id) for item_id in dict.fromkeys(ids)}
     not_found = [item_id for item_id, row in found.items() if row is None]
     rows = np.unique(np.fromiter((r for r in found.values() if r is not None), dtype=np.int64))
     report = RemovalReport(live.name, None, len(found), len(rows), not_found, live.size, len(live.deleted))
     if len(rows) or (compact and len(live.deleted)):
         remaining = drop_rows(live, rows, max_deleted_fraction, compact)
-        target = publish_remaining(index_root, live, remaining, keep, f"removed {len(rows)} items")
+        target = publish_remaining(index_root, live, remaining, keep, f"removed {len(rows)} items", current)
         published = IndexManifest.read(target)
         report.version, report.size, report.deleted_rows = target.name, published.live_size, published.deleted_rows
     report.seconds = time.perf_counter() - started
     removed_ids = [item_id for item_id, row in found.items() if row is not None]
-    audit(index_root, "remove", who, via, reason, report, removed_ids)
+    if action == ROLLBACK:
+        reason = f"rollback to {live.name} re-applied {report.removed} takedowns → version {report.version}"
+    audit(index_root, action, who, via, reason, report, removed_ids)
     log.info("%s", report)
     return report
 
 
-def publish_remaining(index_root: str | Path, live: IndexVersion, remaining: Remaining, keep: int, what: str) -> Path:
-    """Publish `remaining` as a new version of `index_root`, its manifest the live one's with the
-    counts, parent and tombstones of this one. Not gated: a takedown is never refused for
-    quality; the quality figures are the parent's (a removal only takes answers away)."""
+def publish_remaining(
+    index_root: str | Path, live: IndexVersion, remaining: Remaining, keep: int, what: str, current: str | None = None
+) -> Path:
+    """Publish `remaining` as a new version of `index_root`, its manifest `live`'s with the
+    counts, parent and tombstones of this one; CURRENT must still name `current` (default:
+    `live`, the version the rows came from; a rollback derives from an older one). Not gated: a
+    takedown is never refused for quality; the quality figures are the parent's (a removal only
+    takes answers away)."""
     root = Path(index_root)
     staging = artifacts.index_staging_dir(root)
     try:
@@ -281,7 +299,7 @@ def publish_remaining(index_root: str | Path, live: IndexVersion, remaining: Rem
         catalog_rows = parent.rows.catalog if parent.rows else manifest.live_size
         manifest.rows = RowCounts(catalog=catalog_rows, indexed=manifest.live_size)
         manifest.write(staging)
-        target = artifacts.publish_version(root, staging, version, parent=live.name)
+        target = artifacts.publish_version(root, staging, version, parent=current or live.name)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -331,13 +349,86 @@ def audit_entries(index_root: str | Path) -> list[dict]:
         return [json.loads(line) for line in log_file if line.strip()]
 
 
-def taken_down(index_root: str | Path) -> set[str]:
-    """Ids the root's audit log says were removed (and not counted as not found)."""
+def taken_down(index_root: str | Path, since: str | None = None) -> set[str]:
+    """Ids the root's audit log says are taken down: removed (by a takedown, or by a rollback
+    that re-applied takedowns) and not restored since. `since`: only takedowns that published a
+    version after that one (version names sort by the time they were made)."""
     ids: set[str] = set()
     for entry in audit_entries(index_root):
-        if entry.get("action") == "remove":
+        action = entry.get("action")
+        if action in (REMOVE, ROLLBACK) and (since is None or (entry.get("version") or "") > since):
             ids.update(entry.get("ids", []))
+        elif action == RESTORE:
+            ids.difference_update(entry.get("ids", []))
     return ids
+
+
+def returning_takedowns(index_root: str | Path, version: str) -> list[str]:
+    """Ids `version` holds that were taken down after it was built: what making it live again
+    would republish."""
+    since = taken_down(index_root, version)
+    if not since:
+        return []
+    target = IndexVersion.open(index_root, version)
+    mask = target.live_mask
+    return sorted({i for r, i in enumerate(target.items.ids) if i in since and (mask is None or mask[r])})
+
+
+@dataclass
+class RollbackReport:
+    """What making `target` live did: the version now live (`target`, or one derived from it
+    without the takedowns made since), and the ids it re-applied or restored."""
+
+    target: str
+    previous: str | None
+    version: str
+    reapplied: list[str] = field(default_factory=list)
+    restored: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        if self.reapplied:
+            return (
+                f"rollback to {self.target} re-applied {len(self.reapplied)} takedowns → version {self.version} "
+                "(--restore-taken-down to republish them)"
+            )
+        if self.restored:
+            shown = ", ".join(self.restored[:5]) + (f" +{len(self.restored) - 5} more" if len(self.restored) > 5 else "")
+            return f"rollback to {self.target} restored {len(self.restored)} taken-down items ({shown})"
+        return f"rollback to {self.target}: no takedown since it was built"
+
+
+def rollback(
+    index_root: str | Path,
+    version: str,
+    who: str,
+    via: str = "cli",
+    restore_taken_down: bool = False,
+    keep: int = 5,
+    make_current: bool = True,
+) -> RollbackReport:
+    """Make `version` live again without republishing what was taken down after it was built: a
+    takedown outlives the version it was made on. Those takedowns are re-applied as a takedown
+    of `version` (a new version derived from it, published like any takedown, audited as a
+    rollback); `restore_taken_down` makes `version` itself live, audited with the ids it
+    restores. `make_current` False (a server's Reload of a named version) leaves CURRENT alone
+    unless a version is published."""
+    if version not in artifacts.list_versions(index_root):
+        raise ValueError(f"no index version {version!r} in {index_root} (index list shows them)")
+    previous = artifacts.current_version(index_root)
+    back = returning_takedowns(index_root, version)
+    if back and not restore_taken_down:
+        removal = remove_items(index_root, back, who, via=via, keep=keep, source=version, action=ROLLBACK)
+        report = RollbackReport(version, previous, removal.version or version, reapplied=back)
+    else:
+        if make_current:
+            with artifacts.current_lock(index_root):
+                artifacts.set_current(index_root, version)
+        report = RollbackReport(version, previous, version, restored=back)
+        if back:
+            summary = RemovalReport(version, version, len(back), 0)
+            audit(index_root, RESTORE, who, via, str(report), summary, back)
+    log.info("%s", report)
+    return report
 
 
 def warn_of_returning_items(index_root: str | Path, ids: Iterable[str]) -> int:

@@ -18,7 +18,7 @@ from core.items import ItemTable
 from core.manifests import RowCounts
 from index.config import BuildConfig
 from index.filters import Condition, Filter, Range
-from index.lifecycle import AUDIT_LOG, how_rows_leave, remove_items
+from index.lifecycle import AUDIT_LOG, how_rows_leave, remove_items, returning_takedowns, rollback
 from index.publish import NewVersion, publish_index_version
 from index.version import IndexVersion
 
@@ -145,6 +145,48 @@ def test_a_build_that_brings_taken_down_items_back_says_so(tmp_path, caplog):
     assert "2 items of this version were taken down earlier" in caplog.text and "item-3" in caplog.text
 
 
+@pytest.mark.parametrize("kind", ["flat", "hnsw"])
+def test_a_rollback_re_applies_the_takedowns_made_since_its_version(tmp_path, kind):
+    parent = publish_synthetic(tmp_path, *FACTORIES[kind])
+    remove_items(tmp_path, ["item-3", "item-4"], who="legal", reason="court order 9")
+    remove_items(tmp_path, ["item-5"], who="legal", reason="court order 10")
+    taken_down_on = artifacts.current_version(tmp_path)
+
+    report = rollback(tmp_path, parent.name, who="ops", via="http")
+    live = IndexVersion.open(tmp_path).load()
+    assert report.reapplied == ["item-3", "item-4", "item-5"] and report.version == live.name
+    assert live.name not in (parent.name, taken_down_on) and live.manifest.parent_version == parent.name
+    assert live.size == N - 3 and all(live.row_of(i) is None for i in report.reapplied)
+    assert row_vectors_by_id(live).keys() == row_vectors_by_id(parent).keys() - set(report.reapplied)
+    entry = json.loads((tmp_path / AUDIT_LOG).read_text().splitlines()[-1])
+    assert entry["action"] == "rollback" and entry["via"] == "http" and entry["who"] == "ops"
+    assert entry["reason"] == f"rollback to {parent.name} re-applied 3 takedowns → version {live.name}"
+    assert entry["ids"] == report.reapplied and entry["parent_version"] == parent.name
+    # A version made after the takedowns holds nothing to re-apply.
+    again = rollback(tmp_path, taken_down_on, who="ops")
+    assert again.reapplied == [] and again.version == taken_down_on == artifacts.current_version(tmp_path)
+
+
+def test_restoring_taken_down_items_is_explicit_and_audited_by_id(tmp_path, caplog):
+    parent = publish_synthetic(tmp_path, "Flat", {})
+    remove_items(tmp_path, ["item-3", "item-4"], who="legal", reason="court order 9")
+    entries = len((tmp_path / AUDIT_LOG).read_text().splitlines())
+
+    report = rollback(tmp_path, parent.name, who="ops", restore_taken_down=True)
+    assert report.restored == ["item-3", "item-4"] and report.reapplied == []
+    assert artifacts.current_version(tmp_path) == parent.name
+    log_lines = (tmp_path / AUDIT_LOG).read_text().splitlines()
+    assert len(log_lines) == entries + 1
+    entry = json.loads(log_lines[-1])
+    assert entry["action"] == "restore" and entry["ids"] == ["item-3", "item-4"] and entry["who"] == "ops"
+    assert "restored 2 taken-down items (item-3, item-4)" in entry["reason"]
+    # Restored is lifted: a later rollback or build does not take them down or warn of them again.
+    assert returning_takedowns(tmp_path, parent.name) == []
+    with caplog.at_level("WARNING", logger="index.lifecycle"):
+        publish_synthetic(tmp_path, "Flat", {})
+    assert "taken down earlier" not in caplog.text
+
+
 def index_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "index", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
@@ -162,8 +204,21 @@ def test_remove_command_publishes_lists_and_rolls_back(tmp_path):
     assert f"size={N - 2} (+2 removed, masked)" in listing.stdout and f"  {parent.name}" in listing.stdout
     audit = json.loads((tmp_path / AUDIT_LOG).read_text().splitlines()[-1])
     assert audit["via"] == "cli" and audit["who"].startswith(("user:", "uid:")) and audit["not_found"] == ["ghost"]
-    assert index_cli("rollback", "--index-root", str(tmp_path)).returncode == 0
+    taken_down_on = artifacts.current_version(tmp_path)
+    # Rolling back past the takedown re-applies it: a version derived from the parent, without them.
+    back = index_cli("rollback", "--index-root", str(tmp_path), "--to", parent.name)
+    assert back.returncode == 0, back.stderr
+    derived = artifacts.current_version(tmp_path)
+    assert derived not in (parent.name, taken_down_on) and back.stdout.strip() == f"CURRENT → {derived}"
+    assert f"rollback to {parent.name} re-applied 2 takedowns → version {derived}" in back.stderr
+    assert IndexVersion.open(tmp_path).manifest.parent_version == parent.name
+    assert IndexVersion.open(tmp_path).row_of("item-1") is None
+    restored = index_cli("rollback", "--index-root", str(tmp_path), "--to", parent.name, "--restore-taken-down")
+    assert restored.returncode == 0, restored.stderr
     assert artifacts.current_version(tmp_path) == parent.name
+    assert "restored 2 taken-down items (item-1, item-2)" in restored.stderr
+    bad = index_cli("rollback", "--index-root", str(tmp_path), "--to", "no-such-version")
+    assert bad.returncode == 2 and bad.stderr.count("error: no index version 'no-such-version'") == 1, bad.stderr
 
     (tmp_path / "empty.txt").write_text("# nothing\n")
     (tmp_path / "ghosts.txt").write_text("ghost\nghost-2\n")
