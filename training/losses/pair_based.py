@@ -46,7 +46,7 @@ Where the papers and pytorch-metric-learning disagree (the tests pin the paper):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -82,8 +82,23 @@ def _softplus(x: torch.Tensor) -> torch.Tensor:
     return torch.logaddexp(x, torch.zeros_like(x))
 
 
+class MarginPairLoss(PairBasedLoss):
+    """A pair loss whose one option is a margin λ; the subclass names the reduction its paper
+    writes (``default_reduction``), which ``reduction=None`` selects."""
+
+    default_reduction: ClassVar[str]
+
+    def __init__(self, margin: float = 0.5, reduction: str | BaseReducer | None = None) -> None:
+        check_finite(margin=margin)
+        super().__init__(self.default_reduction if reduction is None else reduction)
+        self.margin = float(margin)
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {"margin": self.margin, "reduction": self.reduction}
+
+
 @LOSSES.register("contrastive")
-class ContrastiveLoss(PairBasedLoss):
+class ContrastiveLoss(MarginPairLoss):
     """Contrastive loss, thesis Eq. 2.15: ``(1 - I_ij)[S_ij - λ]_+ - I_ij S_ij`` per pair.
 
     Every ordered pair ``(i, j)``, ``i != j``, is a term. Weight view (unified view, Eq. 6):
@@ -95,13 +110,7 @@ class ContrastiveLoss(PairBasedLoss):
         reduction: "mean" over all pairs (default) or "sum".
     """
 
-    def __init__(self, margin: float = 0.5, reduction: str | BaseReducer = "mean") -> None:
-        check_finite(margin=margin)
-        super().__init__(reduction)
-        self.margin = float(margin)
-
-    def hyperparameters(self) -> dict[str, Any]:
-        return {"margin": self.margin, "reduction": self.reduction}
+    default_reduction = "mean"
 
     def compute_loss(self, sim: torch.Tensor, labels: torch.Tensor, indices: PairMasks) -> dict[str, ElementLosses]:
         """m×m per-pair terms; the pairs counted are the positive and negative ones."""
@@ -141,7 +150,7 @@ class TripletLoss(PairBasedLoss):
 
 
 @LOSSES.register("lifted_structure")
-class LiftedStructureLoss(PairBasedLoss):
+class LiftedStructureLoss(MarginPairLoss):
     """Generalized lifted structure loss, thesis Eq. 2.21::
 
         L = Σ_i [ log Σ_{k∈P_i} e^{λ - S_ik} + log Σ_{k∈N_i} e^{S_ik} ]_+
@@ -155,13 +164,7 @@ class LiftedStructureLoss(PairBasedLoss):
         reduction: "sum" over anchors (default, as Eq. 2.21) or "mean".
     """
 
-    def __init__(self, margin: float = 0.5, reduction: str | BaseReducer = "sum") -> None:
-        check_finite(margin=margin)
-        super().__init__(reduction)
-        self.margin = float(margin)
-
-    def hyperparameters(self) -> dict[str, Any]:
-        return {"margin": self.margin, "reduction": self.reduction}
+    default_reduction = "sum"
 
     def compute_loss(self, sim: torch.Tensor, labels: torch.Tensor, indices: PairMasks) -> dict[str, ElementLosses]:
         """One term per anchor."""
