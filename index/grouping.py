@@ -103,9 +103,7 @@ def search_groups(
         raise ValueError(f"k and per_group must be at least 1, got {k} and {per_group}")
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     exclude = list(exclude) if exclude is not None else [frozenset()] * len(queries)
-    eligible = allowed
-    if groups.has_value is not None:
-        eligible = groups.has_value if allowed is None else allowed & groups.has_value
+    eligible = _eligible(groups, allowed)
     count = len(groups.codes) if eligible is None else int(np.count_nonzero(eligible))
     family = index_family(index)
     answers: list[GroupedAnswer | None] = [None] * len(queries)
@@ -140,6 +138,29 @@ def search_groups(
         answers[i] = _filled(found, queries[i], stored, groups, per_group, eligible, exclude[i], min_score, k)
         answers[i].candidates = EXACT_PASS
     return answers  # type: ignore[return-value]
+
+
+def exact_top_groups(
+    query: np.ndarray,
+    stored: np.ndarray,
+    groups: Groups,
+    k: int,
+    allowed: np.ndarray | None = None,
+    exclude: frozenset[int] = frozenset(),
+    min_score: float | None = None,
+) -> list[int]:
+    """The exact top k groups of one query, best first: what `search_groups` answers with
+    (same rows allowed, excluded and left out for having no value), every eligible row scored.
+    The reference an approximate grouped answer is measured against."""
+    query = np.ascontiguousarray(query, dtype=np.float32)
+    return _exact_groups(query, stored, groups, k, _eligible(groups, allowed), exclude, min_score)[:k]
+
+
+def _eligible(groups: Groups, allowed: np.ndarray | None) -> np.ndarray | None:
+    """The rows a grouped query may answer with: `allowed` ones that have a value."""
+    if groups.has_value is None:
+        return allowed
+    return groups.has_value if allowed is None else allowed & groups.has_value
 
 
 def _candidates(

@@ -6,7 +6,10 @@
    results of an earlier request, give Recall@K over a sliding window.
 3. ANN fidelity: a sampled fraction of live queries is re-run with exact search over the
    version's stored vectors in a background thread, off the request path; the figure is the
-   fraction of the exact top K that the index returned.
+   fraction of the exact top K that the index returned. Like is compared with like: a grouped
+   answer's first K groups with the exact top K groups (`index.grouping.exact_top_groups`),
+   a plain answer's first K rows with the exact top K rows, each within the same filter,
+   exclusions and takedowns.
 
 Every buffer is bounded, so neither traffic nor feedback can grow the server's memory. Figures
 describe the live pair only: each record names the pair that produced it, and one from a pair
@@ -29,6 +32,7 @@ from google.protobuf import json_format
 
 from core.config import option
 from core.metrics import recall_from_neighbor_labels
+from index.grouping import Groups, exact_top_groups
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.engine import ServingPair
 from serving.metrics import ServiceMetrics
@@ -160,13 +164,16 @@ class RecallMonitor:
         rows: Sequence[int],
         exclude: set[int],
         allowed: np.ndarray | None = None,
+        groups: Groups | None = None,
     ) -> None:
         """Queue a live query, answered by load `serial`, for an exact re-run (within `allowed`,
-        a filtered query's rows: a read-only mask, kept by reference); never blocks the request."""
+        a filtered query's rows: a read-only mask, kept by reference; grouped by `groups` when
+        its answer was); never blocks the request."""
         if self.config.ann_sample_rate <= 0 or self._rng.random() >= self.config.ann_sample_rate:
             return
+        job = (serial, np.array(vector, dtype=np.float32), list(rows), set(exclude), allowed, groups)
         try:
-            self._ann_jobs.put_nowait((serial, np.array(vector, dtype=np.float32), list(rows), set(exclude), allowed))
+            self._ann_jobs.put_nowait(job)
         except queue.Full:
             pass  # the checker is behind; dropping a sample costs nothing but precision
 
@@ -253,26 +260,50 @@ class RecallMonitor:
             return done.wait_for(lambda: not self._ann_jobs.unfinished_tasks, timeout)
 
     def check_ann(
-        self, serial: int, vector: np.ndarray, rows: list[int], exclude: set[int], allowed: np.ndarray | None = None
+        self,
+        serial: int,
+        vector: np.ndarray,
+        rows: list[int],
+        exclude: set[int],
+        allowed: np.ndarray | None = None,
+        groups: Groups | None = None,
     ) -> None:
         """Re-run a query answered by load `serial` exactly (among the `allowed` rows, when its
-        filter gave some), if that load is still live."""
+        filter gave some; for its top groups when it was grouped by `groups`), if that load is
+        still live."""
         pair = self._live
         if pair is None or pair.serial != serial:  # sampled before a reload: it no longer describes the index served
             return
-        scores = pair.index_version.exact_scores(vector)
-        if allowed is not None:
-            scores[~allowed] = -np.inf
-        if exclude:
-            scores[list(exclude)] = -np.inf
+        if groups is None:
+            answered = rows
+            scores = pair.index_version.exact_scores(vector)
+            if allowed is not None:
+                scores[~allowed] = -np.inf
+            if exclude:
+                scores[list(exclude)] = -np.inf
+
+            def exact_top(k: int) -> list[int]:
+                return np.argpartition(-scores, k - 1)[:k].tolist()
+        else:
+            # A grouped answer holds one item's rows together and never a second group's
+            # sibling rows: only its groups compare with an exact answer, the exact top groups.
+            answered = list(dict.fromkeys(int(groups.codes[r]) for r in rows))
+            live = pair.index_version.live_mask
+            if live is not None:
+                allowed = live if allowed is None else allowed & live
+            ranked = exact_top_groups(vector, pair.vectors, groups, max(self.config.ks), allowed, frozenset(exclude))
+
+            def exact_top(k: int) -> list[int]:
+                return ranked[:k]
+
         for k in self.config.ks:
-            if len(rows) < k:
+            if len(answered) < k:
                 continue
-            exact = np.argpartition(-scores, k - 1)[:k]
+            exact = exact_top(k)
             with self._lock:
                 if not self._is_live(serial):
                     return
-                self.ann[k].append(len(set(rows[:k]) & set(exact.tolist())) / k)
+                self.ann[k].append(len(set(answered[:k]) & set(exact)) / k)
                 self.metrics.ann_recall_at_k.labels(str(k)).set(float(np.mean(self.ann[k])))
 
     def ann_values(self) -> dict[int, float]:

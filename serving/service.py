@@ -338,7 +338,9 @@ class SearchService:
         if request.HasField("label") and items.labelled:
             self.monitor.record_labelled(pair.serial, request.label, [n.label for n in neighbors])
         if query.scope.min_score is None:  # the exact re-run compares against every row the filter allows
-            self.monitor.maybe_sample_ann(pair.serial, result.vector, rows, query.exclude, query.scope.allowed)
+            self.monitor.maybe_sample_ann(
+                pair.serial, result.vector, rows, query.exclude, query.scope.allowed, query.scope.groups
+            )
         if result.path is not None:
             self.metrics.filtered_queries.labels(result.path).inc()
         return pb.SearchResponse(

@@ -44,10 +44,10 @@ def item_pixels(item: int, shot: int) -> np.ndarray:
     return np.clip(base + noise, 0, 255).astype(np.uint8)
 
 
-def write_catalog(folder: Path, bbox: dict[int, str] | None = None) -> Path:
+def write_catalog(folder: Path, bbox: dict[int, str] | None = None, items: int = ITEMS) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     rows = []
-    for item in range(ITEMS):
+    for item in range(items):
         for shot in range(PER_ITEM):
             path = folder / f"p{item:02d}-{shot}.png"
             path.write_bytes(png(item_pixels(item, shot)))
@@ -302,3 +302,42 @@ def test_a_batch_groups_each_query_to_its_own_k(served):
     assert len(groups_of(answers[3])) == 4 and "p20" not in groups_of(answers[3])
     for request, answer in zip(requests, answers, strict=True):  # each as if asked alone
         assert [n.id for n in answer.neighbors] == [n.id for n in client.search(request).neighbors]
+
+
+def test_ann_fidelity_of_grouped_answers_matches_the_build(served, tmp_path):
+    """An HNSW index with an item field: grouped answers (the default) are compared with the
+    exact grouped answer — same filter, exclusions and takedowns — so the sampled fidelity is
+    what the build measured, not the overlap of one row per item with the exact top rows."""
+    _, _, _, tmp = served
+    catalog = write_catalog(tmp_path / "images", items=300)  # 900 rows: index rounds, not the exact pass
+    root = tmp_path / "index"
+    run_build(
+        BuildConfig(
+            model=str(tmp / "model"), index_root=str(root), catalog=str(catalog), factory="HNSW32",
+            filterable=["shade"], min_ann_recall=0,
+        ),
+        progress=False,
+    )  # fmt: skip
+    built = IndexManifest.read(IndexVersion.open(root).directory).quality.ann_recall_at_k
+    config = ServerConfig.flat(
+        index_root=str(root), port=0, metrics_port=None, probe_interval_s=0, ann_sample_rate=1.0, admin_token="tok"
+    )
+    server = SearchServer(config)
+    server.start()
+    client = SearchClient(f"127.0.0.1:{server.port}", timeout=60, admin_token="tok")
+    try:
+        client.wait_ready(60)
+        client.remove_items(["p01-0", "p02-0", "p02-1", "p02-2"], reason="test")  # rows the index still holds
+        even = pb.Filter(must=[pb.Condition(field="shade", value="0")])
+        for item in range(0, 300, 3):
+            client.search(pb.SearchRequest(item_id=f"p{item:02d}-1", k=10))
+            client.search(pb.SearchRequest(image=png(item_pixels(item, 7)), k=10, filter=even, per_group=2))
+        assert server.monitor.ann_settled(timeout=60)
+        sampled = server.monitor.ann_values()
+        assert set(sampled) == {1, 5, 10}
+        assert sampled[10] == pytest.approx(built, abs=0.05), (sampled, built)
+        info = {f.k: f.value for f in client.get_info().ann_recall_at_k}
+        assert info == pytest.approx(sampled)
+    finally:
+        client.close()
+        server.stop()
