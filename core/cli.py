@@ -41,6 +41,13 @@ THIRD_PARTY_NOISE: dict[str, int] = {
     # "Token authentication is enabled for this Ray cluster" at every local start: the default
     # since Ray 2.5x, nothing for the user to act on.
     "ray._private.authentication.authentication_token_setup": logging.ERROR,
+    # Ray Train's controller registers its workers' resources with Ray Data's autoscaling
+    # coordinator, waiting 5 s (a constant, no knob); on a busy machine the wait runs out and it
+    # logs "Failed to send resource request ... safe to ignore" with a 20-line GetTimeoutError
+    # traceback. The request only informs an autoscaler (a local cluster has none) and is resent
+    # every 20 s; a cluster that really lacks the resources still fails the run with Ray Train's
+    # own worker-group start timeout, which is not quieted.
+    "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client": logging.ERROR,
 }
 # A single-node local cluster cannot be preempted; Ray Train's preemption watcher there only
 # prints a core-worker error about its restartable constructor arguments.

@@ -30,7 +30,10 @@ def test_demo_report_has_every_figure_and_training_helps(demo_run):
 
 def test_demo_output_fits_a_screen_without_third_party_noise(demo_run):
     seen = (demo_run / "terminal.txt").read_text()
-    for noise in ("Token authentication", "PreemptionWatcher", "PlacementGroupCleaner", "Loading faiss", "onnxscript"):
+    # Ray Train's resource-request warning shows only when the machine is busy:
+    # tests/core/test_cli.py reproduces that condition on purpose.
+    noises = ("Token authentication", "PreemptionWatcher", "PlacementGroupCleaner", "Loading faiss", "onnxscript")
+    for noise in (*noises, "Failed to send resource request", "GetTimeoutError", "Traceback"):
         assert noise not in seen, f"{noise!r} reached the terminal:\n{seen}"
     assert len(seen.splitlines()) <= 60, seen
 
