@@ -19,11 +19,13 @@ in-flight answer — is dropped rather than published beside the new pair's figu
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import queue
 import random
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -92,27 +94,39 @@ class MonitorConfig:
 
 
 class SlidingRecall:
-    """Recall@K over the last `window` labelled answers (hit rank per answer)."""
+    """Recall@K over the last `window` scored answers: each answer's first-hit rank and length.
+    An answer counts towards Recall@K only for K within its length (a 3-row answer says nothing
+    of R@10), and a K no answer reaches has no figure. Answers scored under a key (Feedback's
+    request id) count once: scoring the same key again replaces its mark."""
 
     def __init__(self, ks: Sequence[int], window: int) -> None:
         self.ks = tuple(ks)
-        self._first_hit: deque[int] = deque(maxlen=window)
+        self.window = window
+        self._marks: OrderedDict[object, tuple[int, int]] = OrderedDict()  # key → (first-hit rank, length)
+        self._unkeyed = itertools.count()
         self._lock = threading.Lock()
 
-    def add(self, first_hit_rank: int | None) -> None:
+    def __len__(self) -> int:
+        return len(self._marks)
+
+    def add(self, first_hit_rank: int | None, length: int, key: object = None) -> None:
+        mark = (first_hit_rank if first_hit_rank is not None else 1 << 30, length)
         with self._lock:
-            self._first_hit.append(first_hit_rank if first_hit_rank is not None else 1 << 30)
+            self._marks[key if key is not None else ("unkeyed", next(self._unkeyed))] = mark
+            while len(self._marks) > self.window:
+                self._marks.popitem(last=False)
 
     def values(self) -> dict[int, float] | None:
         with self._lock:
-            if not self._first_hit:
+            if not self._marks:
                 return None
-            ranks = np.fromiter(self._first_hit, dtype=np.int64)
-        return {k: float(np.mean(ranks < k)) for k in self.ks}
+            ranks, lengths = np.array(list(self._marks.values()), dtype=np.int64).T
+        found = {k: float(np.mean(ranks[lengths >= k] < k)) for k in self.ks if np.any(lengths >= k)}
+        return found or None
 
     def clear(self) -> None:
         with self._lock:
-            self._first_hit.clear()
+            self._marks.clear()
 
 
 class RecallMonitor:
@@ -136,24 +150,30 @@ class RecallMonitor:
     def record_labelled(self, serial: int, label: str, neighbor_labels: Sequence[str]) -> None:
         """A labelled query's answer, given by the load `serial`."""
         rank = next((i for i, lab in enumerate(neighbor_labels) if lab == label), None)
-        self._record(serial, "traffic", self.traffic, rank)
+        self._record(serial, "traffic", self.traffic, rank, len(neighbor_labels))
 
-    def record_feedback(self, serial: int, returned_ids: Sequence[str], relevant_ids: Sequence[str]) -> bool:
-        """Feedback on the answer the load `serial` gave (`returned_ids`): which of them were
-        relevant. Whether it counts: not when that load has been swapped out since."""
+    def record_feedback(
+        self, serial: int, returned_ids: Sequence[str], relevant_ids: Sequence[str], request_id: str | None = None
+    ) -> bool:
+        """Feedback on the answer the load `serial` gave (`returned_ids`): which ids were
+        relevant (one the answer left out is a miss). One mark per `request_id`: a later one
+        replaces it. Whether it counts: not when that load has been swapped out since."""
         relevant = set(relevant_ids)
         rank = next((i for i, item in enumerate(returned_ids) if item in relevant), None)
-        return self._record(serial, "feedback", self.feedback, rank)
+        return self._record(serial, "feedback", self.feedback, rank, len(returned_ids), request_id)
 
     def _is_live(self, serial: int) -> bool:
         return self._live is not None and self._live.serial == serial
 
-    def _record(self, serial: int, source: str, window: SlidingRecall, rank: int | None) -> bool:
-        """Add a first-hit rank to `window` and publish it, if load `serial` is still the live one."""
+    def _record(
+        self, serial: int, source: str, window: SlidingRecall, rank: int | None, length: int, key: object = None
+    ) -> bool:
+        """Add a first-hit rank of an answer of `length` to `window` and publish it, if load
+        `serial` is still the live one."""
         with self._lock:
             if not self._is_live(serial):
                 return False
-            window.add(rank)
+            window.add(rank, length, key)
             self._publish(source, window.values())
         return True
 
@@ -323,8 +343,12 @@ class RecallMonitor:
 
     def _publish(self, source: str, values: dict[int, float] | None) -> None:
         if values:
-            for k, v in values.items():
-                self.metrics.recall_at_k.labels(str(k), source).set(v)
+            for k in self.config.ks:
+                if k in values:
+                    self.metrics.recall_at_k.labels(str(k), source).set(values[k])
+                else:  # no answer in the window reaches K any more: no figure rather than a stale one
+                    with contextlib.suppress(KeyError):
+                        self.metrics.recall_at_k.remove(str(k), source)
 
 
 def probe_recall(neighbor_labels: list[list[str]], labels: list[str], ks: Sequence[int]) -> dict[int, float]:

@@ -417,10 +417,25 @@ class SearchService:
         )
 
     async def feedback(self, request: pb.FeedbackRequest) -> pb.FeedbackResponse:
-        # Not accepted when the answer came from a pair swapped out since: it no longer
-        # describes what is served.
-        serial, ids = self.feedback_log.returned_ids(request.request_id, self.engine.pair)
-        return pb.FeedbackResponse(accepted=self.monitor.record_feedback(serial, ids, list(request.relevant_ids)))
+        """A mark on an earlier answer: which ids were relevant to it — its own or other indexed
+        ids it should have returned (a miss). Ids the index does not hold are refused, naming
+        them; a second mark on the same request replaces the first. Not accepted when the
+        answer came from a pair swapped out since: it no longer describes what is served."""
+        pair = self.engine.pair
+        serial, ids = self.feedback_log.returned_ids(request.request_id, pair)
+        relevant = list(request.relevant_ids)
+        if serial == pair.serial:
+            returned = set(ids)
+            unknown = [i for i in relevant if i not in returned and pair.index_version.row_of(i) is None]
+            if unknown:
+                named = ", ".join(map(repr, unknown[:10]))
+                if len(unknown) > 10:
+                    named += f" and {len(unknown) - 10} more"
+                raise InvalidArgument(
+                    f"relevant_ids: {named} neither in the answer nor in index version {pair.version}; nothing counted"
+                )
+        accepted = self.monitor.record_feedback(serial, ids, relevant, request.request_id)
+        return pb.FeedbackResponse(accepted=accepted)
 
     async def info(self) -> pb.GetInfoResponse:
         pair = self.engine.pair

@@ -341,3 +341,33 @@ def test_ann_fidelity_of_grouped_answers_matches_the_build(served, tmp_path):
     finally:
         client.close()
         server.stop()
+
+
+def test_feedback_counts_each_request_once_and_only_what_it_can_score(served):
+    """Feedback names ids of the index (or it is refused, naming them), one mark per request id
+    (a second replaces the first), and Recall@K only for K within the answer's length."""
+    server, client, _, _ = served
+    image = png(item_pixels(8, 9))
+    short = client.search(pb.SearchRequest(image=image, k=3, request_id="fb-short"))
+    top = short.neighbors[0].id
+    with pytest.raises(grpc.RpcError) as caught:
+        client.feedback("fb-short", [top, "no-such-1", "no-such-2"])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'no-such-1', 'no-such-2'" in caught.value.details() and repr(top) not in caught.value.details()
+    assert "feedback" not in server.monitor.figures()  # a refused mark counts nothing
+
+    assert client.feedback("fb-short", [top]).accepted
+    assert server.monitor.figures()["feedback"] == {1: 1.0}  # a 3-row answer says nothing of R@5, R@10
+    assert client.feedback("fb-short", [top]).accepted  # the same mark again: still one mark
+    assert len(server.monitor.feedback) == 1 and server.monitor.figures()["feedback"] == {1: 1.0}
+    assert client.feedback("fb-short", []).accepted  # a second mark replaces the first: none relevant
+    assert len(server.monitor.feedback) == 1 and server.monitor.figures()["feedback"] == {1: 0.0}
+
+    # An indexed id the answer left out is a "should have been returned" mark: a miss at every K.
+    full = client.search(pb.SearchRequest(image=image, k=10, request_id="fb-full"))
+    returned = {n.id for n in full.neighbors}
+    missed = next(f"p{i:02d}-{s}" for i in range(ITEMS) for s in range(PER_ITEM) if f"p{i:02d}-{s}" not in returned)
+    assert client.feedback("fb-full", [missed]).accepted
+    assert server.monitor.figures()["feedback"] == {1: 0.0, 5: 0.0, 10: 0.0}
+    assert client.feedback("fb-full", [missed, full.neighbors[2].id]).accepted  # a hit at rank 3 replaces it
+    assert server.monitor.figures()["feedback"] == {1: 0.0, 5: 1.0, 10: 1.0}  # R@5, R@10: the 10-row answer alone

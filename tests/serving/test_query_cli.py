@@ -89,9 +89,9 @@ def test_item_id_exclusions_filter_and_label_reach_the_server(server):
     filtered = json.loads(query(server, "--item-id", item, "--filter", a_filter, "--json").stdout)[0]
     assert len(filtered["neighbors"]) == 10 and {n["label"] for n in filtered["neighbors"]} == {other}
 
-    before = len(server.monitor.traffic._first_hit)
+    before = len(server.monitor.traffic)
     assert query(server, str(catalog.paths[0]), "--label", label).returncode == 0
-    assert len(server.monitor.traffic._first_hit) == before + 1  # scored into the traffic Recall@K
+    assert len(server.monitor.traffic) == before + 1  # scored into the traffic Recall@K
 
 
 def test_mistakes_are_one_line_naming_the_flag(server):
