@@ -15,12 +15,23 @@ from protos.simsearch.v1 import search_pb2 as pb
 from serving.engine import Limits, ServingPair
 from serving.errors import InvalidArgument, image_errors
 
+# The k of a request that leaves it unset (0 in proto3), on every transport and route.
+DEFAULT_K = 10
+
 
 class RequestChecks:
     """A request's parts against the server's limits and the live pair."""
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
+
+    def k_of(self, k: int, min_score: float | None) -> int:
+        """The k a request asks for, checked: unset (0) is DEFAULT_K (never past max_k), or with
+        a min_score up to max_k, for min_score is then what bounds the answer."""
+        if k == 0:
+            k = self.limits.max_k if min_score is not None else min(DEFAULT_K, self.limits.max_k)
+        self.check_k(k)
+        return k
 
     def check_k(self, k: int) -> None:
         if k <= 0:

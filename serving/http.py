@@ -25,12 +25,14 @@ from typing import Any
 
 import grpc
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from core.catalog import parse_bbox
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.auth import Scope, Tokens, token_fingerprint
+from serving.checks import DEFAULT_K
 from serving.errors import InvalidArgument, PayloadTooLarge, ServiceError, status_of
 from serving.service import AdminService, SearchService
 from serving.servicer import CallRecorder
@@ -79,7 +81,7 @@ class Route:
 
 
 _IMAGE_QUERY_PARAMS = (
-    ("k", "integer", "neighbours to return (with minScore, 0: up to the server's max_k)"),
+    ("k", "integer", f"neighbours to return (default {DEFAULT_K}; with minScore: up to the server's max_k)"),
     ("minScore", "number", "every neighbour at or above this cosine similarity"),
     ("filter", "string", "a Filter as proto3 JSON (URL-encoded)"),
     ("excludeIds", "string", "item ids to leave out, comma-separated"),
@@ -131,6 +133,21 @@ ROUTES: tuple[Route, ...] = (
           produces="application/json", params=(("limit", "integer", "entries to return (default 100)"),),
           tag="admin"),
 )  # fmt: skip
+
+
+class ServerLog(logging.LoggerAdapter):
+    """aiohttp's server logger, where a request aiohttp cannot parse (a malformed header, a NUL
+    byte) is one warning line: it is the client's error, answered 400, and a client must not be
+    able to fill the error log with tracebacks. Errors of the server's own stay errors."""
+
+    def exception(self, msg: object, *args: object, exc_info: object = True, **kwargs: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError) and 400 <= exc_info.code < 500:
+            text = str(msg) % args if args else str(msg)
+            # aiohttp's message quotes the bad line on lines of its own: kept, on this one
+            reason = " ".join(line.strip() for line in str(exc_info.message).splitlines() if line.strip())
+            self.warning("%s: %s (answered %d)", text, reason, exc_info.code)
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
 def to_json(message: Message) -> dict[str, Any]:
@@ -193,7 +210,12 @@ class HttpApi:
 
     async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
         """Listen on `host:port` (0: a free port); the port bound."""
-        self._runner = web.AppRunner(self.application(), access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(
+            self.application(),
+            access_log=None,
+            handle_signals=False,
+            logger=ServerLog(logging.getLogger("aiohttp.server")),
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, ssl_context=tls, reuse_port=False)
         await site.start()
@@ -243,7 +265,9 @@ class HttpApi:
             return error_response(NotFoundRoute(f"no route {request.method} {request.path}"))
         except web.HTTPMethodNotAllowed as exc:
             allowed = ", ".join(sorted(exc.allowed_methods))
-            return error_response(WrongMethod(f"{request.method} is not allowed on {request.path}; use {allowed}"))
+            response = error_response(WrongMethod(f"{request.method} is not allowed on {request.path}; use {allowed}"))
+            response.headers["Allow"] = allowed  # RFC 9110 §15.5.6: a 405 names the methods the target takes
+            return response
 
     async def _headers(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY
@@ -301,10 +325,18 @@ class HttpApi:
         """The image of a request: its raw body, or the `image` field of a multipart upload."""
         kind = request.content_type
         if kind == "multipart/form-data":
-            reader = await request.multipart()
-            async for part in reader:
-                if part.name == "image":
-                    return bytes(await part.read())
+            # aiohttp's reader raises ValueError for a missing or bad boundary (when made) and for
+            # a body that does not follow it (when read): the client's error, not ours.
+            try:
+                reader = await request.multipart()
+                async for part in reader:
+                    if part.name == "image":
+                        return bytes(await part.read())
+            except ValueError as exc:
+                raise InvalidArgument(
+                    f"multipart/form-data: not a readable upload ({exc}); send a boundary in "
+                    "the Content-Type and the image as the 'image' field"
+                ) from None
             raise InvalidArgument("multipart upload has no 'image' field")
         if not kind.startswith(IMAGE_TYPES):
             raise UnsupportedMediaType(
@@ -337,7 +369,8 @@ class HttpApi:
 
     async def search_image(self, request: web.Request, route: Route) -> Message:
         query = request.query
-        message = pb.SearchRequest(k=self._query_int(request, "k", 10, 0, 2**31 - 1))
+        # k left out is 0, as in a JSON body or over gRPC: the service layer's default
+        message = pb.SearchRequest(k=self._query_int(request, "k", 0, 0, 2**31 - 1))
         unknown = set(query) - {name for name, _, _ in route.params}
         if unknown:
             raise InvalidArgument(f"unknown query parameter {sorted(unknown)[0]!r}")

@@ -249,9 +249,7 @@ class SearchService:
     async def _prepare(self, request: pb.SearchRequest, pair: ServingPair, deadline: float | None) -> Query:
         checks = self.checks
         scope = self._scope(request, pair)
-        # With a min_score, k bounds the answer and may be left 0: up to max_k.
-        k = request.k or (checks.limits.max_k if scope.min_score is not None else 0)
-        checks.check_k(k)
+        k = checks.k_of(request.k, scope.min_score)
         exclude = frozenset(checks.exclude_rows(pair, list(request.exclude_ids)))
         received = time.perf_counter()
         kind = request.WhichOneof("query")

@@ -186,7 +186,7 @@ def bad_requests(catalog) -> list[tuple[str, str, str, dict, int, str, str]]:
          "application/json"}}, 400, "INVALID_ARGUMENT", "not a SearchRequest in proto3 JSON"),
         ("unknown JSON field", "POST", "/v1/search", {"json": {"itemId": catalog.ids[0], "kk": 5}}, 400,
          "INVALID_ARGUMENT", "kk"),
-        ("k = 0", "POST", "/v1/search", {"json": {"itemId": catalog.ids[0], "k": 0}}, 400, "INVALID_ARGUMENT",
+        ("k negative", "POST", "/v1/search", {"json": {"itemId": catalog.ids[0], "k": -1}}, 400, "INVALID_ARGUMENT",
          "k must be at least 1"),
         ("k huge", "POST", "/v1/search", {"json": {"itemId": catalog.ids[0], "k": 10**10}}, 400, "INVALID_ARGUMENT",
          "k"),

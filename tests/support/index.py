@@ -51,3 +51,27 @@ def write_images(folder: Path, count: int, seed: int = 0, prefix: str = "img") -
         Image.fromarray(rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8)).save(path)
         paths.append(path)
     return paths
+
+
+def write_catalog_index(tmp: Path, items: int = 12, per_item: int = 2) -> Path:
+    """An index root over a catalog of `items` items with `per_item` images each (an `item`
+    column, so answers are grouped, and a filterable `shade`), embedded by the tiny model."""
+    import csv
+
+    from index.build import run_build
+    from index.config import BuildConfig
+
+    paths = write_images(tmp / "images", items * per_item)
+    catalog = tmp / "images" / "catalog.csv"  # paths in it are relative to it
+    with open(catalog, "w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(["id", "path", "item", "shade"])
+        writer.writerows([p.stem, p.name, f"item{n // per_item}", n % 2] for n, p in enumerate(paths))
+    root = tmp / "index"
+    model = write_tiny_model(tmp / "model")
+    config = BuildConfig(
+        model=str(model), index_root=str(root), catalog=str(catalog), filterable=["shade"],
+        min_ann_recall=0,
+    )  # fmt: skip
+    run_build(config, progress=False)
+    return root
