@@ -178,6 +178,31 @@ def version_dir(root: str | Path, version: str | None = None) -> Path:
     return path
 
 
+def _looks_like(directory: Path) -> str:
+    """What an artifact directory that is not an index root seems to be, for an error message."""
+    if (directory / MODEL_FILE).is_file():
+        return f" (it looks like a model folder: it holds {MODEL_FILE})"
+    if (directory / INDEX_FILE).is_file():
+        return f" (it looks like one index version: its index root is {directory.parent.parent})"
+    if directory.name == VERSIONS and (directory.parent / CURRENT).is_file():
+        return f" (it looks like an index root's {VERSIONS}/ folder: the root is {directory.parent})"
+    return ""
+
+
+def check_index_root(root: str | Path) -> None:
+    """ArtifactError unless `root` is an index root holding a version or a CURRENT pointer:
+    `index list` printed nothing, and a server answered 503 for ever, when pointed at a model
+    folder by mistake."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ArtifactError(f"index root not found: {root}")
+    if current_version(root) is None and not list_versions(root):
+        raise ArtifactError(
+            f"{root} holds no index versions{_looks_like(root)}; an index root holds {VERSIONS}/ and "
+            f"{CURRENT}, written by `python -m index build --index-root {root}`"
+        )
+
+
 def set_current(root: str | Path, version: str) -> None:
     """Point CURRENT at `version` with one atomic rename."""
     version_dir(root, version)

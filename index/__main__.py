@@ -85,12 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
 
     def command() -> None:
-        from pathlib import Path
-
         from core import artifacts
 
-        if args.command in ("list", "rollback") and not Path(args.index_root).is_dir():
-            raise ValueError(f"index root not found: {args.index_root}")
+        if args.command in ("list", "rollback"):
+            artifacts.check_index_root(args.index_root)
         if args.command in ("build", "add"):
             from index.add import run_add
             from index.build import run_build

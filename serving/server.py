@@ -256,6 +256,8 @@ class ServerConfig:
         """What reads files, before the server starts: the index root, TLS files, the probe catalog."""
         if not Path(self.index_root).is_dir():
             raise ValueError(f"index root not found: {self.index_root}")
+        if not self.watch_current:  # watching, it waits for a first version to be published
+            artifacts.check_index_root(self.index_root)
         for name in ("tls_cert", "tls_key"):
             path = getattr(self.transport, name)
             if path is not None and not Path(path).is_file():
@@ -535,7 +537,8 @@ class SearchApp:
         try:
             await self.reload()
         except (ArtifactError, FileNotFoundError) as exc:
-            log.warning("starting without a loaded index: %s", exc)
+            waiting = "; waiting for CURRENT to name a version (--watch-current)" if self.config.watch_current else ""
+            log.warning("starting without a loaded index: %s%s", exc, waiting)
         transport = self.config.transport
         self.batcher.start()
         await self.grpc_server.start()

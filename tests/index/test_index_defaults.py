@@ -135,6 +135,20 @@ def test_a_factory_the_catalog_cannot_train_is_refused_before_anything_is_embedd
     assert not (tmp_path / "index").exists() or artifacts.current_version(tmp_path / "index") is None
 
 
+def test_list_and_rollback_on_a_folder_without_index_versions_say_so(model, tmp_path):
+    """`index list` on a model folder exited 0 printing nothing (issue 40, item 13)."""
+    for command in ("list", "rollback"):
+        done = index_cli(command, "--index-root", str(model))
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip().splitlines() == [
+            f"error: {model} holds no index versions (it looks like a model folder: it holds model.onnx); an "
+            f"index root holds versions/ and CURRENT, written by `python -m index build --index-root {model}`"
+        ]
+    (tmp_path / "empty").mkdir()
+    done = index_cli("list", "--index-root", str(tmp_path / "empty"))
+    assert done.returncode == 2 and f"error: {tmp_path / 'empty'} holds no index versions; an index" in done.stderr
+
+
 def listing(root: Path) -> str:
     done = index_cli("list", "--index-root", str(root))
     assert done.returncode == 0, done.stderr

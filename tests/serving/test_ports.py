@@ -41,7 +41,9 @@ def assert_refused(proc: subprocess.CompletedProcess, what: str, port: int) -> N
 
 def test_a_second_server_on_a_grpc_port_in_use_exits_before_loading(demo_run, tmp_path):
     (tmp_path / "empty").mkdir()
-    first = SearchServer(ServerConfig.flat(index_root=str(tmp_path / "empty"), port=0, metrics_port=None))
+    first = SearchServer(
+        ServerConfig.flat(index_root=str(tmp_path / "empty"), port=0, metrics_port=None, watch_current=True)
+    )  # waiting for a first index, as only --watch-current may
     first.start()
     try:
         started = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from tests.support.images import encode, png_header_only
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -173,13 +175,17 @@ def test_admin_reload_requires_token(served):
     assert client.search_item(server.engine.pair.items.ids[0], k=1).neighbors  # old pair still serves
 
 
-def test_server_without_index_is_unavailable_and_not_healthy(tmp_path):
+def test_server_waiting_for_an_index_is_unavailable_and_not_healthy(tmp_path, caplog):
     from serving.client import SearchClient
     from serving.server import ServerConfig
     from tests.support.server import SearchServer
 
-    server = SearchServer(ServerConfig.flat(index_root=str(tmp_path), port=0, metrics_port=None, probe_interval_s=0))
-    server.start()
+    config = ServerConfig.flat(
+        index_root=str(tmp_path), port=0, metrics_port=None, probe_interval_s=0, watch_current=True
+    )
+    server = SearchServer(config)
+    with caplog.at_level(logging.WARNING, logger="serving.server"):
+        server.start()
     try:
         with SearchClient(f"127.0.0.1:{server.port}", timeout=60) as client:  # a bound on a hang only
             assert not client.healthy()
@@ -188,6 +194,26 @@ def test_server_without_index_is_unavailable_and_not_healthy(tmp_path):
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(grace=0)
+    waiting = [r for r in caplog.records if "waiting for CURRENT to name a version (--watch-current)" in r.getMessage()]
+    assert len(waiting) == 1, caplog.text  # said once, not at every look at CURRENT
+
+
+def test_serve_on_a_folder_without_index_versions_is_refused_at_start(tmp_path):
+    """A model folder given as --index-root served 503s for ever with a warning in the log
+    (issue 40, item 13): without --watch-current there is nothing to wait for."""
+    from tests.support.index import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "model")
+    done = subprocess.run(
+        [sys.executable, "-m", "serving", "serve", "--index-root", str(model), "--port", "0", "--metrics-port", "none"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines == [
+        f"error: {model} holds no index versions (it looks like a model folder: it holds model.onnx); an index "
+        f"root holds versions/ and CURRENT, written by `python -m index build --index-root {model}`"
+    ], done.stderr
 
 
 def test_benchmark_load_generator_is_answered_ok(served, test_catalog, tmp_path):
