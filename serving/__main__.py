@@ -69,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
         help="leave this item id out of the answers (repeatable)",
     )
     query.add_argument(
-        "--label", help="the queries' true label: the server scores its answers into the traffic Recall@K"
+        "--label",
+        help="the queries' true label (on an index without labels: the item they should find, its item field's "
+        "value): the server scores its answers into the traffic Recall@K",
     )
     query.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

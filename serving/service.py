@@ -36,7 +36,7 @@ from index.lifecycle import RemovalReport, audit_entries
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
 from serving.checks import RequestChecks
-from serving.engine import EVERY_ROW, Limits, Scope, SearchEngine, ServingPair
+from serving.engine import EVERY_ROW, Hit, Limits, Scope, SearchEngine, ServingPair
 from serving.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, image_errors
 from serving.history import TrafficHistory
 from serving.metrics import ServiceMetrics
@@ -248,6 +248,11 @@ class SearchService:
 
     async def _prepare(self, request: pb.SearchRequest, pair: ServingPair, deadline: float | None) -> Query:
         checks = self.checks
+        if request.HasField("label") and not (pair.items.labelled or pair.manifest.item_field):
+            raise InvalidArgument(
+                "label: this index version's rows have no label and no item field, so a labelled query cannot be "
+                "scored on it; leave label out (index build --item-field names the column a label would match)"
+            )
         scope = self._scope(request, pair)
         k = checks.k_of(request.k, scope.min_score)
         exclude = frozenset(checks.exclude_rows(pair, list(request.exclude_ids)))
@@ -333,8 +338,8 @@ class SearchService:
                 )
         rows = [h.row for h in result.hits]
         self.feedback_log.remember(request_id, pair.serial, rows)
-        if request.HasField("label") and items.labelled:
-            self.monitor.record_labelled(pair.serial, request.label, [n.label for n in neighbors])
+        if request.HasField("label"):
+            self.monitor.record_labelled(pair.serial, request.label, self._truths(pair, result.hits, neighbors))
         if query.scope.min_score is None:  # the exact re-run compares against every row the filter allows
             self.monitor.maybe_sample_ann(
                 pair.serial, result.vector, rows, query.exclude, query.scope.allowed, query.scope.groups
@@ -351,6 +356,15 @@ class SearchService:
             model_id=pair.model_id,
             timings=self._timings(query, result),
         )
+
+    @staticmethod
+    def _truths(pair: ServingPair, hits: list[Hit], neighbors: list[pb.Neighbor]) -> list[str | None]:
+        """What a query's `label` is compared with, answer row by row: the rows' labels, or —
+        rows without labels — their item field's value (the label names the item to find)."""
+        if pair.items.labelled:
+            return [n.label for n in neighbors]
+        groups = pair.index_version.groups(pair.manifest.item_field)
+        return [groups.label(groups.codes[h.row]) if groups.codes[h.row] >= 0 else None for h in hits]
 
     def _timings(self, query: Query, result: Result) -> pb.StageTimings:
         """The query's stage times, observed in the stage histograms and returned for its answer."""

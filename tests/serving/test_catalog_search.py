@@ -371,3 +371,38 @@ def test_feedback_counts_each_request_once_and_only_what_it_can_score(served):
     assert server.monitor.figures()["feedback"] == {1: 0.0, 5: 0.0, 10: 0.0}
     assert client.feedback("fb-full", [missed, full.neighbors[2].id]).accepted  # a hit at rank 3 replaces it
     assert server.monitor.figures()["feedback"] == {1: 0.0, 5: 1.0, 10: 1.0}  # R@5, R@10: the 10-row answer alone
+
+
+def test_a_labelled_query_is_scored_by_the_item_field_or_refused(served, tmp_path):
+    """Rows with an item but no label: a query's `label` names the item it should find. Rows
+    with neither: a labelled query cannot be scored, and is told so."""
+    server, client, _, tmp = served
+    found = client.search(pb.SearchRequest(image=png(item_pixels(5, 9)), k=3, label="p05"))
+    assert groups_of(found)[0] == "p05"
+    missed = client.search(pb.SearchRequest(image=png(item_pixels(6, 9)), k=3, label="p23", group_by=""))
+    assert all(n.id.startswith("p06-") for n in missed.neighbors)  # plain rows, scored by their item too
+    assert len(server.monitor.traffic) == 2 and server.monitor.figures()["traffic"] == {1: 0.5}
+
+    folder = tmp_path / "bare"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(png(item_pixels(1, 0)))
+    (folder / "b.png").write_bytes(png(item_pixels(2, 0)))
+    (folder / "catalog.csv").write_text("id,path\na,a.png\nb,b.png\n")
+    root = tmp_path / "index"
+    run_build(
+        BuildConfig(
+            model=str(tmp / "model"), index_root=str(root), catalog=str(folder / "catalog.csv"), min_ann_recall=0
+        ),
+        progress=False,
+    )
+    bare = SearchServer(ServerConfig.flat(index_root=str(root), port=0, metrics_port=None, probe_interval_s=0))
+    bare.start()
+    try:
+        with SearchClient(f"127.0.0.1:{bare.port}", timeout=60) as other:
+            other.wait_ready(60)
+            assert "label: this index version's rows have no label and no item field" in invalid(
+                other, pb.SearchRequest(item_id="a", k=1, label="b")
+            )
+            assert other.search(pb.SearchRequest(item_id="a", k=1)).neighbors[0].id == "b"
+    finally:
+        bare.stop()
