@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
         "query",
         help="search with image files or indexed item ids",
         description="Search the server with each IMAGE (and each --item-id): a table of neighbours per query. "
+        "On an index with an item field answers are grouped by it (k counts items; a column names each row's "
+        'group; --group-by "" for plain rows). '
         "A query that fails (an unreadable file, an image the server cannot decode) is named on standard "
         "error, the others are still answered, and the exit code is 2.",
     )
@@ -54,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
         "--k", type=_count, default=10, help="neighbours per query (with --min-score, 0: up to the server's max_k)"
     )
     query.add_argument("--min-score", type=float, help="every neighbour at or above this cosine similarity")
+    query.add_argument(
+        "--group-by",
+        metavar="FIELD",
+        help="k counts groups of this declared field, best first (default: the index's item field, when it has "
+        'one — `serving info` shows item_field; --group-by "" for plain rows)',
+    )
+    query.add_argument("--per-group", type=_count, help="rows per group of a grouped answer (default 1)")
     query.add_argument(
         "--filter",
         metavar="JSON",
@@ -159,9 +168,15 @@ def _query_requests(args: argparse.Namespace) -> list[tuple[str, object]]:
         raise ValueError("nothing to search with: name image files, or --item-id ID")
     if args.k == 0 and args.min_score is None:
         raise ValueError("--k must be at least 1 (0 is only allowed with --min-score: up to the server's max_k)")
+    if args.per_group == 0:
+        raise ValueError("--per-group must be at least 1")
     common = pb.SearchRequest(k=args.k, exclude_ids=args.exclude_ids)
     if args.min_score is not None:
         common.min_score = args.min_score
+    if args.group_by is not None:
+        common.group_by = args.group_by
+    if args.per_group is not None:
+        common.per_group = args.per_group
     if args.label is not None:
         common.label = args.label
     if args.filter is not None:
@@ -222,13 +237,18 @@ def _query(args: argparse.Namespace) -> None:
         for name, response in answers:
             if isinstance(response, str):
                 continue
+            field = response.group_by
+            grouped = f", grouped by {field}, {args.per_group or 1} per group" if field else ""
             print(
                 f"{name}  (index {response.index_version}, model {response.model_id}, "
-                f"{response.timings.total_ms:.1f} ms)"
+                f"{response.timings.total_ms:.1f} ms{grouped})"
             )
-            print(f"  {'rank':>4}  {'score':>7}  {'label':<12} id")
+            width = max([12, len(field), *(len(n.group) for n in response.neighbors)]) if field else 0
+            group_head = f"{field:<{width}}  " if field else ""
+            print(f"  {'rank':>4}  {'score':>7}  {group_head}{'label':<12} id")
             for rank, n in enumerate(response.neighbors, 1):
-                print(f"  {rank:>4}  {n.score:7.4f}  {n.label:<12} {n.id}")
+                group = f"{n.group:<{width}}  " if field else ""
+                print(f"  {rank:>4}  {n.score:7.4f}  {group}{n.label:<12} {n.id}")
             if response.truncated:
                 print(f"  … fewer neighbours than all that qualify: cut at {len(response.neighbors)}")
     if failed:

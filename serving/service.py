@@ -37,7 +37,15 @@ from protos.simsearch.v1 import search_pb2 as pb
 from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
 from serving.checks import RequestChecks
 from serving.engine import EVERY_ROW, Hit, Limits, Scope, SearchEngine, ServingPair
-from serving.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, image_errors
+from serving.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ServiceError,
+    Unavailable,
+    image_errors,
+)
 from serving.history import TrafficHistory
 from serving.metrics import ServiceMetrics
 from serving.monitor import RecallMonitor
@@ -386,15 +394,22 @@ class SearchService:
 
     # -- the calls --------------------------------------------------------------------------
 
-    async def search_many(self, requests: list[pb.SearchRequest], timeout: float | None) -> list[pb.SearchResponse]:
-        """Queries answered on one pair (the one live when they arrived), batched with others."""
+    async def search_many(
+        self, requests: list[pb.SearchRequest], timeout: float | None, named: bool = False
+    ) -> list[pb.SearchResponse]:
+        """Queries answered on one pair (the one live when they arrived), batched with others.
+        `named`: a request's own error names its place in the list (`requests[3]: …`)."""
         pair = self.engine.pair
         self._answering[pair.serial] += 1
         try:
             async with _deadline(timeout) as deadline:
-                if len(requests) == 1:
-                    return [await self._answer(requests[0], pair, deadline)]
-                tasks = [asyncio.ensure_future(self._answer(r, pair, deadline)) for r in requests]
+                answers = [
+                    self._answer_at(i, r, pair, deadline) if named else self._answer(r, pair, deadline)
+                    for i, r in enumerate(requests)
+                ]
+                if len(answers) == 1:
+                    return [await answers[0]]
+                tasks = [asyncio.ensure_future(answer) for answer in answers]
                 try:
                     return list(await asyncio.gather(*tasks))
                 except BaseException:  # one bad query fails the call: its siblings stop costing work
@@ -406,6 +421,18 @@ class SearchService:
             if not self._answering[pair.serial]:
                 del self._answering[pair.serial]
 
+    async def _answer_at(
+        self, i: int, request: pb.SearchRequest, pair: ServingPair, deadline: float | None
+    ) -> pb.SearchResponse:
+        """Request `i` of a batch answered: one bad request fails the batch, so its error says
+        which it was."""
+        try:
+            return await self._answer(request, pair, deadline)
+        except (DeadlineExceeded, Unavailable):
+            raise  # the call's, not the request's
+        except ServiceError as exc:
+            raise type(exc)(f"requests[{i}]: {exc.message}") from exc
+
     async def search(self, request: pb.SearchRequest, timeout: float | None) -> pb.SearchResponse:
         return (await self.search_many([request], timeout))[0]
 
@@ -413,7 +440,7 @@ class SearchService:
         limit = self.engine.limits.max_batch_queries
         if len(request.requests) > limit:
             raise InvalidArgument(f"{len(request.requests)} queries exceed the batch limit of {limit}")
-        return pb.SearchBatchResponse(responses=await self.search_many(list(request.requests), timeout))
+        return pb.SearchBatchResponse(responses=await self.search_many(list(request.requests), timeout, named=True))
 
     async def embed(self, request: pb.EmbedRequest, timeout: float | None) -> pb.EmbedResponse:
         """An image embedded in a batch with the queries (a query searched for nothing)."""

@@ -406,3 +406,24 @@ def test_a_labelled_query_is_scored_by_the_item_field_or_refused(served, tmp_pat
             assert other.search(pb.SearchRequest(item_id="a", k=1)).neighbors[0].id == "b"
     finally:
         bare.stop()
+
+
+def test_a_bad_request_in_a_batch_is_named_by_its_place(served):
+    server, client, _, _ = served
+    image = png(item_pixels(3, 9))
+    requests = [pb.SearchRequest(image=image, k=3), pb.SearchRequest(image=image, k=3, per_group=17)]
+    with pytest.raises(grpc.RpcError) as caught:
+        client.search_batch(requests)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == "requests[1]: per_group must be within 1..16, got 17"
+    body = {"requests": [{"itemId": "p01-0", "k": 2}, {"itemId": "no-such-item", "k": 2}]}
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.http_port}/v1/search-batch",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=60)
+    assert refused.value.code == 400
+    assert json.load(refused.value)["error"]["message"] == "requests[1]: unknown item id 'no-such-item'"
+    assert "requests[" not in invalid(client, pb.SearchRequest(image=image, k=3, per_group=17))  # a lone search

@@ -153,3 +153,61 @@ def test_scores_never_leave_the_cosine_range(server):
 )
 def test_a_target_without_a_port_goes_to_the_servers_default(given, address):
     assert target_address(given) == address
+
+
+@pytest.fixture(scope="module")
+def catalog_server(tmp_path_factory):
+    """A tiny index whose rows name their item (`item`: grouped by default) behind a real server."""
+    import numpy as np
+    from PIL import Image
+
+    from tests.support.index import SIDE, write_tiny_model
+
+    tmp = tmp_path_factory.mktemp("query-cli-items")
+    (tmp / "images").mkdir()
+    paths = []
+    for n in range(12):  # four items of three photos: an item's own pattern, a little noise each
+        base = np.random.default_rng(n // 3).integers(0, 256, (SIDE, SIDE, 3))
+        noise = np.random.default_rng(100 + n).integers(-8, 9, (SIDE, SIDE, 3))
+        paths.append(tmp / "images" / f"img-{n:04d}.png")
+        Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8)).save(paths[-1])
+    lines = ["id,path,item"] + [f"{p.stem},{p.name},it{n // 3}" for n, p in enumerate(paths)]
+    (tmp / "images" / "catalog.csv").write_text("\n".join(lines) + "\n")
+    run_build(
+        BuildConfig(
+            model=str(write_tiny_model(tmp / "model")),
+            index_root=str(tmp / "index"),
+            catalog=str(tmp / "images" / "catalog.csv"),
+            min_ann_recall=0,
+        ),
+        progress=False,
+    )
+    server = SearchServer(
+        ServerConfig.flat(index_root=str(tmp / "index"), port=0, metrics_port=None, probe_interval_s=0)
+    )
+    server.start()
+    yield server, paths
+    server.stop(grace=1)
+
+
+def test_grouped_answers_show_their_group_and_grouping_is_a_flag(catalog_server):
+    server, paths = catalog_server
+    grouped = query(server, str(paths[0]), "--k", "3")
+    assert grouped.returncode == 0, grouped.stderr
+    lines = grouped.stdout.splitlines()
+    assert "grouped by item, 1 per group" in lines[0]
+    assert lines[1].split() == ["rank", "score", "item", "label", "id"]
+    assert [line.split()[2] for line in lines[2:5]] == ["it0", *[line.split()[2] for line in lines[3:5]]]
+    assert len({line.split()[2] for line in lines[2:5]}) == 3  # three items, one row each
+
+    two = json.loads(query(server, str(paths[0]), "--k", "2", "--per-group", "3", "--json").stdout)[0]
+    assert two["groupBy"] == "item" and [n["group"] for n in two["neighbors"]][:3] == ["it0"] * 3
+    assert len(two["neighbors"]) == 6
+    plain = query(server, str(paths[0]), "--k", "3", "--group-by", "")
+    assert plain.returncode == 0, plain.stderr
+    assert "grouped" not in plain.stdout and plain.stdout.splitlines()[1].split() == ["rank", "score", "label", "id"]
+    assert sorted(line.split()[-1] for line in plain.stdout.splitlines()[2:5]) == ["img-0000", "img-0001", "img-0002"]
+    assert "--per-group must be at least 1" in error_line(query(server, str(paths[0]), "--per-group", "0"))
+    assert "group_by: 'colour' is not a declared field" in error_line(
+        query(server, str(paths[0]), "--group-by", "colour")
+    )
