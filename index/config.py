@@ -159,6 +159,8 @@ class BuildConfig:
         new index (`trains_index`), it has the vectors the factory's training needs (an IVF's
         lists, a PQ's codes), or --train-size does."""
         try:
+            if self.item_field is not None:  # with_item_field declared it filterable: named by its own flag first
+                check_catalog_fields([FieldSpec(self.item_field)], catalog.labels, catalog.metadata, "--item-field")
             check_catalog_fields(self.filterable_fields, catalog.labels, catalog.metadata)
         except ValueError as exc:
             raise CatalogError(f"{catalog.source}: {exc}") from None

@@ -90,16 +90,20 @@ def column_values(name: str, labels: Sequence[str | None], metadata: Iterable[di
 
 
 def check_catalog_fields(
-    specs: Sequence[FieldSpec], labels: Sequence[str] | None, metadata: list[dict[str, str]]
+    specs: Sequence[FieldSpec],
+    labels: Sequence[str] | None,
+    metadata: list[dict[str, str]],
+    flag: str = "--filterable",
 ) -> None:
     """Every declared field is a column of the catalog, and every value of a numeric one parses:
-    ValueError naming the column (and the first bad row, counted from 1) otherwise."""
+    ValueError naming the column (and the first bad row, counted from 1) otherwise, and the
+    `flag` that declared it."""
     for spec in specs:
         if spec.name == LABEL:
             if labels is None:
-                raise ValueError(f"--filterable {LABEL}: the catalog has no {LABEL} column")
+                raise ValueError(f"{flag} {LABEL}: the catalog has no {LABEL} column")
         elif not any(spec.name in meta for meta in metadata):
-            raise ValueError(f"--filterable {spec.name}: the catalog has no column {spec.name!r}")
+            raise ValueError(f"{flag} {spec.name}: the catalog has no column {spec.name!r}")
         _parsed(spec, column_values(spec.name, labels or [], metadata))
 
 

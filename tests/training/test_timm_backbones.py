@@ -277,3 +277,24 @@ def test_bad_inputs_to_train_write_nothing(weights, tmp_path):
         done = cli("training", "train", *args, "--out", str(tmp_path / "run"), "--epochs", "1")
         assert done.returncode == 2 and message in done.stderr, done.stderr[-3000:]
         assert list(tmp_path.iterdir()) == []
+
+
+def test_a_timm_trunk_without_weights_says_it_starts_random_and_how_to_give_weights(tmp_path):
+    """Nothing said that timm's weights are never fetched (issue 40, item 12): the line comes
+    at the start of training, before anything is read (here an unlabelled folder ends the run)."""
+    from tests.support.index import write_images
+
+    write_images(tmp_path / "photos", 3)
+    done = cli("training", "train", "--backbone", "vit_small_patch16", "--catalog", str(tmp_path / "photos"),
+               "--out", str(tmp_path / "run"))  # fmt: skip
+    assert done.returncode == 2 and "error:" in done.stderr, done.stderr[-3000:]
+    notices = [line for line in done.stderr.splitlines() if "starts from random weights" in line]
+    assert len(notices) == 1, done.stderr[-3000:]
+    for fragment in ("timm weights are never downloaded", "--pretrained with a .safetensors or .pth state dict",
+                     "a Hugging Face / timm folder (model.safetensors + config.json)",
+                     "docs/architecture.md, 'Weights for timm trunks'"):  # fmt: skip
+        assert fragment in notices[0], notices[0]
+    from training.models import random_start_notice
+
+    assert random_start_notice("vit_small_patch16", "weights/vit.safetensors") is None
+    assert random_start_notice("resnet50", None) is None  # torchvision's trunks: no hub to expect
