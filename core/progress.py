@@ -12,6 +12,9 @@ from typing import TypeVar
 
 T = TypeVar("T")
 LINE_INTERVAL_S = 30.0
+# A long stage's first line, with its estimate, comes after its first batches rather than a whole
+# interval in: a user deciding whether to wait learns it within seconds.
+FIRST_ESTIMATE_S = 10.0
 
 log = logging.getLogger("simsearch.progress")
 
@@ -28,7 +31,8 @@ def _duration(seconds: float) -> str:
 class Progress:
     """Counts work done; shows it as a tqdm bar (`mode="bar"`), as log lines every `every_s`
     seconds and at the end (`"lines"`), or not at all (`"off"`). `"auto"`: a bar when stderr
-    is a terminal, lines otherwise."""
+    is a terminal, lines otherwise. `first_s`: lines mode's first line after that many seconds
+    (default `every_s`)."""
 
     def __init__(
         self,
@@ -38,6 +42,7 @@ class Progress:
         mode: str = "auto",
         every_s: float = LINE_INTERVAL_S,
         logger: logging.Logger | None = None,
+        first_s: float | None = None,
     ) -> None:
         if mode not in ("auto", "bar", "lines", "off"):
             raise ValueError(f"progress mode must be auto, bar, lines or off, got {mode!r}")
@@ -46,7 +51,8 @@ class Progress:
         self.total, self.desc, self.unit, self.mode, self.every_s = total, desc, unit, mode, every_s
         self.done = 0
         self.log = logger or log
-        self.started = self._last = time.monotonic()
+        self.started = time.monotonic()
+        self._next = self.started + (every_s if first_s is None else min(first_s, every_s))
         self._bar = None
         if mode == "bar":
             from tqdm import tqdm
@@ -69,8 +75,8 @@ class Progress:
             self._bar.update(n)
         elif self.mode == "lines":
             now = time.monotonic()
-            if now - self._last >= self.every_s:
-                self._last = now
+            if now >= self._next:
+                self._next = now + self.every_s
                 self.log.info("%s", self.line())
 
     def close(self) -> None:

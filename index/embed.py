@@ -10,7 +10,7 @@ import numpy as np
 
 from core.catalog import Catalog, CatalogError
 from core.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, RegionError, load_image
-from core.progress import Progress
+from core.progress import FIRST_ESTIMATE_S, Progress
 from index.embedder import OnnxEmbedder
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def embed_catalog(
     parts, kept = [], []
     with (
         ThreadPoolExecutor(max_workers=threads) as pool,
-        Progress(len(catalog), "embed", "img", "auto" if progress else "off") as bar,
+        Progress(len(catalog), "embed", "img", "auto" if progress else "off", first_s=FIRST_ESTIMATE_S) as bar,
     ):
         for start in range(0, len(catalog), batch_size):
             rows = range(start, min(start + batch_size, len(catalog)))

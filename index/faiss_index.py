@@ -76,28 +76,64 @@ def suggested_nlist(vectors: int) -> int:
     return max(1, min(round(4 * math.sqrt(vectors)), vectors // 39))
 
 
-def check_trainable(index: faiss.Index, factory: str, vectors: int) -> None:
-    """ValueError, with a list count that fits, when `vectors` training vectors are fewer than
-    `index`'s k-means needs: one per IVF list, and 2^bits per product-quantizer code book."""
+# faiss's k-means (ClusteringParameters.min_points_per_centroid) wants this many training vectors
+# per centroid — an IVF list, a PQ code — and prints its own warning to stderr with fewer.
+KMEANS_POINTS_PER_CENTROID = 39
+
+
+def _quantizers(index: faiss.Index) -> tuple[faiss.IndexIVF | None, faiss.ProductQuantizer | None]:
+    """The IVF inside `index` and its (or its storage's) product quantizer: what k-means trains."""
     ivf = ivf_of(index)
-    if ivf is not None and vectors < ivf.nlist:
-        nlist = suggested_nlist(vectors)
-        example = re.sub(r"IVF\d+", f"IVF{nlist}", factory, count=1)
-        raise ValueError(
-            f"factory {factory!r} has {ivf.nlist} lists and needs at least as many training vectors, "
-            f"but there are {vectors}: use about {nlist} lists for {vectors} vectors (~4√n, at most n/39), "
-            f"e.g. {example!r}, or Flat"
-        )
     base = faiss.downcast_index(ivf if ivf is not None else index)
     if isinstance(base, faiss.IndexHNSW):
         base = faiss.downcast_index(base.storage)
-    pq = getattr(base, "pq", None)
-    if pq is not None and vectors < pq.ksub:
-        raise ValueError(
-            f"factory {factory!r} has product-quantizer code books of {pq.ksub} codes and needs at least "
-            f"{pq.ksub} training vectors, but there are {vectors}: use fewer bits per code (PQ{pq.M}x4: 16 codes) "
-            "or a Flat or SQ8 index"
+    return ivf, getattr(base, "pq", None)
+
+
+def check_trainable(index: faiss.Index, factory: str, vectors: int) -> str | None:
+    """One rule for every list count (docs/operations.md, "Factory and catalog size"): k-means
+    places each IVF list (each code of a product quantizer's code books) from the training
+    vectors. Fewer vectors than centroids: ValueError, as k-means cannot run. Fewer than 39 a
+    centroid (faiss's floor): the warning line to log, as it runs but places them poorly. Both
+    name the list count that fits (~4√n, at most n/39); None when the vectors are enough."""
+    ivf, pq = _quantizers(index)
+    thin = []
+    if ivf is not None and vectors < KMEANS_POINTS_PER_CENTROID * ivf.nlist:
+        nlist = suggested_nlist(vectors)
+        example = re.sub(r"IVF\d+", f"IVF{nlist}", factory, count=1)
+        advice = f"use about {nlist} lists for {vectors} vectors (~4√n, at most n/39), e.g. {example!r}, or Flat"
+        if vectors < ivf.nlist:
+            raise ValueError(
+                f"factory {factory!r} has {ivf.nlist} lists and needs at least as many training vectors, "
+                f"but there are {vectors}: {advice}"
+            )
+        thin.append(
+            f"factory {factory!r} has {ivf.nlist} lists and k-means wants {KMEANS_POINTS_PER_CENTROID} training "
+            f"vectors a list ({KMEANS_POINTS_PER_CENTROID * ivf.nlist:,}), but there are {vectors}: built, with "
+            f"lists placed poorly and recall uneven; {advice}"
         )
+    if pq is not None and vectors < KMEANS_POINTS_PER_CENTROID * pq.ksub:
+        advice = f"use fewer bits per code (PQ{pq.M}x4: 16 codes) or a Flat or SQ8 index"
+        if vectors < pq.ksub:
+            raise ValueError(
+                f"factory {factory!r} has product-quantizer code books of {pq.ksub} codes and needs at least "
+                f"{pq.ksub} training vectors, but there are {vectors}: {advice}"
+            )
+        thin.append(
+            f"factory {factory!r} has product-quantizer code books of {pq.ksub} codes and k-means wants "
+            f"{KMEANS_POINTS_PER_CENTROID} training vectors a code ({KMEANS_POINTS_PER_CENTROID * pq.ksub:,}), but "
+            f"there are {vectors}: built, with coarser codes than it could have; {advice}"
+        )
+    return "; and ".join(thin) or None
+
+
+def _quiet_kmeans(index: faiss.Index) -> None:
+    """faiss's own "please provide at least N training points" line off stderr: `check_trainable`
+    says it in the project's words, once (the floor only decides faiss's warning, not its k-means)."""
+    ivf, pq = _quantizers(index)
+    for quantizer in (ivf, pq):
+        if quantizer is not None:
+            quantizer.cp.min_points_per_centroid = 1
 
 
 def build_index(
@@ -125,7 +161,10 @@ def build_index(
         if train_size is not None and train_size < n:
             rng = np.random.default_rng(seed)
             sample = data[np.sort(rng.choice(n, size=train_size, replace=False))]
-        check_trainable(index, factory, len(sample))
+        thin = check_trainable(index, factory, len(sample))
+        if thin is not None:
+            log.warning("%s", thin)
+        _quiet_kmeans(index)
     try:
         if on_gpu:
             index = faiss.index_cpu_to_all_gpus(index)

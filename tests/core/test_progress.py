@@ -50,3 +50,33 @@ def test_faiss_loader_lines_only_with_verbose(verbose):
     )
     assert done.returncode == 0, done.stderr
     assert ("Loading faiss" in done.stderr) == verbose
+
+
+def test_the_first_estimate_comes_after_the_first_batches_not_a_whole_interval_in(caplog):
+    """A long build said nothing for its first 30 s (issue 40, item 10)."""
+    import time
+
+    caplog.set_level(logging.INFO, logger="simsearch.progress")
+    with Progress(1000, "embed", "img", mode="lines", every_s=30, first_s=0.05) as progress:
+        progress.update(100)  # the first batch: too soon to say
+        time.sleep(0.06)
+        progress.update(100)  # an estimate
+        progress.update(100)  # then quiet for the interval
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[0].startswith("embed: 200/1,000 img (20%), ") and "eta " in lines[0], lines
+    assert lines[1].endswith("— done")
+
+
+def test_index_build_embeds_with_an_early_estimate(tmp_path, caplog, monkeypatch):
+    from core.catalog import read_catalog
+    from index import embed
+    from index.embedder import OnnxEmbedder
+    from tests.support.index import write_images, write_tiny_model
+
+    write_images(tmp_path / "photos", 30)
+    embedder = OnnxEmbedder(write_tiny_model(tmp_path / "model"), provider="cpu")
+    monkeypatch.setattr(embed, "FIRST_ESTIMATE_S", 0.0)  # what 10 s of a long build would show
+    caplog.set_level(logging.INFO, logger="simsearch.progress")
+    embed.embed_catalog(read_catalog(tmp_path / "photos"), embedder, batch_size=10, progress=True)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("embed: 10/30 img (33%), ") and "eta " in lines[0], lines

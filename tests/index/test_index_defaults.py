@@ -135,6 +135,31 @@ def test_a_factory_the_catalog_cannot_train_is_refused_before_anything_is_embedd
     assert not (tmp_path / "index").exists() or artifacts.current_version(tmp_path / "index") is None
 
 
+def test_lists_too_many_for_the_catalog_are_one_rule_in_the_projects_words(model, photos, tmp_path):
+    """300 images took IVF256 with faiss's own "please provide at least 9984 training points" on
+    stderr, but IVF512 was refused with "use about 7 lists" (issue 40, item 10): under 39 training
+    vectors a list is built with the project's warning, under one a list refused, both with the
+    same advice."""
+    done = index_cli(
+        "build", "--model", str(model), "--catalog", str(photos), "--index-root", str(tmp_path / "index"),
+        "--factory", "IVF256,Flat", "--no-progress",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "please provide" not in done.stderr and "WARNING clustering" not in done.stderr, done.stderr
+    advice = "use about 7 lists for 300 vectors (~4√n, at most n/39), e.g. 'IVF7,Flat', or Flat"
+    warned = [line for line in done.stderr.splitlines() if "k-means wants" in line]
+    assert len(warned) == 1 and " WARNING " in warned[0], done.stderr
+    assert warned[0].endswith(
+        "factory 'IVF256,Flat' has 256 lists and k-means wants 39 training vectors a list (9,984), but there are "
+        f"300: built, with lists placed poorly and recall uneven; {advice}"
+    ), warned[0]
+    refused = index_cli(
+        "build", "--model", str(model), "--catalog", str(photos), "--index-root", str(tmp_path / "index"),
+        "--factory", "IVF512,Flat", "--no-progress",
+    )  # fmt: skip
+    assert refused.returncode == 2 and refused.stderr.strip().endswith(advice), refused.stderr
+
+
 @pytest.mark.parametrize("field", ["emoji", "label"])
 def test_an_item_field_the_catalog_lacks_is_named_by_its_own_flag(model, photos, tmp_path, field):
     """It was refused as `--filterable emoji`, a flag the user never typed (issue 40, item 12)."""
