@@ -56,12 +56,15 @@ def contact_sheet(
     notes: Sequence[str] | None = None,
     query_ids: Sequence[str] | None = None,
     item_ids: Sequence[str] | None = None,
+    match: str = "label",
 ) -> Image.Image:
     """One row per query: the query (blue frame), then its neighbours left to right with their
     scores, framed green when a neighbour has the query's label and red when not (grey where
-    there are no labels). Rows of -1 (fewer neighbours than asked) stay empty.
+    the query or the neighbour has none). Rows of -1 (fewer neighbours than asked) stay empty.
+    The "labels" are whatever defines a match, named by `match` — an index's item field, or the
+    class label (`index.publish.write_contact_sheet` decides).
 
-    `titles`: each row's caption under its query (default "query" and its label); `notes`: text
+    `titles`: each row's caption under its query (default `match` and the query's value); `notes`: text
     in a column after the last neighbour (what the row leaves out, "+377 more"), added when any
     row has one; `query_ids` and `item_ids` (indexed as `item_paths`): a second caption line under
     every tile with its id."""
@@ -86,13 +89,13 @@ def contact_sheet(
         if titles is not None:
             title = titles[q]
         else:
-            title = "query" if label is None else f"query {label}"[:16]
+            title = "query" if label is None else f"{match} {label}"[:16]
         place(0, q, query_paths[q], QUERY, title, query_ids[q] if with_ids else "")
         for n in range(depth):
             item = int(neighbour_rows[q, n])
             if item < 0:
                 continue
-            if label is None or item_labels is None:
+            if label is None or item_labels is None or item_labels[item] is None:
                 frame = PLAIN
             else:
                 frame = RIGHT if item_labels[item] == label else WRONG

@@ -31,7 +31,7 @@ from index.faiss_index import (
     tune_search_effort,
     with_default_rerank,
 )
-from index.filters import FilterIndex, declared_json
+from index.filters import FilterIndex, column_values, declared_json
 from index.gate import QualityGateError, check_quality, describe_quality, quality_figures, sample_rows
 from index.grouping import Groups
 from index.lifecycle import warn_of_returning_items
@@ -134,7 +134,7 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
         table.write(staging / artifacts.ITEMS_FILE)
         if filter_index is not None:
             filter_index.save(staging / artifacts.FILTERS_FILE)
-        write_contact_sheet(staging / artifacts.NEIGHBOURS_FILE, searched, embeddings, paths, labels)
+        write_contact_sheet(staging / artifacts.NEIGHBOURS_FILE, searched, embeddings, table, cfg.item_field)
         index_id = artifacts.file_sha256(staging / artifacts.INDEX_FILE)[:16]
         version = artifacts.new_version_name(index_id)
         manifest = IndexManifest(
@@ -174,8 +174,19 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
     return target
 
 
-def write_contact_sheet(path: Path, index, embeddings: np.ndarray, paths: list[str], labels: list[str] | None) -> None:
-    """`neighbours.png`: a dozen catalog items querying the index, their top 8 framed by label."""
+def write_contact_sheet(path: Path, index, embeddings: np.ndarray, table: ItemTable, item_field: str | None) -> None:
+    """`neighbours.png`: a dozen catalog items querying the index, their top 8 framed green where
+    they match the query: by the item field when the index has one (what grouped answers and
+    item Recall@K count as a match; a class label is coarser), else by label, else grey."""
+    labels = list(table.labels) if table.labelled else None
+    if item_field is not None:
+        keys: list[str | None] | None = list(column_values(item_field, labels or [], table.metadata))
+    else:
+        keys = labels
     picked, rows, scores = sample_neighbours(index, embeddings)
-    query_labels = [labels[r] for r in picked] if labels is not None else None
-    contact_sheet([paths[r] for r in picked], query_labels, rows, scores, paths, labels).save(path)
+    query_keys = [keys[r] for r in picked] if keys is not None else None
+    paths = list(table.paths)
+    sheet = contact_sheet(
+        [paths[r] for r in picked], query_keys, rows, scores, paths, keys, match=item_field or "label"
+    )
+    sheet.save(path)

@@ -60,3 +60,20 @@ def test_rows_carry_titles_ids_and_what_they_leave_out(tmp_path):
     assert (empty == 255).all()  # the second row leaves nothing out
     id_line = np.asarray(sheet.crop((0, CELL_H, CELL_W, cell_h)).convert("L"))
     assert (id_line < 200).any()  # the query's id under its score line
+
+
+def test_a_catalog_with_items_and_no_labels_is_framed_by_item(tmp_path):
+    """neighbours.png of an index with an item field but no label was all grey (issue 40, item
+    11): the item field defines a match, as for grouped answers and item Recall@K."""
+    from core import artifacts
+    from core.items import ItemTable
+    from tests.support.index import write_catalog_index
+
+    root = write_catalog_index(tmp_path)  # 12 items of 2 images each, an `item` column, no labels
+    version = artifacts.version_dir(root)
+    table = ItemTable.read(version / artifacts.ITEMS_FILE)
+    assert not table.labelled
+    sheet = Image.open(version / artifacts.NEIGHBOURS_FILE).convert("RGB")
+    frames = [frame_colour(sheet, column, row) for row in range(12) for column in range(1, 9)]
+    assert set(frames) <= {RIGHT, WRONG}, set(frames)  # no grey: every neighbour is judged
+    assert RIGHT in frames and WRONG in frames
