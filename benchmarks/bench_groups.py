@@ -9,6 +9,10 @@
    left out) — every image of the set queries.
 2. Queries with 2 and 3 positive images of an item (Rocchio: the normalised sum) against one,
    on items with at least 4 images: each query set's images left out, item Recall@K of the rest.
+4. A "not like" part's weight (`--parts negatives`, icons): an image queries, and the second
+   item of its answer — a near miss a user marks "− not like" — joins as a negative part at
+   weights 0 (left out only) to 1: R@1 of the query's own item, and the on-topic share of the
+   top 10 (items the positive alone put in its top 10, the negative's item aside).
 3. Grouped search against plain k-NN at k = 10 items on Flat, IVF and HNSW: queries/s of one
    query at a time (the server's batches are small), and how many candidate rows the deciding
    round searched (median, p99; the exact pass counts as the whole index). Synthetic items of
@@ -103,6 +107,38 @@ def parts_table(name: str, vectors: np.ndarray, labels: list[str], trials: int, 
     print("| " + " | ".join(row) + " |", flush=True)
 
 
+def negatives_table(
+    name: str, vectors: np.ndarray, labels: list[str], weights: tuple[float, ...], queries: int, seed: int = 0
+) -> None:
+    """R@1 and on-topic share of the top 10 items for an image query with one "not like" part,
+    the second item of its own answer, at each weight; the part's item is left out of the
+    answer, as the service leaves an item-id part's group out."""
+    from serving.checks import NEGATIVE_WEIGHT
+
+    groups = groups_by_label(labels)
+    index = build_index(vectors, "Flat")
+    sizes = np.diff(groups.offsets)
+    candidates = [r for r in range(len(vectors)) if sizes[groups.codes[r]] >= 2]
+    rows = np.random.default_rng(seed).permutation(candidates)[:queries]
+    own = [frozenset({int(r)}) for r in rows]
+    alone = search_groups(index, vectors, vectors[rows], 11, groups, exclude=own)
+    negatives = [answer.groups[1] for answer in alone]  # (item, [(its best row, score)])
+    exclude = [o | frozenset(groups.rows_of(g).tolist()) for o, (g, _) in zip(own, negatives, strict=True)]
+    topical = [{g for g, _ in answer.groups if g != n} for answer, (n, _) in zip(alone, negatives, strict=True)]
+    for weight in weights:
+        pushed = np.stack(
+            [vectors[r] - weight * vectors[hits[0][0]] for r, (_, hits) in zip(rows, negatives, strict=True)]
+        )
+        found = search_groups(index, vectors, l2_normalized(pushed.astype(np.float32)), 10, groups, exclude=exclude)
+        ranked = [[g for g, _ in answer.groups] for answer in found]
+        r1 = np.mean([top[0] == groups.codes[r] for r, top in zip(rows, ranked, strict=True)])
+        on_topic = np.mean([len(set(top) & t) / 10 for top, t in zip(ranked, topical, strict=True)])
+        note = " (default)" if weight == NEGATIVE_WEIGHT else " (before issue 40)" if weight == 1.0 else ""
+        print(
+            f"| {name} | {len(rows)} queries | {weight:g}{note} | {100 * r1:.1f} | {100 * on_topic:.1f} |", flush=True
+        )
+
+
 def synthetic(rows: int, per_item: int, dim: int, seed: int = 0) -> tuple[np.ndarray, Groups, np.ndarray]:
     rng = np.random.default_rng(seed)
     items = rows // per_item
@@ -144,7 +180,9 @@ def speed_table(name: str, vectors: np.ndarray, groups: Groups, queries: np.ndar
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="recall,parts,speed", help="which tables: recall, parts, speed")
+    parser.add_argument(
+        "--parts", default="recall,parts,speed", help="which tables: recall, parts, speed, negatives (icons only)"
+    )
     parser.add_argument("--run", type=Path, default=ROOT / "runs" / "demo", help="the demo run (glyph model and split)")
     parser.add_argument("--rows", type=int, default=100_000, help="speed: synthetic catalog rows (5 images an item)")
     parser.add_argument("--queries", type=int, default=500, help="speed: queries per index")
@@ -165,6 +203,12 @@ def main() -> None:
             print("| --- | --- | --- | --- | --- |")
             for name, vectors, labels in sets:
                 parts_table(name, vectors, labels, trials=5 if name == "icons" else 20)
+    if "negatives" in parts:
+        with tempfile.TemporaryDirectory() as work:
+            vectors, labels = icon_set(Path(work))
+        print("\n| set | queries | negative part's weight | R@1 | on-topic share of the top 10 |")
+        print("| --- | --- | --- | --- | --- |")
+        negatives_table("icons", vectors, labels, (0.0, 0.1, 0.2, 0.5, 1.0), queries=1000)
     if "speed" in parts:
         print(f"\nk = 10 groups, {args.queries} queries one at a time")
         print("| catalog | index | plain k-NN q/s | grouped q/s | ratio | candidates median | p99 | exact passes |")

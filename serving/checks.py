@@ -15,6 +15,11 @@ from protos.simsearch.v1 import search_pb2 as pb
 from serving.engine import Limits, ServingPair
 from serving.errors import InvalidArgument, image_errors
 
+# A negative query part's weight when it names none (a positive's is 1). Rocchio weighs
+# negatives far below positives (β 0.75, γ 0.15): at 1, one "not like" part pulled the query
+# halfway to the opposite of an unrelated item and the answer off its topic (docs/architecture.md,
+# "Queries with several parts", has the figures).
+NEGATIVE_WEIGHT = 0.2
 # The k of a request that leaves it unset (0 in proto3), on every transport and route.
 DEFAULT_K = 10
 
@@ -106,7 +111,7 @@ class RequestChecks:
                 raise InvalidArgument(f"parts[{i}]: has no query: set image, embedding or item_id")
             if part.HasField("region") and kind != "image":
                 raise InvalidArgument(f"parts[{i}]: a region crops an image; this part is an {kind}")
-            weight = part.weight if part.HasField("weight") else 1.0
+            weight = part.weight if part.HasField("weight") else (NEGATIVE_WEIGHT if part.negative else 1.0)
             if not math.isfinite(weight) or weight <= 0:
                 raise InvalidArgument(
                     f"parts[{i}]: weight must be a finite number above 0, got {weight} (mark a part negative instead)"

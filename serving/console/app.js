@@ -9,6 +9,9 @@
   const INFO_REFRESH_MS = 15000;
   const TOKEN_KEY = "simsearch.adminToken";
   const SVG_NS = "http://www.w3.org/2000/svg";
+  // A "not like" part's starting weight: the server's default for a negative part
+  // (serving.checks.NEGATIVE_WEIGHT), shown in the part's weight box and sent with it.
+  const NEGATIVE_WEIGHT = 0.2;
   const SOURCES = [
     ["probe", "Probe", "labelled catalog items, queried on a schedule"],
     ["traffic", "Traffic", "queries that carried their label"],
@@ -176,7 +179,7 @@
     info: null,
     page: null,
     query: null, // {kind: "image", blob, name} | {kind: "item", id, label}
-    parts: [], // more parts of the query: {id, negative} — "more like this" / "less like this"
+    parts: [], // more parts of the query: {id, negative, weight} — "more like this" / "less like this"
     region: null, // {x, y, width, height} in pixels of the upright query image
     regionMode: false,
     previewUrl: null,
@@ -363,11 +366,32 @@
         renderParts();
         runSearch();
       });
+      // How hard the part pulls (or, "not like", pushes): Rocchio's weight, sent with the query.
+      const weight = el("input", {
+        type: "number",
+        class: "part-weight",
+        min: "0.05",
+        max: "10",
+        step: "0.05",
+        value: String(part.weight),
+        title: part.negative ? "How hard this pushes the query away (default 0.2)" : "How hard this pulls (default 1)",
+        "aria-label": `Weight of ${part.id}`,
+      });
+      weight.addEventListener("change", () => {
+        const value = Number(weight.value);
+        if (!(value > 0)) {
+          weight.value = String(part.weight);
+          return;
+        }
+        part.weight = value;
+        runSearch();
+      });
       box.append(
         el(
           "span",
           { class: `part ${part.negative ? "part-negative" : "part-positive"}`, "data-id": part.id },
           `${part.negative ? "− not like" : "+ like"} ${part.id}`,
+          weight,
           remove,
         ),
       );
@@ -387,7 +411,7 @@
   function addPart(id, negative) {
     if (!state.query) return;
     state.parts = state.parts.filter((p) => p.id !== id);
-    state.parts.push({ id, negative });
+    state.parts.push({ id, negative, weight: negative ? NEGATIVE_WEIGHT : 1 });
     renderParts();
     runSearch();
   }
@@ -502,7 +526,10 @@
       query.kind === "image"
         ? { image: await base64Of(query.blob), ...(state.region ? { region: state.region } : {}) }
         : { itemId: query.id };
-    return [first, ...state.parts.map((p) => ({ itemId: p.id, ...(p.negative ? { negative: true } : {}) }))];
+    return [
+      first,
+      ...state.parts.map((p) => ({ itemId: p.id, weight: p.weight, ...(p.negative ? { negative: true } : {}) })),
+    ];
   }
 
   function setQueryImage(blob, name) {

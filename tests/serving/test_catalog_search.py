@@ -199,7 +199,7 @@ def test_bad_requests_name_the_part_or_field(served):
     assert "5 query parts exceed the maximum of 4" in invalid(client, pb.SearchRequest(parts=many, k=3))
     broken = [pb.QueryPart(image=image), pb.QueryPart(image=b"not an image")]
     assert "parts[1]: cannot decode image" in invalid(client, pb.SearchRequest(parts=broken, k=3))
-    cancel = [pb.QueryPart(item_id="p01-0"), pb.QueryPart(item_id="p01-0", negative=True)]
+    cancel = [pb.QueryPart(item_id="p01-0"), pb.QueryPart(item_id="p01-0", negative=True, weight=1.0)]
     assert "cancel out" in invalid(client, pb.SearchRequest(parts=cancel, k=3))
     on_embedding = [pb.QueryPart(embedding=pb.Embedding(values=[1.0] * 16), region=pb.Region(width=9, height=9))]
     assert "parts[0]: a region crops an image" in invalid(client, pb.SearchRequest(parts=on_embedding, k=3))
@@ -427,3 +427,24 @@ def test_a_bad_request_in_a_batch_is_named_by_its_place(served):
     assert refused.value.code == 400
     assert json.load(refused.value)["error"]["message"] == "requests[1]: unknown item id 'no-such-item'"
     assert "requests[" not in invalid(client, pb.SearchRequest(image=image, k=3, per_group=17))  # a lone search
+
+
+def test_a_negative_part_weighs_a_fifth_of_a_positive_by_default(served):
+    """Rocchio's own defaults weigh negatives far below positives (β 0.75, γ 0.15): a "not like"
+    part without a weight pushes at 0.2, so one negative steers an answer rather than wrecking it."""
+    _, client, root, _ = served
+    version = IndexVersion.open(root)
+    e = {i: version.vector(version.row_of(i)) for i in ("p03-0", "p11-0")}
+    parts = [pb.QueryPart(item_id="p03-0"), pb.QueryPart(item_id="p11-0", negative=True)]
+    default = client.search(pb.SearchRequest(parts=parts, k=ITEMS))
+    q = e["p03-0"] - 0.2 * e["p11-0"]
+    own = [f"p{i}-{s}" for i in ("03", "11") for s in range(PER_ITEM)]
+    expected = client.search(
+        pb.SearchRequest(embedding=pb.Embedding(values=(q / np.linalg.norm(q)).tolist()), exclude_ids=own, k=ITEMS)
+    )
+    assert groups_of(default) == groups_of(expected)
+    np.testing.assert_allclose([n.score for n in default.neighbors], [n.score for n in expected.neighbors], atol=1e-5)
+    positive = [pb.QueryPart(item_id="p03-0", weight=1.0)]  # a positive part's default stays 1
+    assert groups_of(client.search(pb.SearchRequest(parts=positive, k=4))) == groups_of(
+        client.search(pb.SearchRequest(item_id="p03-0", k=4))
+    )

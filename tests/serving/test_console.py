@@ -64,6 +64,7 @@ from selenium.common.exceptions import (  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 
@@ -623,6 +624,16 @@ def test_grouped_answers_query_parts_and_a_dragged_region(catalog_page, catalog_
     assert shown == answer_of(console.client.search(pb.SearchRequest(parts=parts, k=K, per_group=2)))
     chips = [c.text.replace("\n", "") for c in page.find_elements(By.CSS_SELECTOR, "#query-parts .part")]
     assert chips == [f"+ like {liked}✕", f"− not like {unliked}✕"]
+    weights = page.find_elements(By.CSS_SELECTOR, "#query-parts .part-weight")
+    assert [w.get_attribute("value") for w in weights] == ["1", "0.2"]  # the server's defaults, shown
+
+    # The "not like" part pushing as hard as the others pull: its weight box, then Enter.
+    before = grid_request(page)
+    weights[1].send_keys(Keys.CONTROL, "a")
+    weights[1].send_keys("1", Keys.TAB)  # leaving the box commits it
+    shown = grouped_results(page, before)
+    parts[2].weight = 1.0
+    assert shown == answer_of(console.client.search(pb.SearchRequest(parts=parts, k=K, per_group=2)))
 
     # A region dragged over the query image: the answer is the crop's.
     page.find_element(By.ID, "region-button").click()
