@@ -31,7 +31,7 @@ from index.faiss_index import ExactRerank, search_within
 from index.grouping import Groups, search_groups
 from index.version import IndexVersion
 from serving.errors import Unavailable, image_errors
-from serving.query_embedder import QueryEmbedder
+from serving.query_embedder import MEASURE_BUDGET_S, Progress, QueryEmbedder
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +115,16 @@ def load_pair(
     run_rows: int | None = 0,
     batch_rows: int = 1,
     previous: ServingPair | None = None,
+    measure_budget_s: float = MEASURE_BUDGET_S,
+    progress: Progress | None = None,
 ) -> ServingPair:
     """Load an index version and its model, refusing a pair built with different models.
     `runs_at_once`: how many ORT runs the server makes at once (batch streams, or unbatched
     queries); above 1 the model also gets a session for runs beside others (see `QueryEmbedder`).
     `run_rows`: at most this many images per ORT run (0: a batch in one run); None: the fastest
     for batches of up to `batch_rows` images, measured — or, when the `previous` pair has the
-    same model (a new index for it), that pair's sessions, rows per run included."""
+    same model (a new index for it), that pair's sessions, rows per run included; the
+    measurement takes at most `measure_budget_s`, telling `progress` how far it got."""
     opened = IndexVersion.open(index_root, version)
     model_dir = Path(model_dir or opened.manifest.model_dir or "")
     if not (model_dir / artifacts.MANIFEST).is_file():
@@ -143,7 +146,8 @@ def load_pair(
     if run_rows is not None:
         embedder.set_run_rows(run_rows or None, run_rows or None)
     else:
-        embedder.tune_run_rows(batch_rows, -(-batch_rows // runs_at_once))
+        side_by_side_rows = -(-batch_rows // runs_at_once)
+        embedder.tune_run_rows(batch_rows, side_by_side_rows, total_budget_s=measure_budget_s, progress=progress)
     return ServingPair(embedder, opened.searchable(), opened)
 
 
@@ -199,6 +203,8 @@ class SearchEngine:
     def __init__(self, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
         self._pair: ServingPair | None = None
+        # What the first load is doing, for the UNAVAILABLE answered until it is done.
+        self.loading: str | None = None
         self._swap_lock = threading.Lock()
         # The rows of recent filter masks (the service reuses a filter's mask): listing the rows
         # of a 1M-row mask costs about half of a lone 1% query's exact search.
@@ -209,7 +215,8 @@ class SearchEngine:
     def pair(self) -> ServingPair:
         pair = self._pair
         if pair is None:
-            raise Unavailable("no model and index are loaded yet")
+            loading = self.loading
+            raise Unavailable(f"not ready: {loading}" if loading else "no model and index are loaded yet")
         return pair
 
     @property

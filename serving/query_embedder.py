@@ -21,9 +21,30 @@ from index.embedder import CPU, OnnxEmbedder, measures_run_rows, session_options
 
 log = logging.getLogger(__name__)
 
+MEASURE_BUDGET_S = 10.0  # the run-size measurement's wall-clock cap, by default (--run-rows-budget-s)
+PROGRESS_LOG_S = 2.0  # a measurement this slow logs its steps
+ROUNDS = 5  # measured rounds at most
+
+
+class OverBudget(Exception):
+    """The run-size measurement ran past its wall-clock deadline (a busy machine, a large model)."""
+
+
+Progress = Callable[[str], None]  # told what the measurement is doing, as it goes
+
+
+def candidate_run_rows(total: int) -> list[int]:
+    """The run sizes measured for batches of `total` rows: powers of two below it, and itself."""
+    return [rows for rows in (2**i for i in range(total.bit_length())) if rows < total] + [total]
+
 
 def fastest_run_rows(
-    run: Callable[[np.ndarray], object], batch: np.ndarray, budget_s: float = 2.0, min_gain: float = 0.03
+    run: Callable[[np.ndarray], object],
+    batch: np.ndarray,
+    budget_s: float = 2.0,
+    min_gain: float = 0.03,
+    deadline: float | None = None,
+    progress: Progress | None = None,
 ) -> tuple[int | None, dict[int, float]]:
     """How many rows per `run` call process `batch` fastest: None for the whole batch in one
     call, else the row count; and each candidate's median seconds for the whole batch.
@@ -32,21 +53,29 @@ def fastest_run_rows(
     unmeasured (ONNX Runtime plans a shape on its first run), then in rounds, in alternating
     order, for as many rounds as fit in `budget_s` (at least one, at most five). A split must
     beat the whole batch by `min_gain` to be chosen: a noisy machine must not pick one that
-    is no faster."""
+    is no faster. `deadline` (a `time.monotonic()` value) bounds all of it, the unmeasured runs
+    included: past it, `OverBudget`. `progress` hears of each step."""
     total = len(batch)
-    candidates = [rows for rows in (2**i for i in range(total.bit_length())) if rows < total] + [total]
+    candidates = candidate_run_rows(total)
+    steps = len(candidates) + ROUNDS  # a first run of each, then the rounds (fewer when they take long)
 
     def one_pass(rows: int) -> float:
         started = time.perf_counter()
         for i in range(0, total, rows):
+            if deadline is not None and time.monotonic() > deadline:
+                raise OverBudget
             run(batch[i : i + rows])
         return time.perf_counter() - started
 
-    for rows in candidates:
+    for step, rows in enumerate(candidates, 1):
+        if progress is not None:
+            progress(f"first runs of {rows} rows ({step} of {steps})")
         one_pass(rows)
     passes: dict[int, list[float]] = {rows: [] for rows in candidates}
     started = time.perf_counter()
-    for i in range(5):
+    for i in range(ROUNDS):
+        if progress is not None:
+            progress(f"timing round {i + 1} ({len(candidates) + i + 1} of {steps})")
         for rows in candidates if i % 2 == 0 else reversed(candidates):
             passes[rows].append(one_pass(rows))
         per_round = (time.perf_counter() - started) / (i + 1)
@@ -92,22 +121,50 @@ class QueryEmbedder(OnnxEmbedder):
         self.run_rows: int | None = None
         self.side_by_side_run_rows: int | None = None
 
-    def tune_run_rows(self, batch_rows: int, side_by_side_rows: int, budget_s: float = 2.0) -> None:
+    def tune_run_rows(
+        self,
+        batch_rows: int,
+        side_by_side_rows: int,
+        budget_s: float = 2.0,
+        total_budget_s: float = MEASURE_BUDGET_S,
+        progress: Progress | None = None,
+    ) -> None:
         """Set `run_rows` and `side_by_side_run_rows` to the rows per run that embed batches of
         `batch_rows` (on the full session) and `side_by_side_rows` (on the other) fastest here,
         measured on random input (`fastest_run_rows`). On a CPU a large batch of a
         convolutional network can run slower per image than a few small runs, its activations
         spilling out of the caches (docs/benchmarks.md, serving), while a small model pays ORT's
         cost per run.
-        A CUDA session keeps whole batches, unmeasured (`measures_run_rows`)."""
+        A CUDA session keeps whole batches, unmeasured (`measures_run_rows`).
+
+        The measurement holds up the server's start: all of it, first runs included, gets
+        `total_budget_s` of wall-clock time, past which both sessions keep whole batches (what
+        `--run-rows 0` asks; `max_run_rows` still bounds a run), with a warning. `progress`
+        hears of each step; a step is logged once the measurement has taken a few seconds."""
         self.run_rows = self.side_by_side_run_rows = None
         if not measures_run_rows(self.session.get_providers()):
             return
         batch = np.random.default_rng(0).standard_normal((batch_rows, *self.contract.input_shape), dtype=np.float32)
+        sessions = [(self.session, batch_rows)]
+        if self.side_by_side_session is not None:
+            sessions.append((self.side_by_side_session, min(side_by_side_rows, batch_rows)))
+        started = time.monotonic()
+        deadline = started + total_budget_s
+        logged = started
         measured = []
 
-        def fastest(session: ort.InferenceSession, rows: int) -> int | None:
-            best, seconds = fastest_run_rows(lambda x: session.run(None, {self.input_name: x}), batch[:rows], budget_s)
+        def fastest(number: int, session: ort.InferenceSession, rows: int) -> int | None:
+            def step(what: str) -> None:
+                nonlocal logged
+                text = f"measuring batch sizes: session {number} of {len(sessions)}, {what}"
+                if progress is not None:
+                    progress(text)
+                if time.monotonic() - logged >= PROGRESS_LOG_S:  # a slow measurement says what it does
+                    logged = time.monotonic()
+                    log.info("%s; %.0f s so far, at most %g s", text, logged - started, total_budget_s)
+
+            run = lambda x: session.run(None, {self.input_name: x})  # noqa: E731
+            best, seconds = fastest_run_rows(run, batch[:rows], budget_s, deadline=deadline, progress=step)
             per_run = ", ".join(f"{r}: {t * 1e3:.1f} ms" for r, t in seconds.items())
             measured.append(
                 f"{session.get_session_options().intra_op_num_threads}-thread session, "
@@ -115,10 +172,19 @@ class QueryEmbedder(OnnxEmbedder):
             )
             return best
 
-        self.run_rows = fastest(self.session, batch_rows)
-        if self.side_by_side_session is not None:
-            self.side_by_side_run_rows = fastest(self.side_by_side_session, min(side_by_side_rows, batch_rows))
-        log.info("rows per ONNX Runtime run, measured: %s", "; ".join(measured))
+        try:
+            found = [fastest(number, session, rows) for number, (session, rows) in enumerate(sessions, 1)]
+        except OverBudget:
+            log.warning(
+                "measuring rows per ONNX Runtime run took over %g s (a busy machine?): whole batches instead, "
+                "as --run-rows 0; set --run-rows to choose, or --run-rows-budget-s to measure longer",
+                total_budget_s,
+            )
+            return
+        self.run_rows = found[0]
+        if len(found) > 1:
+            self.side_by_side_run_rows = found[1]
+        log.info("rows per ONNX Runtime run, measured in %.1f s: %s", time.monotonic() - started, "; ".join(measured))
 
     def set_run_rows(self, run_rows: int | None, side_by_side_run_rows: int | None) -> None:
         self.run_rows, self.side_by_side_run_rows = run_rows, side_by_side_run_rows

@@ -47,6 +47,7 @@ from serving.memory import reclaim, steady_heap
 from serving.metrics import ServiceMetrics
 from serving.monitor import MonitorConfig, RecallMonitor
 from serving.probe import ProbeRunner
+from serving.query_embedder import MEASURE_BUDGET_S, Progress
 from serving.service import AdminService, SearchService
 from serving.servicer import (
     ADMIN_SERVICE,
@@ -204,8 +205,15 @@ class Runtime:
         help="embed a batch in ONNX Runtime runs of at most this many images (0: the whole batch in one run; "
         "default: the fastest, measured when a model loads)",
     )
+    run_rows_budget_s: float = option(
+        MEASURE_BUDGET_S,
+        help="longest the measurement of rows per run may hold up a model's load; past it, whole batches "
+        "(as --run-rows 0), with a warning",
+    )
 
     def __post_init__(self) -> None:
+        if not 0 < self.run_rows_budget_s < float("inf"):
+            raise ValueError(f"run_rows_budget_s must be > 0 seconds, got {self.run_rows_budget_s}")
         for name in ("workers", "intra_op_threads"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -283,12 +291,16 @@ class ServerConfig:
         return self.batching.max_batch_size if self.batching.enabled else 1
 
     def load(
-        self, version: str | None = None, model_dir: str | None = None, previous: ServingPair | None = None
+        self,
+        version: str | None = None,
+        model_dir: str | None = None,
+        previous: ServingPair | None = None,
+        progress: Progress | None = None,
     ) -> ServingPair:
         """The pair this configuration serves: `version` of the index (default: the one CURRENT
         names) with `model_dir` (default: `model`, else the one the index records), loaded for
         its provider and its runs at once. `previous`: the live pair, whose measured rows per ORT run
-        a new index for the same model reuses."""
+        a new index for the same model reuses. `progress` hears how the run-size measurement goes."""
         return load_pair(
             self.index_root,
             version,
@@ -300,6 +312,8 @@ class ServerConfig:
             run_rows=self.runtime.run_rows,
             batch_rows=self.largest_run,
             previous=previous,
+            measure_budget_s=self.runtime.run_rows_budget_s,
+            progress=progress,
         )
 
 
@@ -451,7 +465,15 @@ class SearchApp:
         """Load a pair off the loop and swap it in; on failure the old pair keeps serving."""
         config = self.config
         async with self._reload_lock:
-            load = functools.partial(config.load, version, model_dir, self.engine.pair if self.engine.loaded else None)
+            engine = self.engine
+            what = f"loading index {version}" if version else "loading the index CURRENT names"
+
+            def progress(step: str) -> None:  # until a pair is live, UNAVAILABLE says why
+                engine.loading = f"{what}: {step}"
+
+            engine.loading = what
+            previous = engine.pair if engine.loaded else None
+            load = functools.partial(config.load, version, model_dir, previous, progress)
             try:  # loading takes seconds: the loop keeps answering queries meanwhile
                 new = await asyncio.get_running_loop().run_in_executor(None, load)
             except Exception:
@@ -463,6 +485,8 @@ class SearchApp:
         self.metrics.set_build_figures(new.manifest)
         self.monitor.reset(new)
         await self._set_health(True)
+            finally:
+                engine.loading = None
         log.info(
             "serving index %s with model %s (%d items)",
             new.version,
@@ -540,8 +564,6 @@ class SearchApp:
             waiting = "; waiting for CURRENT to name a version (--watch-current)" if self.config.watch_current else ""
             log.warning("starting without a loaded index: %s%s", exc, waiting)
         transport = self.config.transport
-        self.batcher.start()
-        await self.grpc_server.start()
         self.monitor.start(self.run_probe)  # probe rounds only where probe_interval_s > 0
         if self.config.watch_current:
             self._watcher = asyncio.get_running_loop().create_task(self._watch_current(), name="watch-current")
@@ -566,6 +588,10 @@ class SearchApp:
         self.monitor.stop()
 
 
+        # gRPC answers while the model loads — health NOT_SERVING, a call UNAVAILABLE saying
+        # what the load is doing — as HTTP does, rather than refusing connections meanwhile.
+        self.batcher.start()
+        await self.grpc_server.start()
 async def serve(config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT, then drain: in-flight calls get 10 s to finish. Prints the
     ports, one JSON line, once listening."""

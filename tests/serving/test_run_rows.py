@@ -3,17 +3,25 @@ answers do not change with it."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
 import time
+import urllib.error
+import urllib.request
 
+import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from core.catalog import read_catalog
 from core.preprocess import load_batch
 from index.embedder import CPU, CUDA, OnnxEmbedder, measures_run_rows
 from serving.engine import load_pair
-from serving.query_embedder import QueryEmbedder, fastest_run_rows
-from serving.server import ServerConfig
+from serving.query_embedder import OverBudget, QueryEmbedder, fastest_run_rows
+from serving.server import SearchApp, ServerConfig
+from tests.support.server import SearchServer, config, event_loop
 
 
 def timed_runs(per_run_s: float, per_row_squared_s: float = 0.0):
@@ -54,6 +62,33 @@ def test_rounds_are_bounded_by_the_budget(budget_s, rounds):
     per_pass = {1: 8, 2: 4, 4: 2, 8: 1}
     assert len(calls) == sum(per_pass.values()) * (1 + rounds)  # a warm-up pass, then the rounds
     assert fastest_run_rows(run, np.zeros((1, 1)))[0] is None  # one row: nothing to split
+
+
+def test_the_measurement_stops_at_its_deadline_first_runs_included():
+    """A machine so busy that even the unmeasured first runs take long: the deadline ends them."""
+    run, calls = timed_runs(0.01)
+    steps: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(OverBudget):
+        fastest_run_rows(run, np.zeros((64, 1)), budget_s=60, deadline=started + 0.2, progress=steps.append)
+    assert time.monotonic() - started < 0.2 + 0.1  # one run past it at most
+    assert len(calls) < 64  # not even the first pass, 64 runs of one row, was finished
+    assert steps == ["first runs of 1 rows (1 of 12)"]  # 7 candidates, then up to 5 rounds
+
+
+def test_an_over_budget_measurement_keeps_whole_batches_and_says_so(demo_run, caplog):
+    embedder = QueryEmbedder(demo_run / "model", provider="cpu", intra_op_threads=2, runs_at_once=2)
+    embedder.run_rows = embedder.side_by_side_run_rows = 3
+    steps: list[str] = []
+    with caplog.at_level("INFO", logger="serving.query_embedder"):
+        embedder.tune_run_rows(2048, 1024, total_budget_s=0.05, progress=steps.append)
+    assert (embedder.run_rows, embedder.side_by_side_run_rows) == (None, None)  # whole batches, as --run-rows 0
+    assert "measuring rows per ONNX Runtime run took over 0.05 s" in caplog.text and "--run-rows" in caplog.text
+    assert steps and steps[0] == "measuring batch sizes: session 1 of 2, first runs of 1 rows (1 of 17)"
+    # Within budget, the steps run through both sessions to their last round.
+    steps.clear()
+    embedder.tune_run_rows(8, 4, budget_s=0.0, total_budget_s=60, progress=steps.append)
+    assert steps[-1] == "measuring batch sizes: session 2 of 2, timing round 1 (4 of 8)"
 
 
 def noting_rows(session) -> list[int]:
@@ -131,3 +166,37 @@ def test_a_cpu_run_holds_at_most_a_pass_of_224_px_images():
 
     assert rows_per_pass(224, 224) == 32 and rows_per_pass(28, 28) == CPU_PASS_PIXELS // 784
     assert rows_per_pass(4000, 4000) == 1  # never zero
+
+
+def test_while_run_sizes_are_measured_http_says_why_and_grpc_health_is_not_serving(demo_run):
+    """A server's start is held up by the measurement (a large batch size here): meanwhile HTTP
+    answers 503 saying what the load is doing, and gRPC answers health NOT_SERVING."""
+    server = SearchServer(config(demo_run / "index", http_port=0, max_batch_size=512, run_rows_budget_s=300))
+    started = asyncio.run_coroutine_threadsafe(SearchApp.start(server), event_loop())
+    info = f"http://127.0.0.1:{server.http_port}/v1/info"
+    messages, health = [], set()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        while not started.done():
+            try:
+                urllib.request.urlopen(info, timeout=30).close()
+            except urllib.error.HTTPError as exc:
+                message = json.loads(exc.read())["error"]["message"]
+                if exc.code == 503 and "measuring batch sizes" in message:
+                    messages.append(message)
+                    health.add(stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=30).status)
+            time.sleep(0.01)
+        started.result()
+        assert messages, "no 503 named the measurement"
+        assert messages[0].startswith("not ready: loading the index CURRENT names: measuring batch sizes: session 1 of")
+        assert re.search(r"\((\d+) of (\d+)\)$", messages[-1])
+        assert health == {health_pb2.HealthCheckResponse.NOT_SERVING}
+        assert stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=30).status == (
+            health_pb2.HealthCheckResponse.SERVING
+        )
+        with urllib.request.urlopen(info, timeout=30) as answer:
+            assert answer.status == 200
+    finally:
+        channel.close()
+        server.stop(grace=0)
