@@ -401,5 +401,5 @@ def check_model_index_pair(model_manifest: ModelManifest, index_manifest: IndexM
     if model_manifest.model_id != index_manifest.model_id:
         raise ArtifactError(
             f"index {index_manifest.version} was built with model {index_manifest.model_id}, "
-            f"not the loaded model {model_manifest.model_id}"
+            f"not with model {model_manifest.model_id}, which cannot search it"
         )

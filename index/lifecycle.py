@@ -392,7 +392,8 @@ class RollbackReport:
                 "(--restore-taken-down to republish them)"
             )
         if self.restored:
-            shown = ", ".join(self.restored[:5]) + (f" +{len(self.restored) - 5} more" if len(self.restored) > 5 else "")
+            more = len(self.restored) - 5
+            shown = ", ".join(self.restored[:5]) + (f" +{more} more" if more > 0 else "")
             return f"rollback to {self.target} restored {len(self.restored)} taken-down items ({shown})"
         return f"rollback to {self.target}: no takedown since it was built"
 
@@ -412,8 +413,7 @@ def rollback(
     rollback); `restore_taken_down` makes `version` itself live, audited with the ids it
     restores. `make_current` False (a server's Reload of a named version) leaves CURRENT alone
     unless a version is published."""
-    if version not in artifacts.list_versions(index_root):
-        raise ValueError(f"no index version {version!r} in {index_root} (index list shows them)")
+    artifacts.version_dir(index_root, version)  # names a version that is not there
     previous = artifacts.current_version(index_root)
     back = returning_takedowns(index_root, version)
     if back and not restore_taken_down:

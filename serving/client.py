@@ -173,9 +173,17 @@ class SearchClient:
     def _admin_metadata(self) -> list[tuple[str, str]]:
         return [("authorization", f"Bearer {self.admin_token}")] if self.admin_token else []
 
-    def reload(self, index_version: str = "", model_dir: str = "", timeout: float | None = None) -> pb.ReloadResponse:
+    def reload(
+        self,
+        index_version: str = "",
+        model_dir: str = "",
+        timeout: float | None = None,
+        restore_taken_down: bool = False,
+    ) -> pb.ReloadResponse:
+        """Load a version (default: CURRENT's); items taken down since a named version was built
+        stay down (re-applied in a version derived from it) unless `restore_taken_down`."""
         return self.admin.Reload(
-            pb.ReloadRequest(index_version=index_version, model_dir=model_dir),
+            pb.ReloadRequest(index_version=index_version, model_dir=model_dir, restore_taken_down=restore_taken_down),
             timeout=timeout or max(self.timeout, 60.0),
             metadata=self._admin_metadata,
         )

@@ -127,8 +127,11 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/v1/admin/versions/{version}/neighbours.png", "VersionSheet", "neighbours_sheet",
           "A version's sample queries and their neighbours", scope=Scope.ADMIN, produces="image/png", tag="admin"),
     Route("POST", "/v1/admin/versions/{version}/live", "MakeLive", "make_live",
-          "Point CURRENT at this version (what `index rollback --to` does) and load it", scope=Scope.ADMIN,
-          response=pb.ReloadResponse, tag="admin"),
+          "Make this version live (what `index rollback --to` does) and load it; items taken down since it was "
+          "built stay down (a version derived from it without them is published) unless restoreTakenDown=true",
+          scope=Scope.ADMIN, response=pb.ReloadResponse, tag="admin",
+          params=(("restoreTakenDown", "boolean",
+                   "serve the items taken down since this version was built again (audited by id)"),)),
     Route("GET", "/v1/admin/audit", "Audit", "audit", "The takedown audit log, newest first", scope=Scope.ADMIN,
           produces="application/json", params=(("limit", "integer", "entries to return (default 100)"),),
           tag="admin"),
@@ -431,12 +434,11 @@ class HttpApi:
         return web.json_response(self.admin.duplicates(self.service.engine.pair.version))
 
     async def reload(self, request: web.Request, route: Route) -> Message:
-        return await self.admin.reload(await self._message(request, pb.ReloadRequest()))
+        return await self.admin.reload(await self._message(request, pb.ReloadRequest()), self._caller(request), "http")
 
     async def remove_items(self, request: web.Request, route: Route) -> Message:
         message = await self._message(request, pb.RemoveItemsRequest())
-        who = f"{token_fingerprint(request.headers.get('Authorization'))} from {request.remote}"
-        return await self.admin.remove_items(message, who)
+        return await self.admin.remove_items(message, self._caller(request), "http")
 
     async def versions(self, request: web.Request, route: Route) -> web.Response:
         live = self.service.engine.pair.version if self.service.engine.loaded else None
@@ -446,12 +448,24 @@ class HttpApi:
         return web.FileResponse(self.admin.neighbours_sheet(request.match_info["version"]))
 
     async def make_live(self, request: web.Request, route: Route) -> Message:
-        return await self.admin.make_live(request.match_info["version"])
+        unknown = set(request.query) - {name for name, _, _ in route.params}
+        if unknown:
+            raise InvalidArgument(f"unknown query parameter {sorted(unknown)[0]!r}")
+        restore = request.query.get("restoreTakenDown", "false")
+        if restore not in ("true", "false"):
+            raise InvalidArgument(f"restoreTakenDown must be true or false, got {restore!r}")
+        version = request.match_info["version"]
+        return await self.admin.make_live(version, self._caller(request), "http", restore == "true")
 
     async def audit(self, request: web.Request, route: Route) -> web.Response:
         limit = self._query_int(request, "limit", 100, 1, 10_000)
         return web.json_response({"entries": self.admin.audit(limit)})
 
+
+    @staticmethod
+    def _caller(request: web.Request) -> str:
+        """Who made an admin call, for the audit log: its token's fingerprint and the peer."""
+        return f"{token_fingerprint(request.headers.get('Authorization'))} from {request.remote}"
 
 def tls_context(cert: str, key: str) -> ssl.SSLContext:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

@@ -36,7 +36,7 @@ from core import artifacts
 from core.artifacts import ArtifactError
 from core.catalog import read_probe_catalog
 from core.config import DEVICES, option, resolve_config, section
-from index.lifecycle import RemovalReport, remove_items
+from index.lifecycle import RemovalReport, RollbackReport, remove_items, rollback
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from serving.auth import Tokens
 from serving.batching import DynamicBatcher
@@ -373,7 +373,13 @@ class SearchApp:
         )
         self.tokens = Tokens(config.transport.admin_token, config.transport.search_token)
         self.recorder = CallRecorder(self.metrics, TrafficHistory(), config.access_log)
-        self.admin = AdminService(self.reload, self.remove_items, config.index_root)
+        self.admin = AdminService(
+            self.reload,
+            self.remove_items,
+            config.index_root,
+            rollback=self.rollback,
+            live=lambda: self.engine.pair if self.engine.loaded else None,
+        )
         self.http = HttpApi(
             self.service,
             self.admin,
@@ -479,14 +485,14 @@ class SearchApp:
             except Exception:
                 self.metrics.reload_failures.inc()
                 raise
+            finally:
+                engine.loading = None
             old = self.engine.swap(new)
         self.metrics.reloads.inc()
         self.metrics.set_live(new.version, new.index_id, new.model_id, new.manifest.factory, new.index_version.size)
         self.metrics.set_build_figures(new.manifest)
         self.monitor.reset(new)
         await self._set_health(True)
-            finally:
-                engine.loading = None
         log.info(
             "serving index %s with model %s (%d items)",
             new.version,
@@ -501,13 +507,13 @@ class SearchApp:
             threading.Thread(target=reclaim, args=(released, 60.0, self._stopping), name="reclaim", daemon=True).start()
         return old, new
 
-    async def remove_items(self, ids: list[str], who: str, reason: str) -> RemovalReport:
+    async def remove_items(self, ids: list[str], who: str, reason: str, via: str) -> RemovalReport:
         """A takedown: the version CURRENT names less `ids`, published (the previous one stays for
         rollback), swapped in, and returned once no request still answers from the old pair. Off
-        the loop; takedowns run one at a time."""
+        the loop; takedowns run one at a time. `via`: the transport that asked, for the audit log."""
         async with self._remove_lock:
             remove = functools.partial(
-                remove_items, self.config.index_root, ids, who, reason, via="grpc", keep=self.config.keep_versions
+                remove_items, self.config.index_root, ids, who, reason, via=via, keep=self.config.keep_versions
             )
             report = await asyncio.get_running_loop().run_in_executor(None, remove)
             self.metrics.items_removed.inc(report.removed)
@@ -522,6 +528,32 @@ class SearchApp:
                     self.config.drain_timeout_s,
                 )
             return report
+
+    async def rollback(
+        self, version: str, model_dir: str | None, who: str, via: str, restore: bool, make_current: bool
+    ) -> tuple[RollbackReport, ServingPair | None, ServingPair]:
+        """Serve `version` again without republishing what was taken down since it was built
+        (`index.lifecycle.rollback`: re-applied as a new version, or restored when asked), then
+        load what it left live. One at a time with takedowns, off the loop."""
+        async with self._remove_lock:
+            roll = functools.partial(
+                rollback,
+                self.config.index_root,
+                version,
+                who,
+                via,
+                restore,
+                keep=self.config.keep_versions,
+                make_current=make_current,
+            )
+            try:
+                report = await asyncio.get_running_loop().run_in_executor(None, roll)
+            except Exception:  # a version that is not there, say: a reload that failed
+                self.metrics.reload_failures.inc()
+                raise
+            self.metrics.items_removed.inc(len(report.reapplied))
+            old, new = await self.reload(report.version, model_dir)
+            return report, old, new
 
     def run_probe(self) -> dict[int, float] | None:
         """One probe round's Recall@K (None with nothing to score) — and, where the live version
@@ -558,6 +590,10 @@ class SearchApp:
         if self.grpc_server is None:
             await self.bind()
         self.bind_metrics()  # every port claimed before the seconds a model takes to load
+        # gRPC answers while the model loads — health NOT_SERVING, a call UNAVAILABLE saying
+        # what the load is doing — as HTTP does, rather than refusing connections meanwhile.
+        self.batcher.start()
+        await self.grpc_server.start()
         try:
             await self.reload()
         except (ArtifactError, FileNotFoundError) as exc:
@@ -588,10 +624,6 @@ class SearchApp:
         self.monitor.stop()
 
 
-        # gRPC answers while the model loads — health NOT_SERVING, a call UNAVAILABLE saying
-        # what the load is doing — as HTTP does, rather than refusing connections meanwhile.
-        self.batcher.start()
-        await self.grpc_server.start()
 async def serve(config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT, then drain: in-flight calls get 10 s to finish. Prints the
     ports, one JSON line, once listening."""

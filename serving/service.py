@@ -32,7 +32,7 @@ from core.preprocess import ImageNotFound, load_pixels, open_image
 from index import filters
 from index.duplicates import GROUPS_FILE, SUMMARY_FILE, runs_of
 from index.grouping import EXACT_PASS
-from index.lifecycle import RemovalReport, audit_entries
+from index.lifecycle import RemovalReport, RollbackReport, audit_entries
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
 from serving.checks import RequestChecks
@@ -570,16 +570,31 @@ def thumbnail_of(path: str, size: int, limits: Limits) -> tuple[bytes, str]:
 
 
 Reloader = Callable[[str | None, str | None], Awaitable[tuple[ServingPair | None, ServingPair]]]
-Remover = Callable[[list[str], str, str], Awaitable[RemovalReport]]
+Remover = Callable[[list[str], str, str, str], Awaitable[RemovalReport]]
+# (version, model_dir, who, via, restore_taken_down, make_current) → what the rollback did, old pair, new pair
+RollingBack = Callable[
+    [str, str | None, str, str, bool, bool],
+    Awaitable[tuple[RollbackReport, ServingPair | None, ServingPair]],
+]
 
 
 class AdminService:
     """Reload: a new pair swapped in, or FAILED_PRECONDITION with the old one still serving.
-    RemoveItems: a takedown published as a new version and swapped in."""
+    RemoveItems: a takedown published as a new version and swapped in. A named version (Reload,
+    make live) goes through `rollback`: takedowns made since it was built are re-applied."""
 
-    def __init__(self, reload: Reloader, remove: Remover | None = None, index_root: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        reload: Reloader,
+        remove: Remover | None = None,
+        index_root: str | Path | None = None,
+        rollback: RollingBack | None = None,
+        live: Callable[[], ServingPair | None] | None = None,
+    ) -> None:
         self._reload = reload
         self._remove = remove
+        self._rollback = rollback
+        self._live = live
         self.index_root = Path(index_root) if index_root is not None else None
 
     def _root(self) -> Path:
@@ -627,13 +642,13 @@ class AdminService:
             raise NotFound(f"no index version {version!r}")
         return artifacts.version_dir(self._root(), version)
 
-    async def make_live(self, version: str) -> pb.ReloadResponse:
-        """Point CURRENT at `version` — what `index rollback --to` does — and load it."""
-        root = self._root()
+    async def make_live(
+        self, version: str, who: str = "", via: str = "http", restore_taken_down: bool = False
+    ) -> pb.ReloadResponse:
+        """Make `version` live — what `index rollback --to` does — and load it: CURRENT names it,
+        or a version derived from it without the items taken down since it was built."""
         self._version_dir(version)
-        with artifacts.current_lock(root):
-            artifacts.set_current(root, version)
-        return await self.reload(pb.ReloadRequest(index_version=version))
+        return await self._roll_back(version, None, who, via, restore_taken_down, make_current=True)
 
     def audit(self, limit: int) -> list[dict]:
         """The newest `limit` entries of the root's takedown audit log."""
@@ -661,7 +676,7 @@ class AdminService:
             "groups": sorted(groups.values(), key=lambda g: (-g["size"], g["group"])),
         }
 
-    async def remove_items(self, request: pb.RemoveItemsRequest, who: str) -> pb.RemoveItemsResponse:
+    async def remove_items(self, request: pb.RemoveItemsRequest, who: str, via: str) -> pb.RemoveItemsResponse:
         ids = list(request.ids)
         if not ids:
             raise InvalidArgument("ids: empty; name the items to remove")
@@ -670,7 +685,7 @@ class AdminService:
         if self._remove is None:
             raise FailedPrecondition("this server cannot remove items")
         try:
-            report = await self._remove(ids, who, request.reason)
+            report = await self._remove(ids, who, request.reason, via)
         except (ArtifactError, FileNotFoundError, ValueError) as exc:
             raise FailedPrecondition(f"removal failed, nothing changed: {exc}") from None
         return pb.RemoveItemsResponse(
@@ -681,11 +696,41 @@ class AdminService:
             index_size=report.size,
         )
 
-    async def reload(self, request: pb.ReloadRequest) -> pb.ReloadResponse:
+    async def reload(self, request: pb.ReloadRequest, who: str = "", via: str = "grpc") -> pb.ReloadResponse:
+        if request.restore_taken_down and not request.index_version:
+            raise InvalidArgument("restore_taken_down needs index_version: the version whose taken-down items to serve")
+        if request.index_version and self._rollback is not None:
+            model_dir = request.model_dir or None
+            restore = request.restore_taken_down
+            return await self._roll_back(request.index_version, model_dir, who, via, restore, make_current=False)
         try:
             old, new = await self._reload(request.index_version or None, request.model_dir or None)
         except (ArtifactError, FileNotFoundError, ValueError) as exc:
-            raise FailedPrecondition(f"reload failed, still serving the old pair: {exc}") from None
+            raise FailedPrecondition(self._refused(request.index_version, request.model_dir, exc)) from None
         return pb.ReloadResponse(
             index_version=new.version, model_id=new.model_id, previous_index_version=old.version if old else ""
         )
+
+    async def _roll_back(
+        self, version: str, model_dir: str | None, who: str, via: str, restore: bool, make_current: bool
+    ) -> pb.ReloadResponse:
+        if self._rollback is None:
+            raise FailedPrecondition("this server cannot make a version live")
+        try:
+            report, old, new = await self._rollback(version, model_dir, who, via, restore, make_current)
+        except (ArtifactError, FileNotFoundError, ValueError) as exc:
+            raise FailedPrecondition(self._refused(version, model_dir, exc)) from None
+        return pb.ReloadResponse(
+            index_version=new.version,
+            model_id=new.model_id,
+            previous_index_version=old.version if old else "",
+            reapplied_ids=report.reapplied,
+            restored_ids=report.restored,
+        )
+
+    def _refused(self, version: str | None, model_dir: str | None, exc: Exception) -> str:
+        """A refused reload's message: the candidate it refused, and the pair still serving."""
+        candidate = f"index {version or 'CURRENT names'}" + (f" with the model in {model_dir}" if model_dir else "")
+        live = self._live() if self._live is not None else None
+        serving = f"index {live.version} with model {live.model_id}" if live is not None else "nothing loaded yet"
+        return f"reload of {candidate} refused, still serving the old pair ({serving}): {exc}"

@@ -118,10 +118,11 @@ class AdminServicer(pb_grpc.IndexAdminServicer):
 
     async def Reload(self, request, context):
         # Loading takes seconds, off the loop, which keeps answering queries meanwhile.
-        return await self.call("Reload", context, self.admin.reload(request))
+        return await self.call("Reload", context, self.admin.reload(request, caller_identity(context), "grpc"))
 
     async def RemoveItems(self, request, context):
-        return await self.call("RemoveItems", context, self.admin.remove_items(request, caller_identity(context)))
+        removal = self.admin.remove_items(request, caller_identity(context), "grpc")
+        return await self.call("RemoveItems", context, removal)
 
 
 def caller_identity(context: grpc.aio.ServicerContext) -> str:

@@ -218,7 +218,7 @@ def test_remove_command_publishes_lists_and_rolls_back(tmp_path):
     assert artifacts.current_version(tmp_path) == parent.name
     assert "restored 2 taken-down items (item-1, item-2)" in restored.stderr
     bad = index_cli("rollback", "--index-root", str(tmp_path), "--to", "no-such-version")
-    assert bad.returncode == 2 and bad.stderr.count("error: no index version 'no-such-version'") == 1, bad.stderr
+    assert bad.returncode == 2 and bad.stderr.count("version 'no-such-version' does not exist") == 1, bad.stderr
 
     (tmp_path / "empty.txt").write_text("# nothing\n")
     (tmp_path / "ghosts.txt").write_text("ghost\nghost-2\n")

@@ -18,6 +18,7 @@ import pytest
 import requests
 from PIL import Image
 
+from core import artifacts
 from core.catalog import read_catalog
 from serving.client import SearchClient
 from serving.server import ServerConfig
@@ -283,15 +284,42 @@ def test_admin_routes_list_switch_and_take_down(served):
     assert removed["removed"] == 1 and removed["previousIndexVersion"] == live["version"]
     assert victim not in [n.id for n in client.search_image(catalog.paths[2].read_bytes(), k=10).neighbors]
     audit = requests.get(url(server, "/v1/admin/audit"), headers=admin_headers(), timeout=60).json()["entries"]
-    assert audit[0]["ids"] == [victim] and audit[0]["reason"] == "test takedown" and audit[0]["via"] == "grpc"
+    assert audit[0]["ids"] == [victim] and audit[0]["reason"] == "test takedown" and audit[0]["via"] == "http"
     assert "token sha256:" in audit[0]["who"] and ADMIN not in json.dumps(audit)
 
-    back = requests.post(
-        url(server, f"/v1/admin/versions/{live['version']}/live"), headers=admin_headers(), timeout=120
-    )
+    def neighbours() -> list[str]:
+        return [n.id for n in client.search_image(catalog.paths[2].read_bytes(), k=10).neighbors]
+
+    def admin_post(path: str, **kwargs) -> requests.Response:
+        return requests.post(url(server, path), headers=admin_headers(), timeout=120, **kwargs)
+
+    # Back to the version before the takedown, by Reload or make live: the takedown stays, re-applied.
+    for path, body in (
+        ("/v1/admin/reload", {"indexVersion": live["version"]}),
+        (f"/v1/admin/versions/{live['version']}/live", None),
+    ):
+        back = admin_post(path, json=body)
+        assert back.status_code == 200, back.text
+        now = back.json()["indexVersion"]
+        assert now not in (live["version"], removed["indexVersion"]) and now == client.get_info().index_version
+        assert back.json()["reappliedIds"] == [victim] and back.json()["restoredIds"] == []
+        assert victim not in neighbours()
+        entry = requests.get(url(server, "/v1/admin/audit"), headers=admin_headers(), timeout=60).json()["entries"][0]
+        assert (entry["action"], entry["via"], entry["ids"]) == ("rollback", "http", [victim])
+        assert entry["reason"] == f"rollback to {live['version']} re-applied 1 takedowns → version {now}"
+    assert artifacts.current_version(server.config.index_root) == now
+
+    # Only on request does a version come back with what was taken down since: audited by id.
+    bad = admin_post(f"/v1/admin/versions/{live['version']}/live?restoreTakenDown=yes")
+    assert bad.status_code == 400 and "restoreTakenDown must be true or false" in bad.text
+    bad = admin_post("/v1/admin/reload", json={"restoreTakenDown": True})
+    assert bad.status_code == 400 and "restore_taken_down needs index_version" in bad.text
+    back = admin_post(f"/v1/admin/versions/{live['version']}/live?restoreTakenDown=true")
     assert back.status_code == 200, back.text
     assert back.json()["indexVersion"] == live["version"] == client.get_info().index_version
-    assert victim in [n.id for n in client.search_image(catalog.paths[2].read_bytes(), k=10).neighbors]
+    assert back.json()["restoredIds"] == [victim] and victim in neighbours()
+    entry = requests.get(url(server, "/v1/admin/audit"), headers=admin_headers(), timeout=60).json()["entries"][0]
+    assert (entry["action"], entry["via"], entry["ids"]) == ("restore", "http", [victim])
 
 
 def test_a_used_http_port_is_refused_before_loading(demo_run):

@@ -230,6 +230,10 @@ def garbled(name: str):
         (truncated(artifacts.EMBEDDINGS_FILE), "embeddings.npy is damaged"),
         ("model", "model.onnx is damaged"),
         ("missing", "does not exist"),
+        (
+            lambda staging, manifest: manifest.update(model_id="another-model"),
+            "was built with model another-model, not with model",
+        ),
     ],
     ids=[
         "index-truncated",
@@ -239,6 +243,7 @@ def garbled(name: str):
         "vectors-truncated",
         "model-damaged",
         "version-missing",
+        "another-model",
     ],
 )
 def test_a_reload_that_cannot_load_fails_precisely_and_the_live_pair_keeps_serving(
@@ -263,6 +268,10 @@ def test_a_reload_that_cannot_load_fails_precisely_and_the_live_pair_keeps_servi
             client.reload(index_version=version, model_dir=model_dir)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "still serving the old pair" in err.value.details() and named in err.value.details()
+        # The refused candidate and the pair still serving, each by name.
+        model = server.engine.pair.model_id
+        assert f"reload of index {version}" in err.value.details() and "the loaded model" not in err.value.details()
+        assert f"still serving the old pair (index {live} with model {model})" in err.value.details()
         after = client.search(request)
         assert after.index_version == live and [n.id for n in after.neighbors] == [n.id for n in before.neighbors]
         assert server.metrics.reload_failures._value.get() == 1

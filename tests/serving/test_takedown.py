@@ -126,9 +126,25 @@ def test_no_answer_holds_a_removed_item_once_remove_items_returns(index_root):
         assert audit["who"].startswith("token sha256:") and "t0ken" not in audit["who"]
         assert sorted(audit["ids"]) == sorted(targets)
 
-        # The previous version is kept: a rollback serves the removed items again.
-        client.reload(index_version=live.name)
+        # The previous version is kept, but a takedown outlives it: reloading it re-applies the
+        # takedown (a version derived from it, without the items), audited as a rollback.
+        again = client.reload(index_version=live.name)
+        assert sorted(again.reapplied_ids) == sorted(targets) and not again.restored_ids
+        assert again.index_version not in (live.name, reply.index_version)
+        assert again.index_version == artifacts.current_version(index_root)
+        assert client.search(queries[0]).neighbors[0].id not in targets
+        audit = json.loads((index_root / AUDIT_LOG).read_text().splitlines()[-1])
+        assert (audit["action"], audit["via"], audit["parent_version"]) == ("rollback", "grpc", live.name)
+        assert audit["who"].startswith("token sha256:") and sorted(audit["ids"]) == sorted(targets)
+        # Only on request does it serve the removed items again, audited by id.
+        restored = client.reload(index_version=live.name, restore_taken_down=True)
+        assert restored.index_version == live.name and sorted(restored.restored_ids) == sorted(targets)
         assert client.search(queries[0]).neighbors[0].id == targets[0]
+        audit = json.loads((index_root / AUDIT_LOG).read_text().splitlines()[-1])
+        assert audit["action"] == "restore" and sorted(audit["ids"]) == sorted(targets)
+        with pytest.raises(grpc.RpcError) as bare:
+            client.reload(restore_taken_down=True)
+        assert bare.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         client.close()
         server.stop(grace=1)

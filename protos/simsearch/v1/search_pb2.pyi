@@ -280,22 +280,28 @@ class FilterableField(_message.Message):
     def __init__(self, name: _Optional[str] = ..., type: _Optional[str] = ...) -> None: ...
 
 class ReloadRequest(_message.Message):
-    __slots__ = ("index_version", "model_dir")
+    __slots__ = ("index_version", "model_dir", "restore_taken_down")
     INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_DIR_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_TAKEN_DOWN_FIELD_NUMBER: _ClassVar[int]
     index_version: str
     model_dir: str
-    def __init__(self, index_version: _Optional[str] = ..., model_dir: _Optional[str] = ...) -> None: ...
+    restore_taken_down: bool
+    def __init__(self, index_version: _Optional[str] = ..., model_dir: _Optional[str] = ..., restore_taken_down: _Optional[bool] = ...) -> None: ...
 
 class ReloadResponse(_message.Message):
-    __slots__ = ("index_version", "model_id", "previous_index_version")
+    __slots__ = ("index_version", "model_id", "previous_index_version", "reapplied_ids", "restored_ids")
     INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REAPPLIED_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_IDS_FIELD_NUMBER: _ClassVar[int]
     index_version: str
     model_id: str
     previous_index_version: str
-    def __init__(self, index_version: _Optional[str] = ..., model_id: _Optional[str] = ..., previous_index_version: _Optional[str] = ...) -> None: ...
+    reapplied_ids: _containers.RepeatedScalarFieldContainer[str]
+    restored_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, index_version: _Optional[str] = ..., model_id: _Optional[str] = ..., previous_index_version: _Optional[str] = ..., reapplied_ids: _Optional[_Iterable[str]] = ..., restored_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RemoveItemsRequest(_message.Message):
     __slots__ = ("ids", "reason")
