@@ -1,7 +1,8 @@
 """The layering rule: `core` imports no project package, `index` only `core`, `training` and
 `serving` `core` and `index` and never each other, `protos` is imported by `serving` alone (read
 from the source: `test_each_package_imports_only_the_layers_below_it`); and `index` and
-`serving` import without torch, so a serving image has none.
+`serving` import without torch, so a serving image has none; and no package's modules import
+each other in a circle, function-level imports included (`test_no_package_has_an_import_circle`).
 
 Each check runs in a fresh interpreter (this test process may already have torch loaded). Every
 module under core/, index/ and serving/ is found with pkgutil, so modules added later are covered
@@ -184,3 +185,109 @@ def test_each_package_imports_only_the_layers_below_it():
     assert not wrong, "\n".join(f"{a} imports {b}: {', '.join(where[:3])}" for (a, b), where in sorted(wrong.items()))
     # The rule is not vacuous: the edges it allows are there.
     assert {("index", "core"), ("training", "index"), ("serving", "index"), ("serving", "protos")} <= set(edges)
+
+
+# -- circles inside a package, read from the source -----------------------------------------------
+
+
+def module_files(root: Path, package: str) -> dict[str, Path]:
+    """Module name → file of every module of `package` under `root` (subpackages included)."""
+    found = {}
+    for path in sorted((root / package).rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        if all((root.joinpath(*parts[:i]) / "__init__.py").is_file() for i in range(1, len(parts))):
+            found[".".join(parts)] = path
+    return found
+
+
+def module_imports(name: str, path: Path, modules: set[str]) -> dict[str, int]:
+    """The modules of `modules` that module `name` imports, each with the line of its first
+    import: module level or inside a function, relative imports resolved, `from pkg import sub`
+    taken as sub (the submodule, not pkg's __init__)."""
+    import ast
+
+    def known(dotted: str) -> str | None:  # the longest prefix that is a module
+        parts = dotted.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        return ".".join(parts) or None
+
+    here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [known(alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")[: len(here.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else known(base) for alias in node.names
+            ]
+        else:
+            continue
+        for target in targets:
+            if target is not None and target != name:
+                found.setdefault(target, node.lineno)
+    return found
+
+
+def import_cycles(root: Path, package: str) -> list[str]:
+    """Each circle of imports among `package`'s modules, as "a imports b (file:line) imports a
+    (file:line)"; a circle is reported and one of its edges set aside until none is left, so
+    every separate circle is named."""
+    from graphlib import CycleError, TopologicalSorter
+
+    files = module_files(root, package)
+    graph = {name: module_imports(name, path, set(files)) for name, path in files.items()}
+    cycles = []
+    while True:
+        try:
+            tuple(TopologicalSorter({name: list(imported) for name, imported in graph.items()}).static_order())
+            return cycles
+        except CycleError as exc:
+            # Each node of graphlib's list is imported by the next one: reversed, it reads as "imports";
+            # started at its first module by name, so a circle is told the same way every run.
+            ring = list(reversed(exc.args[1]))[:-1]
+            start = ring.index(min(ring))
+            cycle = ring[start:] + ring[: start + 1]
+        steps = [cycle[0]]
+        for importer, imported in zip(cycle, cycle[1:], strict=False):
+            where = f"{files[importer].relative_to(root)}:{graph[importer][imported]}"
+            steps.append(f"imports {imported} ({where})")
+        cycles.append(" ".join(steps))
+        del graph[cycle[0]][cycle[1]]
+
+
+def test_no_package_has_an_import_circle():
+    # A function-level import hides a circle from the interpreter, not from the reader: either
+    # module can only be understood with the other, so the shared part belongs in a third.
+    cycles = [cycle for package in PACKAGES for cycle in import_cycles(REPO, package)]
+    assert not cycles, "import circles:\n" + "\n".join(cycles)
+
+
+def test_an_import_circle_is_found_however_it_is_written(tmp_path):
+    """Not vacuous: a circle through a function-level, a relative and a `from pkg import sub`
+    import is found, and a package whose __init__ imports its submodules is not a circle."""
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("from pkg import a\nfrom . import b\n")
+    (package / "a.py").write_text("import json\n\n\ndef f():\n    from pkg.sub import c\n")
+    (package / "b.py").write_text("from .a import f\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "c.py").write_text("from .. import b\n")
+    assert import_cycles(tmp_path, "pkg") == [
+        "pkg.a imports pkg.sub.c (pkg/a.py:5) imports pkg.b (pkg/sub/c.py:1) imports pkg.a (pkg/b.py:1)"
+    ]
+    (package / "b.py").write_text("import pkg.sub.c\n")
+    assert import_cycles(tmp_path, "pkg") == [
+        "pkg.b imports pkg.sub.c (pkg/b.py:1) imports pkg.b (pkg/sub/c.py:1)"
+    ]
+    # No circle: __init__ imports its submodules, which import each other by `from pkg import a`
+    # (the submodule a, not the __init__ that imports them).
+    (package / "a.py").write_text("import json\n")
+    (package / "b.py").write_text("from pkg import a\n")
+    (package / "sub" / "c.py").write_text("from ..a import json\n")
+    assert import_cycles(tmp_path, "pkg") == []
