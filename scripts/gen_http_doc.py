@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from serving.openapi import openapi_document
+from serving.openapi import FLOAT32_MAX, openapi_document
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "http.md"
@@ -43,13 +43,46 @@ def _schema_text(schema: dict) -> str:
         name = schema["$ref"].rsplit("/", 1)[1]
         return f"[`{name}`](#{name.lower()})"
     if schema.get("type") == "array":
-        return f"array of {_schema_text(schema['items'])}"
+        return f"array of {_schema_text(schema['items'])}{_bounds_text(schema)}"
     if schema.get("type") == "object" and "additionalProperties" in schema and schema["additionalProperties"]:
         return f"map of {_schema_text(schema['additionalProperties'])}"
     if "enum" in schema:
         return " \\| ".join(f"`{v}`" for v in schema["enum"])
+    if "allOf" in schema and len(schema["allOf"]) == 1:
+        return _schema_text(schema["allOf"][0]) + _bounds_text(schema)
     kind = schema.get("type", "")
-    return f"{kind} ({schema['format']})" if "format" in schema else kind
+    return (f"{kind} ({schema['format']})" if "format" in schema else kind) + _bounds_text(schema)
+
+
+def _bounds_text(schema: dict) -> str:
+    """What the service layer checks of a value, as the document states it (float32's own range left out)."""
+    notes = []
+    low, high = schema.get("minimum"), schema.get("maximum")
+    own = {"float": (-FLOAT32_MAX, FLOAT32_MAX), "int32": (-(2**31), 2**31 - 1)}.get(schema.get("format"))
+    if own:  # the type's own range goes without saying
+        low, high = (None if low == own[0] else low), (None if high == own[1] else high)
+    if low is not None and high is not None and not schema.get("exclusiveMinimum"):
+        notes.append(f"{low}..{high}")
+    elif low is not None:
+        notes.append(f"{'>' if schema.get('exclusiveMinimum') else '≥'} {low}")
+    for key, text in (("minItems", "at least {} items"), ("maxItems", "at most {} items"), ("minLength", "not empty")):
+        if key in schema and not (key == "minItems" and schema.get("maxItems") == schema[key]):
+            notes.append(text.format(schema[key]))
+    if "minItems" in schema and schema.get("maxItems") == schema["minItems"]:
+        notes = [n for n in notes if "at most" not in n] + [f"exactly {schema['minItems']} items"]
+    if "pattern" in schema:
+        notes.append(f"`{schema['pattern']}`")
+    return f", {', '.join(notes)}" if notes else ""
+
+
+def _parameter_type(parameter: dict) -> str:
+    if "content" in parameter:
+        kind, content = next(iter(parameter["content"].items()))
+        return f"{_schema_text(content['schema'])} as `{kind}`"
+    schema = parameter["schema"]
+    if "enum" in schema:
+        return f"{schema['type']}: " + _schema_text(schema)
+    return _schema_text(schema)
 
 
 def render() -> str:
@@ -62,8 +95,7 @@ def render() -> str:
             if params:
                 lines += ["", "| parameter | in | type | what it is |", "| --- | --- | --- | --- |"]
                 lines += [
-                    f"| `{p['name']}` | {p['in']} | {p['schema']['type']} | {p.get('description', '')} |"
-                    for p in params
+                    f"| `{p['name']}` | {p['in']} | {_parameter_type(p)} | {p.get('description', '')} |" for p in params
                 ]
             body = op.get("requestBody", {}).get("content", {})
             if body:
@@ -89,6 +121,11 @@ def render() -> str:
         for field, field_schema in schema.get("properties", {}).items():
             note = f" — {field_schema['description']}" if "description" in field_schema else ""
             parts.append(f"| `{field}` | {_schema_text(field_schema)}{note} |")
+        if "oneOf" in schema:
+            members = ", ".join(f"`{alt['required'][0]}`" for alt in schema["oneOf"])
+            parts.append(f"\nExactly one of {members}.")
+        if schema.get("required"):
+            parts.append(f"\nRequired: {', '.join(f'`{name}`' for name in schema['required'])}.")
         parts.append("")
     return "\n".join(parts).rstrip() + "\n"
 

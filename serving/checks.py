@@ -22,6 +22,7 @@ from serving.errors import InvalidArgument, image_errors
 NEGATIVE_WEIGHT = 0.2
 # The k of a request that leaves it unset (0 in proto3), on every transport and route.
 DEFAULT_K = 10
+MIN_SCORE_RANGE = (-1.0, 1.0)  # a cosine similarity's
 
 
 class RequestChecks:
@@ -45,7 +46,7 @@ class RequestChecks:
             raise InvalidArgument(f"k={k} exceeds the maximum of {self.limits.max_k}")
 
     def check_min_score(self, min_score: float) -> float:
-        if not -1.0 <= min_score <= 1.0:
+        if not MIN_SCORE_RANGE[0] <= min_score <= MIN_SCORE_RANGE[1]:
             raise InvalidArgument(f"min_score must be within [-1, 1] (cosine similarity), got {min_score}")
         return min_score
 
@@ -63,10 +64,12 @@ class RequestChecks:
             raise InvalidArgument(f"embedding has dimension {vector.size}, the live model's is {pair.dim}")
         if not np.isfinite(vector).all():
             raise InvalidArgument("embedding contains NaN or infinity")
-        norm = float(np.linalg.norm(vector))
+        # in float64: the norm of float32 values near float32's largest overflows float32 (inf, and
+        # the unit vector would be all zeros)
+        norm = float(np.linalg.norm(vector.astype(np.float64)))
         if norm == 0.0:
             raise InvalidArgument("embedding is the zero vector")
-        return vector / norm
+        return (vector.astype(np.float64) / norm).astype(np.float32)
 
     def item_vector(self, pair: ServingPair, item_id: str) -> tuple[np.ndarray, int]:
         """An indexed item's stored vector and row: an unknown id is INVALID_ARGUMENT."""

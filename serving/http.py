@@ -15,6 +15,7 @@ The web console (`serving/console/`) is served at `/`; its images come from
 
 from __future__ import annotations
 
+import json
 import logging
 import ssl
 import time
@@ -47,6 +48,11 @@ CONTENT_SECURITY_POLICY = (
 )
 TIMEOUT_HEADER = "X-Request-Timeout"  # seconds, the HTTP form of a gRPC deadline
 IMAGE_TYPES = ("image/", "application/octet-stream")
+# aiohttp's default of 8 KiB is short for a Filter in the query string of /v1/search/image; a longer
+# request line is refused by aiohttp itself (400, in plain text).
+MAX_REQUEST_LINE = 64 * 1024
+# The bounds of the routes' own integer query parameters, checked here and stated in the OpenAPI document.
+QUERY_BOUNDS = {"size": (16, 512), "limit": (1, 10_000)}
 
 
 class UnsupportedMediaType(InvalidArgument):
@@ -161,12 +167,20 @@ def to_json(message: Message) -> dict[str, Any]:
 def parse_json(text: bytes, message: Message) -> Message:
     if not text.strip():
         raise InvalidArgument(f"empty body: send a {message.DESCRIPTOR.name} as JSON")
+    name = message.DESCRIPTOR.name
     try:
-        return json_format.Parse(text, message)
-    except json_format.ParseError as exc:
-        raise InvalidArgument(f"body is not a {message.DESCRIPTOR.name} in proto3 JSON: {exc}") from None
+        value = json.loads(text)
     except UnicodeDecodeError:
         raise InvalidArgument("body is not UTF-8 JSON") from None
+    except ValueError as exc:
+        raise InvalidArgument(f"body is not a {name} in proto3 JSON: {exc}") from None
+    # json_format takes a list or a string for a message too (it iterates them): only an object is one
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"body is not a {name}: a JSON object is expected, got {type(value).__name__}")
+    try:
+        return json_format.ParseDict(value, message)
+    except json_format.ParseError as exc:
+        raise InvalidArgument(f"body is not a {name} in proto3 JSON: {exc}") from None
 
 
 def error_response(exc: ServiceError | Exception) -> web.Response:
@@ -218,6 +232,7 @@ class HttpApi:
             access_log=None,
             handle_signals=False,
             logger=ServerLog(logging.getLogger("aiohttp.server")),
+            max_line_size=MAX_REQUEST_LINE,
         )
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, ssl_context=tls, reuse_port=False)
@@ -241,6 +256,7 @@ class HttpApi:
             code = grpc.StatusCode.OK
             try:
                 self.tokens.check(route.scope, request.headers.get("Authorization"))
+                self._timeout(request)  # refused on every route alike when malformed, as the document says
                 answer = await call(request, route)
                 return web.json_response(to_json(answer)) if isinstance(answer, Message) else answer
             except web.HTTPRequestEntityTooLarge:
@@ -293,9 +309,14 @@ class HttpApi:
         )
 
     async def _openapi(self, request: web.Request) -> web.Response:
-        from serving.openapi import openapi_document
+        from serving.openapi import Served, openapi_document
 
-        return web.json_response(openapi_document())
+        served = Served(self.service.engine.limits)
+        if self.service.engine.loaded:  # the rules that hang on the live model and index version
+            pair = self.service.engine.pair
+            manifest = pair.manifest
+            served = Served(served.limits, pair.dim, tuple(manifest.filterable.items()), manifest.item_field)
+        return web.json_response(openapi_document(served))
 
     async def _console_page(self, request: web.Request) -> web.StreamResponse:
         page = CONSOLE_DIR / "index.html"
@@ -329,15 +350,18 @@ class HttpApi:
         kind = request.content_type
         if kind == "multipart/form-data":
             # aiohttp's reader raises ValueError for a missing or bad boundary (when made) and for
-            # a body that does not follow it (when read): the client's error, not ours.
+            # a body that does not follow it, HttpProcessingError for a part's bad headers (when
+            # read): the client's error, not ours.
             try:
                 reader = await request.multipart()
                 async for part in reader:
-                    if part.name == "image":
-                        return bytes(await part.read())
-            except ValueError as exc:
+                    if part.name != "image":  # as a JSON body's unknown field is refused
+                        raise InvalidArgument(f"multipart upload: unknown field {part.name!r}; send only 'image'")
+                    return bytes(await part.read())
+            except (ValueError, HttpProcessingError) as exc:
+                reason = " ".join(str(getattr(exc, "message", exc)).split())
                 raise InvalidArgument(
-                    f"multipart/form-data: not a readable upload ({exc}); send a boundary in "
+                    f"multipart/form-data: not a readable upload ({reason}); send a boundary in "
                     "the Content-Type and the image as the 'image' field"
                 ) from None
             raise InvalidArgument("multipart upload has no 'image' field")
@@ -423,7 +447,7 @@ class HttpApi:
         return await self.service.info()
 
     async def thumbnail(self, request: web.Request, route: Route) -> web.Response:
-        size = self._query_int(request, "size", 160, 16, 512)
+        size = self._query_int(request, "size", 160, *QUERY_BOUNDS["size"])
         data, content_type = await self.service.thumbnail(request.match_info["item_id"], size)
         return web.Response(body=data, content_type=content_type, headers={"Cache-Control": "private, max-age=300"})
 
@@ -458,7 +482,7 @@ class HttpApi:
         return await self.admin.make_live(version, self._caller(request), "http", restore == "true")
 
     async def audit(self, request: web.Request, route: Route) -> web.Response:
-        limit = self._query_int(request, "limit", 100, 1, 10_000)
+        limit = self._query_int(request, "limit", 100, *QUERY_BOUNDS["limit"])
         return web.json_response({"entries": self.admin.audit(limit)})
 
 

@@ -60,13 +60,17 @@ def _png() -> bytes:
 
 @pytest.mark.parametrize("path", ["/v1/embed/image", "/v1/search/image"])
 @pytest.mark.parametrize(
-    "content_type",
-    ["multipart/form-data", "multipart/form-data; boundary=" + "x" * 71, "multipart/form-data; boundary=b"],
+    "content_type, body",
+    [
+        ("multipart/form-data", b"not multipart at all"),
+        ("multipart/form-data; boundary=" + "x" * 71, b"not multipart at all"),
+        ("multipart/form-data; boundary=b", b"not multipart at all"),
+        ("multipart/form-data; boundary=b", b'--b\r\nContent-Disposition: form-data; name="\x04"\r\n\r\nx\r\n--b--'),
+    ],
 )
-def test_an_unreadable_multipart_upload_is_a_400_naming_the_problem(served, path, content_type):
+def test_an_unreadable_multipart_upload_is_a_400_naming_the_problem(served, path, content_type, body):
     _, _, base = served
-    answer = requests.post(f"{base}{path}", data=b"not multipart at all", headers={"Content-Type": content_type},
-                           timeout=60)  # fmt: skip
+    answer = requests.post(f"{base}{path}", data=body, headers={"Content-Type": content_type}, timeout=60)
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["code"] == "INVALID_ARGUMENT"
     assert "multipart/form-data" in answer.json()["error"]["message"]
@@ -93,3 +97,45 @@ def test_a_malformed_request_is_one_warning_without_a_traceback(served, caplog):
     assert "\n" not in records[0].getMessage() and "answered 400" in records[0].getMessage()
     assert requests.get(f"{base}/v1/info", timeout=60).ok  # serving on
     connect(server).close()
+
+
+def test_an_embedding_near_float32s_largest_is_searched_as_its_direction(served):
+    """Its norm overflowed float32: the unit vector was all zeros (issue 40's fuzzer)."""
+    _, client, base = served
+    small = client.search(pb.SearchRequest(embedding=pb.Embedding(values=[1.0] * 16), k=5))
+    huge = requests.post(f"{base}/v1/search", json={"embedding": {"values": [3.4e38] * 16}, "k": 5}, timeout=60)
+    assert huge.status_code == 200, huge.text
+    assert [n["id"] for n in huge.json()["neighbors"]] == [n.id for n in small.neighbors]
+
+
+def test_the_openapi_document_states_the_rules_the_service_layer_checks(served):
+    from serving.checks import MIN_SCORE_RANGE
+
+    server, client, base = served
+    document = requests.get(f"{base}/openapi.json", timeout=60).json()
+    schemas = document["components"]["schemas"]
+    search = schemas["SearchRequest"]
+    limits = client.get_info().limits
+    assert search["properties"]["k"]["maximum"] == limits.max_k == 50  # this server's, not the default's
+    assert search["properties"]["perGroup"]["minimum"] == 1
+    assert search["properties"]["perGroup"]["maximum"] == limits.max_per_group
+    assert (search["properties"]["minScore"]["minimum"], search["properties"]["minScore"]["maximum"]) == MIN_SCORE_RANGE
+    assert [alt["required"] for alt in search["oneOf"]] == [["image"], ["embedding"], ["itemId"], ["parts"]]
+    assert schemas["Embedding"]["properties"]["values"]["minItems"] == client.get_info().embedding_dim
+    assert search["properties"]["groupBy"]["enum"] == ["", "item", "shade"]
+    image = document["paths"]["/v1/search/image"]["post"]
+    parameters = {p["name"]: p for p in image["parameters"]}
+    assert parameters["filter"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Filter"}
+    assert parameters["X-Request-Timeout"]["schema"] == {"type": "number", "minimum": 0, "exclusiveMinimum": True}
+    assert parameters["k"]["schema"]["maximum"] == 50
+    # {} is no longer a schema-valid SearchRequest: it has no query
+    assert "required" not in search and all("required" in alt for alt in search["oneOf"])
+
+
+@pytest.mark.parametrize("body", [b"[]", b'"itemId"', b"3"])
+def test_a_json_body_that_is_not_an_object_is_refused(served, body):
+    _, _, base = served
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN}"}
+    answer = requests.post(f"{base}/v1/admin/reload", data=body, headers=headers, timeout=60)
+    assert answer.status_code == 400, answer.text
+    assert "a JSON object is expected" in answer.json()["error"]["message"]
