@@ -78,6 +78,7 @@ class OnnxEmbedder:
         self.model_id: str = self.manifest.model_id
         self.dim: int = self.manifest.embedding_dim
         self.providers = select_providers(provider)
+        self.spinning = spinning  # kept for any further session of the same model
         self.options = session_options(intra_op_threads, spinning)
         try:
             self.session = ort.InferenceSession(

@@ -142,7 +142,7 @@ def load_pair(
         # The same model from the same directory: a new index for it, as a takedown or an add
         # publishes, keeps the live sessions rather than building and tuning them again.
         return ServingPair(previous.embedder, opened.searchable(), opened)
-    embedder = QueryEmbedder(model_dir, provider, intra_op_threads, ort_spinning, runs_at_once)
+    embedder = QueryEmbedder(model_dir, provider, intra_op_threads, ort_spinning, runs_at_once=runs_at_once)
     if run_rows is not None:
         embedder.set_run_rows(run_rows or None, run_rows or None)
     else:

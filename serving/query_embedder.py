@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -99,21 +100,15 @@ class QueryEmbedder(OnnxEmbedder):
     still gets every thread. Only kept where the two sessions differ: CPU, and more intra-op
     threads than a share."""
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        provider: str = "auto",
-        intra_op_threads: int | None = None,
-        spinning: bool = True,
-        runs_at_once: int = 1,
-    ) -> None:
-        super().__init__(model_dir, provider, intra_op_threads, spinning)
+    def __init__(self, model_dir: str | Path, *args: Any, runs_at_once: int = 1, **kwargs: Any) -> None:
+        # The session's options are OnnxEmbedder's own (provider, intra_op_threads, spinning).
+        super().__init__(model_dir, *args, **kwargs)
         self.side_by_side_session: ort.InferenceSession | None = None
         threads = self.options.intra_op_num_threads
         share = max(1, threads // max(1, runs_at_once))
         if self.session.get_providers()[0] == CPU and share < threads:
             self.side_by_side_session = ort.InferenceSession(
-                str(self.model_path), sess_options=session_options(share, spinning), providers=[CPU]
+                str(self.model_path), sess_options=session_options(share, self.spinning), providers=[CPU]
             )
             log.info("model %s: a %d-thread session for runs side by side", self.model_id, share)
         # At most this many rows per ORT run, for the full session and the side-by-side one;
