@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from core.config import options_table
+from scripts.generated_doc import ROOT, write_or_check
 from training.benchmark import PER_RUN_FIELDS
-
-ROOT = Path(__file__).resolve().parents[1]
 
 DOC = ROOT / "docs" / "configuration.md"
 
@@ -101,18 +99,7 @@ def render() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/configuration.md is stale")
-    args = parser.parse_args()
-    text = render()
-    if args.check:
-        if not DOC.is_file() or DOC.read_text() != text:
-            print(f"{DOC.relative_to(ROOT)} is stale: run python -m scripts.gen_config_doc", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(text)
-    print(DOC.relative_to(ROOT))
-    return 0
+    return write_or_check(DOC, render, __doc__, "scripts.gen_config_doc")
 
 
 if __name__ == "__main__":

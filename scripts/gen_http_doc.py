@@ -5,13 +5,11 @@ the schemas from the protobuf descriptors), so this reference cannot drift from 
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
+from scripts.generated_doc import ROOT, write_or_check
 from serving.openapi import FLOAT32_MAX, openapi_document
 
-ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "http.md"
 
 HEADER = """# HTTP/JSON API reference
@@ -131,18 +129,7 @@ def render() -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/http.md is stale")
-    args = parser.parse_args()
-    text = render()
-    if args.check:
-        if not DOC.is_file() or DOC.read_text() != text:
-            print(f"{DOC.relative_to(ROOT)} is stale: run python -m scripts.gen_http_doc", file=sys.stderr)
-            return 1
-        return 0
-    DOC.write_text(text)
-    print(DOC.relative_to(ROOT))
-    return 0
+    return write_or_check(DOC, render, __doc__, "scripts.gen_http_doc")
 
 
 if __name__ == "__main__":
