@@ -444,9 +444,11 @@
       return;
     }
     const pic = pictureRect();
-    const zone = $("dropzone").getBoundingClientRect();
-    box.style.left = `${pic.left - zone.left + region.x * pic.scale}px`;
-    box.style.top = `${pic.top - zone.top + region.y * pic.scale}px`;
+    const dropzone = $("dropzone");
+    const zone = dropzone.getBoundingClientRect();
+    // The box is placed inside the dropzone's border (its padding box): offset by the border.
+    box.style.left = `${pic.left - zone.left - dropzone.clientLeft + region.x * pic.scale}px`;
+    box.style.top = `${pic.top - zone.top - dropzone.clientTop + region.y * pic.scale}px`;
     box.style.width = `${region.width * pic.scale}px`;
     box.style.height = `${region.height * pic.scale}px`;
     box.hidden = false;
@@ -507,8 +509,16 @@
       drawRegion();
       runSearch();
     });
-    window.addEventListener("resize", drawRegion);
-    img.addEventListener("load", drawRegion);
+    // Redrawn whenever the picture's frame changes size, not only on the window's resize event:
+    // a resize while another page shows (the search page hidden, its boxes 0×0), a scrollbar or
+    // the layout moving the frame — the box would stay where the old layout put it.
+    if (window.ResizeObserver) {
+      const observer = new ResizeObserver(() => drawRegion());
+      observer.observe(zone);
+      observer.observe(img);
+    }
+    window.addEventListener("resize", () => drawRegion());
+    img.addEventListener("load", () => drawRegion());
   }
 
   function base64Of(blob) {
@@ -1153,9 +1163,11 @@
   }
 
   async function makeLive(version, button) {
+    const restore = $("restore-taken-down").checked;
     if (state.confirmVersion !== version) {
       state.confirmVersion = version;
-      button.textContent = "Confirm: make live";
+      // Republishing taken-down items is the rare, deliberate case: the confirm says so.
+      button.textContent = restore ? "Confirm: make live, restoring taken-down items" : "Confirm: make live";
       button.classList.add("danger");
       setTimeout(() => {
         if (state.confirmVersion === version && button.isConnected) {
@@ -1170,16 +1182,26 @@
     button.disabled = true;
     button.textContent = "Loading…";
     try {
-      const answer = await api(`/v1/admin/versions/${encodeURIComponent(version)}/live`, {
+      const query = restore ? "?restoreTakenDown=true" : "";
+      const answer = await api(`/v1/admin/versions/${encodeURIComponent(version)}/live${query}`, {
         method: "POST",
         admin: true,
       });
+      $("restore-taken-down").checked = false;
       const info = await loadInfo();
       const now = info ? info.indexVersion : answer.indexVersion;
       $("neighbours-figure").hidden = true;
       const model = info ? info.modelId : answer.modelId;
       const size = info ? `, ${fmtInt(info.indexSize)} items` : "";
-      await loadVersions(`Now live: ${now} (model ${model}${size}), was ${answer.previousIndexVersion || "—"}`);
+      const reapplied = answer.reappliedIds || [];
+      const restored = answer.restoredIds || [];
+      let takedowns = "";
+      if (reapplied.length)
+        takedowns = `; ${reapplied.length} takedowns made since ${version} re-applied (${reapplied.join(", ")})`;
+      if (restored.length) takedowns = `; ${restored.length} taken-down items restored (${restored.join(", ")})`;
+      await loadVersions(
+        `Now live: ${now} (model ${model}${size}), was ${answer.previousIndexVersion || "—"}${takedowns}`,
+      );
     } catch (err) {
       button.disabled = false;
       button.textContent = "Make live";
@@ -1367,17 +1389,24 @@
       return;
     }
     const count = (v) => (Array.isArray(v) ? v.length : v);
+    const listed = (list) => list.slice(0, 8).join(", ") + (list.length > 8 ? ` +${list.length - 8} more` : "");
     for (const entry of entries) {
-      // The server answers newest first.
+      // The server answers newest first. `ids` are the ids the entry removed (or restored);
+      // the ids it could not find are `not_found`, named apart.
       const ids = entry.ids || [];
-      const shown = ids.slice(0, 8).join(", ") + (ids.length > 8 ? ` +${ids.length - 8} more` : "");
+      const shown = listed(ids);
       const removed = count(entry.removed);
       const requested = count(entry.requested) ?? ids.length;
+      const missing = Array.isArray(entry.not_found) ? entry.not_found : [];
       const notFound = count(entry.not_found) || 0;
+      let line = `${removed ?? "?"} of ${requested} removed: ${shown || "—"}`;
+      if (notFound) line += `; ${notFound} not found${missing.length ? `: ${listed(missing)}` : ""}`;
+      if (entry.action === "rollback") line = `re-applied ${ids.length} takedowns: ${shown || "—"}`;
+      if (entry.action === "restore") line = `restored ${ids.length} taken-down items: ${shown || "—"}`;
       list.append(
         el(
           "li",
-          { class: "audit-entry" },
+          { class: "audit-entry", "data-action": entry.action || "remove" },
           el(
             "div",
             { class: "audit-head" },
@@ -1385,11 +1414,7 @@
             el("span", { class: "muted" }, ` · ${entry.who || "?"}${entry.via ? ` via ${entry.via}` : ""}`),
           ),
           el("div", { class: "audit-reason" }, entry.reason || "(no reason given)"),
-          el(
-            "div",
-            { class: "audit-ids", title: ids.join("\n") },
-            `${removed ?? "?"} of ${requested} removed${notFound ? `, ${notFound} not found` : ""}: ${shown || "—"}`,
-          ),
+          el("div", { class: "audit-ids", title: ids.concat(missing).join("\n") }, line),
           el(
             "div",
             { class: "muted small" },

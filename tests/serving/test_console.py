@@ -31,6 +31,7 @@ from core.catalog import read_catalog
 from index.build import run_build
 from index.config import BuildConfig
 from index.duplicates import DuplicatesConfig, run_duplicates
+from index.lifecycle import audit_entries
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient, condition
 from serving.server import ServerConfig
@@ -498,23 +499,77 @@ def test_a_takedown_leaves_the_next_search_and_is_audited(page, console):
     member.find_element(By.CSS_SELECTOR, ".dup-select").click()
     ids = page.find_element(By.ID, "takedown-ids")
     assert ids.get_attribute("value").split("\n") == [ticked]
-    ids.send_keys("\n" + top)
+    ids.send_keys("\n" + top + "\nno-such-item")
     page.find_element(By.ID, "takedown-reason").send_keys("console test: a notice")
     # After the takedown the live version is a new one with no duplicates run yet: the page says so.
     page.find_element(By.ID, "takedown-button").click()
-    wait(page, lambda d: "Removed 2 of 2" in d.find_element(By.ID, "takedown-result").text, "the takedown")
+    wait(page, lambda d: "Removed 2 of 3" in d.find_element(By.ID, "takedown-result").text, "the takedown")
 
     info = client.get_info()
     assert info.index_version not in (console.old, console.new) and info.index_size == size - 2
     assert top not in [n.id for n in client.search_item(query, k=K).neighbors]
     entry = page.find_element(By.CSS_SELECTOR, "#audit-list .audit-entry")  # newest first
     assert "console test: a notice" in entry.text and top in entry.text and ticked in entry.text
+    # The ids removed, then the one not found, each named as what it is.
+    line = entry.find_element(By.CSS_SELECTOR, ".audit-ids").text
+    assert line == f"2 of 3 removed: {ticked}, {top}; 1 not found: no-such-item", line
 
     # The next search in the browser no longer shows the item.
     open_page(page, console, "search")
     after = search_by_item(page, console, query)
     assert top not in [c["id"] for c in after]
     assert [c["id"] for c in after] == [n.id for n in client.search_item(query, k=K).neighbors]
+
+
+def audit_head(driver) -> tuple[str, str]:
+    """The newest audit entry on the Duplicates page: its action and its ids line."""
+    entry = driver.find_element(By.CSS_SELECTOR, "#audit-list .audit-entry")
+    return entry.get_attribute("data-action"), entry.find_element(By.CSS_SELECTOR, ".audit-ids").text
+
+
+def make_live(driver, version: str) -> str:
+    """Click Make live on `version`'s row, then its confirm: the confirm button's text."""
+    row = f'#versions-table tr[data-version="{version}"]'
+    wait(driver, lambda d: d.find_elements(By.CSS_SELECTOR, f"{row} .make-live"), f"{version}'s row")
+    button = driver.find_element(By.CSS_SELECTOR, f"{row} .make-live")
+    button.click()
+    confirm = button.text
+    button.click()
+    return confirm
+
+
+def test_making_a_version_live_keeps_what_was_taken_down_since_unless_restored(page, console):
+    """After the takedown above, making the version it was made on live again re-applies it; the
+    Restore box republishes the items, and says so before and after."""
+    taken = sorted({i for e in audit_entries(console.root) if e["action"] == "remove" for i in e["ids"]})
+    assert len(taken) == 2 and console.client.get_info().index_version not in (console.old, console.new)
+    open_page(page, console, "versions")
+    use_admin_token(page)
+    assert make_live(page, console.new) == "Confirm: make live"
+    status = "versions-status"
+    wait(page, lambda d: "takedowns made since" in d.find_element(By.ID, status).text, "the rollback")
+    derived = console.client.get_info().index_version
+    assert derived not in (console.old, console.new) and artifacts.current_version(console.root) == derived
+    said = page.find_element(By.ID, status).text
+    assert f"Now live: {derived}" in said
+    assert f"2 takedowns made since {console.new} re-applied ({', '.join(taken)})" in said
+    for item_id in taken:  # still down
+        assert item_id not in [n.id for n in console.client.search_item(console.catalog.ids[7], k=K).neighbors]
+    open_page(page, console, "duplicates")
+    wait(page, lambda d: audit_head(d)[0] == "rollback", "the rollback in the audit log")
+    assert audit_head(page)[1] == f"re-applied 2 takedowns: {', '.join(taken)}"
+
+    open_page(page, console, "versions")
+    page.find_element(By.ID, "restore-taken-down").click()
+    assert make_live(page, console.new) == "Confirm: make live, restoring taken-down items"
+    wait(page, lambda d: "taken-down items restored" in d.find_element(By.ID, status).text, "the restore")
+    assert f"2 taken-down items restored ({', '.join(taken)})" in page.find_element(By.ID, status).text
+    assert console.client.get_info().index_version == console.new == artifacts.current_version(console.root)
+    assert not page.find_element(By.ID, "restore-taken-down").is_selected()  # one restore per tick
+    screenshot(page, "versions-restored")
+    open_page(page, console, "duplicates")
+    wait(page, lambda d: audit_head(d)[0] == "restore", "the restore in the audit log")
+    assert audit_head(page)[1] == f"restored 2 taken-down items: {', '.join(taken)}"
 
 
 def test_health_shows_the_live_figures_and_the_last_hour(page, console):
@@ -651,3 +706,78 @@ def test_grouped_answers_query_parts_and_a_dragged_region(catalog_page, catalog_
     parts[0].region.CopyFrom(pb.Region(x=x, y=y, width=width, height=height))
     assert shown == answer_of(console.client.search(pb.SearchRequest(parts=parts, k=K, per_group=2)))
     screenshot(page, "search-grouped")
+
+
+def box_against_picture(driver) -> dict:
+    """The region box's rect, and where the region (from the page's "region X,Y W×H px") falls on
+    the picture as it is laid out now (object-fit: contain letterboxes it)."""
+    return driver.execute_script(
+        """const img = document.getElementById('query-preview');
+        const box = document.getElementById('region-box');
+        const [xy, wh] = document.getElementById('region-text').textContent.split(' ').slice(1, 3);
+        const [x, y] = xy.split(',').map(Number);
+        const [w, h] = wh.split('×').map(Number);
+        const r = img.getBoundingClientRect();
+        const scale = Math.min(r.width / img.naturalWidth, r.height / img.naturalHeight);
+        const left = r.left + (r.width - img.naturalWidth * scale) / 2;
+        const top = r.top + (r.height - img.naturalHeight * scale) / 2;
+        const b = box.getBoundingClientRect();
+        return {box: [b.left, b.top, b.width, b.height],
+                region: [left + x * scale, top + y * scale, w * scale, h * scale], shown: !box.hidden};"""
+    )
+
+
+def cut_marks(driver) -> list[str]:
+    """The relevance buttons whose text does not fit them, or that run past their card."""
+    return driver.execute_script(
+        """return [...document.querySelectorAll('#results-grid .card')].flatMap((card) => {
+            const body = card.querySelector('.card-body').getBoundingClientRect();
+            return [...card.querySelectorAll('.mark')]
+                .filter((b) => b.scrollWidth > b.clientWidth || b.getBoundingClientRect().right > body.right + 0.5)
+                .map((b) => `${card.getAttribute('data-id')}: ${b.textContent} ${b.scrollWidth}/${b.clientWidth}`);
+        });"""
+    )
+
+
+def test_relevance_buttons_fit_and_the_region_box_follows_the_picture(catalog_page, catalog_console):
+    page, console = catalog_page, catalog_console
+    open_page(page, console, "search")
+    query = console.catalog.ids[3]
+    page.find_element(By.ID, "file-input").send_keys(str(console.paths[query]))
+    results(page, None)
+    for width in (1366, 1280, 1100, 1000, 900, 800, 600, 390):  # the grid's columns, and the cards, change
+        viewport(page, (width, 900))
+        try:
+            wait(page, lambda d, w=width: d.execute_script("return window.innerWidth") == w, f"{width} px")
+            assert not cut_marks(page), (width, cut_marks(page))
+        finally:
+            viewport(page, None)
+    assert "✓ Yes" in [b.text for b in page.find_elements(By.CSS_SELECTOR, "#results-grid .mark-yes")]
+
+    page.find_element(By.ID, "region-button").click()
+    preview = page.find_element(By.ID, "query-preview")
+    size = preview.size
+    before = grid_request(page)
+    drag = ActionChains(page).move_to_element_with_offset(preview, -size["width"] // 4, -size["height"] // 4)
+    drag.click_and_hold().move_by_offset(size["width"] // 2, size["height"] // 2).release().perform()
+    results(page, before)
+
+    def box_on_region(d) -> bool:
+        placed = box_against_picture(d)
+        return placed["shown"] and all(abs(a - b) < 0.75 for a, b in zip(placed["box"], placed["region"], strict=True))
+
+    wait(page, box_on_region, "the box on the region")
+    original = page.get_window_size()
+    try:
+        page.set_window_size(700, 900)  # the narrow layout: a smaller picture
+        wait(page, box_on_region, "the box on the region after a window resize")
+        # Resized while another page shows (the search page hidden): redrawn on coming back.
+        page.get(f"{console.url}/#health")
+        wait(page, lambda d: d.find_element(By.ID, "page-health").is_displayed(), "the health page")
+        page.set_window_size(original["width"], original["height"])
+        page.get(f"{console.url}/#search")
+        wait(page, lambda d: d.find_element(By.ID, "page-search").is_displayed(), "the search page again")
+        wait(page, box_on_region, "the box on the region after a resize on another page")
+    finally:
+        page.set_window_size(original["width"], original["height"])
+    screenshot(page, "search-region")
