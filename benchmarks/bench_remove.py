@@ -63,7 +63,9 @@ def publish(root: Path, vectors: np.ndarray, factory: str, params: dict) -> floa
     )
     started = time.perf_counter()
     new = NewVersion("bench-model", vectors, items, root / "catalog.csv", RowCounts(n, n), started, 0.0)
-    publish_index_version(cfg, new)
+    publish_index_version(
+        new, cfg.index_recipe, cfg.gate_thresholds, cfg.probe, cfg.filterable_fields, cfg.item_field, cfg.publish_target
+    )
     return time.perf_counter() - started
 
 

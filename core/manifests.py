@@ -282,7 +282,7 @@ class RowCounts:
 
 @dataclass
 class IndexManifest(_Manifest):
-    """`manifest.json` of an index version (index/publish.py writes it for build, add and rebuild);
+    """`manifest.json` of an index version (index/version_writer.py writes it for every version);
     a field without a value (None) is not written."""
 
     index_id: str

@@ -111,20 +111,26 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
         already_indexed=already,
         replaced=int(len(replaced)) if cfg.upsert else None,
     )
+    new = NewVersion(
+        model_id=embedder.model_id,
+        embeddings=np.concatenate([old_vectors, vectors]),
+        items=items,
+        catalog=cfg.catalog,
+        rows=rows,
+        started=started,
+        embed_seconds=time.perf_counter() - started,
+        index=index,
+        parent_version=live.manifest.version,
+        deleted=deleted,
+    )
     return publish_index_version(
-        cfg,
-        NewVersion(
-            model_id=embedder.model_id,
-            embeddings=np.concatenate([old_vectors, vectors]),
-            items=items,
-            catalog=cfg.catalog,
-            rows=rows,
-            started=started,
-            embed_seconds=time.perf_counter() - started,
-            index=index,
-            parent_version=live.manifest.version,
-            deleted=deleted,
-        ),
+        new,
+        cfg.index_recipe,
+        cfg.gate_thresholds,
+        cfg.probe,
+        cfg.filterable_fields,
+        cfg.item_field,
+        cfg.publish_target,
     )
 
 

@@ -31,4 +31,12 @@ def run_build(cfg: BuildConfig, progress: bool = True) -> Path:
     check_bad_rows(len(catalog), len(kept), skipped, cfg.max_bad_fraction)
     seconds = time.perf_counter() - started
     new = NewVersion.of_catalog(embedder.model_id, catalog_path, catalog, embeddings, kept, skipped, started, seconds)
-    return publish_index_version(cfg, new)
+    return publish_index_version(
+        new,
+        cfg.index_recipe,
+        cfg.gate_thresholds,
+        cfg.probe,
+        cfg.filterable_fields,
+        cfg.item_field,
+        cfg.publish_target,
+    )

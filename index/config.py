@@ -8,12 +8,13 @@ from dataclasses import dataclass
 import faiss
 
 from core.catalog import ITEM_COLUMN, Catalog, CatalogError, read_probe_catalog
-from core.config import DEVICES, option
+from core.config import DEVICES, option, to_jsonable
 from core.manifests import ModelManifest
 from core.preprocess import DEFAULT_MAX_PIXELS
 from index.faiss_index import check_trainable, empty_index, select_device
 from index.filters import FieldSpec, check_catalog_fields, parse_filterable
 from index.gate import GateThresholds, ProbeCatalog
+from index.publish import IndexRecipe, PublishTarget
 
 DEFAULT_MODEL = "runs/model"
 
@@ -127,6 +128,22 @@ class BuildConfig:
             max_recall_drop=self.max_recall_drop,
             force=self.force,
         )
+
+    @property
+    def index_recipe(self) -> IndexRecipe:
+        """How the index is built and how hard it is searched, as this configuration says."""
+        return IndexRecipe(
+            factory=self.factory,
+            search_params=self.given_search_params,
+            train_size=self.train_size,
+            device=self.device,
+            target_ann_recall=self.target_ann_recall,
+        )
+
+    @property
+    def publish_target(self) -> PublishTarget:
+        """Where the version goes, how many are kept, and the configuration its manifest records."""
+        return PublishTarget(index_root=self.index_root, keep=self.keep, model_dir=self.model, config=to_jsonable(self))
 
     @property
     def probe(self) -> ProbeCatalog | None:

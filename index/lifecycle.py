@@ -27,7 +27,6 @@ import getpass
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 from collections.abc import Iterable
@@ -42,9 +41,10 @@ from core.artifacts import utc_now
 from core.config import option
 from core.items import ItemTable
 from core.manifests import IndexManifest, QualityGate, RowCounts
-from index.faiss_index import build_index, empty_index, ivf_of, save_index
+from index.faiss_index import build_index, empty_index, ivf_of
 from index.filters import FilterIndex, specs_of
 from index.version import IndexVersion
+from index.version_writer import VersionWriter
 
 log = logging.getLogger(__name__)
 
@@ -266,25 +266,21 @@ def publish_remaining(
     `live`, the version the rows came from; a rollback derives from an older one). Not gated: a
     takedown is never refused for quality; the quality figures are the parent's (a removal only
     takes answers away)."""
-    root = Path(index_root)
-    staging = artifacts.index_staging_dir(root)
-    try:
+    with VersionWriter(index_root, keep) as writer:
         if remaining.reuses_files:
-            for name in (artifacts.INDEX_FILE, artifacts.EMBEDDINGS_FILE, artifacts.ITEMS_FILE, artifacts.FILTERS_FILE):
-                _link_or_copy(live.directory / name, staging / name)
+            writer.link_rows(live.directory)
             index_id = live.manifest.index_id
         else:
-            save_index(remaining.index, staging / artifacts.INDEX_FILE)
-            np.save(staging / artifacts.EMBEDDINGS_FILE, remaining.vectors)
-            remaining.items.write(staging / artifacts.ITEMS_FILE)
+            writer.write_index(remaining.index)
+            writer.write_vectors(remaining.vectors)
+            writer.write_items(remaining.items)
             specs = specs_of(live.manifest.filterable)
             if specs:  # the filters' value → rows structure describes the rows left
-                FilterIndex.build(remaining.items, specs).save(staging / artifacts.FILTERS_FILE)
-            index_id = artifacts.file_sha256(staging / artifacts.INDEX_FILE)[:16]
-        if len(remaining.deleted):
-            np.save(staging / artifacts.DELETED_FILE, remaining.deleted)
-        _link_or_copy(live.directory / artifacts.NEIGHBOURS_FILE, staging / artifacts.NEIGHBOURS_FILE)
-        version = artifacts.new_version_name(index_id)
+                writer.write_filters(FilterIndex.build(remaining.items, specs))
+            index_id = None  # the written index's hash
+        writer.write_deleted(remaining.deleted)
+        writer.link_contact_sheet(live.directory)
+        index_id, version = writer.name_version(index_id)
         parent = live.manifest
         manifest = dataclasses.replace(
             parent,
@@ -298,23 +294,7 @@ def publish_remaining(
         )
         catalog_rows = parent.rows.catalog if parent.rows else manifest.live_size
         manifest.rows = RowCounts(catalog=catalog_rows, indexed=manifest.live_size)
-        manifest.write(staging)
-        target = artifacts.publish_version(root, staging, version, parent=current or live.name)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    artifacts.prune_versions(root, keep)
-    return target
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    """A hard link where the filesystem allows (versions are immutable once published), else a copy."""
-    if not source.is_file():
-        return
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
+        return writer.publish(manifest, parent=current or live.name)
 
 
 def audit(

@@ -1,41 +1,49 @@
-"""Publishing an index version: the faiss index built (unless given), its search effort tuned,
-the quality gate applied, and the version's files written, `neighbours.png` among them, and made
-live atomically — the one publish path of `index build`, `add` and `rebuild`."""
+"""Publishing an index version: build → tune → gate → write. The faiss index is built (unless
+given) from the recipe, its search effort tuned, the quality gate applied, and the version's
+files, `neighbours.png` among them, written and made live atomically through the one writer
+(`index.version_writer`) — the one publish path of `index build`, `add` and `rebuild`."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import faiss
 import numpy as np
+from PIL import Image
 
-from core import artifacts
 from core.artifacts import utc_now
 from core.catalog import Catalog
-from core.config import to_jsonable
 from core.items import ItemTable
-from core.manifests import IndexManifest, QualityGate, RowCounts
-from index.config import BuildConfig
+from core.manifests import IndexManifest, QualityGate, QualityReport, RowCounts
 from index.contact_sheet import contact_sheet, sample_neighbours
 from index.faiss_index import (
+    EffortChoice,
+    ExactRerank,
     build_index,
-    save_index,
     search_effort,
     searchable,
     select_device,
     tune_search_effort,
     with_default_rerank,
 )
-from index.filters import FilterIndex, column_values, declared_json
-from index.gate import QualityGateError, check_quality, describe_quality, quality_figures, sample_rows
+from index.filters import FieldSpec, FilterIndex, column_values, declared_json
+from index.gate import (
+    GateThresholds,
+    ProbeCatalog,
+    QualityGateError,
+    check_quality,
+    describe_quality,
+    quality_figures,
+    sample_rows,
+)
 from index.grouping import Groups
 from index.lifecycle import warn_of_returning_items
 from index.version import IndexVersion
+from index.version_writer import VersionWriter
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +59,7 @@ class NewVersion:
     rows: RowCounts
     started: float  # time.perf_counter() when the command started
     embed_seconds: float
-    index: faiss.Index | None = None  # None: built from `embeddings` with the config's factory
+    index: faiss.Index | None = None  # None: built from `embeddings` with the recipe's factory
     parent_version: str | None = None  # `index add`: the version it extends
     engine: dict | None = None  # `index rebuild`: what embedded the catalog
     deleted: np.ndarray | None = None  # rows removed but kept in the index (HNSW tombstones)
@@ -82,24 +90,143 @@ class NewVersion:
         )
 
 
-def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
-    """Build the faiss index (unless given), gate it on quality, and publish a new version of
-    `cfg.index_root`: the one publish path of build, add and rebuild; returns its directory."""
-    device = select_device(cfg.device)
-    gate = cfg.gate_thresholds
-    embeddings = new.embeddings
+@dataclass(frozen=True)
+class IndexRecipe:
+    """How the index is built and how hard it is searched."""
+
+    factory: str
+    search_params: dict[str, float]  # as the user gave them (--search-params, --nprobe over its nprobe)
+    train_size: int | None  # vectors sampled to train IVF/PQ (None: all)
+    device: str  # where faiss builds: auto, cpu or gpu
+    target_ann_recall: float  # a search effort not given is raised until ANN recall reaches this
+
+
+@dataclass(frozen=True)
+class PublishTarget:
+    """Where a version is published, how many are kept, and what its manifest records of the
+    command that made it."""
+
+    index_root: str | Path
+    keep: int
+    model_dir: str
+    config: dict  # the command's resolved configuration, as the manifest records it
+
+
+def publish_index_version(
+    new: NewVersion,
+    recipe: IndexRecipe,
+    gate: GateThresholds,
+    probe: ProbeCatalog | None,
+    filterable: list[FieldSpec],
+    item_field: str | None,
+    target: PublishTarget,
+) -> Path:
+    """Build the faiss index (unless given), tune its search effort, gate it on quality, and
+    write and publish a new version of `target.index_root`: the one publish path of build, add
+    and rebuild; returns its directory."""
+    device = select_device(recipe.device)
     index = new.index
     if index is None:
-        index = build_index(embeddings, cfg.factory, cfg.given_search_params, cfg.train_size, device)
-    search_params = with_default_rerank(index, cfg.given_search_params)
-    items = new.items
-    labels = list(items.labels) if items.labelled else None
-    paths = [str(Path(p).resolve()) for p in items.paths]
-    table = ItemTable(ids=list(items.ids), labels=labels, paths=paths, metadata=list(items.metadata))
+        index = build_index(new.embeddings, recipe.factory, recipe.search_params, recipe.train_size, device)
+    table, labels = _version_table(new.items)
     # Built from the new version's own rows, whichever command made them (build, add, rebuild,
     # a removal's subset), so a version's structure always describes its rows.
-    specs = cfg.filterable_fields
-    filter_index = FilterIndex.build(table, specs) if specs else None
+    filter_index = FilterIndex.build(table, filterable) if filterable else None
+    searched, search_params, tuning = _tune(index, new.embeddings, recipe, gate)
+    item_groups = Groups.of(item_field, filter_index.fields[item_field], len(table)) if item_field else None
+    quality = quality_figures(searched, new.embeddings, labels, gate, item_groups, probe)
+    quality.search_tuning = tuning.to_dict() if tuning is not None else None
+    log.info("quality: %s; search parameters %s", describe_quality(quality), search_params or "none")
+    reasons = _gate(quality, gate, target.index_root, new.model_id)
+
+    if new.parent_version is None:  # a build from a whole catalog
+        warn_of_returning_items(target.index_root, table.ids)
+    deleted = new.deleted if new.deleted is not None else np.zeros(0, np.int64)
+    with VersionWriter(target.index_root, target.keep) as writer:
+        writer.write_index(index)
+        writer.write_vectors(new.embeddings)
+        writer.write_deleted(deleted)
+        writer.write_items(table)
+        writer.write_filters(filter_index)
+        writer.write_contact_sheet(draw_contact_sheet(searched, new.embeddings, table, item_field))
+        manifest = _manifest(
+            new,
+            writer.name_version(),
+            index,
+            recipe.factory,
+            device,
+            search_params,
+            quality,
+            QualityGate(passed=not reasons, forced=bool(reasons), reasons=reasons),
+            len(deleted),
+            filterable,
+            item_field,
+            target,
+        )
+        published = writer.publish(manifest, parent=new.parent_version)
+    masked = f", +{manifest.deleted_rows} removed, masked" if manifest.deleted_rows else ""
+    log.info("published index %s (%d items%s) at %s", manifest.version, manifest.live_size, masked, published)
+    return published
+
+
+def _manifest(
+    new: NewVersion,
+    names: tuple[str, str],
+    index: faiss.Index,
+    factory: str,
+    device: str,
+    search_params: dict[str, float],
+    quality: QualityReport,
+    quality_gate: QualityGate,
+    deleted_rows: int,
+    filterable: list[FieldSpec],
+    item_field: str | None,
+    target: PublishTarget,
+) -> IndexManifest:
+    """The new version's manifest; `names`: its index id and version name (the writer's)."""
+    index_id, version = names
+    manifest = IndexManifest(
+        index_id=index_id,
+        version=version,
+        model_id=new.model_id,
+        model_dir=str(Path(target.model_dir).resolve()),
+        factory=factory,
+        metric="inner_product",
+        normalized=True,
+        size=int(index.ntotal),
+        dimension=int(index.d),
+        search_params=search_params,
+        built_on=device,
+        build_seconds=time.perf_counter() - new.started,
+        embed_seconds=new.embed_seconds,
+        created=utc_now(),
+        catalog=str(Path(new.catalog).resolve()),
+        quality=quality,
+        quality_gate=quality_gate,
+        config=target.config,
+        parent_version=new.parent_version,
+        engine=new.engine,
+        deleted_rows=deleted_rows,
+        filterable=declared_json(filterable),
+        item_field=item_field,
+    )
+    manifest.rows = dataclasses.replace(new.rows, indexed=manifest.live_size)
+    return manifest
+
+
+def _version_table(items: Catalog | ItemTable) -> tuple[ItemTable, list[str] | None]:
+    """The new version's items table (paths made absolute), and its labels (None: unlabelled)."""
+    labels = list(items.labels) if items.labelled else None
+    paths = [str(Path(p).resolve()) for p in items.paths]
+    return ItemTable(ids=list(items.ids), labels=labels, paths=paths, metadata=list(items.metadata)), labels
+
+
+def _tune(
+    index: faiss.Index, embeddings: np.ndarray, recipe: IndexRecipe, gate: GateThresholds
+) -> tuple[faiss.Index | ExactRerank, dict[str, float], EffortChoice | None]:
+    """The index as searched, its search parameters (a search effort the recipe does not give
+    raised until ANN recall reaches its target) and what the tuning measured (None: not tuned)."""
+    search_params = with_default_rerank(index, recipe.search_params)
     searched = searchable(index, search_params, embeddings)
     effort = search_effort(index)
     tuning = None
@@ -107,74 +234,26 @@ def publish_index_version(cfg: BuildConfig, new: NewVersion) -> Path:
         # Tuned on a sample of its own, so the gate's figure below is measured, not the tuning's.
         queries = embeddings[sample_rows(len(embeddings), gate.quality_sample, seed=1)]
         k = min(gate.ann_k, len(embeddings))
-        tuning = tune_search_effort(searched, embeddings, queries, k, cfg.target_ann_recall)
+        tuning = tune_search_effort(searched, embeddings, queries, k, recipe.target_ann_recall)
         search_params = {**search_params, tuning.parameter: tuning.value}
         (log.info if tuning.reached else log.warning)("search effort: %s", tuning)
-    item_groups = Groups.of(cfg.item_field, filter_index.fields[cfg.item_field], len(table)) if cfg.item_field else None
-    quality = quality_figures(searched, embeddings, labels, gate, item_groups, cfg.probe)
-    quality.search_tuning = tuning.to_dict() if tuning is not None else None
-    log.info("quality: %s; search parameters %s", describe_quality(quality), search_params or "none")
-    root = Path(cfg.index_root)
-    live = IndexVersion.live(root)
+    return searched, search_params, tuning
+
+
+def _gate(quality: QualityReport, gate: GateThresholds, index_root: str | Path, model_id: str) -> list[str]:
+    """Why the gate refuses `quality` (empty: it passes); QualityGateError unless forced."""
+    live = IndexVersion.live(Path(index_root))
     # A different model's recall is no baseline for this one.
-    baseline = live.manifest if live is not None and live.manifest.model_id == new.model_id else None
+    baseline = live.manifest if live is not None and live.manifest.model_id == model_id else None
     reasons = check_quality(quality, gate, baseline)
     if reasons and not gate.force:
         raise QualityGateError("quality gate refused to publish: " + "; ".join(reasons))
-
-    if new.parent_version is None:  # a build from a whole catalog
-        warn_of_returning_items(root, items.ids)
-    deleted = new.deleted if new.deleted is not None else np.zeros(0, np.int64)
-    staging = artifacts.index_staging_dir(root)
-    try:
-        save_index(index, staging / artifacts.INDEX_FILE)
-        np.save(staging / artifacts.EMBEDDINGS_FILE, np.ascontiguousarray(embeddings, dtype=np.float32))
-        if len(deleted):
-            np.save(staging / artifacts.DELETED_FILE, np.asarray(deleted, dtype=np.int64))
-        table.write(staging / artifacts.ITEMS_FILE)
-        if filter_index is not None:
-            filter_index.save(staging / artifacts.FILTERS_FILE)
-        write_contact_sheet(staging / artifacts.NEIGHBOURS_FILE, searched, embeddings, table, cfg.item_field)
-        index_id = artifacts.file_sha256(staging / artifacts.INDEX_FILE)[:16]
-        version = artifacts.new_version_name(index_id)
-        manifest = IndexManifest(
-            index_id=index_id,
-            version=version,
-            model_id=new.model_id,
-            model_dir=str(Path(cfg.model).resolve()),
-            factory=cfg.factory,
-            metric="inner_product",
-            normalized=True,
-            size=int(index.ntotal),
-            dimension=int(index.d),
-            search_params=search_params,
-            built_on=device,
-            build_seconds=time.perf_counter() - new.started,
-            embed_seconds=new.embed_seconds,
-            created=utc_now(),
-            catalog=str(Path(new.catalog).resolve()),
-            quality=quality,
-            quality_gate=QualityGate(passed=not reasons, forced=bool(reasons), reasons=reasons),
-            config=to_jsonable(cfg),
-            parent_version=new.parent_version,
-            engine=new.engine,
-            deleted_rows=len(deleted),
-            filterable=declared_json(specs),
-            item_field=cfg.item_field,
-        )
-        manifest.rows = dataclasses.replace(new.rows, indexed=manifest.live_size)
-        manifest.write(staging)
-        target = artifacts.publish_version(root, staging, version, parent=new.parent_version)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    artifacts.prune_versions(root, cfg.keep)
-    masked = f", +{manifest.deleted_rows} removed, masked" if manifest.deleted_rows else ""
-    log.info("published index %s (%d items%s) at %s", version, manifest.live_size, masked, target)
-    return target
+    return reasons
 
 
-def write_contact_sheet(path: Path, index, embeddings: np.ndarray, table: ItemTable, item_field: str | None) -> None:
+def draw_contact_sheet(
+    index: faiss.Index | ExactRerank, embeddings: np.ndarray, table: ItemTable, item_field: str | None
+) -> Image.Image:
     """`neighbours.png`: a dozen catalog items querying the index, their top 8 framed green where
     they match the query: by the item field when the index has one (what grouped answers and
     item Recall@K count as a match; a class label is coarser), else by label, else grey."""
@@ -186,7 +265,6 @@ def write_contact_sheet(path: Path, index, embeddings: np.ndarray, table: ItemTa
     picked, rows, scores = sample_neighbours(index, embeddings)
     query_keys = [keys[r] for r in picked] if keys is not None else None
     paths = list(table.paths)
-    sheet = contact_sheet(
+    return contact_sheet(
         [paths[r] for r in picked], query_keys, rows, scores, paths, keys, match=item_field or "label"
     )
-    sheet.save(path)

@@ -219,6 +219,14 @@ def run_rebuild(cfg: RebuildConfig, progress: bool = True) -> Path:
     new = NewVersion.of_catalog(
         model.model_id, catalog_path, catalog, embeddings, kept, skipped, started, embed_seconds, engine
     )
-    target = publish_index_version(cfg, new)
+    target = publish_index_version(
+        new,
+        cfg.index_recipe,
+        cfg.gate_thresholds,
+        cfg.probe,
+        cfg.filterable_fields,
+        cfg.item_field,
+        cfg.publish_target,
+    )
     shutil.rmtree(work, ignore_errors=True)
     return target

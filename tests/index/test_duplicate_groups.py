@@ -39,8 +39,9 @@ def publish_chain(root: Path) -> None:
         [f"folder/{i}.png" for i in range(n)], None, [f"/nonexistent/{i}.png" for i in range(n)], [{}] * n
     )
     cfg = BuildConfig(model=str(root / "model"), index_root=str(root))
+    new = NewVersion("model-a", vectors, items, root / "c.csv", RowCounts(n, n), time.perf_counter(), 0)
     publish_index_version(
-        cfg, NewVersion("model-a", vectors, items, root / "c.csv", RowCounts(n, n), time.perf_counter(), 0)
+        new, cfg.index_recipe, cfg.gate_thresholds, cfg.probe, cfg.filterable_fields, cfg.item_field, cfg.publish_target
     )
 
 

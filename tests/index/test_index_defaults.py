@@ -43,8 +43,9 @@ def publish(root: Path, vectors: np.ndarray, **options) -> IndexVersion:
     n = len(vectors)
     items = ItemTable([f"item-{i}" for i in range(n)], None, [f"/nonexistent/{i}.png" for i in range(n)], [{}] * n)
     cfg = BuildConfig(model=str(root / "model"), index_root=str(root), **options)
+    new = NewVersion("model-a", vectors, items, root / "c.csv", RowCounts(n, n), time.perf_counter(), 0)
     publish_index_version(
-        cfg, NewVersion("model-a", vectors, items, root / "c.csv", RowCounts(n, n), time.perf_counter(), 0)
+        new, cfg.index_recipe, cfg.gate_thresholds, cfg.probe, cfg.filterable_fields, cfg.item_field, cfg.publish_target
     )
     return IndexVersion.open(root).load()
 
@@ -237,17 +238,18 @@ def test_one_size_through_remove_and_add_and_add_defaults_to_the_live_model(mode
 
 def test_add_names_the_missing_model_of_the_live_version(model, photos, tmp_path):
     root = tmp_path / "index"
+    cfg = BuildConfig(model=str(tmp_path / "gone"), index_root=str(root))
+    new = NewVersion(
+        "tiny000000000000",
+        np.eye(4, 16, dtype=np.float32),
+        ItemTable([f"i{n}" for n in range(4)], None, [f"/x/{n}.png" for n in range(4)], [{}] * 4),
+        root / "c.csv",
+        RowCounts(4, 4),
+        time.perf_counter(),
+        0,
+    )
     publish_index_version(
-        BuildConfig(model=str(tmp_path / "gone"), index_root=str(root)),
-        NewVersion(
-            "tiny000000000000",
-            np.eye(4, 16, dtype=np.float32),
-            ItemTable([f"i{n}" for n in range(4)], None, [f"/x/{n}.png" for n in range(4)], [{}] * 4),
-            root / "c.csv",
-            RowCounts(4, 4),
-            time.perf_counter(),
-            0,
-        ),
+        new, cfg.index_recipe, cfg.gate_thresholds, cfg.probe, cfg.filterable_fields, cfg.item_field, cfg.publish_target
     )
     done = index_cli("add", "--index-root", str(root), "--catalog", str(photos), "--no-progress")
     assert done.returncode == 2 and "no --model given" in done.stderr and "pass --model" in done.stderr

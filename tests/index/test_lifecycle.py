@@ -52,7 +52,9 @@ def publish_synthetic(
         filterable=list(filterable),
     )
     new = NewVersion("model-a", vectors, items, root / "catalog.csv", RowCounts(n, n), time.perf_counter(), 0.0)
-    publish_index_version(cfg, new)
+    publish_index_version(
+        new, cfg.index_recipe, cfg.gate_thresholds, cfg.probe, cfg.filterable_fields, cfg.item_field, cfg.publish_target
+    )
     return IndexVersion.open(root).load()
 
 

@@ -1,0 +1,114 @@
+"""The one writer of an index version, beside its reader (`index/version.py`).
+
+`index build`, `add`, `rebuild`, takedowns and compaction (and a rollback that re-applies
+takedowns, which is a takedown) all write a version through `VersionWriter`: it stages the
+folder inside the index root, writes each file under its one name (`core.artifacts`, where
+`IndexVersion` reads them too) or hard-links it from the parent version, names the version
+after its index file's hash, writes the manifest, publishes it (CURRENT must still name the
+parent) and prunes old versions. Any failure before the publish removes the staging folder, so
+a crash mid-write leaves the previous version live.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from types import TracebackType
+
+import faiss
+import numpy as np
+from PIL import Image
+
+from core import artifacts
+from core.items import ItemTable
+from core.manifests import IndexManifest
+from index.faiss_index import save_index
+from index.filters import FilterIndex
+
+# What a takedown that only adds tombstones reuses of its parent unchanged.
+ROW_FILES = (artifacts.INDEX_FILE, artifacts.EMBEDDINGS_FILE, artifacts.ITEMS_FILE, artifacts.FILTERS_FILE)
+
+
+class VersionWriter:
+    """A new version of `root` being written: `with VersionWriter(root, keep) as writer:`, the
+    files written or linked, `name_version()`, then `publish(manifest)`. Leaving the block by
+    an exception (or without publishing) removes the staging folder."""
+
+    def __init__(self, root: str | Path, keep: int) -> None:
+        self.root = Path(root)
+        self.keep = keep
+        self.staging: Path | None = None
+
+    def __enter__(self) -> VersionWriter:
+        self.staging = artifacts.index_staging_dir(self.root)
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        # Once published the folder is renamed away and this removes nothing.
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    @property
+    def _folder(self) -> Path:
+        if self.staging is None:
+            raise RuntimeError("VersionWriter is used as a context manager: with VersionWriter(...) as writer")
+        return self.staging
+
+    def write_index(self, index: faiss.Index) -> None:
+        save_index(index, self._folder / artifacts.INDEX_FILE)
+
+    def write_vectors(self, vectors: np.ndarray) -> None:
+        """The exact vectors, row for row with the items."""
+        np.save(self._folder / artifacts.EMBEDDINGS_FILE, np.ascontiguousarray(vectors, dtype=np.float32))
+
+    def write_deleted(self, deleted: np.ndarray) -> None:
+        """Rows removed but kept in the index (HNSW tombstones); no file when there are none."""
+        if len(deleted):
+            np.save(self._folder / artifacts.DELETED_FILE, np.asarray(deleted, dtype=np.int64))
+
+    def write_items(self, table: ItemTable) -> None:
+        table.write(self._folder / artifacts.ITEMS_FILE)
+
+    def write_filters(self, filter_index: FilterIndex | None) -> None:
+        """The filterable fields' value → rows structure; no file when none is declared."""
+        if filter_index is not None:
+            filter_index.save(self._folder / artifacts.FILTERS_FILE)
+
+    def write_contact_sheet(self, sheet: Image.Image) -> None:
+        sheet.save(self._folder / artifacts.NEIGHBOURS_FILE)
+
+    def link_rows(self, parent: Path) -> None:
+        """The index, vectors, items and filters of the version in `parent`, unchanged."""
+        for name in ROW_FILES:
+            _link_or_copy(parent / name, self._folder / name)
+
+    def link_contact_sheet(self, parent: Path) -> None:
+        _link_or_copy(parent / artifacts.NEIGHBOURS_FILE, self._folder / artifacts.NEIGHBOURS_FILE)
+
+    def name_version(self, index_id: str | None = None) -> tuple[str, str]:
+        """The version's index id — the written index file's hash, unless given (an index linked
+        from the parent keeps its id) — and its name (`<UTC timestamp>-<index id[:8]>`)."""
+        if index_id is None:
+            index_id = artifacts.file_sha256(self._folder / artifacts.INDEX_FILE)[:16]
+        return index_id, artifacts.new_version_name(index_id)
+
+    def publish(self, manifest: IndexManifest, parent: str | None = None) -> Path:
+        """Write `manifest`, publish the folder as `manifest.version` and make it live — `parent`:
+        the version it was made from, which CURRENT must still name (`StaleParentError`
+        otherwise) — then prune to the newest `keep`; returns the version's directory."""
+        manifest.write(self._folder)
+        target = artifacts.publish_version(self.root, self._folder, manifest.version, parent=parent)
+        artifacts.prune_versions(self.root, self.keep)
+        return target
+
+
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link where the filesystem allows (versions are immutable once published), else a copy."""
+    if not source.is_file():
+        return
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
