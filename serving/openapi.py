@@ -184,6 +184,16 @@ def _structure(descriptor: Descriptor, served: Served) -> dict[str, Any]:
     return {}
 
 
+def _named(structure: Any) -> set[str]:
+    """The fields a message's rules across fields name (required, or narrowed)."""
+    if isinstance(structure, list):
+        return set().union(*(_named(s) for s in structure)) if structure else set()
+    if not isinstance(structure, dict):
+        return set()
+    names = set(structure.get("required", ())) | set(structure.get("properties", {}))
+    return names.union(*(_named(v) for k, v in structure.items() if k not in ("required", "properties")))
+
+
 def message_schema(descriptor: Descriptor, served: Served = Served()) -> dict[str, Any]:
     """A message's proto3 JSON mapping as a JSON Schema: camelCase names, a oneof's members
     described as such, unknown fields refused (json_format refuses them), and what the service
@@ -206,6 +216,12 @@ def message_schema(descriptor: Descriptor, served: Served = Served()) -> dict[st
         properties[field.json_name] = schema
     schema = {"type": "object", "properties": properties, "additionalProperties": False}
     structure = _structure(descriptor, served)
+    # json_format reads null as the field left out: so may a client send it, where no rule across
+    # fields tells a field left out from one given (those refuse null, as null is not their value)
+    tied = _named(structure) | (set(properties) if "minProperties" in structure else set())
+    for name in set(properties) - tied:
+        field = properties[name]
+        properties[name] = {"allOf": [field], "nullable": True} if "$ref" in field else {**field, "nullable": True}
     if "properties" in structure:  # narrower schemas for fields already described
         extra = structure.pop("properties")
         for name, narrower in extra.items():
