@@ -457,6 +457,11 @@ class HttpApi:
     async def duplicates(self, request: web.Request, route: Route) -> web.Response:
         return web.json_response(self.admin.duplicates(self.service.engine.pair.version))
 
+    @staticmethod
+    def _caller(request: web.Request) -> str:
+        """Who made an admin call, for the audit log: its token's fingerprint and the peer."""
+        return f"{token_fingerprint(request.headers.get('Authorization'))} from {request.remote}"
+
     async def reload(self, request: web.Request, route: Route) -> Message:
         return await self.admin.reload(await self._message(request, pb.ReloadRequest()), self._caller(request), "http")
 
@@ -485,11 +490,6 @@ class HttpApi:
         limit = self._query_int(request, "limit", 100, *QUERY_BOUNDS["limit"])
         return web.json_response({"entries": self.admin.audit(limit)})
 
-
-    @staticmethod
-    def _caller(request: web.Request) -> str:
-        """Who made an admin call, for the audit log: its token's fingerprint and the peer."""
-        return f"{token_fingerprint(request.headers.get('Authorization'))} from {request.remote}"
 
 def tls_context(cert: str, key: str) -> ssl.SSLContext:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
