@@ -9,24 +9,23 @@ from core import artifacts
 from core.artifacts import ArtifactError
 from core.items import ItemTable
 from core.manifests import IndexManifest
-from index.faiss_index import build_index, l2_normalized, save_index
+from index.faiss_index import build_index, l2_normalized
 from index.version import IndexVersion
+from index.version_writer import VersionWriter
 
 
 def publish(root, vectors: np.ndarray, factory: str = "Flat") -> str:
-    staging = artifacts.index_staging_dir(root)
-    index = build_index(vectors, factory, {})
-    save_index(index, staging / artifacts.INDEX_FILE)
-    np.save(staging / artifacts.EMBEDDINGS_FILE, vectors)
     n = len(vectors)
-    ItemTable([f"id{i}" for i in range(n)], None, [f"/{i}.png" for i in range(n)], [{}] * n).write(
-        staging / artifacts.ITEMS_FILE
-    )
-    version = artifacts.new_version_name("0123456789abcdef")
-    IndexManifest(
-        index_id="0123456789abcdef", version=version, model_id="m", size=n, dimension=vectors.shape[1], factory=factory
-    ).write(staging)
-    artifacts.publish_version(root, staging, version)
+    with VersionWriter(root, keep=5) as writer:
+        writer.write_index(build_index(vectors, factory, {}))
+        writer.write_vectors(vectors)
+        writer.write_items(ItemTable([f"id{i}" for i in range(n)], None, [f"/{i}.png" for i in range(n)], [{}] * n))
+        index_id, version = writer.name_version("0123456789abcdef")
+        writer.publish(
+            IndexManifest(
+                index_id=index_id, version=version, model_id="m", size=n, dimension=vectors.shape[1], factory=factory
+            )
+        )
     return version
 
 
