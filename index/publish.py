@@ -137,7 +137,7 @@ def publish_index_version(
     quality = quality_figures(searched, new.embeddings, labels, gate, item_groups, probe)
     quality.search_tuning = tuning.to_dict() if tuning is not None else None
     log.info("quality: %s; search parameters %s", describe_quality(quality), search_params or "none")
-    reasons = _gate(quality, gate, target.index_root, new.model_id)
+    quality_gate = _gate(quality, gate, target.index_root, new.model_id)
 
     if new.parent_version is None:  # a build from a whole catalog
         warn_of_returning_items(target.index_root, table.ids)
@@ -157,7 +157,7 @@ def publish_index_version(
             device,
             search_params,
             quality,
-            QualityGate(passed=not reasons, forced=bool(reasons), reasons=reasons),
+            quality_gate,
             len(deleted),
             filterable,
             item_field,
@@ -240,15 +240,15 @@ def _tune(
     return searched, search_params, tuning
 
 
-def _gate(quality: QualityReport, gate: GateThresholds, index_root: str | Path, model_id: str) -> list[str]:
-    """Why the gate refuses `quality` (empty: it passes); QualityGateError unless forced."""
+def _gate(quality: QualityReport, gate: GateThresholds, index_root: str | Path, model_id: str) -> QualityGate:
+    """The gate's verdict on `quality`, with why it refuses; QualityGateError unless forced."""
     live = IndexVersion.live(Path(index_root))
     # A different model's recall is no baseline for this one.
     baseline = live.manifest if live is not None and live.manifest.model_id == model_id else None
     reasons = check_quality(quality, gate, baseline)
     if reasons and not gate.force:
         raise QualityGateError("quality gate refused to publish: " + "; ".join(reasons))
-    return reasons
+    return QualityGate(passed=not reasons, forced=bool(reasons), reasons=reasons)
 
 
 def draw_contact_sheet(

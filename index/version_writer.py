@@ -38,68 +38,69 @@ class VersionWriter:
     def __init__(self, root: str | Path, keep: int) -> None:
         self.root = Path(root)
         self.keep = keep
-        self.staging: Path | None = None
+        self._folder: Path | None = None
 
     def __enter__(self) -> VersionWriter:
-        self.staging = artifacts.index_staging_dir(self.root)
+        self._folder = artifacts.index_staging_dir(self.root)
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         # Once published the folder is renamed away and this removes nothing.
-        shutil.rmtree(self._folder, ignore_errors=True)
+        shutil.rmtree(self.staging, ignore_errors=True)
 
     @property
-    def _folder(self) -> Path:
-        if self.staging is None:
+    def staging(self) -> Path:
+        """The folder being written (`versions/.staging-<id>/`), inside the root so the publish is a rename."""
+        if self._folder is None:
             raise RuntimeError("VersionWriter is used as a context manager: with VersionWriter(...) as writer")
-        return self.staging
+        return self._folder
 
     def write_index(self, index: faiss.Index) -> None:
-        save_index(index, self._folder / artifacts.INDEX_FILE)
+        save_index(index, self.staging / artifacts.INDEX_FILE)
 
     def write_vectors(self, vectors: np.ndarray) -> None:
         """The exact vectors, row for row with the items."""
-        np.save(self._folder / artifacts.EMBEDDINGS_FILE, np.ascontiguousarray(vectors, dtype=np.float32))
+        np.save(self.staging / artifacts.EMBEDDINGS_FILE, np.ascontiguousarray(vectors, dtype=np.float32))
 
     def write_deleted(self, deleted: np.ndarray) -> None:
         """Rows removed but kept in the index (HNSW tombstones); no file when there are none."""
         if len(deleted):
-            np.save(self._folder / artifacts.DELETED_FILE, np.asarray(deleted, dtype=np.int64))
+            np.save(self.staging / artifacts.DELETED_FILE, np.asarray(deleted, dtype=np.int64))
 
     def write_items(self, table: ItemTable) -> None:
-        table.write(self._folder / artifacts.ITEMS_FILE)
+        table.write(self.staging / artifacts.ITEMS_FILE)
 
     def write_filters(self, filter_index: FilterIndex | None) -> None:
         """The filterable fields' value → rows structure; no file when none is declared."""
         if filter_index is not None:
-            filter_index.save(self._folder / artifacts.FILTERS_FILE)
+            filter_index.save(self.staging / artifacts.FILTERS_FILE)
 
     def write_contact_sheet(self, sheet: Image.Image) -> None:
-        sheet.save(self._folder / artifacts.NEIGHBOURS_FILE)
+        sheet.save(self.staging / artifacts.NEIGHBOURS_FILE)
 
     def link_rows(self, parent: Path) -> None:
         """The index, vectors, items and filters of the version in `parent`, unchanged."""
         for name in ROW_FILES:
-            _link_or_copy(parent / name, self._folder / name)
+            _link_or_copy(parent / name, self.staging / name)
 
     def link_contact_sheet(self, parent: Path) -> None:
-        _link_or_copy(parent / artifacts.NEIGHBOURS_FILE, self._folder / artifacts.NEIGHBOURS_FILE)
+        _link_or_copy(parent / artifacts.NEIGHBOURS_FILE, self.staging / artifacts.NEIGHBOURS_FILE)
 
     def name_version(self, index_id: str | None = None) -> tuple[str, str]:
         """The version's index id — the written index file's hash, unless given (an index linked
         from the parent keeps its id) — and its name (`<UTC timestamp>-<index id[:8]>`)."""
         if index_id is None:
-            index_id = artifacts.file_sha256(self._folder / artifacts.INDEX_FILE)[:16]
+            index_id = artifacts.file_sha256(self.staging / artifacts.INDEX_FILE)[:16]
         return index_id, artifacts.new_version_name(index_id)
 
     def publish(self, manifest: IndexManifest, parent: str | None = None) -> Path:
         """Write `manifest`, publish the folder as `manifest.version` and make it live — `parent`:
         the version it was made from, which CURRENT must still name (`StaleParentError`
         otherwise) — then prune to the newest `keep`; returns the version's directory."""
-        manifest.write(self._folder)
-        target = artifacts.publish_version(self.root, self._folder, manifest.version, parent=parent)
+        manifest.write(self.staging)
+        target = artifacts.publish_version(self.root, self.staging, manifest.version, parent=parent)
         artifacts.prune_versions(self.root, self.keep)
         return target
 
