@@ -31,7 +31,7 @@ from core import artifacts
 from core.catalog import read_catalog
 from core.preprocess import load_image
 from protos.simsearch.v1 import search_pb2 as pb
-from serving.server import ServerConfig
+from serving.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

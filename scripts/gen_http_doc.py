@@ -1,6 +1,6 @@
 """Write docs/http.md from the HTTP API's OpenAPI document (`--check`: fail if it is stale).
 
-The document is generated from the code (`serving.openapi`: the routes of `serving.http.ROUTES`,
+The document is generated from the code (`serving.openapi`: the routes of `serving.routes.ROUTES`,
 the schemas from the protobuf descriptors), so this reference cannot drift from the server."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import grpc  # noqa: E402
 
 from core.cli import add_config_flag, add_verbose_flag, run_cli  # noqa: E402
 from core.config import add_options, from_cli  # noqa: E402
-from serving.server import ServerConfig  # noqa: E402
+from serving.config import ServerConfig  # noqa: E402
 
 # command → (help, configuration class, its options this command does not take)
 COMMANDS = {"serve": ("serve similarity search over gRPC", ServerConfig, ())}

@@ -1,10 +1,13 @@
-"""What a request may ask, checked once for every transport: the service layer runs these before
-anything is decoded, embedded or searched, and the gRPC servicers and HTTP routes check
-nothing themselves."""
+"""What a request may ask, checked once for every transport: the service layer checks a request
+at its entry — `RequestChecks.search` turns a SearchRequest into a `CheckedSearch` — before
+anything is decoded, embedded or searched, and works from that alone; the gRPC servicers and
+HTTP routes check nothing themselves."""
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
@@ -12,8 +15,9 @@ from PIL import Image
 from core.preprocess import Region, RegionError, open_image, region_box, upright_size
 from index.grouping import Groups
 from protos.simsearch.v1 import search_pb2 as pb
-from serving.engine import Limits, ServingPair
-from serving.errors import InvalidArgument, image_errors
+from serving.engine import EVERY_ROW, Limits, Scope, ServingPair
+from serving.errors import InvalidArgument, at_place, image_errors
+from serving.filter_masks import FilterMasks
 
 # A negative query part's weight when it names none (a positive's is 1). Rocchio weighs
 # negatives far below positives (β 0.75, γ 0.15): at 1, one "not like" part pulled the query
@@ -25,11 +29,146 @@ DEFAULT_K = 10
 MIN_SCORE_RANGE = (-1.0, 1.0)  # a cosine similarity's
 
 
+@dataclass(frozen=True)
+class CheckedImage:
+    """An image to embed: opened, its header only (its size within the pixel limit), and the
+    region of it to embed, checked against its size as seen (None: all of it)."""
+
+    image: Image.Image
+    crop: Region | None = None
+
+
+@dataclass(frozen=True)
+class CheckedPart:
+    """One part of a query with several parts: its signed weight (negative: "not like"), and its
+    vector — an embedding, or an indexed item's stored one (`row`: the item's) — or its image."""
+
+    weight: float
+    vector: np.ndarray | None = None
+    row: int | None = None
+    image: CheckedImage | None = None
+
+
+@dataclass(frozen=True)
+class CheckedSearch:
+    """A SearchRequest checked against the limits and the pair that answers it: what the rest of
+    the service works from, trusting it."""
+
+    pair: ServingPair
+    k: int
+    scope: Scope  # the filter's rows, min_score, group_by and per_group
+    exclude: frozenset[int]  # rows left out: the excluded ids', and the query's own items' (their groups', grouped)
+    kind: str  # "image", "embedding", "item_id" or "parts"
+    vector: np.ndarray | None = None  # an embedding's (a unit vector) or an item's
+    image: CheckedImage | None = None
+    parts: tuple[CheckedPart, ...] = ()
+    label: str | None = None  # the query's true label, scored into the traffic Recall@K
+    request_id: str = ""  # as the request gave it ("": one is made up for the answer)
+
+
+def left_out(scope: Scope, rows: set[int]) -> set[int]:
+    """Rows a query's own items leave out: the rows themselves and, grouped, their groups'."""
+    if scope.groups is None:
+        return rows
+    codes = scope.groups.codes
+    return rows.union(*(scope.groups.rows_of(int(codes[r])).tolist() for r in rows if codes[r] >= 0))
+
+
 class RequestChecks:
     """A request's parts against the server's limits and the live pair."""
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
+        self.filter_masks = FilterMasks()
+
+    def search_batch(self, requests: list[pb.SearchRequest], pair: ServingPair, named: bool) -> list[CheckedSearch]:
+        """Each request checked, in order, before any is answered. `named`: a request's own error
+        names its place in the list (`requests[3]: …`)."""
+        if not named:
+            return [self.search(request, pair) for request in requests]
+        checked = []
+        for i, request in enumerate(requests):
+            with at_place(i):
+                checked.append(self.search(request, pair))
+        return checked
+
+    def check_batch_size(self, queries: int) -> None:
+        if queries > self.limits.max_batch_queries:
+            raise InvalidArgument(f"{queries} queries exceed the batch limit of {self.limits.max_batch_queries}")
+
+    def search(self, request: pb.SearchRequest, pair: ServingPair) -> CheckedSearch:
+        """A SearchRequest checked, its first fault an INVALID_ARGUMENT (an image past the pixel
+        limit: PayloadTooLarge); its image opened, its ids looked up, its filter's rows found."""
+        if request.HasField("label") and not (pair.items.labelled or pair.manifest.item_field):
+            raise InvalidArgument(
+                "label: this index version's rows have no label and no item field, so a labelled query cannot be "
+                "scored on it; leave label out (index build --item-field names the column a label would match)"
+            )
+        scope = self.scope(request, pair)
+        k = self.k_of(request.k, scope.min_score)
+        exclude = frozenset(self.exclude_rows(pair, list(request.exclude_ids)))
+        kind = request.WhichOneof("query")
+        if request.HasField("region") and kind != "image":
+            raise InvalidArgument(f"region crops an image query; this query is {kind or 'a set of parts'}")
+        label = request.label if request.HasField("label") else None
+        checked = functools.partial(CheckedSearch, pair, k, scope, label=label, request_id=request.request_id)
+        if request.parts:
+            if kind is not None:
+                raise InvalidArgument(f"set either {kind} or parts, not both")
+            parts = self.parts(pair, list(request.parts))
+            own = {part.row for part in parts if part.row is not None}
+            return checked(exclude | left_out(scope, own), "parts", parts=parts)
+        if kind == "image":
+            region = request.region if request.HasField("region") else None
+            return checked(exclude, kind, image=self.image(pair, request.image, region))
+        if kind == "embedding":
+            return checked(exclude, kind, vector=self.check_embedding(pair, request.embedding.values))
+        if kind == "item_id":
+            vector, row = self.item_vector(pair, request.item_id)
+            return checked(exclude | left_out(scope, {row}), kind, vector=vector)
+        raise InvalidArgument("request has no query: set image, embedding, item_id or parts")
+
+    def scope(self, request: pb.SearchRequest, pair: ServingPair) -> Scope:
+        """The rows a request may be answered with: its filter's matches, at or above its
+        min_score; grouped by its group_by field (the index's item field unless it says)."""
+        min_score = None
+        if request.HasField("min_score"):
+            min_score = self.check_min_score(float(request.min_score))
+        allowed = self.filter_masks.mask(pair, request.filter) if request.HasField("filter") else None
+        group_by = request.group_by if request.HasField("group_by") else pair.manifest.item_field or ""
+        if not group_by:
+            if request.HasField("per_group"):
+                raise InvalidArgument("per_group needs group_by (this index has no item field to group by)")
+            return Scope(allowed, min_score) if allowed is not None or min_score is not None else EVERY_ROW
+        per_group = self.check_per_group(request.per_group if request.HasField("per_group") else 1)
+        return Scope(allowed, min_score, self.groups(pair, group_by), per_group)
+
+    def image(self, pair: ServingPair, data: bytes, region: pb.Region | None = None) -> CheckedImage:
+        """An image to embed (the region of it, when given), opened but not decoded."""
+        image = self.open_image(data)
+        crop = None
+        if region is not None:
+            crop = self.check_region(region, image, pair.embedder.contract.exif_orientation)
+        return CheckedImage(image, crop)
+
+    def parts(self, pair: ServingPair, parts: list[pb.QueryPart]) -> tuple[CheckedPart, ...]:
+        """A query's parts checked, as a whole (`check_parts`) then each in turn; a part's error
+        names the part."""
+        weights = self.check_parts(parts)
+        checked = []
+        for i, (weight, part) in enumerate(zip(weights, parts, strict=True)):
+            try:
+                kind = part.WhichOneof("query")
+                if kind == "embedding":
+                    checked.append(CheckedPart(weight, self.check_embedding(pair, part.embedding.values)))
+                elif kind == "item_id":
+                    checked.append(CheckedPart(weight, *self.item_vector(pair, part.item_id)))
+                else:
+                    region = part.region if part.HasField("region") else None
+                    checked.append(CheckedPart(weight, image=self.image(pair, part.image, region)))
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"parts[{i}]: {exc}") from None
+        return tuple(checked)
 
     def k_of(self, k: int, min_score: float | None) -> int:
         """The k a request asks for, checked: unset (0) is DEFAULT_K (never past max_k), or with

@@ -87,3 +87,16 @@ def image_errors() -> Iterator[None]:
         raise PayloadTooLarge(str(exc)) from exc
     except ImageDecodeError as exc:
         raise InvalidArgument(f"cannot decode image: {exc}") from exc
+
+
+@contextmanager
+def at_place(i: int) -> Iterator[None]:
+    """Request `i` of a batch: one bad request fails the batch, so its error says which it was
+    (`requests[3]: …`). The call's own errors — its deadline, no pair to answer — are not the
+    request's, and are left as they are."""
+    try:
+        yield
+    except (DeadlineExceeded, Unavailable):
+        raise
+    except ServiceError as exc:
+        raise type(exc)(f"requests[{i}]: {exc.message}") from exc

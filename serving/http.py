@@ -1,10 +1,10 @@
 """HTTP/JSON beside gRPC, in the same process and on the same event loop (aiohttp).
 
-Each route is one entry of `ROUTES`: its method and path, the call on the service layer it
-makes, the protobuf messages it takes and returns (bodies are their proto3 JSON mapping,
-`google.protobuf.json_format`: camelCase names, bytes as base64), and who may call it. The same
-table registers the routes and writes the OpenAPI document (`serving.openapi`), so the two
-cannot drift. Routes are thin: validation, admission, error mapping and counting are the service
+Each route is one entry of `ROUTES` (`serving.routes`): its method and path, the call on the
+service layer it makes, the protobuf messages it takes and returns (bodies are their proto3 JSON
+mapping, `google.protobuf.json_format`: camelCase names, bytes as base64), and who may call it.
+The same table registers the routes here and writes the OpenAPI document (`serving.openapi`), so
+the two cannot drift. Routes are thin: validation, admission, error mapping and counting are the service
 layer's and the `CallRecorder`'s, shared with the gRPC servicers — a failure is the same
 `ServiceError`, answered with its HTTP status (`ServiceError.http_status`, after google.rpc.Code's
 mapping) and `{"error": {"code": "INVALID_ARGUMENT", "message": "…"}}`.
@@ -20,7 +20,6 @@ import logging
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +31,13 @@ from google.protobuf.message import Message
 
 from core.catalog import parse_bbox
 from protos.simsearch.v1 import search_pb2 as pb
-from serving.auth import Scope, Tokens, token_fingerprint
-from serving.checks import DEFAULT_K
+from serving.admin import AdminService
+from serving.auth import Tokens, token_fingerprint
+from serving.calls import CallRecorder
 from serving.errors import InvalidArgument, PayloadTooLarge, ServiceError, status_of
-from serving.service import AdminService, SearchService
-from serving.servicer import CallRecorder
+from serving.openapi import Served, openapi_document
+from serving.routes import IMAGE_TYPES, QUERY_BOUNDS, ROUTES, TIMEOUT_HEADER, Route
+from serving.service import SearchService
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +47,9 @@ CONTENT_SECURITY_POLICY = (
     "default-src 'self'; img-src 'self' blob: data:; style-src 'self'; script-src 'self'; "
     "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'"
 )
-TIMEOUT_HEADER = "X-Request-Timeout"  # seconds, the HTTP form of a gRPC deadline
-IMAGE_TYPES = ("image/", "application/octet-stream")
 # aiohttp's default of 8 KiB is short for a Filter in the query string of /v1/search/image; a longer
 # request line is refused by aiohttp itself (400, in plain text).
 MAX_REQUEST_LINE = 64 * 1024
-# The bounds of the routes' own integer query parameters, checked here and stated in the OpenAPI document.
-QUERY_BOUNDS = {"size": (16, 512), "limit": (1, 10_000)}
 
 
 class UnsupportedMediaType(InvalidArgument):
@@ -66,82 +63,6 @@ class NotFoundRoute(InvalidArgument):
 
 class WrongMethod(InvalidArgument):
     http_status = 405
-
-
-@dataclass(frozen=True)
-class Route:
-    """One HTTP route: `call` is the `HttpApi` method that answers it."""
-
-    method: str
-    path: str
-    name: str  # the call's name in metrics and logs: the gRPC method it mirrors, where there is one
-    call: str
-    summary: str
-    scope: Scope = Scope.SEARCH
-    request: type[Message] | None = None  # a JSON body of this message
-    response: type[Message] | None = None  # a JSON body of this message (None: described in `produces`)
-    body: str | None = None  # "image": the raw image (or a multipart upload); described by `params`
-    params: tuple[tuple[str, str, str], ...] = ()  # (name, type, description) of query parameters
-    produces: str | None = None  # a response that is not a message: its content type
-    tag: str = "search"
-
-
-_IMAGE_QUERY_PARAMS = (
-    ("k", "integer", f"neighbours to return (default {DEFAULT_K}; with minScore: up to the server's max_k)"),
-    ("minScore", "number", "every neighbour at or above this cosine similarity"),
-    ("filter", "string", "a Filter as proto3 JSON (URL-encoded)"),
-    ("excludeIds", "string", "item ids to leave out, comma-separated"),
-    ("requestId", "string", "the request's id, for Feedback (default: made up)"),
-    ("label", "string", "the query's true label, scored into the traffic Recall@K"),
-    ("groupBy", "string", "k counts groups of this declared field (default: the index's item field; empty: none)"),
-    ("perGroup", "integer", "rows per group (default 1)"),
-    ("region", "string", "x,y,width,height: search for that crop, in pixels of the upright image"),
-)
-
-ROUTES: tuple[Route, ...] = (
-    Route("POST", "/v1/search", "Search", "search", "Nearest neighbours of an image, embedding or item id",
-          request=pb.SearchRequest, response=pb.SearchResponse),
-    Route("POST", "/v1/search/image", "Search", "search_image",
-          "Nearest neighbours of an image sent as the raw body or a multipart upload (field `image`)",
-          response=pb.SearchResponse, body="image", params=_IMAGE_QUERY_PARAMS),
-    Route("POST", "/v1/search-batch", "SearchBatch", "search_batch", "Several searches in one call",
-          request=pb.SearchBatchRequest, response=pb.SearchBatchResponse),
-    Route("POST", "/v1/embed", "Embed", "embed", "The embedding of an image", request=pb.EmbedRequest,
-          response=pb.EmbedResponse),
-    Route("POST", "/v1/embed/image", "Embed", "embed_image", "The embedding of an image sent as the raw body",
-          response=pb.EmbedResponse, body="image"),
-    Route("POST", "/v1/feedback", "Feedback", "feedback", "Which neighbours of an answer were relevant",
-          request=pb.FeedbackRequest, response=pb.FeedbackResponse),
-    Route("GET", "/v1/info", "GetInfo", "info", "The live versions, limits and recall figures",
-          response=pb.GetInfoResponse),
-    Route("GET", "/v1/items/{item_id}/thumbnail", "Thumbnail", "thumbnail",
-          "An indexed item's image, scaled down (by item id only)", produces="image/jpeg",
-          params=(("size", "integer", "longest side in pixels, 16..512 (default 160)"),)),
-    Route("GET", "/v1/health/history", "History", "history",
-          "The last hour of q/s and p50/p99 latency, the live recall figures and versions",
-          produces="application/json"),
-    Route("GET", "/v1/duplicates", "Duplicates", "duplicates",
-          "The groups of the live version's latest `index duplicates` run (none: `run` is null)",
-          produces="application/json"),
-    Route("POST", "/v1/admin/reload", "Reload", "reload", "Load a version (default: CURRENT's) and swap it in",
-          scope=Scope.ADMIN, request=pb.ReloadRequest, response=pb.ReloadResponse, tag="admin"),
-    Route("POST", "/v1/admin/remove-items", "RemoveItems", "remove_items",
-          "Take items down: a new version without them, swapped in", scope=Scope.ADMIN,
-          request=pb.RemoveItemsRequest, response=pb.RemoveItemsResponse, tag="admin"),
-    Route("GET", "/v1/admin/versions", "ListVersions", "versions", "Every version with its manifest figures",
-          scope=Scope.ADMIN, produces="application/json", tag="admin"),
-    Route("GET", "/v1/admin/versions/{version}/neighbours.png", "VersionSheet", "neighbours_sheet",
-          "A version's sample queries and their neighbours", scope=Scope.ADMIN, produces="image/png", tag="admin"),
-    Route("POST", "/v1/admin/versions/{version}/live", "MakeLive", "make_live",
-          "Make this version live (what `index rollback --to` does) and load it; items taken down since it was "
-          "built stay down (a version derived from it without them is published) unless restoreTakenDown=true",
-          scope=Scope.ADMIN, response=pb.ReloadResponse, tag="admin",
-          params=(("restoreTakenDown", "boolean",
-                   "serve the items taken down since this version was built again (audited by id)"),)),
-    Route("GET", "/v1/admin/audit", "Audit", "audit", "The takedown audit log, newest first", scope=Scope.ADMIN,
-          produces="application/json", params=(("limit", "integer", "entries to return (default 100)"),),
-          tag="admin"),
-)  # fmt: skip
 
 
 class ServerLog(logging.LoggerAdapter):
@@ -309,8 +230,6 @@ class HttpApi:
         )
 
     async def _openapi(self, request: web.Request) -> web.Response:
-        from serving.openapi import Served, openapi_document
-
         served = Served(self.service.engine.limits)
         if self.service.engine.loaded:  # the rules that hang on the live model and index version
             pair = self.service.engine.pair

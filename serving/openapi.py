@@ -1,4 +1,4 @@
-"""The HTTP API's OpenAPI 3 document, generated from the code: the paths from `serving.http.ROUTES`,
+"""The HTTP API's OpenAPI 3 document, generated from the code: the paths from `serving.routes.ROUTES`,
 the schemas from the protobuf descriptors of the messages the routes take and return (in their
 proto3 JSON mapping), assembled and checked by apispec."""
 
@@ -16,7 +16,7 @@ from protos.simsearch.v1 import search_pb2 as pb
 from serving.auth import Scope
 from serving.checks import DEFAULT_K, MIN_SCORE_RANGE
 from serving.engine import Limits
-from serving.http import IMAGE_TYPES, QUERY_BOUNDS, ROUTES, TIMEOUT_HEADER
+from serving.routes import IMAGE_TYPES, QUERY_BOUNDS, ROUTES, TIMEOUT_HEADER
 
 TITLE = "simsearch HTTP/JSON API"
 API_VERSION = "v1"

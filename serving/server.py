@@ -9,7 +9,8 @@ Embedding and search run in the batcher's inference threads (a batch per stream)
 the loop's default executor. `SearchApp` owns the parts — engine, batcher, decode pool, recall
 monitor and its probe runner, the service layer and its thin servicers, health, the metrics
 endpoint — and reloads (on request, or when CURRENT changes); the servicers only translate
-(`serving.servicer`), the logic is plain classes (`serving.service`).
+(`serving.servicer`), the logic is plain classes (`serving.service`, `serving.admin`). What it is
+told to do is `serving.config.ServerConfig`.
 """
 
 from __future__ import annotations
@@ -18,15 +19,12 @@ import asyncio
 import functools
 import json
 import logging
-import os
 import signal
 import socket
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,34 +32,31 @@ from grpc_reflection.v1alpha import reflection
 
 from core import artifacts
 from core.artifacts import ArtifactError
-from core.catalog import read_probe_catalog
-from core.config import DEVICES, option, resolve_config, section
 from index.lifecycle import RemovalReport, RollbackReport, remove_items, rollback
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
+from serving.admin import AdminService
 from serving.auth import Tokens
 from serving.batching import DynamicBatcher
-from serving.engine import Limits, SearchEngine, ServingPair, load_pair
+from serving.calls import CallRecorder
+from serving.config import EVENT_LOOPS, ServerConfig
+from serving.engine import SearchEngine, ServingPair
 from serving.history import TrafficHistory
 from serving.http import HttpApi, tls_context
 from serving.memory import reclaim, steady_heap
 from serving.metrics import ServiceMetrics
-from serving.monitor import MonitorConfig, RecallMonitor
+from serving.monitor import RecallMonitor
 from serving.probe import ProbeRunner
-from serving.query_embedder import MEASURE_BUDGET_S, Progress
-from serving.service import AdminService, SearchService
+from serving.service import SearchService
 from serving.servicer import (
     ADMIN_SERVICE,
     SEARCH_SERVICE,
     AdminServicer,
-    CallRecorder,
     RpcCall,
     SearchServicer,
     TokenAuthInterceptor,
 )
 
 log = logging.getLogger(__name__)
-
-EVENT_LOOPS = ("uvloop", "asyncio")
 
 
 class PortInUse(ValueError):
@@ -94,227 +89,6 @@ def claim_port(what: str, host: str, port: int, flag: str) -> None:
             probe.bind(address)
         except OSError as exc:
             raise PortInUse(what, host, port, flag, exc.strerror) from None
-
-
-@dataclass
-class Transport:
-    """How clients reach the server: address, TLS, tokens, connection lifetime."""
-
-    host: str = option("127.0.0.1", help="address to bind")
-    port: int = option(50051, help="gRPC port (0 picks a free one)")
-    metrics_port: int | None = option(9100, help="Prometheus HTTP port ('none': no metrics endpoint)")
-    http_port: int | None = option(
-        None, help="HTTP/JSON API and web console port (0 picks a free one; default: none, no HTTP)"
-    )
-    http_cors_origin: str | None = option(
-        None, help="an origin (https://host:port) whose pages may call the HTTP API (default: no CORS)"
-    )
-    tls_cert: str | None = option(None, help="PEM certificate chain (enables TLS, with --tls-key)")
-    tls_key: str | None = option(None, help="PEM private key")
-    admin_token: str | None = option(None, help="bearer token for IndexAdmin (or SIMSEARCH_ADMIN_TOKEN)")
-    search_token: str | None = option(None, help="bearer token required for search (or SIMSEARCH_SEARCH_TOKEN)")
-    # Behind an L4 load balancer, a client that reconnects is spread over replicas added since.
-    max_connection_age_s: float = option(
-        300.0, help="ask a connection this old to go (GOAWAY), so clients reconnect and spread over replicas; 0: never"
-    )
-    max_connection_age_grace_s: float = option(30.0, help="how long an old connection's calls may take to finish")
-    keepalive_s: float = option(
-        60.0, help="ping a connection idle this long and close it if no answer within 20 s; 0: no pings"
-    )
-
-    def __post_init__(self) -> None:
-        for name in ("port", "metrics_port", "http_port"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < 65536:
-                raise ValueError(f"{name} must be within 0..65535, got {value}")
-        for name in ("max_connection_age_s", "max_connection_age_grace_s", "keepalive_s"):
-            if not 0 <= getattr(self, name) < float("inf"):
-                raise ValueError(f"{name} must be ≥ 0 seconds (0: off), got {getattr(self, name)}")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("TLS needs both --tls-cert and --tls-key")
-
-    @property
-    def connection_options(self) -> list[tuple[str, int]]:
-        """gRPC channel arguments for connection lifetime and keepalive."""
-        options = []
-        if self.max_connection_age_s:
-            options += [
-                ("grpc.max_connection_age_ms", round(self.max_connection_age_s * 1e3)),
-                ("grpc.max_connection_age_grace_ms", round(self.max_connection_age_grace_s * 1e3)),
-            ]
-        if self.keepalive_s:
-            options += [
-                ("grpc.keepalive_time_ms", round(self.keepalive_s * 1e3)),
-                ("grpc.keepalive_timeout_ms", 20_000),
-            ]
-        # Clients may ping an idle connection every 10 s (gRPC's default refuses more often
-        # than every 5 minutes, and answers a client keepalive of a minute with GOAWAY).
-        options += [("grpc.http2.min_ping_interval_without_data_ms", 10_000)]
-        return options
-
-
-@dataclass
-class Batching:
-    """Dynamic batching: queries that arrive together share one ONNX Runtime run and one search."""
-
-    enabled: bool = option(True, flag="--batching", help="dynamic batching (off: each query runs alone)")
-    max_batch_size: int = option(32, help="queries per ONNX Runtime/faiss batch")
-    batch_streams: int = option(
-        2,
-        help="batches run at once, each on its own thread and share of the ONNX Runtime threads; one starts "
-        "beside another once half of batch size / streams queries are queued",
-    )
-    max_wait_ms: float = option(0.0, help="longest wait to fill a batch (0: a batch is what queued meanwhile)")
-    max_queue: int = option(1024, help="queued queries before RESOURCE_EXHAUSTED")
-
-    def __post_init__(self) -> None:
-        for name in ("max_batch_size", "batch_streams", "max_queue"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_wait_ms < 0:
-            raise ValueError("max_wait_ms must be ≥ 0")
-
-
-@dataclass
-class Runtime:
-    """Where and on how many threads queries are decoded, embedded and searched."""
-
-    provider: str = option("auto", choices=DEVICES, help="where ONNX Runtime embeds")
-    workers: int | None = option(
-        None, help="decode threads, and inference threads with batching off (default: CPU count)"
-    )
-    event_loop: str = option("uvloop", choices=EVENT_LOOPS, help="the gRPC event loop")
-    inline_decode_pixels: int = option(
-        4096, help="decode on the event loop when image and model input have at most this many pixels (0: never)"
-    )
-    inference_decode_pixels: int = option(
-        65_536,
-        help="decode images of at most this many pixels in the inference thread that embeds them, sparing a "
-        "hop to a decode thread; larger ones decode in the pool while they wait",
-    )
-    intra_op_threads: int | None = option(
-        None,
-        help="ONNX Runtime threads per run (default: CPU count, at most 8, for a run made alone, shared out "
-        "among the runs made at once); setting it uses that many for every run",
-    )
-    ort_spinning: bool = option(
-        False, help="let idle ONNX Runtime threads busy-wait (off: they would steal gRPC's cores)"
-    )
-    run_rows: int | None = option(
-        None,
-        help="embed a batch in ONNX Runtime runs of at most this many images (0: the whole batch in one run; "
-        "default: the fastest, measured when a model loads)",
-    )
-    run_rows_budget_s: float = option(
-        MEASURE_BUDGET_S,
-        help="longest the measurement of rows per run may hold up a model's load; past it, whole batches "
-        "(as --run-rows 0), with a warning",
-    )
-
-    def __post_init__(self) -> None:
-        if not 0 < self.run_rows_budget_s < float("inf"):
-            raise ValueError(f"run_rows_budget_s must be > 0 seconds, got {self.run_rows_budget_s}")
-        for name in ("workers", "intra_op_threads"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("inline_decode_pixels", "inference_decode_pixels", "run_rows"):
-            if (getattr(self, name) or 0) < 0:
-                raise ValueError(f"{name} must be ≥ 0, got {getattr(self, name)}")
-
-    @property
-    def worker_threads(self) -> int:
-        """Decode threads, and inference threads with batching off: `workers`, by default the CPUs."""
-        return self.workers or os.cpu_count() or 1
-
-
-@dataclass
-class ServerConfig:
-    """`serving serve`: the index it serves, and its transport, limits, batching, runtime and
-    quality monitor, each a section of its own."""
-
-    index_root: str = option("runs/index", help="index root with versions/ and CURRENT")
-    model: str | None = option(None, help="model artifact directory (default: the one the index records)")
-    watch_current: bool = option(False, help="reload when the index root's CURRENT changes")
-    watch_interval_s: float = option(5.0, help="how often CURRENT is read with --watch-current")
-    access_log: bool = option(False, help="log every RPC")
-    keep_versions: int = option(5, help="index versions a RemoveItems takedown keeps in the root")
-    drain_timeout_s: float = option(
-        30.0, help="RemoveItems returns once no request answers from the old version, or after this long"
-    )
-    transport: Transport = section(Transport, help="address, TLS, tokens, connection lifetime")
-    limits: Limits = section(Limits, help="what one request may ask")
-    batching: Batching = section(Batching, help="dynamic batching")
-    runtime: Runtime = section(Runtime, help="decoding, ONNX Runtime and event-loop threads")
-    monitor: MonitorConfig = section(MonitorConfig, help="online Recall@K, ANN fidelity and probe rounds")
-
-    @classmethod
-    def flat(cls, **options: Any) -> ServerConfig:
-        """The configuration from options named flat, as on the command line (`port=0, batching=False`)."""
-        return resolve_config(cls, options)
-
-    def __post_init__(self) -> None:
-        if self.watch_interval_s <= 0:
-            raise ValueError("watch_interval_s must be > 0")
-        if self.keep_versions < 1:
-            raise ValueError(f"keep_versions must be at least 1, got {self.keep_versions}")
-        if not 0 < self.drain_timeout_s < float("inf"):
-            raise ValueError(f"drain_timeout_s must be > 0 seconds, got {self.drain_timeout_s}")
-
-    def check_inputs(self) -> None:
-        """What reads files, before the server starts: the index root, TLS files, the probe catalog."""
-        if not Path(self.index_root).is_dir():
-            raise ValueError(f"index root not found: {self.index_root}")
-        if not self.watch_current:  # watching, it waits for a first version to be published
-            artifacts.check_index_root(self.index_root)
-        for name in ("tls_cert", "tls_key"):
-            path = getattr(self.transport, name)
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"{name.replace('_', '-')} file not found: {path}")
-        if self.monitor.probe_catalog is not None:
-            if not Path(self.monitor.probe_catalog).is_file():
-                raise ValueError(f"probe-catalog file not found: {self.monitor.probe_catalog}")
-            read_probe_catalog(self.monitor.probe_catalog)
-
-    @property
-    def runs_at_once(self) -> int:
-        """ORT runs the server makes at once — batch streams with batching on, inference threads
-        with it off — among which the intra-op threads are shared out (a run made alone still
-        gets them all); 1 when the operator fixed the threads every run takes."""
-        if self.runtime.intra_op_threads is not None:
-            return 1
-        return self.batching.batch_streams if self.batching.enabled else self.runtime.worker_threads
-
-    @property
-    def largest_run(self) -> int:
-        """The most images one ORT call may be asked to embed: a full batch, or one query
-        unbatched (a SearchBatch call's queries run one by one then)."""
-        return self.batching.max_batch_size if self.batching.enabled else 1
-
-    def load(
-        self,
-        version: str | None = None,
-        model_dir: str | None = None,
-        previous: ServingPair | None = None,
-        progress: Progress | None = None,
-    ) -> ServingPair:
-        """The pair this configuration serves: `version` of the index (default: the one CURRENT
-        names) with `model_dir` (default: `model`, else the one the index records), loaded for
-        its provider and its runs at once. `previous`: the live pair, whose measured rows per ORT run
-        a new index for the same model reuses. `progress` hears how the run-size measurement goes."""
-        return load_pair(
-            self.index_root,
-            version,
-            model_dir or self.model,
-            self.runtime.provider,
-            self.runtime.intra_op_threads,
-            self.runtime.ort_spinning,
-            runs_at_once=self.runs_at_once,
-            run_rows=self.runtime.run_rows,
-            batch_rows=self.largest_run,
-            previous=previous,
-            measure_budget_s=self.runtime.run_rows_budget_s,
-            progress=progress,
-        )
 
 
 def loop_factory(kind: str = "uvloop"):

@@ -2,22 +2,21 @@
 gRPC status or context in their logic (a failure is a `serving.errors.ServiceError`, which the
 servicer turns into a status).
 
-`SearchService` prepares each query (checks, exclusions, where its image decodes), hands it to
-the batcher, and builds the answer (neighbours, stage timings, what the recall monitor and the
-Feedback log keep of it). `AdminService` reloads and says what changed.
+`SearchService` checks each request once at its entry (`serving.checks`: a `CheckedSearch`, which
+the rest of the path trusts), prepares its query (where its image decodes, its parts combined),
+hands it to the batcher, and builds the answer (neighbours, stage timings, what the recall
+monitor and the Feedback log, `serving.feedback`, keep of it). Reload, takedowns and the index
+root's versions are `serving.admin.AdminService`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import csv
 import io
-import json
 import time
 import uuid
-from array import array
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,27 +24,15 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from core import artifacts
-from core.artifacts import ArtifactError
-from core.manifests import IndexManifest
 from core.preprocess import ImageNotFound, load_pixels, open_image
 from index import filters
-from index.duplicates import GROUPS_FILE, SUMMARY_FILE, runs_of
 from index.grouping import EXACT_PASS
-from index.lifecycle import RemovalReport, RollbackReport, audit_entries
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
-from serving.checks import RequestChecks
+from serving.checks import CheckedImage, CheckedPart, CheckedSearch, RequestChecks
 from serving.engine import EVERY_ROW, Hit, Limits, Scope, SearchEngine, ServingPair
-from serving.errors import (
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ServiceError,
-    Unavailable,
-    image_errors,
-)
+from serving.errors import DeadlineExceeded, InvalidArgument, NotFound, at_place, image_errors
+from serving.feedback import FeedbackLog
 from serving.history import TrafficHistory
 from serving.metrics import ServiceMetrics
 from serving.monitor import RecallMonitor
@@ -60,84 +47,6 @@ async def _deadline(timeout: float | None) -> AsyncIterator[float | None]:
             yield None if timeout is None else time.monotonic() + timeout
     except TimeoutError:
         raise DeadlineExceeded("deadline exceeded before the answer was ready") from None
-
-
-class FeedbackLog:
-    """The last `window` answers by request id, for Feedback calls naming one of them.
-
-    Each answer is kept as (serial of the load that gave it, rows it returned): the serial, not
-    the pair, or the log would keep every pair it saw answering alive; rows, not ids, one small
-    array an answer instead of a list of strings (the log holds thousands of answers, and churns
-    with every query). Only the loop thread touches it: no lock."""
-
-    def __init__(self, window: int) -> None:
-        self.window = window
-        self._recent: OrderedDict[str, tuple[int, array]] = OrderedDict()
-
-    def remember(self, request_id: str, serial: int, rows: list[int]) -> None:
-        self._recent[request_id] = (serial, array("l", rows))
-        while len(self._recent) > self.window:
-            self._recent.popitem(last=False)
-
-    def returned_ids(self, request_id: str, live: ServingPair) -> tuple[int, list[str]]:
-        """(serial of the load that answered `request_id`, the ids it returned); no ids when
-        that load is not `live` (its rows may name other items now)."""
-        answer = self._recent.get(request_id)
-        if answer is None:
-            raise InvalidArgument(f"unknown or expired request_id {request_id!r}")
-        serial, rows = answer
-        return serial, [live.items.ids[r] for r in rows] if live.serial == serial else []
-
-
-def to_filter(message: pb.Filter) -> filters.Filter:
-    """The protocol's filter as the index layer's (which checks it against the version's fields)."""
-
-    def condition(c: pb.Condition) -> filters.Condition:
-        kind = c.WhichOneof("match")
-        if kind is None:
-            raise InvalidArgument(f"filter field {c.field!r}: a condition needs one of value, any_of or range")
-        if kind == "value":
-            return filters.Condition(c.field, value=c.value)
-        if kind == "any_of":
-            return filters.Condition(c.field, any_of=tuple(c.any_of.values))
-        bounds = {b: getattr(c.range, b) if c.range.HasField(b) else None for b in ("gte", "gt", "lte", "lt")}
-        return filters.Condition(c.field, range=filters.Range(**bounds))
-
-    return filters.Filter(
-        must=tuple(map(condition, message.must)),
-        should=tuple(map(condition, message.should)),
-        must_not=tuple(map(condition, message.must_not)),
-    )
-
-
-class FilterMasks:
-    """The rows of recent filters, by (load serial, the filter's bytes): a filter repeated by
-    many queries ("only this category") is turned into its mask once, and its queries carry
-    the same array, so the engine searches those of one batch together. Masks are read-only.
-    Only the loop thread touches it: no lock."""
-
-    def __init__(self, size: int = 16) -> None:
-        self.size = size
-        self._masks: OrderedDict[tuple[int, bytes], np.ndarray] = OrderedDict()
-
-    def mask(self, pair: ServingPair, message: pb.Filter) -> np.ndarray:
-        key = (pair.serial, message.SerializeToString(deterministic=True))
-        mask = self._masks.get(key)
-        if mask is not None:
-            self._masks.move_to_end(key)
-            return mask
-        index = pair.index_version.filters
-        if index is None:
-            raise InvalidArgument("filter: this index version declares no filterable fields (index build --filterable)")
-        try:
-            mask = index.mask(to_filter(message))
-        except filters.FilterError as exc:
-            raise InvalidArgument(str(exc)) from None
-        mask.flags.writeable = False
-        self._masks[key] = mask
-        while len(self._masks) > self.size:
-            self._masks.popitem(last=False)
-        return mask
 
 
 class SearchService:
@@ -166,7 +75,6 @@ class SearchService:
         self._thumbnails: OrderedDict[tuple[int, int, int], tuple[bytes, str]] = OrderedDict()
         # serial of a load → requests still answering from it. Only the loop thread touches it.
         self._answering: Counter[int] = Counter()
-        self.filter_masks = FilterMasks()
 
     async def drained(self, serial: int, timeout: float) -> bool:
         """Wait until no request is answering from the load `serial` (a pair swapped out): what
@@ -198,134 +106,75 @@ class SearchService:
     async def _image_query(
         self,
         pair: ServingPair,
-        data: bytes,
+        image: CheckedImage,
         k: int,
         exclude: frozenset[int],
         deadline: float | None,
         received: float,
         scope: Scope = EVERY_ROW,
-        region: pb.Region | None = None,
     ) -> Query:
-        """A query for an image (the region of it, when given): decoded here or in the decode
-        pool, or only opened, for the inference thread to decode."""
-        image = self.checks.open_image(data)
-        crop = None
-        if region is not None:
-            crop = self.checks.check_region(region, image, pair.embedder.contract.exif_orientation)
-        placement = self.placement(pair, image)
+        """A query for a checked image (the region of it, when given): decoded here or in the
+        decode pool, or left opened only, for the inference thread to decode."""
+        started = time.perf_counter()
+        placement = self.placement(pair, image.image)
         array = None
         if placement == DecodePlacement.ON_LOOP:
-            array = self.engine.model_input(pair, image, crop)
+            array = self.engine.model_input(pair, image.image, image.crop)
         elif placement == DecodePlacement.IN_POOL:
             loop = asyncio.get_running_loop()
-            array = await loop.run_in_executor(self.decode_pool, self.engine.model_input, pair, image, crop)
+            array = await loop.run_in_executor(self.decode_pool, self.engine.model_input, pair, image.image, image.crop)
         return Query(
             pair,
             k,
             exclude,
             scope,
             array=array,
-            image=image if array is None else None,
-            region=crop,
+            image=image.image if array is None else None,
+            region=image.crop,
             deadline=deadline,
             received=received,
-            decode_s=time.perf_counter() - received,
+            decode_s=time.perf_counter() - started,
         )
 
-    def _scope(self, request: pb.SearchRequest, pair: ServingPair) -> Scope:
-        """The rows a request may be answered with: its filter's matches, at or above its
-        min_score; grouped by its group_by field (the index's item field unless it says)."""
-        min_score = None
-        if request.HasField("min_score"):
-            min_score = self.checks.check_min_score(float(request.min_score))
-        allowed = self.filter_masks.mask(pair, request.filter) if request.HasField("filter") else None
-        group_by = request.group_by if request.HasField("group_by") else pair.manifest.item_field or ""
-        if not group_by:
-            if request.HasField("per_group"):
-                raise InvalidArgument("per_group needs group_by (this index has no item field to group by)")
-            return Scope(allowed, min_score) if allowed is not None or min_score is not None else EVERY_ROW
-        per_group = self.checks.check_per_group(request.per_group if request.HasField("per_group") else 1)
-        return Scope(allowed, min_score, self.checks.groups(pair, group_by), per_group)
-
-    def _left_out(self, scope: Scope, rows: set[int]) -> set[int]:
-        """Rows a query's own items leave out: the rows themselves and, grouped, their groups'."""
-        if scope.groups is None:
-            return rows
-        codes = scope.groups.codes
-        return rows.union(*(scope.groups.rows_of(int(codes[r])).tolist() for r in rows if codes[r] >= 0))
-
-    async def _prepare(self, request: pb.SearchRequest, pair: ServingPair, deadline: float | None) -> Query:
-        checks = self.checks
-        if request.HasField("label") and not (pair.items.labelled or pair.manifest.item_field):
-            raise InvalidArgument(
-                "label: this index version's rows have no label and no item field, so a labelled query cannot be "
-                "scored on it; leave label out (index build --item-field names the column a label would match)"
-            )
-        scope = self._scope(request, pair)
-        k = checks.k_of(request.k, scope.min_score)
-        exclude = frozenset(checks.exclude_rows(pair, list(request.exclude_ids)))
-        received = time.perf_counter()
-        kind = request.WhichOneof("query")
-        if request.HasField("region") and kind != "image":
-            raise InvalidArgument(f"region crops an image query; this query is {kind or 'a set of parts'}")
-        if request.parts:
-            if kind is not None:
-                raise InvalidArgument(f"set either {kind} or parts, not both")
-            vector, own = await self._combined(list(request.parts), pair, deadline)
-            exclude |= self._left_out(scope, own)
+    async def _prepare(self, search: CheckedSearch, deadline: float | None, received: float) -> Query:
+        pair, k, exclude, scope = search.pair, search.k, search.exclude, search.scope
+        if search.parts:
+            vector = await self._combined(search.parts, pair, deadline)
             return Query(pair, k, exclude, scope, vector=vector, deadline=deadline, received=received)
-        if kind == "image":
-            region = request.region if request.HasField("region") else None
-            return await self._image_query(pair, request.image, k, exclude, deadline, received, scope, region)
-        if kind == "embedding":
-            vector = checks.check_embedding(pair, request.embedding.values)
-            return Query(pair, k, exclude, scope, vector=vector, deadline=deadline, received=received)
-        if kind == "item_id":
-            vector, row = checks.item_vector(pair, request.item_id)
-            exclude |= self._left_out(scope, {row})
-            return Query(pair, k, exclude, scope, vector=vector, deadline=deadline, received=received)
-        raise InvalidArgument("request has no query: set image, embedding, item_id or parts")
+        if search.image is not None:
+            return await self._image_query(pair, search.image, k, exclude, deadline, received, scope)
+        return Query(pair, k, exclude, scope, vector=search.vector, deadline=deadline, received=received)
 
-    async def _combined(
-        self, parts: list[pb.QueryPart], pair: ServingPair, deadline: float | None
-    ) -> tuple[np.ndarray, set[int]]:
+    async def _combined(self, parts: tuple[CheckedPart, ...], pair: ServingPair, deadline: float | None) -> np.ndarray:
         """One query vector from several parts, Rocchio-style — normalise(sum of weight × unit
-        embedding, negatives subtracted) — and the rows of its item-id parts. A part's error
-        names the part."""
-        weights = self.checks.check_parts(parts)
+        embedding, negatives subtracted). An image part's error names the part."""
 
-        async def vector_of(i: int, part: pb.QueryPart) -> tuple[np.ndarray, int | None]:
+        async def vector_of(i: int, part: CheckedPart) -> np.ndarray:
+            if part.image is None:
+                return part.vector
             try:
-                kind = part.WhichOneof("query")
-                if kind == "embedding":
-                    return self.checks.check_embedding(pair, part.embedding.values), None
-                if kind == "item_id":
-                    return self.checks.item_vector(pair, part.item_id)
-                region = part.region if part.HasField("region") else None
-                query = await self._image_query(
-                    pair, part.image, 0, frozenset(), deadline, time.perf_counter(), region=region
-                )
-                return (await self.batcher.run(query)).vector, None
+                query = await self._image_query(pair, part.image, 0, frozenset(), deadline, time.perf_counter())
+                return (await self.batcher.run(query)).vector
             except InvalidArgument as exc:
                 raise InvalidArgument(f"parts[{i}]: {exc}") from None
 
         found = await asyncio.gather(*(vector_of(i, p) for i, p in enumerate(parts)))
-        combined = sum(w * v.astype(np.float64) for w, (v, _) in zip(weights, found, strict=True))
+        combined = sum(p.weight * v.astype(np.float64) for p, v in zip(parts, found, strict=True))
         norm = float(np.linalg.norm(combined))
         if not norm > 1e-6:
             raise InvalidArgument("query parts cancel out: the weighted sum of their embeddings is zero")
-        return (combined / norm).astype(np.float32), {row for _, row in found if row is not None}
+        return (combined / norm).astype(np.float32)
 
     # -- answers ----------------------------------------------------------------------------
 
-    async def _answer(self, request: pb.SearchRequest, pair: ServingPair, deadline: float | None) -> pb.SearchResponse:
-        query = await self._prepare(request, pair, deadline)
-        return self._respond(request, query, await self.batcher.run(query))
+    async def _answer(self, search: CheckedSearch, deadline: float | None, received: float) -> pb.SearchResponse:
+        query = await self._prepare(search, deadline, received)
+        return self._respond(search, query, await self.batcher.run(query))
 
-    def _respond(self, request: pb.SearchRequest, query: Query, result: Result) -> pb.SearchResponse:
+    def _respond(self, search: CheckedSearch, query: Query, result: Result) -> pb.SearchResponse:
         pair = query.pair
         items = pair.items
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = search.request_id or uuid.uuid4().hex
         neighbors = [
             pb.Neighbor(
                 id=items.ids[h.row],
@@ -346,8 +195,8 @@ class SearchService:
                 )
         rows = [h.row for h in result.hits]
         self.feedback_log.remember(request_id, pair.serial, rows)
-        if request.HasField("label"):
-            self.monitor.record_labelled(pair.serial, request.label, self._truths(pair, result.hits, neighbors))
+        if search.label is not None:
+            self.monitor.record_labelled(pair.serial, search.label, self._truths(pair, result.hits, neighbors))
         if query.scope.min_score is None:  # the exact re-run compares against every row the filter allows
             self.monitor.maybe_sample_ann(
                 pair.serial, result.vector, rows, query.exclude, query.scope.allowed, query.scope.groups
@@ -397,15 +246,18 @@ class SearchService:
     async def search_many(
         self, requests: list[pb.SearchRequest], timeout: float | None, named: bool = False
     ) -> list[pb.SearchResponse]:
-        """Queries answered on one pair (the one live when they arrived), batched with others.
-        `named`: a request's own error names its place in the list (`requests[3]: …`)."""
+        """Queries answered on one pair (the one live when they arrived), batched with others;
+        every one is checked before any is answered. `named`: a request's own error names its
+        place in the list (`requests[3]: …`)."""
         pair = self.engine.pair
+        received = time.perf_counter()
+        checked = self.checks.search_batch(requests, pair, named)
         self._answering[pair.serial] += 1
         try:
             async with _deadline(timeout) as deadline:
                 answers = [
-                    self._answer_at(i, r, pair, deadline) if named else self._answer(r, pair, deadline)
-                    for i, r in enumerate(requests)
+                    self._answer_at(i, c, deadline, received) if named else self._answer(c, deadline, received)
+                    for i, c in enumerate(checked)
                 ]
                 if len(answers) == 1:
                     return [await answers[0]]
@@ -422,31 +274,27 @@ class SearchService:
                 del self._answering[pair.serial]
 
     async def _answer_at(
-        self, i: int, request: pb.SearchRequest, pair: ServingPair, deadline: float | None
+        self, i: int, search: CheckedSearch, deadline: float | None, received: float
     ) -> pb.SearchResponse:
-        """Request `i` of a batch answered: one bad request fails the batch, so its error says
-        which it was."""
-        try:
-            return await self._answer(request, pair, deadline)
-        except (DeadlineExceeded, Unavailable):
-            raise  # the call's, not the request's
-        except ServiceError as exc:
-            raise type(exc)(f"requests[{i}]: {exc.message}") from exc
+        """Request `i` of a batch answered: what fails it once checked (an image that does not
+        decode, parts that cancel out) names it too."""
+        with at_place(i):
+            return await self._answer(search, deadline, received)
 
     async def search(self, request: pb.SearchRequest, timeout: float | None) -> pb.SearchResponse:
         return (await self.search_many([request], timeout))[0]
 
     async def search_batch(self, request: pb.SearchBatchRequest, timeout: float | None) -> pb.SearchBatchResponse:
-        limit = self.engine.limits.max_batch_queries
-        if len(request.requests) > limit:
-            raise InvalidArgument(f"{len(request.requests)} queries exceed the batch limit of {limit}")
+        self.checks.check_batch_size(len(request.requests))
         return pb.SearchBatchResponse(responses=await self.search_many(list(request.requests), timeout, named=True))
 
     async def embed(self, request: pb.EmbedRequest, timeout: float | None) -> pb.EmbedResponse:
         """An image embedded in a batch with the queries (a query searched for nothing)."""
         pair = self.engine.pair
+        received = time.perf_counter()
+        image = self.checks.image(pair, request.image)
         async with _deadline(timeout) as deadline:
-            query = await self._image_query(pair, request.image, 0, frozenset(), deadline, time.perf_counter())
+            query = await self._image_query(pair, image, 0, frozenset(), deadline, received)
             result = await self.batcher.run(query)
         return pb.EmbedResponse(
             embedding=result.vector.tolist(),
@@ -523,7 +371,7 @@ class SearchService:
         if cached is None:
             path = pair.items.paths[row]
             loop = asyncio.get_running_loop()
-            cached = await loop.run_in_executor(self.decode_pool, thumbnail_of, path, size, self.checks.limits)
+            cached = await loop.run_in_executor(self.decode_pool, thumbnail_of, path, size, self.engine.limits)
             self._thumbnails[key] = cached
             while len(self._thumbnails) > 512:
                 self._thumbnails.popitem(last=False)
@@ -567,170 +415,3 @@ def thumbnail_of(path: str, size: int, limits: Limits) -> tuple[bytes, str]:
         return out.getvalue(), "image/png"
     image.convert("RGB").save(out, "JPEG", quality=85)
     return out.getvalue(), "image/jpeg"
-
-
-Reloader = Callable[[str | None, str | None], Awaitable[tuple[ServingPair | None, ServingPair]]]
-Remover = Callable[[list[str], str, str, str], Awaitable[RemovalReport]]
-# (version, model_dir, who, via, restore_taken_down, make_current) → what the rollback did, old pair, new pair
-RollingBack = Callable[
-    [str, str | None, str, str, bool, bool],
-    Awaitable[tuple[RollbackReport, ServingPair | None, ServingPair]],
-]
-
-
-class AdminService:
-    """Reload: a new pair swapped in, or FAILED_PRECONDITION with the old one still serving.
-    RemoveItems: a takedown published as a new version and swapped in. A named version (Reload,
-    make live) goes through `rollback`: takedowns made since it was built are re-applied."""
-
-    def __init__(
-        self,
-        reload: Reloader,
-        remove: Remover | None = None,
-        index_root: str | Path | None = None,
-        rollback: RollingBack | None = None,
-        live: Callable[[], ServingPair | None] | None = None,
-    ) -> None:
-        self._reload = reload
-        self._remove = remove
-        self._rollback = rollback
-        self._live = live
-        self.index_root = Path(index_root) if index_root is not None else None
-
-    def _root(self) -> Path:
-        if self.index_root is None:
-            raise FailedPrecondition("this server has no index root")
-        return self.index_root
-
-    def versions(self, live: str | None) -> list[dict]:
-        """Every version in the root, newest first, with its manifest's figures."""
-        root = self._root()
-        current = artifacts.current_version(root)
-        listed = []
-        for version in reversed(artifacts.list_versions(root)):
-            try:
-                m = IndexManifest.read(artifacts.version_dir(root, version))
-            except (ArtifactError, FileNotFoundError, ValueError) as exc:
-                listed.append({"version": version, "error": str(exc)})
-                continue
-            quality = m.quality
-            listed.append(
-                {
-                    "version": version,
-                    "live": version == live,
-                    "current": version == current,
-                    "size": m.live_size,
-                    "deletedRows": m.deleted_rows,
-                    "factory": m.factory,
-                    "modelId": m.model_id,
-                    "annRecall": quality.ann_recall_at_k if quality else None,
-                    "probeRecallAtK": (quality.probe_recall_at_k or {}) if quality else {},
-                    "created": m.created,
-                    "parentVersion": m.parent_version,
-                }
-            )
-        return listed
-
-    def neighbours_sheet(self, version: str) -> Path:
-        path = self._version_dir(version) / artifacts.NEIGHBOURS_FILE
-        if not path.is_file():
-            raise NotFound(f"version {version} has no {artifacts.NEIGHBOURS_FILE}")
-        return path
-
-    def _version_dir(self, version: str) -> Path:
-        if version not in artifacts.list_versions(self._root()):  # a name from the listing, never a path
-            raise NotFound(f"no index version {version!r}")
-        return artifacts.version_dir(self._root(), version)
-
-    async def make_live(
-        self, version: str, who: str = "", via: str = "http", restore_taken_down: bool = False
-    ) -> pb.ReloadResponse:
-        """Make `version` live — what `index rollback --to` does — and load it: CURRENT names it,
-        or a version derived from it without the items taken down since it was built."""
-        self._version_dir(version)
-        return await self._roll_back(version, None, who, via, restore_taken_down, make_current=True)
-
-    def audit(self, limit: int) -> list[dict]:
-        """The newest `limit` entries of the root's takedown audit log."""
-        return audit_entries(self._root())[::-1][:limit]
-
-    def duplicates(self, live: str) -> dict:
-        """The groups of the live version's latest `index duplicates` run in its default folder."""
-        runs = runs_of(self._root(), live)
-        if not runs:  # not an error: a version nobody has looked for duplicates in yet
-            return {"indexVersion": live, "minScore": None, "run": None, "groups": []}
-        run = runs[-1]
-        summary = json.loads((run / SUMMARY_FILE).read_text()) if (run / SUMMARY_FILE).is_file() else {}
-        groups: dict[int, dict] = {}
-        with open(run / GROUPS_FILE, newline="", encoding="utf-8") as f:
-            for row in csv.DictReader(f):
-                group = groups.setdefault(int(row["group"]), {"group": int(row["group"]), "ids": [], "labels": []})
-                group["ids"].append(row["id"])
-                group["labels"].append(row.get("label") or "")
-        for group in groups.values():
-            group["size"] = len(group["ids"])
-        return {
-            "indexVersion": live,
-            "minScore": summary.get("min_score"),
-            "run": run.name,
-            "groups": sorted(groups.values(), key=lambda g: (-g["size"], g["group"])),
-        }
-
-    async def remove_items(self, request: pb.RemoveItemsRequest, who: str, via: str) -> pb.RemoveItemsResponse:
-        ids = list(request.ids)
-        if not ids:
-            raise InvalidArgument("ids: empty; name the items to remove")
-        if any(not item_id for item_id in ids):
-            raise InvalidArgument("ids: an empty string is not an item id")
-        if self._remove is None:
-            raise FailedPrecondition("this server cannot remove items")
-        try:
-            report = await self._remove(ids, who, request.reason, via)
-        except (ArtifactError, FileNotFoundError, ValueError) as exc:
-            raise FailedPrecondition(f"removal failed, nothing changed: {exc}") from None
-        return pb.RemoveItemsResponse(
-            index_version=report.version or report.parent_version,
-            previous_index_version=report.parent_version,
-            removed=report.removed,
-            not_found=report.not_found,
-            index_size=report.size,
-        )
-
-    async def reload(self, request: pb.ReloadRequest, who: str = "", via: str = "grpc") -> pb.ReloadResponse:
-        if request.restore_taken_down and not request.index_version:
-            raise InvalidArgument("restore_taken_down needs index_version: the version whose taken-down items to serve")
-        if request.index_version and self._rollback is not None:
-            model_dir = request.model_dir or None
-            restore = request.restore_taken_down
-            return await self._roll_back(request.index_version, model_dir, who, via, restore, make_current=False)
-        try:
-            old, new = await self._reload(request.index_version or None, request.model_dir or None)
-        except (ArtifactError, FileNotFoundError, ValueError) as exc:
-            raise FailedPrecondition(self._refused(request.index_version, request.model_dir, exc)) from None
-        return pb.ReloadResponse(
-            index_version=new.version, model_id=new.model_id, previous_index_version=old.version if old else ""
-        )
-
-    async def _roll_back(
-        self, version: str, model_dir: str | None, who: str, via: str, restore: bool, make_current: bool
-    ) -> pb.ReloadResponse:
-        if self._rollback is None:
-            raise FailedPrecondition("this server cannot make a version live")
-        try:
-            report, old, new = await self._rollback(version, model_dir, who, via, restore, make_current)
-        except (ArtifactError, FileNotFoundError, ValueError) as exc:
-            raise FailedPrecondition(self._refused(version, model_dir, exc)) from None
-        return pb.ReloadResponse(
-            index_version=new.version,
-            model_id=new.model_id,
-            previous_index_version=old.version if old else "",
-            reapplied_ids=report.reapplied,
-            restored_ids=report.restored,
-        )
-
-    def _refused(self, version: str | None, model_dir: str | None, exc: Exception) -> str:
-        """A refused reload's message: the candidate it refused, and the pair still serving."""
-        candidate = f"index {version or 'CURRENT names'}" + (f" with the model in {model_dir}" if model_dir else "")
-        live = self._live() if self._live is not None else None
-        serving = f"index {live.version} with model {live.model_id}" if live is not None else "nothing loaded yet"
-        return f"reload of {candidate} refused, still serving the old pair ({serving}): {exc}"

@@ -1,14 +1,13 @@
 """The gRPC servicers, thin in the shape of grpc's own asyncio examples: protobuf in, a call on
-the service layer (`serving.service`), protobuf or a status code out. Every RPC, Reload
-included, goes through `RpcCall`: one error mapping (`serving.errors.status_of`), and the
-`CallRecorder` the HTTP routes share (one count in `simsearch_requests_total{method,code,protocol}`,
-one latency observation).
+the service layer (`serving.service`, `serving.admin`), protobuf or a status code out. Every
+RPC, Reload included, goes through `RpcCall`: one error mapping (`serving.errors.status_of`), and
+the `CallRecorder` the HTTP routes share (`serving.calls`: one count in
+`simsearch_requests_total{method,code,protocol}`, one latency observation).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Awaitable
 from typing import TypeVar
@@ -17,13 +16,12 @@ import grpc
 
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
+from serving.admin import AdminService
 from serving.auth import Scope, Tokens, token_fingerprint
-from serving.errors import ServiceError, status_of
-from serving.history import TrafficHistory
-from serving.metrics import ServiceMetrics
-from serving.service import AdminService, SearchService
+from serving.calls import CallRecorder
+from serving.errors import ServiceError
+from serving.service import SearchService
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 SEARCH_SERVICE = pb.DESCRIPTOR.services_by_name["SimilaritySearch"].full_name
@@ -37,36 +35,6 @@ def time_left(context: grpc.aio.ServicerContext) -> float | None:
     """Seconds until the call's deadline, or None when the client set none."""
     remaining = context.time_remaining()
     return None if remaining is None or remaining > _NO_DEADLINE_S else max(0.0, remaining)
-
-
-class CallRecorder:
-    """Counts and times every call, whatever carried it: one count in
-    `simsearch_requests_total{method,code,protocol}`, one latency observation, the traffic
-    history, and an access-log line when asked. The gRPC servicers and the HTTP routes both
-    finish each call here."""
-
-    def __init__(self, metrics: ServiceMetrics, history: TrafficHistory, access_log: bool = False) -> None:
-        self.metrics = metrics
-        self.history = history
-        self.access_log = access_log
-
-    def finished(self, method: str, protocol: str, code: grpc.StatusCode, elapsed: float) -> None:
-        self.metrics.requests.labels(method, code.name, protocol).inc()
-        self.metrics.latency.labels(method, protocol).observe(elapsed)
-        self.history.observe(elapsed)
-        if self.access_log:
-            log.info(
-                "call", extra={"method": method, "protocol": protocol, "code": code.name, "ms": round(elapsed * 1e3, 3)}
-            )
-
-    def failed(self, method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
-        """The status a failed call is answered with, logged: a bug with its traceback."""
-        code, message = status_of(exc)
-        if code == grpc.StatusCode.INTERNAL:
-            log.exception("%s failed", method, extra={"method": method, "code": code.name})
-        else:
-            log.warning("%s: %s", method, message, extra={"method": method, "code": code.name})
-        return code, message
 
 
 class RpcCall:

@@ -40,7 +40,7 @@ def demo_run(tmp_path_factory) -> Path:
 def served(demo_run):
     """A real SearchServer on a loopback port over the demo's model and index."""
     from serving.client import SearchClient
-    from serving.server import ServerConfig
+    from serving.config import ServerConfig
     from tests.support.server import SearchServer
 
     server = SearchServer(

@@ -52,7 +52,7 @@ def test_server_sessions_do_not_spin_but_batch_jobs_do(tmp_path):
     assert session_options(2, spinning=False).get_session_config_entry("session.intra_op.allow_spinning") == "0"
     with pytest.raises(Exception, match="allow_spinning"):  # unset: ORT's default, spinning
         session_options(2).get_session_config_entry("session.intra_op.allow_spinning")
-    from serving.server import ServerConfig
+    from serving.config import ServerConfig
 
     assert ServerConfig.flat(index_root=str(tmp_path)).runtime.ort_spinning is False
 
@@ -83,7 +83,7 @@ def test_serve_command_makes_openmp_threads_wait_passively():
     ],
 )
 def test_servers_share_the_threads_among_the_runs_they_make_at_once_unless_told_otherwise(tmp_path, overrides, runs):
-    from serving.server import ServerConfig
+    from serving.config import ServerConfig
 
     assert ServerConfig.flat(index_root=str(tmp_path), **overrides).runs_at_once == runs
 

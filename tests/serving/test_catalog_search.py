@@ -24,7 +24,7 @@ from index.config import BuildConfig
 from index.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient
-from serving.server import ServerConfig
+from serving.config import ServerConfig
 from tests.support.index import write_tiny_model
 from tests.support.server import SearchServer
 

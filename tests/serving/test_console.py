@@ -34,7 +34,7 @@ from index.duplicates import DuplicatesConfig, run_duplicates
 from index.lifecycle import audit_entries
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient, condition
-from serving.server import ServerConfig
+from serving.config import ServerConfig
 from tests.support.server import SearchServer
 
 ROOT = Path(__file__).resolve().parents[2]

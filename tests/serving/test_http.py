@@ -21,7 +21,7 @@ from PIL import Image
 from core import artifacts
 from core.catalog import read_catalog
 from serving.client import SearchClient
-from serving.server import ServerConfig
+from serving.config import ServerConfig
 from tests.support.server import SearchServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -125,7 +125,7 @@ def test_info_feedback_batch_history_and_thumbnails(served):
 
 
 def test_openapi_document_lists_every_route(served):
-    from serving.http import ROUTES
+    from serving.routes import ROUTES
 
     server, _, _ = served
     document = requests.get(url(server, "/openapi.json"), timeout=60).json()

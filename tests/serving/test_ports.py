@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from serving.client import SearchClient
-from serving.server import PortInUse, ServerConfig, claim_port
+from serving.config import ServerConfig
+from serving.server import PortInUse, claim_port
 from tests.support.server import SearchServer
 
 ROOT = Path(__file__).resolve().parents[2]

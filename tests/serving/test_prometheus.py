@@ -19,7 +19,7 @@ import yaml
 from core import artifacts
 from core.items import ItemTable
 from serving.client import SearchClient
-from serving.server import ServerConfig
+from serving.config import ServerConfig
 from tests.support.dashboards import SERVER_DASHBOARDS
 from tests.support.server import SearchServer
 

@@ -18,7 +18,7 @@ from index.build import run_build
 from index.config import BuildConfig
 from serving.__main__ import target_address
 from serving.client import SearchClient
-from serving.server import ServerConfig
+from serving.config import ServerConfig
 from tests.support.server import SearchServer
 
 ROOT = Path(__file__).resolve().parents[2]

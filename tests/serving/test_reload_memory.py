@@ -116,7 +116,8 @@ def marked_mib():
     return marked >> 10
 
 if sys.argv[1] == "server":
-    from serving.server import SearchApp, ServerConfig
+    from serving.config import ServerConfig
+    from serving.server import SearchApp
     SearchApp(ServerConfig.flat(index_root=tempfile.mkdtemp()))
 live, figures = [None], []
 for _ in range(12):

@@ -18,9 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from core.catalog import read_catalog
 from core.preprocess import load_batch
 from index.embedder import CPU, CUDA, OnnxEmbedder, measures_run_rows
+from serving.config import ServerConfig
 from serving.engine import load_pair
 from serving.query_embedder import OverBudget, QueryEmbedder, fastest_run_rows
-from serving.server import SearchApp, ServerConfig
+from serving.server import SearchApp
 from tests.support.server import SearchServer, config, event_loop
 
 

@@ -177,7 +177,7 @@ def test_admin_reload_requires_token(served):
 
 def test_server_waiting_for_an_index_is_unavailable_and_not_healthy(tmp_path, caplog):
     from serving.client import SearchClient
-    from serving.server import ServerConfig
+    from serving.config import ServerConfig
     from tests.support.server import SearchServer
 
     config = ServerConfig.flat(

@@ -38,7 +38,7 @@ from index.faiss_index import build_index, save_index
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.batching import DecodePlacement
 from serving.client import SearchClient
-from serving.server import ServerConfig
+from serving.config import ServerConfig
 from tests.support.images import encode
 from tests.support.server import SearchServer, config, connect, derived_version, image_requests, start, wait_for
 

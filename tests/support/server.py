@@ -18,7 +18,8 @@ from core import artifacts
 from core.items import ItemTable
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient
-from serving.server import EVENT_LOOPS, SearchApp, ServerConfig, loop_factory
+from serving.config import EVENT_LOOPS, ServerConfig
+from serving.server import SearchApp, loop_factory
 
 T = TypeVar("T")
 _loop: asyncio.AbstractEventLoop | None = None

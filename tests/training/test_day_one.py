@@ -62,7 +62,7 @@ def test_a_pretrained_network_is_exported_without_a_training_run(pretrained_mode
 
 def test_an_unlabelled_folder_is_indexed_and_served(photos, pretrained_model, tmp_path):
     from serving.client import SearchClient
-    from serving.server import ServerConfig
+    from serving.config import ServerConfig
     from tests.support.server import SearchServer
 
     folder, probe = photos

@@ -130,7 +130,7 @@ def test_day_one_vit_is_exported_indexed_and_served_offline(photos, tmp_path):
     import timm
 
     from serving.client import SearchClient
-    from serving.server import ServerConfig
+    from serving.config import ServerConfig
     from tests.support.server import SearchServer
 
     blocked = tmp_path / "blocked"
