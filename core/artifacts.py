@@ -29,6 +29,7 @@ NEIGHBOURS_FILE = "neighbours.png"  # sample queries and their neighbours, to lo
 EMBEDDINGS_FILE = "embeddings.npy"  # the exact vectors indexed, row for row
 DELETED_FILE = "deleted.npy"  # rows removed but still in the index (HNSW tombstones), sorted
 FILTERS_FILE = "filters.npz"  # the filterable fields' value → rows structure
+SHARDS = "shards"  # a sharded index version's folder of shard folders (000/, 001/, ...)
 CURRENT = "CURRENT"
 LOCK_FILE = ".lock"  # flock'd around every switch of CURRENT that checks what it replaces
 VERSIONS = "versions"

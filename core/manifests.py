@@ -281,6 +281,34 @@ class RowCounts:
 
 
 @dataclass
+class ShardEntry:
+    """One shard of a sharded index version (`versions/<v>/shards/<name>/`): its rows (deleted
+    ones included), tombstones, first global row, and the sha256 of each of its files."""
+
+    name: str  # "000", "001", ...: its folder under shards/
+    rows: int
+    deleted_rows: int
+    row_offset: int  # global row = row_offset + the shard's own row
+    files: dict[str, str]  # file name → sha256
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _shard_entry(data: Any, source: str, number: int) -> ShardEntry:
+    fields = _Fields(data, source, f"shards[{number}]")
+    files = fields.section_of("files")
+    assert files is not None
+    return ShardEntry(
+        name=fields.get("name", str),
+        rows=fields.get("rows", int),
+        deleted_rows=fields.get("deleted_rows", int, required=False, default=0),
+        row_offset=fields.get("row_offset", int),
+        files={name: files.get(name, str) for name in files.data},
+    )
+
+
+@dataclass
 class IndexManifest(_Manifest):
     """`manifest.json` of an index version (index/version_writer.py writes it for every version);
     a field without a value (None) is not written."""
@@ -309,6 +337,9 @@ class IndexManifest(_Manifest):
     engine: dict[str, Any] | None = None  # `index rebuild`: what embedded the catalog
     filterable: dict[str, str] = field(default_factory=dict)  # field → string|int|float (filters.npz)
     item_field: str | None = None  # the filterable field naming each row's item: what answers group by
+    # A sharded version (`index build --shards S`, S > 1): its shards in order; None: one index.
+    shards: list[ShardEntry] | None = None
+    shard_key: str | None = None  # what placed a row: "id", or the item field
     schema_version: int = SCHEMA_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -354,6 +385,8 @@ class IndexManifest(_Manifest):
             engine=fields.get("engine", dict, required=False),
             filterable=fields.get("filterable", dict, required=False, default={}),
             item_field=fields.get("item_field", str, required=False),
+            shards=_shard_entries(fields),
+            shard_key=fields.get("shard_key", str, required=False),
             schema_version=version,
         )
         manifest.extra = fields.rest()
@@ -364,11 +397,22 @@ class IndexManifest(_Manifest):
         for name in ("rows", "quality", "quality_gate"):
             if d[name] is not None:
                 d[name] = d[name].to_dict()
+        if d["shards"] is not None:
+            d["shards"] = [entry.to_dict() for entry in d["shards"]]
         if not d["deleted_rows"]:  # written only by the versions that have them
             del d["deleted_rows"]
         if not d["filterable"]:  # none declared: a manifest read back is written back as it was
             d["filterable"] = None
         return {k: v for k, v in d.items() if v is not None}
+
+
+def _shard_entries(fields: _Fields) -> list[ShardEntry] | None:
+    entries = fields.get("shards", list, required=False)
+    if entries is None:
+        return None
+    if not entries:
+        raise ArtifactError(f"{fields.source}: field 'shards' lists no shard")
+    return [_shard_entry(entry, fields.source, number) for number, entry in enumerate(entries)]
 
 
 def _float_or_none(value: float | int | None) -> float | None:

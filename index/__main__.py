@@ -35,6 +35,7 @@ COMMANDS = {
             "decode_threads",
             "max_pixels",
             "ks",
+            "shards",
         ),
     ),
     "remove": ("publish the live version less some items (takedowns, logged to audit.jsonl)", RemoveConfig, ()),

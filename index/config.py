@@ -15,6 +15,7 @@ from index.faiss_index import check_trainable, empty_index, select_device
 from index.filters import FieldSpec, check_catalog_fields, parse_filterable
 from index.gate import GateThresholds, ProbeCatalog
 from index.publish import IndexRecipe, PublishTarget
+from index.sharding import check_shard_count
 
 DEFAULT_MODEL = "runs/model"
 
@@ -79,6 +80,11 @@ class BuildConfig:
         "themes; label for a labelled set): answers can be grouped by it and item Recall@K is measured "
         f"(default: {ITEM_COLUMN} when the catalog has that column); declared filterable",
     )
+    shards: int = option(
+        1,
+        help="index shards: S > 1 trains the quantizer once and adds the rows of each shard in parallel (one Ray "
+        "task a shard; a row's shard is a hash of its item, else its id); 1: one index, as before",
+    )
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0 or self.decode_threads <= 0 or self.quality_sample <= 0:
@@ -94,6 +100,7 @@ class BuildConfig:
         if not 0 < self.target_ann_recall <= 1:
             raise ValueError(f"target_ann_recall must be within (0, 1], got {self.target_ann_recall}")
         select_device(self.device, num_gpus=1)  # validates the name only
+        check_shard_count(self.shards)
         parse_filterable(self.filterable)
 
     @property
@@ -138,6 +145,7 @@ class BuildConfig:
             train_size=self.train_size,
             device=self.device,
             target_ann_recall=self.target_ann_recall,
+            shards=self.shards,
         )
 
     @property
@@ -181,6 +189,8 @@ class BuildConfig:
             check_catalog_fields(self.filterable_fields, catalog.labels, catalog.metadata)
         except ValueError as exc:
             raise CatalogError(f"{catalog.source}: {exc}") from None
+        if trains_index:
+            check_shard_count(self.shards, len(catalog))
         index = self.factory_index() if trains_index else None
         if index is not None and not index.is_trained:
             vectors = min(len(catalog), self.train_size or len(catalog))

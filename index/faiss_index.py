@@ -62,10 +62,43 @@ def empty_index(dim: int, factory: str) -> faiss.Index:
         raise ValueError(f"invalid faiss factory string {factory!r} for {dim}-d vectors: {faiss_message(exc)}") from exc
 
 
+def inner_index(index: faiss.Index) -> faiss.Index:
+    """`index` downcast, or for a sharded version's merged index (`merged_index`) its first
+    shard's own index: every shard has the same structure and search parameters."""
+    index = faiss.downcast_index(index)
+    if isinstance(index, faiss.IndexShards) and index.count():
+        return inner_index(index.at(0))
+    if isinstance(index, (faiss.IndexIDMap, faiss.IndexIDMap2)):
+        return inner_index(index.index)
+    return index
+
+
+def merged_index(shards: list[faiss.Index], offsets: np.ndarray) -> faiss.IndexShards:
+    """One faiss index over a sharded version's shard indexes, answering global rows (shard i's
+    row r is `offsets[i] + r`) with faiss's own merge of their top k.
+
+    Each shard sits in an IndexIDMap of its global rows rather than behind IndexShards'
+    `successive_ids`: a search's parameters go to every shard as they are, so an id selector (a
+    filter's rows) must see global rows, which IndexIDMap translates to. Not threaded:
+    IndexIDMap swaps its translating selector into the caller's parameters for the length of its
+    search, and shards searching those shared parameters at once read each other's (a filtered
+    search answered a row outside its filter); faiss parallelises each shard over the queries."""
+    merged = faiss.IndexShards(shards[0].d, False, False)
+    for shard, offset in zip(shards, offsets, strict=True):
+        # IndexIDMap refuses a non-empty index: made over an empty one, then pointed at the shard.
+        mapped = faiss.IndexIDMap(faiss.IndexFlatIP(shard.d))
+        mapped.own_fields = False
+        mapped.index, mapped.ntotal, mapped.is_trained = shard, shard.ntotal, shard.is_trained
+        faiss.copy_array_to_vector(np.arange(offset, offset + shard.ntotal, dtype=np.int64), mapped.id_map)
+        mapped.referenced_objects = [shard]  # the shard lives as long as its map
+        merged.add_shard(mapped)
+    return merged
+
+
 def ivf_of(index: faiss.Index) -> faiss.IndexIVF | None:
     """The inverted-file index inside `index` (through pre-transforms), or None when it has none."""
     try:
-        return faiss.downcast_index(faiss.extract_index_ivf(index))
+        return faiss.downcast_index(faiss.extract_index_ivf(inner_index(index)))
     except RuntimeError:
         return None
 
@@ -84,7 +117,7 @@ KMEANS_POINTS_PER_CENTROID = 39
 def _quantizers(index: faiss.Index) -> tuple[faiss.IndexIVF | None, faiss.ProductQuantizer | None]:
     """The IVF inside `index` and its (or its storage's) product quantizer: what k-means trains."""
     ivf = ivf_of(index)
-    base = faiss.downcast_index(ivf if ivf is not None else index)
+    base = inner_index(ivf if ivf is not None else index)
     if isinstance(base, faiss.IndexHNSW):
         base = faiss.downcast_index(base.storage)
     return ivf, getattr(base, "pq", None)
@@ -158,13 +191,7 @@ def build_index(
     on_gpu = select_device(device) == "gpu"
     sample = data
     if not index.is_trained:
-        if train_size is not None and train_size < n:
-            rng = np.random.default_rng(seed)
-            sample = data[np.sort(rng.choice(n, size=train_size, replace=False))]
-        thin = check_trainable(index, factory, len(sample))
-        if thin is not None:
-            log.warning("%s", thin)
-        _quiet_kmeans(index)
+        sample = _training_sample(index, factory, data, train_size, seed)
     try:
         if on_gpu:
             index = faiss.index_cpu_to_all_gpus(index)
@@ -180,6 +207,47 @@ def build_index(
         ) from exc
     if search_params:
         apply_search_params(index, search_params)
+    return index
+
+
+def _training_sample(
+    index: faiss.Index, factory: str, data: np.ndarray, train_size: int | None, seed: int
+) -> np.ndarray:
+    """The rows `index` is trained on: `train_size` of `data` drawn at random (all when None),
+    checked against what its k-means needs."""
+    sample = data
+    if train_size is not None and train_size < len(data):
+        rng = np.random.default_rng(seed)
+        sample = data[np.sort(rng.choice(len(data), size=train_size, replace=False))]
+    thin = check_trainable(index, factory, len(sample))
+    if thin is not None:
+        log.warning("%s", thin)
+    _quiet_kmeans(index)
+    return sample
+
+
+def trained_index(
+    vectors: np.ndarray, factory: str = "Flat", train_size: int | None = None, device: str = "auto", seed: int = 0
+) -> faiss.Index:
+    """An empty CPU index of `factory`, trained as `build_index` trains one (its coarse quantizer
+    and PQ/SQ code books, on the same sample): what each shard of a sharded version is a copy
+    of before its own rows are added. Flat and HNSW need no training and come back as made."""
+    data = l2_normalized(vectors)
+    if len(data) == 0:
+        raise ValueError("cannot build an index over zero vectors")
+    index = empty_index(data.shape[1], factory)
+    if index.is_trained:
+        return index
+    sample = _training_sample(index, factory, data, train_size, seed)
+    on_gpu = select_device(device) == "gpu"
+    try:
+        if on_gpu:
+            index = faiss.index_cpu_to_all_gpus(index)
+        index.train(sample)
+        if on_gpu:
+            index = faiss.index_gpu_to_cpu(index)
+    except RuntimeError as exc:
+        raise ValueError(f"faiss could not train {factory!r} on {len(sample)} vectors: {faiss_message(exc)}") from exc
     return index
 
 
@@ -311,7 +379,7 @@ MAX_EF_SEARCH = 2048
 def index_family(index: faiss.Index | ExactRerank) -> str | None:
     """'flat', 'ivf' or 'hnsw': how an index takes an id selector; None when it takes none here
     (wrapped indexes such as a PCA pre-transform: those are searched exactly within a filter)."""
-    base = faiss.downcast_index(index.index if isinstance(index, ExactRerank) else index)
+    base = inner_index(index.index if isinstance(index, ExactRerank) else index)
     if isinstance(base, faiss.IndexIVF):
         return "ivf"
     if isinstance(base, faiss.IndexHNSW):
@@ -327,7 +395,7 @@ def selector_params(
     """Search parameters restricting `index` to the rows `allowed` marks (None: every row), with
     the index's own nprobe / efSearch carried over (params given to a search replace them) and
     widened for the filter's selectivity, times `effort` (a grouped search's later rounds)."""
-    base = faiss.downcast_index(index.index if isinstance(index, ExactRerank) else index)
+    base = inner_index(index.index if isinstance(index, ExactRerank) else index)
     # A bitmap, least significant bit first, is one load and a shift per test (IDSelectorBitmap).
     selector = None if allowed is None else faiss.IDSelectorBitmap(np.packbits(allowed, bitorder="little"))
     widen = effort
@@ -462,7 +530,7 @@ def load_index(path: str | Path) -> faiss.Index:
 def stores_exact_vectors(index: faiss.Index) -> bool:
     """Whether the index keeps the vectors themselves (Flat, IVF-Flat, HNSW-Flat), not codes
     that decode only to approximations of them (PQ, SQ)."""
-    index = faiss.downcast_index(index)
+    index = inner_index(index)
     if isinstance(index, (faiss.IndexFlat, faiss.IndexIVFFlat)):
         return True
     if isinstance(index, faiss.IndexHNSW):
@@ -498,7 +566,7 @@ def search_effort(index: faiss.Index | ExactRerank) -> tuple[str, list[int]] | N
     ivf = ivf_of(base)
     if ivf is not None:
         return "nprobe", _doubling(1, ivf.nlist)
-    if isinstance(faiss.downcast_index(base), faiss.IndexHNSW):
+    if isinstance(inner_index(base), faiss.IndexHNSW):
         return "efSearch", _doubling(16, MAX_EF_SEARCH)
     return None
 

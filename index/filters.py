@@ -231,6 +231,23 @@ class FilterIndex:
             built.fields[spec.name] = FieldRows.build(spec, column_values(spec.name, items.labels, metadata), n)
         return built
 
+    @classmethod
+    def concat(cls, parts: Sequence[FilterIndex], offsets: Sequence[int], size: int) -> FilterIndex:
+        """One structure over `size` rows from the structures of consecutive row ranges (a
+        sharded version's shards: part i's row r is row `offsets[i] + r`)."""
+        merged = cls(size)
+        for name, first in (parts[0].fields.items() if parts else ()):
+            values = np.concatenate([np.repeat(p.fields[name].values, np.diff(p.fields[name].offsets)) for p in parts])
+            rows = np.concatenate(
+                [p.fields[name].rows.astype(np.int64) + offset for p, offset in zip(parts, offsets, strict=True)]
+            )
+            order = np.lexsort((rows, values))  # by value, rows ascending within a value
+            distinct, starts = np.unique(values[order], return_index=True)
+            offsets_of = np.append(starts, len(order)).astype(np.int64)
+            row_type = np.int32 if size < 2**31 else np.int64
+            merged.fields[name] = FieldRows(first.spec, distinct, offsets_of, rows[order].astype(row_type))
+        return merged
+
     # -- file ---------------------------------------------------------------------------------
 
     def save(self, path: str | Path) -> None:

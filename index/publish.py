@@ -18,7 +18,7 @@ from PIL import Image
 from core.artifacts import utc_now
 from core.catalog import Catalog
 from core.items import ItemTable
-from core.manifests import IndexManifest, QualityGate, QualityReport, RowCounts
+from core.manifests import IndexManifest, QualityGate, QualityReport, RowCounts, ShardEntry
 from index.contact_sheet import contact_sheet, sample_neighbours
 from index.faiss_index import (
     EffortChoice,
@@ -27,6 +27,7 @@ from index.faiss_index import (
     search_effort,
     searchable,
     select_device,
+    trained_index,
     tune_search_effort,
     with_default_rerank,
 )
@@ -42,6 +43,15 @@ from index.gate import (
 )
 from index.grouping import Groups
 from index.lifecycle import warn_of_returning_items
+from index.sharding import (
+    ID_KEY,
+    ShardPart,
+    build_shards,
+    check_shard_count,
+    partition,
+    shard_keys,
+    write_shard,
+)
 from index.version import IndexVersion
 from index.version_writer import VersionWriter
 
@@ -63,6 +73,8 @@ class NewVersion:
     parent_version: str | None = None  # `index add`: the version it extends
     engine: dict | None = None  # `index rebuild`: what embedded the catalog
     deleted: np.ndarray | None = None  # rows removed but kept in the index (HNSW tombstones)
+    # `index add` to a sharded version: each shard's new rows, or its parent folder where unchanged.
+    shard_parts: list[ShardPart] | None = None
 
     @classmethod
     def of_catalog(
@@ -99,6 +111,7 @@ class IndexRecipe:
     train_size: int | None  # vectors sampled to train IVF/PQ (None: all)
     device: str  # where faiss builds: auto, cpu or gpu
     target_ann_recall: float  # a search effort not given is raised until ANN recall reaches this
+    shards: int = 1  # > 1: a sharded version (index.sharding), trained once, its shards added on Ray
 
 
 @dataclass(frozen=True)
@@ -125,6 +138,8 @@ def publish_index_version(
     write and publish a new version of `target.index_root`: the one publish path of build, add
     and rebuild; returns its directory."""
     device = select_device(recipe.device)
+    if recipe.shards > 1 or new.shard_parts is not None:
+        return _publish_sharded(new, recipe, device, gate, probe, filterable, item_field, target)
     index = new.index
     if index is None:
         index = build_index(new.embeddings, recipe.factory, recipe.search_params, recipe.train_size, device)
@@ -132,12 +147,9 @@ def publish_index_version(
     # Built from the new version's own rows, whichever command made them (build, add, rebuild,
     # a removal's subset), so a version's structure always describes its rows.
     filter_index = FilterIndex.build(table, filterable) if filterable else None
-    searched, search_params, tuning = _tune(index, new.embeddings, recipe, gate)
-    item_groups = Groups.of(item_field, filter_index.fields[item_field], len(table)) if item_field else None
-    quality = quality_figures(searched, new.embeddings, labels, gate, item_groups, probe)
-    quality.search_tuning = tuning.to_dict() if tuning is not None else None
-    log.info("quality: %s; search parameters %s", describe_quality(quality), search_params or "none")
-    quality_gate = _gate(quality, gate, target.index_root, new.model_id)
+    searched, search_params, quality, quality_gate = _measure(
+        index, new.embeddings, labels, filter_index, len(table), recipe, gate, probe, item_field, target, new.model_id
+    )
 
     if new.parent_version is None:  # a build from a whole catalog
         warn_of_returning_items(target.index_root, table.ids)
@@ -167,6 +179,120 @@ def publish_index_version(
     masked = f", +{manifest.deleted_rows} removed, masked" if manifest.deleted_rows else ""
     log.info("published index %s (%d items%s) at %s", manifest.version, manifest.live_size, masked, published)
     return published
+
+
+def _measure(
+    index: faiss.Index,
+    embeddings: np.ndarray,
+    labels: list[str] | None,
+    filter_index: FilterIndex | None,
+    rows: int,
+    recipe: IndexRecipe,
+    gate: GateThresholds,
+    probe: ProbeCatalog | None,
+    item_field: str | None,
+    target: PublishTarget,
+    model_id: str,
+) -> tuple[faiss.Index | ExactRerank, dict[str, float], QualityReport, QualityGate]:
+    """Tune the search effort, measure the quality figures and apply the gate (QualityGateError
+    when it refuses): the index as searched, its search parameters, figures and verdict."""
+    searched, search_params, tuning = _tune(index, embeddings, recipe, gate)
+    item_groups = Groups.of(item_field, filter_index.fields[item_field], rows) if item_field and filter_index else None
+    quality = quality_figures(searched, embeddings, labels, gate, item_groups, probe)
+    quality.search_tuning = tuning.to_dict() if tuning is not None else None
+    log.info("quality: %s; search parameters %s", describe_quality(quality), search_params or "none")
+    return searched, search_params, quality, _gate(quality, gate, target.index_root, model_id)
+
+
+def _publish_sharded(
+    new: NewVersion,
+    recipe: IndexRecipe,
+    device: str,
+    gate: GateThresholds,
+    probe: ProbeCatalog | None,
+    filterable: list[FieldSpec],
+    item_field: str | None,
+    target: PublishTarget,
+) -> Path:
+    """A sharded version: its shards written into the staging folder (built on Ray from the
+    trained empty index, or, for `index add`, the parts given), then tuned, gated and measured
+    on their merged search, as one index is — and published by one rename."""
+    with VersionWriter(target.index_root, target.keep) as writer:
+        if new.shard_parts is not None:
+            entries = write_parts(writer, new.shard_parts, filterable)
+        else:
+            table, _ = _version_table(new.items)
+            check_shard_count(recipe.shards, len(table))
+            parts = partition(shard_keys(table, item_field), recipe.shards)
+            started = time.perf_counter()
+            trained = trained_index(new.embeddings, recipe.factory, recipe.train_size, device)
+            trained_at = time.perf_counter()
+            entries = build_shards(writer, trained, new.embeddings, table, parts, filterable)
+            log.info(
+                "%d shards (%s rows): trained once in %.1f s, added in parallel in %.1f s",
+                len(entries), "/".join(str(e.rows) for e in entries), trained_at - started,
+                time.perf_counter() - trained_at,
+            )  # fmt: skip
+        staged = IndexVersion(
+            writer.staging,
+            IndexManifest(
+                index_id="staging",
+                version=writer.staging.name,
+                model_id=new.model_id,
+                size=sum(entry.rows for entry in entries),
+                dimension=int(new.embeddings.shape[1]),
+                factory=recipe.factory,
+                search_params=dict(recipe.search_params),
+                deleted_rows=sum(entry.deleted_rows for entry in entries),
+                filterable=declared_json(filterable),
+                item_field=item_field,
+                shards=entries,
+            ),
+        )
+        index, embeddings, table = staged.read_index(), staged.vectors, staged.items
+        labels = list(table.labels) if table.labelled else None
+        searched, search_params, quality, quality_gate = _measure(
+            index, embeddings, labels, staged.filters, len(table), recipe, gate, probe, item_field, target,
+            new.model_id,
+        )  # fmt: skip
+        if new.parent_version is None:
+            warn_of_returning_items(target.index_root, table.ids)
+        writer.write_contact_sheet(draw_contact_sheet(searched, embeddings, table, item_field))
+        manifest = _manifest(
+            new,
+            writer.name_version(shards=entries),
+            index,
+            recipe.factory,
+            device,
+            search_params,
+            quality,
+            quality_gate,
+            staged.manifest.deleted_rows,
+            filterable,
+            item_field,
+            target,
+        )
+        manifest.shards, manifest.shard_key = entries, item_field or ID_KEY
+        published = writer.publish(manifest, parent=new.parent_version)
+    log.info("published index %s (%d items in %d shards) at %s", manifest.version, manifest.live_size,
+             len(entries), published)  # fmt: skip
+    return published
+
+
+def write_parts(writer: VersionWriter, parts: list[ShardPart], filterable: list[FieldSpec]) -> list[ShardEntry]:
+    """Each shard of a version made from a sharded one: rewritten where it changed, its files
+    hard-linked from the parent's shard where not."""
+    entries, offset = [], 0
+    for number, part in enumerate(parts):
+        shard = writer.shard(number)
+        if part.rows is None:
+            entry = part.parent_entry
+            shard.link_shard(part.parent_folder)
+            entries.append(dataclasses.replace(entry, name=shard.name, row_offset=offset))
+        else:
+            entries.append(write_shard(shard, part.rows, filterable, offset))
+        offset += entries[-1].rows
+    return entries
 
 
 def _manifest(

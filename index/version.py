@@ -7,10 +7,18 @@ removed from an index that cannot drop them (HNSW: its rows stay in the graph, m
 time until a rebuild compacts them). `index add` extends one, the quality
 gate compares against one, and a server serves one; each opens it through `IndexVersion`.
 The files are read when first used, so reading the manifest alone costs only the manifest.
+
+A sharded version (`index build --shards S`) holds those row files once per shard, in
+`shards/<NNN>/`, and one manifest listing the shards (their rows, first global row and each
+file's sha256). `shard(i)` opens one shard as a version of its own (what a shard server loads);
+the version opened whole is the merged view — one faiss index over the shards' (faiss's own
+merge of their top k) and their items, vectors, filters and tombstones concatenated in shard
+order — so everything that searches one index searches a sharded version unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable
@@ -19,12 +27,13 @@ from typing import TypeVar
 
 import faiss
 import numpy as np
+import pyarrow as pa
 
 from core import artifacts
 from core.artifacts import ArtifactError
 from core.items import ItemTable
 from core.manifests import IndexManifest
-from index.faiss_index import ExactRerank, apply_search_params, load_index, searchable
+from index.faiss_index import ExactRerank, apply_search_params, load_index, merged_index, searchable
 from index.filters import FilterIndex
 from index.grouping import Groups
 
@@ -36,11 +45,88 @@ class IndexVersion:
     a missing or damaged file reported as an `ArtifactError` naming it; `load()` reads all three
     and checks they agree."""
 
-    def __init__(self, directory: str | Path, manifest: IndexManifest | None = None) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        manifest: IndexManifest | None = None,
+        checksums: dict[str, str] | None = None,
+        shard_label: str | None = None,
+    ) -> None:
+        """`checksums` and `shard_label`: a shard's (`shard(i)`), its files' sha256 as its
+        version's manifest lists them, checked as each is first read, and how errors name it."""
         self.directory = Path(directory)
         self.manifest = manifest if manifest is not None else IndexManifest.read(self.directory)
         self._groups: dict[str, Groups] = {}
         self._groups_lock = threading.Lock()  # inference threads group queries at once
+        self._checksums = checksums
+        self._label = shard_label
+        self._verified: set[str] = set()
+        self._shards: dict[int, IndexVersion] = {}
+        self._shards_lock = threading.Lock()
+
+    # -- shards ---------------------------------------------------------------------------------
+
+    @property
+    def shard_names(self) -> list[str]:
+        """The shards' names in order ("000", "001", ...); [] for a version of one index."""
+        return [entry.name for entry in self.manifest.shards or []]
+
+    @property
+    def shard_offsets(self) -> np.ndarray:
+        """Each shard's first global row: global row = shard_offsets[i] + the shard's own row."""
+        return np.asarray([entry.row_offset for entry in self.manifest.shards or []], dtype=np.int64)
+
+    def shard(self, number: int) -> IndexVersion:
+        """Shard `number` as a version of its own: its files, and its version's manifest with the
+        shard's row counts (factory, search parameters, fields, item field and model the
+        version's). Its files' checksums are checked as they are read."""
+        entries = self.manifest.shards
+        if not entries:
+            raise ValueError(f"version {self.name} is not sharded")
+        if not 0 <= number < len(entries):
+            raise IndexError(f"version {self.name} has {len(entries)} shards, not shard {number}")
+        with self._shards_lock:
+            found = self._shards.get(number)
+            if found is None:
+                entry = entries[number]
+                view = dataclasses.replace(
+                    self.manifest, size=entry.rows, deleted_rows=entry.deleted_rows, shards=None, shard_key=None
+                )
+                found = self._shards[number] = IndexVersion(
+                    self.directory / artifacts.SHARDS / entry.name,
+                    view,
+                    checksums=dict(entry.files),
+                    shard_label=f"shard {entry.name} of version {self.name}",
+                )
+            return found
+
+    def _shard_versions(self) -> list[IndexVersion]:
+        return [self.shard(number) for number in range(len(self.shard_names))]
+
+    def _path(self, name: str) -> Path:
+        """The file `name` of this version; a shard's checked against its checksum when first
+        asked for (ArtifactError naming the shard when it is missing or differs)."""
+        path = self.directory / name
+        if self._checksums is None or name in self._verified or name not in self._checksums:
+            return path
+        if not path.is_file():
+            raise ArtifactError(f"{self._label}: {path} is missing")
+        if artifacts.file_sha256(path) != self._checksums[name]:
+            raise ArtifactError(f"{self._label}: {path} is damaged: its sha256 differs from the manifest's")
+        self._verified.add(name)
+        return path
+
+    def _read(self, read: Callable[[Path], T], name: str, what: str) -> T:
+        try:
+            return _read_artifact(read, self._path(name), what)
+        except ArtifactError as exc:
+            raise self._named(exc) from exc
+
+    def _named(self, exc: ArtifactError) -> ArtifactError:
+        """`exc`, its message led by the shard's name (a shard's own error names it already)."""
+        if self._label is None or str(exc).startswith(self._label):
+            return exc
+        return ArtifactError(f"{self._label}: {exc}")
 
     @classmethod
     def open(cls, root: str | Path, version: str | None = None) -> IndexVersion:
@@ -57,8 +143,11 @@ class IndexVersion:
         return self.directory.name
 
     def read_index(self) -> faiss.Index:
-        """A fresh copy of the faiss index, its search parameters applied (`index add` extends it)."""
-        index = _read_artifact(load_index, self.directory / artifacts.INDEX_FILE, "a faiss index")
+        """A fresh copy of the faiss index, its search parameters applied (`index add` extends
+        it); a sharded version's: the shards' merged (`merged_index`)."""
+        if self.manifest.shards:
+            return merged_index([shard.read_index() for shard in self._shard_versions()], self.shard_offsets)
+        index = self._read(load_index, artifacts.INDEX_FILE, "a faiss index")
         if self.manifest.search_params:
             apply_search_params(index, self.manifest.search_params)
         return index
@@ -69,19 +158,28 @@ class IndexVersion:
 
     @functools.cached_property
     def items(self) -> ItemTable:
-        return _read_artifact(ItemTable.read, self.directory / artifacts.ITEMS_FILE, "an items table")
+        if self.manifest.shards:
+            tables = [shard.items.to_arrow() for shard in self._shard_versions()]
+            return ItemTable.from_arrow(pa.concat_tables(tables).combine_chunks())
+        return self._read(ItemTable.read, artifacts.ITEMS_FILE, "an items table")
 
     @functools.cached_property
     def vectors(self) -> np.ndarray:
-        """The exact vectors, memory-mapped: what an index may only approximate."""
-        return _read_artifact(_map_vectors, self.directory / artifacts.EMBEDDINGS_FILE, "a float32 vector array")
+        """The exact vectors, memory-mapped: what an index may only approximate (a sharded
+        version's: its shards' concatenated, in memory)."""
+        if self.manifest.shards:
+            return np.concatenate([shard.vectors for shard in self._shard_versions()])
+        return self._read(_map_vectors, artifacts.EMBEDDINGS_FILE, "a float32 vector array")
 
     @functools.cached_property
     def filters(self) -> FilterIndex | None:
         """The filterable fields' value → rows structure; None when the version declares none."""
         if not self.manifest.filterable:
             return None
-        return _read_artifact(FilterIndex.load, self.directory / artifacts.FILTERS_FILE, "a filter structure")
+        if self.manifest.shards:
+            parts = [shard.filters for shard in self._shard_versions()]
+            return FilterIndex.concat(parts, self.shard_offsets, len(self.items))  # type: ignore[arg-type]
+        return self._read(FilterIndex.load, artifacts.FILTERS_FILE, "a filter structure")
 
     def groups(self, name: str) -> Groups:
         """Rows grouped by the filterable field `name` (built once per version and field, from
@@ -103,10 +201,14 @@ class IndexVersion:
     @functools.cached_property
     def deleted(self) -> np.ndarray:
         """Rows removed but still in the index (sorted; empty for most versions): never answers."""
-        path = self.directory / artifacts.DELETED_FILE
+        if self.manifest.shards:
+            shards = self._shard_versions()
+            parts = [shard.deleted + offset for shard, offset in zip(shards, self.shard_offsets, strict=True)]
+            return np.concatenate(parts).astype(np.int64)
+        path = self._path(artifacts.DELETED_FILE)
         if not path.is_file():
             return np.zeros(0, dtype=np.int64)
-        return _read_artifact(_read_rows, path, "a sorted array of row numbers")
+        return self._read(_read_rows, artifacts.DELETED_FILE, "a sorted array of row numbers")
 
     @functools.cached_property
     def live_mask(self) -> np.ndarray | None:
@@ -129,7 +231,63 @@ class IndexVersion:
 
     def load(self, dim: int | None = None) -> IndexVersion:
         """Read index, items and vectors (in that order: the cheap checks first) and check that
-        they hold the same rows, of the dimension `dim` when given (the model's)."""
+        they hold the same rows, of the dimension `dim` when given (the model's). A sharded
+        version's shards are checked first, each against the manifest (ArtifactError naming the
+        shard); a shard's files against their checksums."""
+        try:
+            if self.manifest.shards:
+                self._check_shards(dim)
+            elif self._checksums is not None:
+                self._check_shard_files()
+            return self._load(dim)
+        except ArtifactError as exc:
+            raise self._named(exc) from exc
+
+    def _check_shards(self, dim: int | None) -> None:
+        """The shard folders are those the manifest lists, their row counts add up, and each
+        shard loads."""
+        entries = self.manifest.shards or []
+        folder = self.directory / artifacts.SHARDS
+        present = sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+        listed = [entry.name for entry in entries]
+        missing = [name for name in listed if name not in present]
+        unlisted = [name for name in present if name not in listed]
+        if missing or unlisted:
+            raise ArtifactError(
+                f"{self.directory}: the manifest lists {len(listed)} shards, {folder} holds {len(present)}"
+                + (f"; shard {', '.join(missing)} is missing" if missing else "")
+                + (f"; shard {', '.join(unlisted)} is not in the manifest" if unlisted else "")
+            )
+        offset = 0
+        for entry in entries:
+            if entry.row_offset != offset:
+                raise ArtifactError(
+                    f"{self.directory}: shard {entry.name} starts at row {entry.row_offset}; the shards before it "
+                    f"hold {offset} rows"
+                )
+            offset += entry.rows
+        deleted = sum(entry.deleted_rows for entry in entries)
+        if (offset, deleted) != (self.manifest.size, self.manifest.deleted_rows):
+            raise ArtifactError(
+                f"{self.directory}: the manifest counts {self.manifest.size} rows, {self.manifest.deleted_rows} "
+                f"deleted; its shards {offset}, {deleted} deleted"
+            )
+        for shard in self._shard_versions():
+            shard.load(dim)
+
+    def _check_shard_files(self) -> None:
+        """A shard holds exactly the files its version's manifest lists, each as summed there."""
+        present = {p.name for p in self.directory.iterdir() if p.is_file()} if self.directory.is_dir() else set()
+        listed = set(self._checksums or {})
+        for name in sorted(listed - present):
+            raise ArtifactError(f"{self._label}: {self.directory / name} is missing")
+        if present - listed:
+            extra = sorted(present - listed)
+            raise ArtifactError(f"{self._label}: {self.directory} holds {extra}, which the manifest does not list")
+        for name in sorted(listed):
+            self._path(name)
+
+    def _load(self, dim: int | None) -> IndexVersion:
         index, items, vectors, deleted, filters = self.index, self.items, self.vectors, self.deleted, self.filters
         if filters is not None and (filters.size != len(items) or set(filters.fields) != set(self.manifest.filterable)):
             raise ArtifactError(

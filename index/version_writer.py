@@ -7,10 +7,16 @@ folder inside the index root, writes each file under its one name (`core.artifac
 after its index file's hash, writes the manifest, publishes it (CURRENT must still name the
 parent) and prunes old versions. Any failure before the publish removes the staging folder, so
 a crash mid-write leaves the previous version live.
+
+A sharded version's shard files go through its `shard(i)` writer (`ShardWriter`): the same file
+names in `shards/<NNN>/` of the staging folder, written there by whichever process builds the
+shard (a Ray task: the writer is a path, and pickles), and summed up as the manifest's
+`ShardEntry` (rows and each file's sha256). The version is still published by one rename.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -22,7 +28,7 @@ from PIL import Image
 
 from core import artifacts
 from core.items import ItemTable
-from core.manifests import IndexManifest
+from core.manifests import IndexManifest, ShardEntry
 from index.faiss_index import save_index
 from index.filters import FilterIndex
 
@@ -30,7 +36,68 @@ from index.filters import FilterIndex
 ROW_FILES = (artifacts.INDEX_FILE, artifacts.EMBEDDINGS_FILE, artifacts.ITEMS_FILE, artifacts.FILTERS_FILE)
 
 
-class VersionWriter:
+class _FolderWriter:
+    """The row files of an index (a whole version's, or one shard's), each under its one name."""
+
+    @property
+    def folder(self) -> Path:
+        raise NotImplementedError
+
+    def write_index(self, index: faiss.Index) -> None:
+        save_index(index, self.folder / artifacts.INDEX_FILE)
+
+    def write_vectors(self, vectors: np.ndarray) -> None:
+        """The exact vectors, row for row with the items."""
+        np.save(self.folder / artifacts.EMBEDDINGS_FILE, np.ascontiguousarray(vectors, dtype=np.float32))
+
+    def write_deleted(self, deleted: np.ndarray) -> None:
+        """Rows removed but kept in the index (HNSW tombstones); no file when there are none."""
+        if len(deleted):
+            np.save(self.folder / artifacts.DELETED_FILE, np.asarray(deleted, dtype=np.int64))
+
+    def write_items(self, table: ItemTable) -> None:
+        table.write(self.folder / artifacts.ITEMS_FILE)
+
+    def write_filters(self, filter_index: FilterIndex | None) -> None:
+        """The filterable fields' value → rows structure; no file when none is declared."""
+        if filter_index is not None:
+            filter_index.save(self.folder / artifacts.FILTERS_FILE)
+
+    def link_rows(self, parent: Path) -> None:
+        """The index, vectors, items and filters of the version (or shard) in `parent`, unchanged."""
+        for name in ROW_FILES:
+            _link_or_copy(parent / name, self.folder / name)
+
+
+class ShardWriter(_FolderWriter):
+    """Shard `name` of a version being written: its files in `<staging>/shards/<name>/`."""
+
+    def __init__(self, folder: Path, name: str) -> None:
+        self._shard_folder, self.name = Path(folder), name
+
+    @property
+    def folder(self) -> Path:
+        return self._shard_folder
+
+    def link_shard(self, parent: Path) -> None:
+        """Every file of the shard in `parent` (tombstones too), unchanged: a shard no row of a
+        takedown or an add touches."""
+        for path in sorted(parent.iterdir()):
+            if path.is_file():
+                _link_or_copy(path, self.folder / path.name)
+
+    def entry(self, rows: int, deleted_rows: int, row_offset: int) -> ShardEntry:
+        """The manifest's account of the shard as written: its counts and each file's sha256."""
+        files = {p.name: artifacts.file_sha256(p) for p in sorted(self.folder.iterdir()) if p.is_file()}
+        return ShardEntry(name=self.name, rows=rows, deleted_rows=deleted_rows, row_offset=row_offset, files=files)
+
+
+def shard_name(number: int) -> str:
+    """Shard `number`'s folder name under shards/: 000, 001, ..."""
+    return f"{number:03d}"
+
+
+class VersionWriter(_FolderWriter):
     """A new version of `root` being written: `with VersionWriter(root, keep) as writer:`, the
     files written or linked, `name_version()`, then `publish(manifest)`. Leaving the block by
     an exception (or without publishing) removes the staging folder."""
@@ -57,41 +124,33 @@ class VersionWriter:
             raise RuntimeError("VersionWriter is used as a context manager: with VersionWriter(...) as writer")
         return self._folder
 
-    def write_index(self, index: faiss.Index) -> None:
-        save_index(index, self.staging / artifacts.INDEX_FILE)
+    @property
+    def folder(self) -> Path:
+        return self.staging
 
-    def write_vectors(self, vectors: np.ndarray) -> None:
-        """The exact vectors, row for row with the items."""
-        np.save(self.staging / artifacts.EMBEDDINGS_FILE, np.ascontiguousarray(vectors, dtype=np.float32))
-
-    def write_deleted(self, deleted: np.ndarray) -> None:
-        """Rows removed but kept in the index (HNSW tombstones); no file when there are none."""
-        if len(deleted):
-            np.save(self.staging / artifacts.DELETED_FILE, np.asarray(deleted, dtype=np.int64))
-
-    def write_items(self, table: ItemTable) -> None:
-        table.write(self.staging / artifacts.ITEMS_FILE)
-
-    def write_filters(self, filter_index: FilterIndex | None) -> None:
-        """The filterable fields' value → rows structure; no file when none is declared."""
-        if filter_index is not None:
-            filter_index.save(self.staging / artifacts.FILTERS_FILE)
+    def shard(self, number: int) -> ShardWriter:
+        """The writer of shard `number` (its folder made in the staging folder)."""
+        name = shard_name(number)
+        folder = self.staging / artifacts.SHARDS / name
+        folder.mkdir(parents=True, exist_ok=True)
+        return ShardWriter(folder, name)
 
     def write_contact_sheet(self, sheet: Image.Image) -> None:
         sheet.save(self.staging / artifacts.NEIGHBOURS_FILE)
 
-    def link_rows(self, parent: Path) -> None:
-        """The index, vectors, items and filters of the version in `parent`, unchanged."""
-        for name in ROW_FILES:
-            _link_or_copy(parent / name, self.staging / name)
-
     def link_contact_sheet(self, parent: Path) -> None:
         _link_or_copy(parent / artifacts.NEIGHBOURS_FILE, self.staging / artifacts.NEIGHBOURS_FILE)
 
-    def name_version(self, index_id: str | None = None) -> tuple[str, str]:
-        """The version's index id — the written index file's hash, unless given (an index linked
-        from the parent keeps its id) — and its name (`<UTC timestamp>-<index id[:8]>`)."""
-        if index_id is None:
+    def name_version(
+        self, index_id: str | None = None, shards: list[ShardEntry] | None = None
+    ) -> tuple[str, str]:
+        """The version's index id — the written index file's hash (a sharded version's: the hash
+        of its `shards`' index hashes, in order), unless given (an index linked from the parent
+        keeps its id) — and its name (`<UTC timestamp>-<index id[:8]>`)."""
+        if index_id is None and shards:
+            joined = "".join(entry.files.get(artifacts.INDEX_FILE, "") for entry in shards)
+            index_id = hashlib.sha256(joined.encode()).hexdigest()[:16]
+        elif index_id is None:
             index_id = artifacts.file_sha256(self.staging / artifacts.INDEX_FILE)[:16]
         return index_id, artifacts.new_version_name(index_id)
 
