@@ -20,6 +20,7 @@ from index.faiss_index import l2_normalized
 from index.filters import parse_filterable, specs_of
 from index.lifecycle import drop_rows
 from index.publish import NewVersion, publish_index_version
+from index.sharding import ShardPart, ShardRows, shard_keys, shard_of
 from index.version import IndexVersion
 
 log = logging.getLogger(__name__)
@@ -89,20 +90,11 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
         # A row that failed to embed keeps its old vector rather than vanishing.
         rows_now = (live.row_of(i) for i in added.ids)
         replaced = np.array(sorted(r for r in rows_now if r is not None), dtype=np.int64)
-    base = drop_rows(live, replaced) if cfg.upsert and len(replaced) else None
-    index = base.index if base is not None and base.index is not None else live.read_index()
-    old_vectors = base.vectors if base is not None else live.vectors
-    old_items = base.items if base is not None else live.items
-    deleted = base.deleted if base is not None else live.deleted
-    index.add(l2_normalized(vectors))
-    items = old_items.concat(
-        ItemTable(
-            ids=added.ids,
-            labels=added.labels,
-            paths=[str(p.resolve()) for p in added.paths],
-            metadata=added.metadata,
-        )
+    added_items = ItemTable(
+        ids=added.ids, labels=added.labels, paths=[str(p.resolve()) for p in added.paths], metadata=added.metadata
     )
+    if not cfg.upsert:
+        replaced = replaced[:0]
     rows = RowCounts(
         catalog=len(catalog),
         indexed=0,  # publish_index_version counts it: the new version's live_size
@@ -111,18 +103,36 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
         already_indexed=already,
         replaced=int(len(replaced)) if cfg.upsert else None,
     )
-    new = NewVersion(
-        model_id=embedder.model_id,
-        embeddings=np.concatenate([old_vectors, vectors]),
-        items=items,
-        catalog=cfg.catalog,
-        rows=rows,
-        started=started,
-        embed_seconds=time.perf_counter() - started,
-        index=index,
-        parent_version=live.manifest.version,
-        deleted=deleted,
-    )
+    if live.manifest.shards:
+        new = NewVersion(
+            model_id=embedder.model_id,
+            embeddings=vectors,  # the rows added: the shards hold the rest
+            items=added_items,
+            catalog=cfg.catalog,
+            rows=rows,
+            started=started,
+            embed_seconds=time.perf_counter() - started,
+            parent_version=live.manifest.version,
+            shard_parts=add_to_shards(live, replaced, vectors, added_items),
+        )
+    else:
+        base = drop_rows(live, replaced) if len(replaced) else None
+        index = base.index if base is not None and base.index is not None else live.read_index()
+        old_vectors = base.vectors if base is not None else live.vectors
+        old_items = base.items if base is not None else live.items
+        index.add(l2_normalized(vectors))
+        new = NewVersion(
+            model_id=embedder.model_id,
+            embeddings=np.concatenate([old_vectors, vectors]),
+            items=old_items.concat(added_items),
+            catalog=cfg.catalog,
+            rows=rows,
+            started=started,
+            embed_seconds=time.perf_counter() - started,
+            index=index,
+            parent_version=live.manifest.version,
+            deleted=base.deleted if base is not None else live.deleted,
+        )
     return publish_index_version(
         new,
         cfg.index_recipe,
@@ -132,6 +142,40 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
         cfg.item_field,
         cfg.publish_target,
     )
+
+
+def add_to_shards(live: IndexVersion, replaced: np.ndarray, vectors: np.ndarray, added: ItemTable) -> list[ShardPart]:
+    """A sharded `live`'s shards once `replaced` (global rows) leave and the `added` rows join
+    the shard their item hashes to: only the shards they touch are rebuilt (their indexes
+    extended, so IVF/PQ keep the shared quantizer); the others are linked unchanged."""
+    entries = live.manifest.shards or []
+    placed = np.fromiter(
+        (shard_of(key, len(entries)) for key in shard_keys(added, live.manifest.item_field)), np.int64, len(added)
+    )
+    parts = []
+    for number, (entry, offset) in enumerate(zip(entries, live.shard_offsets, strict=True)):
+        shard = live.shard(number)
+        local = replaced[(replaced >= offset) & (replaced < offset + entry.rows)] - offset
+        joining = np.flatnonzero(placed == number)
+        if not len(local) and not len(joining):
+            parts.append(ShardPart(None, shard.directory, entry))
+            continue
+        base = drop_rows(shard, local) if len(local) else None
+        index = base.index if base is not None and base.index is not None else shard.read_index()
+        index.add(l2_normalized(vectors[joining]))
+        old_vectors = base.vectors if base is not None else shard.vectors
+        old_items = base.items if base is not None else shard.items
+        parts.append(
+            ShardPart(
+                ShardRows(
+                    index,
+                    np.concatenate([old_vectors, vectors[joining]]),
+                    old_items.concat(added.take(joining)),
+                    base.deleted if base is not None else shard.deleted,
+                )
+            )
+        )
+    return parts
 
 
 def live_model_dir(manifest: IndexManifest) -> str:

@@ -43,6 +43,7 @@ from core.items import ItemTable
 from core.manifests import IndexManifest, QualityGate, RowCounts
 from index.faiss_index import build_index, empty_index, ivf_of
 from index.filters import FilterIndex, specs_of
+from index.sharding import ShardPart, ShardRows, write_parts
 from index.version import IndexVersion
 from index.version_writer import VersionWriter
 
@@ -244,7 +245,12 @@ def _remove_once(
     not_found = [item_id for item_id, row in found.items() if row is None]
     rows = np.unique(np.fromiter((r for r in found.values() if r is not None), dtype=np.int64))
     report = RemovalReport(live.name, None, len(found), len(rows), not_found, live.size, len(live.deleted))
-    if len(rows) or (compact and len(live.deleted)):
+    if (len(rows) or (compact and len(live.deleted))) and live.manifest.shards:
+        parts = drop_shard_rows(live, rows, max_deleted_fraction, compact)
+        target = publish_remaining_shards(index_root, live, parts, keep, f"removed {len(rows)} items", current)
+        published = IndexManifest.read(target)
+        report.version, report.size, report.deleted_rows = target.name, published.live_size, published.deleted_rows
+    elif len(rows) or (compact and len(live.deleted)):
         remaining = drop_rows(live, rows, max_deleted_fraction, compact)
         target = publish_remaining(index_root, live, remaining, keep, f"removed {len(rows)} items", current)
         published = IndexManifest.read(target)
@@ -291,6 +297,52 @@ def publish_remaining(
             quality_gate=QualityGate(passed=True, reasons=[f"not gated: {what}; quality figures of {live.name}"]),
             parent_version=live.name,
             deleted_rows=len(remaining.deleted),
+        )
+        catalog_rows = parent.rows.catalog if parent.rows else manifest.live_size
+        manifest.rows = RowCounts(catalog=catalog_rows, indexed=manifest.live_size)
+        return writer.publish(manifest, parent=current or live.name)
+
+
+def drop_shard_rows(
+    live: IndexVersion, rows: np.ndarray, max_deleted_fraction: float = 0.2, compact: bool = False
+) -> list[ShardPart]:
+    """A sharded `live` without `rows` (global rows): each shard holding some of them loses
+    them as `drop_rows` drops them from one index; the others are unchanged (to be linked)."""
+    parts = []
+    for number, (entry, offset) in enumerate(zip(live.manifest.shards or [], live.shard_offsets, strict=True)):
+        shard = live.shard(number)
+        local = rows[(rows >= offset) & (rows < offset + entry.rows)] - offset
+        if not len(local) and not (compact and entry.deleted_rows):
+            parts.append(ShardPart(None, shard.directory, entry))
+            continue
+        left = drop_rows(shard, local, max_deleted_fraction, compact)
+        if left.reuses_files:
+            parts.append(ShardPart(None, shard.directory, entry, deleted=left.deleted))
+        else:
+            parts.append(ShardPart(ShardRows(left.index, left.vectors, left.items, left.deleted)))
+    return parts
+
+
+def publish_remaining_shards(
+    index_root: str | Path, live: IndexVersion, parts: list[ShardPart], keep: int, what: str, current: str | None = None
+) -> Path:
+    """`publish_remaining` for a sharded version: the shards that lost rows rewritten, the
+    others' files hard-linked, the whole published by one rename."""
+    with VersionWriter(index_root, keep) as writer:
+        entries = write_parts(writer, parts, specs_of(live.manifest.filterable))
+        writer.link_contact_sheet(live.directory)
+        index_id, version = writer.name_version(shards=entries)
+        parent = live.manifest
+        manifest = dataclasses.replace(
+            parent,
+            index_id=index_id,
+            version=version,
+            size=sum(entry.rows for entry in entries),
+            created=utc_now(),
+            quality_gate=QualityGate(passed=True, reasons=[f"not gated: {what}; quality figures of {live.name}"]),
+            parent_version=live.name,
+            deleted_rows=sum(entry.deleted_rows for entry in entries),
+            shards=entries,
         )
         catalog_rows = parent.rows.catalog if parent.rows else manifest.live_size
         manifest.rows = RowCounts(catalog=catalog_rows, indexed=manifest.live_size)

@@ -18,7 +18,7 @@ from PIL import Image
 from core.artifacts import utc_now
 from core.catalog import Catalog
 from core.items import ItemTable
-from core.manifests import IndexManifest, QualityGate, QualityReport, RowCounts, ShardEntry
+from core.manifests import IndexManifest, QualityGate, QualityReport, RowCounts
 from index.contact_sheet import contact_sheet, sample_neighbours
 from index.faiss_index import (
     EffortChoice,
@@ -50,7 +50,7 @@ from index.sharding import (
     check_shard_count,
     partition,
     shard_keys,
-    write_shard,
+    write_parts,
 )
 from index.version import IndexVersion
 from index.version_writer import VersionWriter
@@ -277,22 +277,6 @@ def _publish_sharded(
     log.info("published index %s (%d items in %d shards) at %s", manifest.version, manifest.live_size,
              len(entries), published)  # fmt: skip
     return published
-
-
-def write_parts(writer: VersionWriter, parts: list[ShardPart], filterable: list[FieldSpec]) -> list[ShardEntry]:
-    """Each shard of a version made from a sharded one: rewritten where it changed, its files
-    hard-linked from the parent's shard where not."""
-    entries, offset = [], 0
-    for number, part in enumerate(parts):
-        shard = writer.shard(number)
-        if part.rows is None:
-            entry = part.parent_entry
-            shard.link_shard(part.parent_folder)
-            entries.append(dataclasses.replace(entry, name=shard.name, row_offset=offset))
-        else:
-            entries.append(write_shard(shard, part.rows, filterable, offset))
-        offset += entries[-1].rows
-    return entries
 
 
 def _manifest(

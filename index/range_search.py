@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from index.faiss_index import ExactRerank
+from index.faiss_index import ExactRerank, inner_index
 
 # The widened k-NN's first depth; it doubles from there. Near-duplicates are few: most queries
 # stop at the first call, and a deep first call (k = max_k = 1000) costs HNSW a long walk.
@@ -50,6 +50,7 @@ def by_range_search(index: faiss.Index | ExactRerank) -> bool:
     index = faiss.downcast_index(index)
     if isinstance(index, (faiss.IndexPreTransform, faiss.IndexIDMap)):
         return by_range_search(index.index)
+    # faiss's IndexShards (a sharded version's merged index) has no range search of its own.
     return isinstance(index, (faiss.IndexFlat, faiss.IndexIVF))
 
 
@@ -151,7 +152,7 @@ def _knn(index: faiss.Index | ExactRerank, queries: np.ndarray, depth: int) -> t
     """k-NN at `depth`; HNSW's walk widened to match it: with its candidate list shorter than
     the answer (efSearch 16, depth 128) it finds about 60% of the exact top 128."""
     if not isinstance(index, ExactRerank):
-        graph = faiss.downcast_index(index)
+        graph = inner_index(index)  # a sharded version's merged index: its shards' graphs
         if isinstance(graph, faiss.IndexHNSW) and graph.hnsw.efSearch < depth:
             return index.search(queries, depth, params=faiss.SearchParametersHNSW(efSearch=depth))
     return index.search(queries, depth)

@@ -86,9 +86,14 @@ class ShardWriter(_FolderWriter):
             if path.is_file():
                 _link_or_copy(path, self.folder / path.name)
 
-    def entry(self, rows: int, deleted_rows: int, row_offset: int) -> ShardEntry:
-        """The manifest's account of the shard as written: its counts and each file's sha256."""
-        files = {p.name: artifacts.file_sha256(p) for p in sorted(self.folder.iterdir()) if p.is_file()}
+    def entry(self, rows: int, deleted_rows: int, row_offset: int, linked: dict[str, str] | None = None) -> ShardEntry:
+        """The manifest's account of the shard as written: its counts and each file's sha256
+        (`linked`: those of files linked from the parent's shard, as its entry lists them — a
+        takedown does not read every untouched shard again)."""
+        known = linked or {}
+        files = {
+            p.name: known.get(p.name) or artifacts.file_sha256(p) for p in sorted(self.folder.iterdir()) if p.is_file()
+        }
         return ShardEntry(name=self.name, rows=rows, deleted_rows=deleted_rows, row_offset=row_offset, files=files)
 
 
