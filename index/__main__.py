@@ -76,8 +76,10 @@ def describe_version(m: IndexManifest) -> str:
     quality = m.quality
     ann = f"ann_R@{quality.ann_k}={quality.ann_recall_at_k:.4f}" if quality is not None else "ann_R@10=-"
     probe = quality.probe_recall_at_1 if quality is not None else None
+    # A sharded version: its shard count and each shard's rows (deleted ones included).
+    shards = f"  shards={len(m.shards)} ({'/'.join(str(e.rows) for e in m.shards)})" if m.shards else ""
     return (
-        f"{m.version}  size={m.live_size}{removed}  factory={m.factory}  search={params}  model={m.model_id}  "
+        f"{m.version}  size={m.live_size}{removed}{shards}  factory={m.factory}  search={params}  model={m.model_id}  "
         f"{ann}  probe_R@1={'-' if probe is None else f'{probe:.4f}'}"
     )
 
