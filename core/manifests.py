@@ -297,8 +297,7 @@ class ShardEntry:
 
 def _shard_entry(data: Any, source: str, number: int) -> ShardEntry:
     fields = _Fields(data, source, f"shards[{number}]")
-    files = fields.section_of("files")
-    assert files is not None
+    files = fields.section_of("files") or _Fields({}, source)  # required: section_of raises when missing
     return ShardEntry(
         name=fields.get("name", str),
         rows=fields.get("rows", int),
