@@ -118,7 +118,7 @@ def marked_mib():
 if sys.argv[1] == "server":
     from serving.config import ServerConfig
     from serving.server import SearchApp
-    SearchApp(ServerConfig.flat(index_root=tempfile.mkdtemp()))
+    SearchApp(ServerConfig.flat(index_root=tempfile.mkdtemp(), watch_current=True))  # no index yet: wait for one
 live, figures = [None], []
 for _ in range(12):
     reader = threading.Thread(target=lambda: live.__setitem__(0, ItemTable.read(sys.argv[2])))
