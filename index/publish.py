@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from PIL import Image
 from core.artifacts import utc_now
 from core.catalog import Catalog
 from core.items import ItemTable
-from core.manifests import IndexManifest, QualityGate, QualityReport, RowCounts
+from core.manifests import IndexManifest, QualityGate, QualityReport, RowCounts, ShardEntry
 from index.contact_sheet import contact_sheet, sample_neighbours
 from index.faiss_index import (
     EffortChoice,
@@ -75,6 +76,9 @@ class NewVersion:
     deleted: np.ndarray | None = None  # rows removed but kept in the index (HNSW tombstones)
     # `index add` to a sharded version: each shard's new rows, or its parent folder where unchanged.
     shard_parts: list[ShardPart] | None = None
+    # A sharded `index rebuild`: what builds and writes the shards (on Ray Data, from the
+    # embedding files) given the writer, recipe, device and fields; `embeddings` is then empty.
+    shard_builder: Callable[[VersionWriter, IndexRecipe, str, list[FieldSpec]], list[ShardEntry]] | None = None
 
     @classmethod
     def of_catalog(
@@ -143,7 +147,7 @@ def publish_index_version(
     index = new.index
     if index is None:
         index = build_index(new.embeddings, recipe.factory, recipe.search_params, recipe.train_size, device)
-    table, labels = _version_table(new.items)
+    table, labels = version_table(new.items)
     # Built from the new version's own rows, whichever command made them (build, add, rebuild,
     # a removal's subset), so a version's structure always describes its rows.
     filter_index = FilterIndex.build(table, filterable) if filterable else None
@@ -220,8 +224,10 @@ def _publish_sharded(
     with VersionWriter(target.index_root, target.keep) as writer:
         if new.shard_parts is not None:
             entries = write_parts(writer, new.shard_parts, filterable)
+        elif new.shard_builder is not None:
+            entries = new.shard_builder(writer, recipe, device, list(filterable))
         else:
-            table, _ = _version_table(new.items)
+            table, _ = version_table(new.items)
             check_shard_count(recipe.shards, len(table))
             parts = partition(shard_keys(table, item_field), recipe.shards)
             started = time.perf_counter()
@@ -324,7 +330,7 @@ def _manifest(
     return manifest
 
 
-def _version_table(items: Catalog | ItemTable) -> tuple[ItemTable, list[str] | None]:
+def version_table(items: Catalog | ItemTable) -> tuple[ItemTable, list[str] | None]:
     """The new version's items table (paths made absolute), and its labels (None: unlabelled)."""
     labels = list(items.labels) if items.labelled else None
     paths = [str(Path(p).resolve()) for p in items.paths]

@@ -13,6 +13,7 @@ shard, each holding only its rows and writing its files through its `ShardWriter
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,3 +161,34 @@ def build_shards(
     ]
     return list(ray.get(pending))
 
+
+
+def build_shard_group(
+    batch: dict[str, np.ndarray],
+    writers: list[ShardWriter],
+    trained_ref: object,
+    table_ref: object,
+    kept_ref: object,
+    specs: list[FieldSpec],
+) -> dict[str, np.ndarray]:
+    """Ray Data's `map_groups` over a rebuild's rows grouped by shard (`index.rebuild`): one
+    shard's rows (`row`: catalog rows, `embedding`), and only those, built into its copy of the
+    trained index and written; its entry back as JSON (row offset 0: the driver sets them once
+    every shard's rows are known). `table_ref`: the version's items (Arrow) for the catalog
+    rows `kept_ref` lists, ascending."""
+    import ray
+
+    number = int(batch["shard"][0])
+    order = np.argsort(batch["row"], kind="stable")  # catalog order within a shard
+    rows, vectors = batch["row"][order], np.asarray(batch["embedding"], dtype=np.float32)[order]
+    table, kept = ray.get(table_ref), ray.get(kept_ref)
+    items = table.take(np.searchsorted(kept, rows))
+    entry = _build_shard(writers[number], ray.get(trained_ref), vectors, items, specs, 0)
+    return {"shard": np.asarray([number]), "entry": np.asarray([json.dumps(entry.to_dict())])}
+
+
+def empty_shard(
+    writer: ShardWriter, trained: faiss.Index, dim: int, items: object, specs: list[FieldSpec]
+) -> ShardEntry:
+    """A shard no row hashes to: the trained empty index, zero vectors, an empty items table."""
+    return _build_shard(writer, faiss.serialize_index(trained), np.zeros((0, dim), np.float32), items, specs, 0)
