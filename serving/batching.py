@@ -97,6 +97,9 @@ class Result:
     truncated: bool = False  # min_score: more rows reach it than `hits` holds
     path: str | None = None  # a filtered query's: exact or index, as the planner chose
     candidates: int | None = None  # a grouped query's: rows its deciding round searched
+    shards_answered: tuple[str, ...] = ()  # a sharded search's (`serving.engine.Answer`)
+    shards_missing: tuple[str, ...] = ()
+    unavailable: str | None = None
     vector: np.ndarray | None = None
     decode_s: float = 0.0
     queue_s: float = 0.0
@@ -227,6 +230,9 @@ class Inference:
                 work.result.truncated = answer.truncated or cut
                 work.result.path = answer.path
                 work.result.candidates = answer.candidates
+                work.result.shards_answered = answer.shards_answered
+                work.result.shards_missing = answer.shards_missing
+                work.result.unavailable = answer.unavailable
         searched = time.perf_counter()
         self.metrics.batch_size.observe(len(batch))
         embedding, searching = set(map(id, to_embed)), set(map(id, to_search))

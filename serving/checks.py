@@ -17,7 +17,7 @@ from index.grouping import Groups
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.engine import EVERY_ROW, Limits, Scope, ServingPair
 from serving.errors import InvalidArgument, at_place, image_errors
-from serving.filter_masks import FilterMasks
+from serving.filter_masks import FilterMasks, to_filter
 
 # A negative query part's weight when it names none (a positive's is 1). Rocchio weighs
 # negatives far below positives (β 0.75, γ 0.15): at 1, one "not like" part pulled the query
@@ -64,6 +64,7 @@ class CheckedSearch:
     parts: tuple[CheckedPart, ...] = ()
     label: str | None = None  # the query's true label, scored into the traffic Recall@K
     request_id: str = ""  # as the request gave it ("": one is made up for the answer)
+    allow_partial: bool = False  # a sharded server may answer from the shards that answered
 
 
 def left_out(scope: Scope, rows: set[int]) -> set[int]:
@@ -111,7 +112,10 @@ class RequestChecks:
         if request.HasField("region") and kind != "image":
             raise InvalidArgument(f"region crops an image query; this query is {kind or 'a set of parts'}")
         label = request.label if request.HasField("label") else None
-        checked = functools.partial(CheckedSearch, pair, k, scope, label=label, request_id=request.request_id)
+        checked = functools.partial(
+            CheckedSearch, pair, k, scope, label=label, request_id=request.request_id,
+            allow_partial=request.allow_partial,
+        )  # fmt: skip
         if request.parts:
             if kind is not None:
                 raise InvalidArgument(f"set either {kind} or parts, not both")
@@ -135,13 +139,14 @@ class RequestChecks:
         if request.HasField("min_score"):
             min_score = self.check_min_score(float(request.min_score))
         allowed = self.filter_masks.mask(pair, request.filter) if request.HasField("filter") else None
+        kept = to_filter(request.filter) if allowed is not None else None  # what a sharded search sends its shards
         group_by = request.group_by if request.HasField("group_by") else pair.manifest.item_field or ""
         if not group_by:
             if request.HasField("per_group"):
                 raise InvalidArgument("per_group needs group_by (this index has no item field to group by)")
-            return Scope(allowed, min_score) if allowed is not None or min_score is not None else EVERY_ROW
+            return Scope(allowed, min_score, filter=kept) if allowed is not None or min_score is not None else EVERY_ROW
         per_group = self.check_per_group(request.per_group if request.HasField("per_group") else 1)
-        return Scope(allowed, min_score, self.groups(pair, group_by), per_group)
+        return Scope(allowed, min_score, self.groups(pair, group_by), per_group, kept)
 
     def image(self, pair: ServingPair, data: bytes, region: pb.Region | None = None) -> CheckedImage:
         """An image to embed (the region of it, when given), opened but not decoded."""

@@ -28,6 +28,7 @@ from core.manifests import IndexManifest, ModelManifest, check_model_index_pair
 from core.preprocess import DEFAULT_MAX_PIXELS, Region, decode
 from index import range_search
 from index.faiss_index import ExactRerank, search_within
+from index.filters import Filter
 from index.grouping import Groups, search_groups
 from index.version import IndexVersion
 from serving.errors import Unavailable, image_errors
@@ -169,6 +170,9 @@ class Scope:
     min_score: float | None = None
     groups: Groups | None = None
     per_group: int = 1
+    # The filter `allowed` was made from: what a sharded search sends its shards, each making
+    # its own mask from its own filters (`serving.sharded`).
+    filter: Filter | None = None
 
     @property
     def plain(self) -> bool:
@@ -194,6 +198,11 @@ class Answer:
     truncated: bool = False
     path: str | None = None  # a filtered query's: the planner's choice, exact or index (faiss_index.search_within)
     candidates: int | None = None  # a grouped query's: rows its deciding round searched (EXACT_PASS: all)
+    # A sharded search's (`serving.sharded`): the shards that answered, those that did not, and
+    # why — the service fails the query UNAVAILABLE with it unless the request allowed a partial answer.
+    shards_answered: tuple[str, ...] = ()
+    shards_missing: tuple[str, ...] = ()
+    unavailable: str | None = None
 
 
 class SearchEngine:

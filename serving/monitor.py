@@ -34,6 +34,7 @@ from google.protobuf import json_format
 
 from core.config import option
 from core.metrics import recall_from_neighbor_labels
+from index.filters import Filter
 from index.grouping import Groups, exact_top_groups
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.engine import ServingPair
@@ -144,6 +145,9 @@ class RecallMonitor:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._rng = random.Random(0)
+        # (pair, vector, k, exclude, filter, groups) → the exact top k rows (groups, grouped), best
+        # first: set by a sharded server, whose vectors live in its shards (`serving.sharded`).
+        self.exact_top: Callable[..., list[int]] | None = None
 
     # -- live traffic -----------------------------------------------------------------------
 
@@ -185,13 +189,14 @@ class RecallMonitor:
         exclude: set[int],
         allowed: np.ndarray | None = None,
         groups: Groups | None = None,
+        filter: Filter | None = None,
     ) -> None:
         """Queue a live query, answered by load `serial`, for an exact re-run (within `allowed`,
-        a filtered query's rows: a read-only mask, kept by reference; grouped by `groups` when
-        its answer was); never blocks the request."""
+        a filtered query's rows: a read-only mask, kept by reference, made from `filter`; grouped
+        by `groups` when its answer was); never blocks the request."""
         if self.config.ann_sample_rate <= 0 or self._rng.random() >= self.config.ann_sample_rate:
             return
-        job = (serial, np.array(vector, dtype=np.float32), list(rows), set(exclude), allowed, groups)
+        job = (serial, np.array(vector, dtype=np.float32), list(rows), set(exclude), allowed, groups, filter)
         try:
             self._ann_jobs.put_nowait(job)
         except queue.Full:
@@ -287,14 +292,25 @@ class RecallMonitor:
         exclude: set[int],
         allowed: np.ndarray | None = None,
         groups: Groups | None = None,
+        filter: Filter | None = None,
     ) -> None:
         """Re-run a query answered by load `serial` exactly (among the `allowed` rows, when its
         filter gave some; for its top groups when it was grouped by `groups`), if that load is
-        still live."""
+        still live. With `exact_top` set (a sharded server: the vectors live in the shards), the
+        exact answer is that hook's."""
         pair = self._live
         if pair is None or pair.serial != serial:  # sampled before a reload: it no longer describes the index served
             return
-        if groups is None:
+        if groups is not None:
+            answered = list(dict.fromkeys(int(groups.codes[r]) for r in rows))
+        if self.exact_top is not None:
+            if groups is None:
+                answered = rows
+            ranked = self.exact_top(pair, vector, max(self.config.ks), frozenset(exclude), filter, groups)
+
+            def exact_top(k: int) -> list[int]:
+                return ranked[:k]
+        elif groups is None:
             answered = rows
             scores = pair.index_version.exact_scores(vector)
             if allowed is not None:
@@ -307,7 +323,6 @@ class RecallMonitor:
         else:
             # A grouped answer holds one item's rows together and never a second group's
             # sibling rows: only its groups compare with an exact answer, the exact top groups.
-            answered = list(dict.fromkeys(int(groups.codes[r]) for r in rows))
             live = pair.index_version.live_mask
             if live is not None:
                 allowed = live if allowed is None else allowed & live

@@ -31,7 +31,7 @@ from protos.simsearch.v1 import search_pb2 as pb
 from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
 from serving.checks import CheckedImage, CheckedPart, CheckedSearch, RequestChecks
 from serving.engine import EVERY_ROW, Hit, Limits, Scope, SearchEngine, ServingPair
-from serving.errors import DeadlineExceeded, InvalidArgument, NotFound, at_place, image_errors
+from serving.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable, at_place, image_errors
 from serving.feedback import FeedbackLog
 from serving.history import TrafficHistory
 from serving.metrics import ServiceMetrics
@@ -173,6 +173,8 @@ class SearchService:
 
     def _respond(self, search: CheckedSearch, query: Query, result: Result) -> pb.SearchResponse:
         pair = query.pair
+        if result.shards_missing and not search.allow_partial:  # never a silently short answer
+            raise Unavailable(result.unavailable or f"shard {', '.join(result.shards_missing)} did not answer")
         items = pair.items
         request_id = search.request_id or uuid.uuid4().hex
         neighbors = [
@@ -199,8 +201,9 @@ class SearchService:
             self.monitor.record_labelled(pair.serial, search.label, self._truths(pair, result.hits, neighbors))
         if query.scope.min_score is None:  # the exact re-run compares against every row the filter allows
             self.monitor.maybe_sample_ann(
-                pair.serial, result.vector, rows, query.exclude, query.scope.allowed, query.scope.groups
-            )
+                pair.serial, result.vector, rows, query.exclude, query.scope.allowed, query.scope.groups,
+                query.scope.filter,
+            )  # fmt: skip
         if result.path is not None:
             self.metrics.filtered_queries.labels(result.path).inc()
         return pb.SearchResponse(
@@ -212,6 +215,8 @@ class SearchService:
             index_id=pair.index_id,
             model_id=pair.model_id,
             timings=self._timings(query, result),
+            shards_answered=result.shards_answered,
+            shards_missing=result.shards_missing,
         )
 
     @staticmethod

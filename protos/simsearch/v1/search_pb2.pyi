@@ -81,7 +81,7 @@ class QueryPart(_message.Message):
     def __init__(self, image: _Optional[bytes] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ..., item_id: _Optional[str] = ..., weight: _Optional[float] = ..., negative: _Optional[bool] = ..., region: _Optional[_Union[Region, _Mapping]] = ...) -> None: ...
 
 class SearchRequest(_message.Message):
-    __slots__ = ("image", "embedding", "item_id", "parts", "region", "group_by", "per_group", "k", "request_id", "label", "exclude_ids", "filter", "min_score")
+    __slots__ = ("image", "embedding", "item_id", "parts", "region", "group_by", "per_group", "k", "request_id", "label", "exclude_ids", "filter", "min_score", "allow_partial")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class SearchRequest(_message.Message):
     EXCLUDE_IDS_FIELD_NUMBER: _ClassVar[int]
     FILTER_FIELD_NUMBER: _ClassVar[int]
     MIN_SCORE_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
     image: bytes
     embedding: Embedding
     item_id: str
@@ -108,7 +109,8 @@ class SearchRequest(_message.Message):
     exclude_ids: _containers.RepeatedScalarFieldContainer[str]
     filter: Filter
     min_score: float
-    def __init__(self, image: _Optional[bytes] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ..., item_id: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[QueryPart, _Mapping]]] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., group_by: _Optional[str] = ..., per_group: _Optional[int] = ..., k: _Optional[int] = ..., request_id: _Optional[str] = ..., label: _Optional[str] = ..., exclude_ids: _Optional[_Iterable[str]] = ..., filter: _Optional[_Union[Filter, _Mapping]] = ..., min_score: _Optional[float] = ...) -> None: ...
+    allow_partial: bool
+    def __init__(self, image: _Optional[bytes] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ..., item_id: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[QueryPart, _Mapping]]] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., group_by: _Optional[str] = ..., per_group: _Optional[int] = ..., k: _Optional[int] = ..., request_id: _Optional[str] = ..., label: _Optional[str] = ..., exclude_ids: _Optional[_Iterable[str]] = ..., filter: _Optional[_Union[Filter, _Mapping]] = ..., min_score: _Optional[float] = ..., allow_partial: _Optional[bool] = ...) -> None: ...
 
 class Neighbor(_message.Message):
     __slots__ = ("id", "score", "label", "metadata", "group")
@@ -146,7 +148,7 @@ class StageTimings(_message.Message):
     def __init__(self, decode_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., embed_ms: _Optional[float] = ..., search_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class SearchResponse(_message.Message):
-    __slots__ = ("neighbors", "request_id", "index_version", "index_id", "model_id", "timings", "truncated", "group_by")
+    __slots__ = ("neighbors", "request_id", "index_version", "index_id", "model_id", "timings", "truncated", "group_by", "shards_answered", "shards_missing")
     NEIGHBORS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +157,8 @@ class SearchResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     GROUP_BY_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_ANSWERED_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_MISSING_FIELD_NUMBER: _ClassVar[int]
     neighbors: _containers.RepeatedCompositeFieldContainer[Neighbor]
     request_id: str
     index_version: str
@@ -163,7 +167,9 @@ class SearchResponse(_message.Message):
     timings: StageTimings
     truncated: bool
     group_by: str
-    def __init__(self, neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., request_id: _Optional[str] = ..., index_version: _Optional[str] = ..., index_id: _Optional[str] = ..., model_id: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., truncated: _Optional[bool] = ..., group_by: _Optional[str] = ...) -> None: ...
+    shards_answered: _containers.RepeatedScalarFieldContainer[str]
+    shards_missing: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, neighbors: _Optional[_Iterable[_Union[Neighbor, _Mapping]]] = ..., request_id: _Optional[str] = ..., index_version: _Optional[str] = ..., index_id: _Optional[str] = ..., model_id: _Optional[str] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., truncated: _Optional[bool] = ..., group_by: _Optional[str] = ..., shards_answered: _Optional[_Iterable[str]] = ..., shards_missing: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SearchBatchRequest(_message.Message):
     __slots__ = ("requests",)

@@ -1,0 +1,573 @@
+"""Sharded search: an index version's shards searched apart and their answers merged exactly.
+
+`serve --ray` (`serving.ray_serve`) serves a version from one deployment per shard. Each shard
+replica holds a `ShardSearcher`: its shard of the versions it was asked for (the last two),
+memory-mapped, searched by the one-index engine (`SearchEngine.search`) with the query's scope
+made over its own rows — its own filter masks from the query's `Filter`, its own groups of the
+group-by field, its own deleted rows, the excluded rows that fall in its range — answering
+global rows and scores only (`ShardAnswer`): no vectors leave a shard.
+
+The ingress's `ShardedSearch` has the contract of `SearchEngine.search` (a list of `Answer`)
+and merges the shards' answers exactly: the best k of their rows (score descending, then row);
+grouped, each shard's best k groups, of which the best k (a group's score is its best row's).
+Rows are placed by their item, so grouped by the item field (the shard key) a group lives in
+one shard and its rows come whole from it; grouped by another field a group spans shards, its
+best row is still in some shard's top k groups, but its other rows are then filled from every
+shard (`ShardSearcher.fill`). A min_score keeps every shard's rows above it; `truncated` is the
+one-index meaning, from the shards' own.
+
+A shard that does not answer (`ShardSet` retried it where it could) leaves the answers its
+name in `shards_missing` and why in `unavailable`: the service fails the call UNAVAILABLE
+unless the request allowed a partial answer — never a silently short answer.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from core import artifacts
+from core.artifacts import ArtifactError
+from index.faiss_index import inner_products
+from index.filters import Filter
+from index.grouping import EXACT_PASS, Groups
+from index.version import IndexVersion
+from serving.engine import EVERY_ROW, Answer, Hit, Scope, SearchEngine, ServingPair
+
+VERSIONS_KEPT = 2  # a shard replica keeps its shard of this many versions open
+NO_CANDIDATES = -2  # a ShardAnswer's `candidates` for a query that was not grouped
+
+
+def shard_count(version: IndexVersion) -> int:
+    """The shards a version is served as: its own, or one (a version of one index)."""
+    return len(version.shard_names) or 1
+
+
+def shard_label(number: int) -> str:
+    """A shard's name as answers, errors and metrics give it ("000", "001", ...)."""
+    return f"{number:03d}"
+
+
+def shard_of_version(version: IndexVersion, number: int) -> tuple[IndexVersion, int]:
+    """Shard `number` of `version` and its first global row; a version of one index is its own shard 0."""
+    if not version.shard_names:
+        if number != 0:
+            raise IndexError(f"version {version.name} is one index, not {number + 1} shards")
+        return version, 0
+    return version.shard(number), int(version.shard_offsets[number])
+
+
+@dataclass(frozen=True)
+class ShardScope:
+    """What a query's `Scope` says, as a shard needs it: the filter itself (the shard makes its
+    own mask), min_score, the group-by field's name and rows per group."""
+
+    filter: Filter | None = None
+    min_score: float | None = None
+    group_by: str | None = None
+    per_group: int = 1
+
+    @classmethod
+    def of(cls, scope: Scope) -> ShardScope:
+        group_by = scope.groups.name if scope.groups is not None else None
+        return cls(scope.filter, scope.min_score, group_by, scope.per_group)
+
+
+@dataclass
+class ShardRequest:
+    """A batch of queries for every shard: their vectors, k (and each one's own), the distinct
+    scopes and each query's, and each query's excluded GLOBAL rows (a shard keeps its own).
+    With `chosen` (a fill): each query's groups, by value, whose rows every shard fills."""
+
+    vectors: np.ndarray
+    k: int
+    ks: list[int] | None
+    scopes: list[ShardScope]
+    scope_of: list[int]
+    exclude: list[np.ndarray]
+    chosen: list[list[str]] | None = None
+
+
+@dataclass
+class ShardAnswer:
+    """One shard's answers to a batch, flat: query i's hits are `rows[starts[i]:starts[i+1]]`
+    (global rows) and their scores, best first — grouped, group by group."""
+
+    shard: str
+    rows: np.ndarray
+    scores: np.ndarray
+    counts: np.ndarray
+    truncated: np.ndarray
+    candidates: np.ndarray
+    paths: list[str | None]
+    search_s: float = 0.0
+    rows_held: int = 0
+    memory_bytes: int = 0
+    starts: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+
+    def hits(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = self.starts[i], self.starts[i + 1]
+        return self.rows[a:b], self.scores[a:b]
+
+    @classmethod
+    def of(
+        cls, shard: str, answers: Sequence[Answer], offset: int, search_s: float, rows_held: int
+    ) -> ShardAnswer:
+        rows = [h.row + offset for a in answers for h in a.hits]
+        return cls(
+            shard,
+            np.asarray(rows, dtype=np.int64),
+            np.asarray([h.score for a in answers for h in a.hits], dtype=np.float32),
+            np.asarray([len(a.hits) for a in answers], dtype=np.int64),
+            np.asarray([a.truncated for a in answers], dtype=bool),
+            np.asarray([NO_CANDIDATES if a.candidates is None else a.candidates for a in answers], dtype=np.int64),
+            [a.path for a in answers],
+            search_s,
+            rows_held,
+            _resident_bytes(),
+        )
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (what a shard replica's rows and index cost it)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+# -- the shard side ----------------------------------------------------------------------------
+
+
+class _OpenShard:
+    """One shard of one version, loaded (its files checked against the manifest's checksums)."""
+
+    def __init__(self, version: IndexVersion, number: int) -> None:
+        shard, self.offset = shard_of_version(version, number)
+        self.name = shard_label(number)
+        self.version = shard.load()
+        self.pair = ServingPair(None, shard.searchable(), shard)  # type: ignore[arg-type]  # no model: vectors come in
+        self.engine = SearchEngine()
+        self.size = len(shard.items)
+        self._masks: dict[Filter, np.ndarray] = {}
+        self._lock = threading.Lock()
+        self._values: dict[str, dict[str, int]] = {}
+
+    def mask(self, query: Filter | None) -> np.ndarray | None:
+        """The rows of this shard a filter keeps, from its own filters (kept, read-only: queries of
+        one filter share the array, so the engine searches them together)."""
+        if query is None:
+            return None
+        with self._lock:
+            found = self._masks.get(query)
+        if found is None:
+            filters = self.version.filters
+            if filters is None:
+                raise ValueError(f"shard {self.name}: filter on a version that declares no filterable fields")
+            found = filters.mask(query)
+            found.flags.writeable = False
+            with self._lock:
+                self._masks[query] = found
+                while len(self._masks) > 16:
+                    self._masks.pop(next(iter(self._masks)))
+        return found
+
+    def scopes(self, request: ShardRequest) -> list[Scope]:
+        made = [self.scope(s) for s in request.scopes]
+        return [made[i] for i in request.scope_of]
+
+    def scope(self, scope: ShardScope) -> Scope:
+        if scope == ShardScope():
+            return EVERY_ROW
+        groups = self.version.groups(scope.group_by) if scope.group_by else None
+        return Scope(self.mask(scope.filter), scope.min_score, groups, scope.per_group, scope.filter)
+
+    def local(self, rows: np.ndarray) -> frozenset[int]:
+        """The global rows in this shard's range, as its own rows."""
+        rows = np.asarray(rows, dtype=np.int64)
+        inside = rows[(rows >= self.offset) & (rows < self.offset + self.size)]
+        return frozenset((inside - self.offset).tolist())
+
+    def code_of(self, groups: Groups, value: str) -> int | None:
+        """A group's code in this shard's groups of its field, by value (None: none of its rows are here)."""
+        with self._lock:
+            codes = self._values.get(groups.name)
+            if codes is None:
+                codes = self._values[groups.name] = {groups.label(g): g for g in range(len(groups))}
+        return codes.get(value)
+
+    def eligible(self, scope: Scope, groups: Groups | None) -> np.ndarray | None:
+        """The rows a query may answer with here: its filter's, less deleted rows (and, grouped,
+        those without a value)."""
+        allowed = scope.allowed
+        live = self.version.live_mask
+        if live is not None:
+            allowed = live if allowed is None else allowed & live
+        if groups is not None and groups.has_value is not None:
+            allowed = groups.has_value if allowed is None else allowed & groups.has_value
+        return allowed
+
+
+class ShardSearcher:
+    """A shard replica's work: shard `number` of whichever version of the index root a call
+    names, the last `VERSIONS_KEPT` kept open, a version opened on demand — so every answer
+    comes from the version its call named, never a mix."""
+
+    def __init__(self, index_root: str | Path, number: int) -> None:
+        self.index_root = Path(index_root)
+        self.number = number
+        self.name = shard_label(number)
+        self._open: OrderedDict[str, _OpenShard] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def open(self, version: str) -> _OpenShard:
+        """This shard of `version`, loaded (ArtifactError naming the shard when its files are
+        missing or damaged)."""
+        with self._lock:
+            found = self._open.get(version)
+            if found is not None:
+                self._open.move_to_end(version)
+                return found
+        whole = IndexVersion(artifacts.version_dir(self.index_root, version))
+        if shard_count(whole) <= self.number:
+            raise ArtifactError(
+                f"version {version} has {shard_count(whole)} shards: this deployment's shard {self.name} is not in it"
+            )
+        opened = _OpenShard(whole, self.number)
+        with self._lock:
+            self._open[version] = opened
+            while len(self._open) > VERSIONS_KEPT:
+                self._open.popitem(last=False)
+        return opened
+
+    def warm(self, version: str) -> dict:
+        """Open `version` ahead of its first query (a reload does, on every replica, before the
+        ingress swaps): its rows and what the replica holds."""
+        opened = self.open(version)
+        return {"shard": self.name, "rows": opened.size, "memory_bytes": _resident_bytes()}
+
+    def search(self, version: str, request: ShardRequest) -> ShardAnswer:
+        """The engine's answers over this shard's rows: global rows and scores."""
+        started = time.perf_counter()
+        shard = self.open(version)
+        if shard.size == 0 or not len(request.vectors):
+            empty = [Answer([]) for _ in request.scope_of]
+            return ShardAnswer.of(self.name, empty, shard.offset, 0.0, shard.size)
+        exclude = [shard.local(rows) for rows in request.exclude]
+        answers = shard.engine.search(
+            shard.pair, request.vectors, request.k, exclude, shard.scopes(request), request.ks
+        )
+        return ShardAnswer.of(self.name, answers, shard.offset, time.perf_counter() - started, shard.size)
+
+    def exact(self, version: str, request: ShardRequest) -> ShardAnswer:
+        """Exact search over this shard's rows (every eligible row scored): each query's top k
+        rows — grouped, its top k groups, each as its best row."""
+        started = time.perf_counter()
+        shard = self.open(version)
+        answers = []
+        for vector, scope, skip in zip(request.vectors, shard.scopes(request), request.exclude, strict=True):
+            if shard.size == 0:
+                answers.append(Answer([]))
+                continue
+            scores = inner_products(shard.version.vectors, vector)
+            eligible = shard.eligible(scope, scope.groups)
+            if eligible is not None:
+                scores[~eligible] = -np.inf
+            local = shard.local(skip)
+            if local:
+                scores[list(local)] = -np.inf
+            if scope.groups is None:
+                top = np.argsort(-scores, kind="stable")[: request.k]
+                answers.append(Answer([Hit(int(r), float(scores[r])) for r in top if np.isfinite(scores[r])]))
+                continue
+            groups = scope.groups
+            if not len(groups):
+                answers.append(Answer([]))
+                continue
+            grouped = scores[groups.rows]
+            best = np.maximum.reduceat(grouped, groups.offsets[:-1])
+            reachable = np.flatnonzero(np.isfinite(best))
+            top = reachable[np.argsort(-best[reachable], kind="stable")[: request.k]]
+            hits = []
+            for g in top.tolist():
+                its = groups.rows_of(g)
+                row = int(its[int(np.argmax(scores[its]))])
+                hits.append(Hit(row, float(scores[row])))
+            answers.append(Answer(hits))
+        return ShardAnswer.of(self.name, answers, shard.offset, time.perf_counter() - started, shard.size)
+
+    def fill(self, version: str, request: ShardRequest) -> ShardAnswer:
+        """Each query's chosen groups (`request.chosen`, by value) filled from this shard: the
+        best `per_group` of each one's eligible rows here, scored exactly, group by group in
+        the order chosen."""
+        started = time.perf_counter()
+        shard = self.open(version)
+        answers = []
+        for i, (vector, scope) in enumerate(zip(request.vectors, shard.scopes(request), strict=True)):
+            groups = scope.groups
+            if groups is None or shard.size == 0:
+                answers.append(Answer([]))
+                continue
+            eligible = shard.eligible(scope, groups)
+            skip = shard.local(request.exclude[i])
+            hits = []
+            for value in (request.chosen or [[]] * len(request.vectors))[i]:
+                code = shard.code_of(groups, value)
+                if code is None:
+                    continue
+                rows = groups.rows_of(code)
+                if eligible is not None:
+                    rows = rows[eligible[rows]]
+                if skip:
+                    rows = rows[~np.isin(rows, np.fromiter(skip, dtype=np.int64, count=len(skip)))]
+                scores = inner_products(shard.version.vectors, vector, rows)
+                if scope.min_score is not None:
+                    keep = scores >= scope.min_score
+                    rows, scores = rows[keep], scores[keep]
+                top = np.argsort(-scores, kind="stable")[: scope.per_group]
+                hits += [Hit(int(rows[j]), float(scores[j])) for j in top]
+            answers.append(Answer(hits))
+        return ShardAnswer.of(self.name, answers, shard.offset, time.perf_counter() - started, shard.size)
+
+
+# -- the ingress side --------------------------------------------------------------------------
+
+
+class ShardSet(Protocol):
+    """How the ingress reaches its shards: `call(method, version, request)` asks every shard
+    (retrying where it can) and gives each shard's answer, or the exception it ended with."""
+
+    names: list[str]
+
+    def call(self, method: str, version: str, request: ShardRequest) -> list[ShardAnswer | Exception]: ...
+
+
+class LocalShards:
+    """Every shard in this process, one `ShardSearcher` each: the merge without a cluster (tests,
+    benchmarks' baseline of the hop)."""
+
+    def __init__(self, index_root: str | Path, shards: int) -> None:
+        self.searchers = [ShardSearcher(index_root, number) for number in range(shards)]
+        self.names = [s.name for s in self.searchers]
+
+    def call(self, method: str, version: str, request: ShardRequest) -> list[ShardAnswer | Exception]:
+        answers: list[ShardAnswer | Exception] = []
+        for searcher in self.searchers:
+            try:
+                answers.append(getattr(searcher, method)(version, request))
+            except Exception as exc:  # noqa: BLE001 - a shard's failure is its answer
+                answers.append(exc)
+        return answers
+
+
+@dataclass
+class _Split:
+    """The shards' answers to one call: those that answered, and the names and errors of those that did not."""
+
+    answers: list[ShardAnswer]
+    missing: dict[str, str]
+
+    @property
+    def answered(self) -> tuple[str, ...]:
+        return tuple(a.shard for a in self.answers)
+
+
+class ShardedSearch:
+    """The fan-out and exact merge behind a sharded server's engine: `search` answers as
+    `SearchEngine.search` does, over every shard of the pair's version. `observe(answer,
+    seconds)` hears each shard's answer (the server's per-shard metrics)."""
+
+    def __init__(self, shards: ShardSet, observe=None) -> None:
+        self.shards = shards
+        self.observe = observe
+
+    def _call(self, method: str, version: str, request: ShardRequest) -> _Split:
+        answers, missing = [], {}
+        for name, answer in zip(self.shards.names, self.shards.call(method, version, request), strict=True):
+            if isinstance(answer, Exception):
+                missing[name] = _reason(answer)
+            else:
+                answers.append(answer)
+                if self.observe is not None:
+                    self.observe(answer)
+        return _Split(answers, missing)
+
+    @staticmethod
+    def request(
+        vectors: np.ndarray, k: int, exclude: Sequence[frozenset[int]], scopes: Sequence[Scope], ks: list[int] | None
+    ) -> ShardRequest:
+        distinct: dict[ShardScope, int] = {}
+        scope_of = [distinct.setdefault(ShardScope.of(s), len(distinct)) for s in scopes]
+        return ShardRequest(
+            np.ascontiguousarray(vectors, dtype=np.float32),
+            k,
+            list(ks) if ks is not None else None,
+            list(distinct),
+            scope_of,
+            [np.fromiter(e, dtype=np.int64, count=len(e)) for e in exclude],
+        )
+
+    def search(
+        self,
+        pair: ServingPair,
+        vectors: np.ndarray,
+        k: int,
+        exclude: list[frozenset[int]],
+        scopes: list[Scope] | None = None,
+        ks: list[int] | None = None,
+    ) -> list[Answer]:
+        """Top-k per query within its scope over every shard, merged exactly (see the module)."""
+        scopes = scopes or [EVERY_ROW] * len(vectors)
+        request = self.request(vectors, k, exclude, scopes, ks)
+        split = self._call("search", pair.version, request)
+        answers = []
+        for i, scope in enumerate(scopes):
+            if scope.groups is None:
+                answers.append(_merged_rows(split.answers, i, k, scope.min_score is not None))
+            else:
+                answers.append(_merged_groups(split.answers, i, ks[i] if ks else k, scope))
+        spanning = [
+            i for i, s in enumerate(scopes)
+            if s.groups is not None and s.per_group > 1 and _spans_shards(pair, s.groups.name, len(self.shards.names))
+        ]  # fmt: skip
+        if spanning and split.answers:
+            split = self._fill(pair, vectors, request, answers, scopes, spanning, split)
+        missing = tuple(split.missing)
+        unavailable = None
+        if missing:
+            unavailable = "; ".join(f"shard {name} did not answer: {why}" for name, why in split.missing.items())
+        for answer in answers:
+            answer.shards_answered, answer.shards_missing, answer.unavailable = split.answered, missing, unavailable
+        return answers
+
+    def _fill(
+        self,
+        pair: ServingPair,
+        vectors: np.ndarray,
+        request: ShardRequest,
+        answers: list[Answer],
+        scopes: list[Scope],
+        spanning: list[int],
+        split: _Split,
+    ) -> _Split:
+        """Grouped by a field other than the shard key, with more than one row a group: the
+        chosen groups' rows from every shard, each group's best `per_group` kept."""
+        chosen = []
+        for i in spanning:
+            groups = scopes[i].groups
+            chosen.append(list(dict.fromkeys(groups.label(h.group) for h in answers[i].hits)))
+        fill = ShardRequest(
+            request.vectors[spanning],
+            request.k,
+            None,
+            request.scopes,
+            [request.scope_of[i] for i in spanning],
+            [request.exclude[i] for i in spanning],
+            chosen,
+        )
+        filled = self._call("fill", pair.version, fill)
+        for j, i in enumerate(spanning):
+            scope = scopes[i]
+            rows = np.concatenate([a.hits(j)[0] for a in filled.answers]) if filled.answers else np.zeros(0, np.int64)
+            scores = np.concatenate([a.hits(j)[1] for a in filled.answers]) if filled.answers else np.zeros(0)
+            codes = scope.groups.codes[rows]
+            order = np.lexsort((rows, -scores))
+            by_group: dict[int, list[Hit]] = {}
+            for o in order.tolist():
+                its = by_group.setdefault(int(codes[o]), [])
+                if len(its) < scope.per_group:
+                    its.append(Hit(int(rows[o]), float(scores[o]), int(codes[o])))
+            kept = list(dict.fromkeys(h.group for h in answers[i].hits))
+            answers[i].hits = [h for g in kept for h in by_group.get(g, [])]
+        missing = {**split.missing, **filled.missing}
+        return _Split([a for a in split.answers if a.shard not in missing], missing)
+
+    def exact_top(
+        self,
+        pair: ServingPair,
+        vector: np.ndarray,
+        k: int,
+        exclude: frozenset[int],
+        filter: Filter | None,
+        groups: Groups | None,
+    ) -> list[int]:
+        """The exact top k rows of one query over every shard (grouped: its top k groups, as
+        codes of `groups`), best first: the monitor's reference for ANN fidelity."""
+        scope = Scope(filter=filter, groups=groups)
+        request = self.request(vector[None], k, [exclude], [scope], None)
+        split = self._call("exact", pair.version, request)
+        if split.missing:
+            raise RuntimeError("; ".join(f"shard {n}: {why}" for n, why in split.missing.items()))
+        rows = np.concatenate([a.hits(0)[0] for a in split.answers])
+        scores = np.concatenate([a.hits(0)[1] for a in split.answers])
+        order = np.lexsort((rows, -scores))
+        if groups is None:
+            return rows[order][:k].tolist()
+        return list(dict.fromkeys(int(groups.codes[r]) for r in rows[order]))[:k]
+
+
+def _spans_shards(pair: ServingPair, field_name: str, shards: int) -> bool:
+    """Whether a group of `field_name` may have rows in several shards: always, unless the field
+    is the shard key (rows are placed by it) or there is one shard."""
+    return shards > 1 and field_name != pair.manifest.shard_key
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[-1] if text else ''}".rstrip(": ")
+
+
+def _merged_rows(answers: list[ShardAnswer], i: int, k: int, scoped: bool) -> Answer:
+    """Query i's rows from every shard, the best k (score descending, then row). With a min_score,
+    truncated when any shard was or more than k reach it; else when fewer than k came back
+    though some shard had more to give."""
+    if not answers:
+        return Answer([])
+    rows = np.concatenate([a.hits(i)[0] for a in answers])
+    scores = np.concatenate([a.hits(i)[1] for a in answers])
+    order = np.lexsort((rows, -scores))[:k]
+    hits = [Hit(int(r), float(s)) for r, s in zip(rows[order], scores[order], strict=True)]
+    short = any(bool(a.truncated[i]) for a in answers)
+    truncated = (short or len(rows) > k) if scoped else (short and len(hits) < k)
+    paths = [a.paths[i] for a in answers if a.paths[i] is not None]
+    path = "index" if "index" in paths else (paths[0] if paths else None)
+    return Answer(hits, truncated, path=path)
+
+
+def _merged_groups(answers: list[ShardAnswer], i: int, k: int, scope: Scope) -> Answer:
+    """Query i's best k groups from every shard's best k, each with its best `per_group` rows
+    seen (a group's score: its best row's). Truncated as one index says: fewer than k groups,
+    or — with a min_score — more groups reach it than k."""
+    groups = scope.groups
+    if not answers:
+        return Answer([], truncated=scope.min_score is None, candidates=0)
+    rows = np.concatenate([a.hits(i)[0] for a in answers])
+    scores = np.concatenate([a.hits(i)[1] for a in answers])
+    codes = groups.codes[rows]
+    order = np.lexsort((rows, -scores))
+    by_group: dict[int, list[Hit]] = {}
+    for o in order.tolist():
+        its = by_group.setdefault(int(codes[o]), [])
+        if len(its) < scope.per_group:
+            its.append(Hit(int(rows[o]), float(scores[o]), int(codes[o])))
+    chosen = list(by_group)[:k]  # dicts keep insertion order: best first row first
+    hits = [h for g in chosen for h in by_group[g]]
+    if scope.min_score is not None:
+        truncated = any(bool(a.truncated[i]) for a in answers) or len(by_group) > k
+    else:
+        truncated = len(chosen) < k
+    candidates = [int(a.candidates[i]) for a in answers]
+    found = EXACT_PASS if EXACT_PASS in candidates else max(candidates)
+    return Answer(hits, truncated, candidates=found)

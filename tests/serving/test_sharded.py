@@ -1,0 +1,154 @@
+"""The sharded search's merge (serving/sharded.py), without a cluster: S = 4 shards, each a
+`ShardSearcher` in this process, answer every kind of query exactly as the one-index engine
+answers the same catalog built as one index — plain, filtered, grouped by the item (the shard
+key) and by a field spanning shards, with several rows a group, min_score, excluded rows and a
+takedown — by id and order (Flat: exact, so ties aside the same). A shard that fails leaves its
+name in the answers, never a silently short answer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from index.faiss_index import l2_normalized
+from index.filters import Condition, Filter
+from index.lifecycle import remove_items
+from index.version import IndexVersion
+from serving.engine import Scope, SearchEngine, ServingPair
+from serving.sharded import LocalShards, ShardedSearch, ShardSearcher
+from tests.support import shards as support
+
+N, DIM, ITEMS = 1200, 16, 400
+K = 10
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    """The S = 4 build adds its shards in Ray tasks."""
+    import ray
+
+    from core.cli import init_ray
+
+    init_ray(log_to_driver=False, num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def roots(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sharded")
+    model = support.model(folder / "model", DIM)
+    data = support.catalog(N, DIM, ITEMS)
+    support.publish(folder / "one", data, model, 1)
+    support.publish(folder / "four", data, model, 4)
+    return folder / "one", folder / "four"
+
+
+def engines(one_root, four_root):
+    single = IndexVersion.open(one_root).load()
+    merged = IndexVersion.open(four_root)
+    one = ServingPair(None, single.searchable(), single)  # type: ignore[arg-type]
+    four = ServingPair(None, None, merged)  # type: ignore[arg-type]  # the ingress holds no index
+    return (SearchEngine(), one), (ShardedSearch(LocalShards(four_root, 4)), four)
+
+
+def queries(count: int) -> np.ndarray:
+    return l2_normalized(np.random.default_rng(7).standard_normal((count, DIM)).astype(np.float32))
+
+
+def scope_on(pair: ServingPair, query_filter: Filter | None, group_by: str | None, per_group: int, min_score=None):
+    version = pair.index_version
+    allowed = None
+    if query_filter is not None:
+        allowed = version.filters.mask(query_filter)
+        allowed.flags.writeable = False
+    groups = version.groups(group_by) if group_by else None
+    return Scope(allowed, min_score, groups, per_group, query_filter)
+
+
+def answered_ids(pair, answers):
+    ids = pair.items.ids
+    return [[(ids[h.row], round(h.score, 5)) for h in a.hits] for a in answers]
+
+
+def groups_of(pair, answers, scope):
+    return [[scope.groups.label(h.group) for h in a.hits] for a in answers]
+
+
+def excluded_rows(pair, ids):
+    return frozenset(r for r in (pair.index_version.row_of(i) for i in ids) if r is not None)
+
+
+CASES = {
+    "plain": (None, None, 1, None),
+    "filtered": (Filter(must=(Condition("shade", value="2"),)), None, 1, None),
+    "grouped by item": (None, "item", 2, None),
+    "grouped by a field spanning shards": (None, "shade", 3, None),
+    "grouped and filtered": (Filter(must_not=(Condition("shade", value="0"),)), "item", 1, None),
+    "min_score": (None, None, 1, 0.55),
+    "min_score grouped": (None, "item", 1, 0.7),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_shards_answer_as_one_index(roots, case):
+    (engine, one), (sharded, four) = engines(*roots)
+    query_filter, group_by, per_group, min_score = CASES[case]
+    q = queries(120)
+    skip_ids = [[f"id{(7 * i) % N:05d}", f"id{(11 * i + 3) % N:05d}"] for i in range(len(q))]
+    k = K if group_by is None else 4
+    got = []
+    for engine_, pair in ((engine, one), (sharded, four)):
+        scope = scope_on(pair, query_filter, group_by, per_group, min_score)
+        exclude = [excluded_rows(pair, ids) for ids in skip_ids]
+        answers = engine_.search(pair, q, k, exclude, [scope] * len(q), [k] * len(q))
+        got.append(
+            (
+                answered_ids(pair, answers),
+                [a.truncated for a in answers],
+                groups_of(pair, answers, scope) if scope.groups is not None else None,
+            )
+        )
+    assert got[0] == got[1]
+    assert sum(bool(a) for a in got[0][0]) > len(q) // 2  # not a comparison of empty answers
+    if min_score is not None:
+        assert any(got[0][1]) and not all(got[0][1])  # the bound cuts some answers and not others
+
+
+def test_a_takedown_never_answers_from_any_shard(roots, tmp_path):
+    _, four_root = roots
+    (_, _), (sharded, four) = engines(*roots)
+    q = four.index_version.vectors[:50]  # every row's own vector: it answers first
+    taken = [four.items.ids[r] for r in range(0, 50, 5)]
+    report = remove_items(four_root, taken, "tester", "takedown")
+    after = IndexVersion.open(four_root, report.version)
+    pair = ServingPair(None, None, after)  # type: ignore[arg-type]
+    answers = sharded.search(pair, q, K, [frozenset()] * len(q), None, None)
+    ids = {after.items.ids[h.row] for a in answers for h in a.hits}
+    assert ids and not ids & set(taken)
+    assert all(a.shards_answered == ("000", "001", "002", "003") and not a.shards_missing for a in answers)
+
+
+def test_a_failed_shard_is_named_in_every_answer(roots):
+    _, four_root = roots
+    (_, _), (_, four) = engines(*roots)
+    shards = LocalShards(four_root, 4)
+
+    def broken(version, request):
+        raise ConnectionError("replica gone")
+
+    shards.searchers[2].search = broken
+    answers = ShardedSearch(shards).search(four, queries(3), K, [frozenset()] * 3)
+    for answer in answers:
+        assert answer.shards_missing == ("002",) and answer.shards_answered == ("000", "001", "003")
+        assert "shard 002 did not answer" in answer.unavailable and "replica gone" in answer.unavailable
+        assert len(answer.hits) == K  # what the others answered, named partial by the fields above
+
+
+def test_a_shard_replica_keeps_two_versions_and_refuses_a_damaged_one(roots):
+    _, four_root = roots
+    version = IndexVersion.open(four_root).name
+    searcher = ShardSearcher(four_root, 1)
+    assert searcher.warm(version)["rows"] == IndexVersion.open(four_root).manifest.shards[1].rows
+    with pytest.raises(Exception, match="shards: this deployment's shard 004"):
+        ShardSearcher(four_root, 4).warm(version)

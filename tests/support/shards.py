@@ -1,0 +1,66 @@
+"""Sharded and single index versions over one catalog, in seconds, for the sharded-serving
+tests: clustered vectors (an item's rows near one another), an item field and a filterable
+shade, published with a tiny model's id so a server can load them."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from core.items import ItemTable
+from core.manifests import ModelManifest, RowCounts
+from index.faiss_index import l2_normalized
+from index.filters import parse_filterable
+from index.gate import GateThresholds
+from index.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
+from index.version import IndexVersion
+from tests.support.index import write_tiny_model
+
+FILTERABLE = parse_filterable(["item", "shade"])
+
+
+def catalog(rows: int, dim: int, items: int, seed: int = 0) -> tuple[np.ndarray, ItemTable]:
+    """`rows` clustered unit vectors (rows of one item drawn near one another) and their items:
+    ids, an `item` field (rows / items rows an item) and a `shade` spanning items."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((max(8, items // 4), dim))
+    item_of = np.arange(rows) % items
+    vectors = centres[item_of % len(centres)] + 0.8 * rng.standard_normal((rows, dim))
+    table = ItemTable(
+        [f"id{i:05d}" for i in range(rows)],
+        None,
+        [f"/images/{i}.png" for i in range(rows)],
+        [{"item": f"item{item_of[i]}", "shade": str(i % 5)} for i in range(rows)],
+    )
+    return l2_normalized(vectors.astype(np.float32)), table
+
+
+def publish(root: Path, data: tuple[np.ndarray, ItemTable], model: Path, shards: int, factory: str = "Flat") -> Path:
+    """A version of `data` in `root` (live), of `shards` shards, for the model at `model`."""
+    vectors, items = data
+    new = NewVersion(
+        model_id=ModelManifest.read(model).model_id,
+        embeddings=vectors,
+        items=items,
+        catalog="/catalog.csv",
+        rows=RowCounts(len(items), len(items)),
+        started=time.perf_counter(),
+        embed_seconds=0.0,
+    )
+    gate = GateThresholds(
+        ks=(1,), quality_sample=100, ann_k=10, min_ann_recall=0, min_probe_recall_at_1=0, max_recall_drop=None,
+        force=False,
+    )  # fmt: skip
+    recipe = IndexRecipe(factory, {}, None, "cpu", 0.95, shards)
+    target = PublishTarget(root, 5, str(model), {})
+    return publish_index_version(new, recipe, gate, None, FILTERABLE, "item", target)
+
+
+def model(folder: Path, dim: int) -> Path:
+    return write_tiny_model(folder, dim=dim)
+
+
+def opened(root: Path) -> IndexVersion:
+    return IndexVersion.open(root)
