@@ -19,6 +19,10 @@ from core.preprocess import InputContract
 
 SCHEMA_VERSION = 1  # the version these classes write; files without the field are version 1
 SCHEMA_KEY = "schema_version"
+# A sharded index version's manifest (its rows in shards/, no index.faiss beside it): a reader
+# from before shards reads versions 1 to 1, so it refuses one by this field, naming it, rather
+# than failing to find the index file. A version of one index still writes 1, byte for byte.
+SHARDED_SCHEMA_VERSION = 2
 
 _NUMBER = (int, float)
 M = TypeVar("M", bound="_Manifest")
@@ -74,14 +78,15 @@ class _Manifest:
 
     schema_version: int
     extra: dict[str, Any]
+    _READS: ClassVar[int] = SCHEMA_VERSION  # the newest schema version this class reads
 
     @classmethod
     def from_dict(cls: type[M], data: Mapping[str, Any], source: str | Path = MANIFEST) -> M:
         fields = _Fields(data, str(source))
         version = fields.get(SCHEMA_KEY, int, required=False, default=1)
-        if not 1 <= version <= SCHEMA_VERSION:
+        if not 1 <= version <= cls._READS:
             raise ArtifactError(
-                f"{source}: field {SCHEMA_KEY!r} is {version}; this simsearch reads versions 1 to {SCHEMA_VERSION}"
+                f"{source}: field {SCHEMA_KEY!r} is {version}; this simsearch reads versions 1 to {cls._READS}"
             )
         return cls._parse(fields, version)
 
@@ -93,7 +98,11 @@ class _Manifest:
         raise NotImplementedError
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.extra, **self._dict(), SCHEMA_KEY: SCHEMA_VERSION}
+        return {**self.extra, **self._dict(), SCHEMA_KEY: self._writes()}
+
+    def _writes(self) -> int:
+        """The schema version this manifest is written as."""
+        return SCHEMA_VERSION
 
     def _values(self) -> dict[str, Any]:
         """The dataclass fields as they are (not yet JSON), less the file-level ones."""
@@ -339,8 +348,10 @@ class IndexManifest(_Manifest):
     # A sharded version (`index build --shards S`, S > 1): its shards in order; None: one index.
     shards: list[ShardEntry] | None = None
     shard_key: str | None = None  # what placed a row: "id", or the item field
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = SCHEMA_VERSION  # written as SHARDED_SCHEMA_VERSION when `shards` (`_writes`)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    _READS: ClassVar[int] = SHARDED_SCHEMA_VERSION
 
     @property
     def indexed_rows(self) -> int:
@@ -388,8 +399,16 @@ class IndexManifest(_Manifest):
             shard_key=fields.get("shard_key", str, required=False),
             schema_version=version,
         )
+        if (version == SHARDED_SCHEMA_VERSION) != (manifest.shards is not None):
+            raise ArtifactError(
+                f"{fields.source}: field {SCHEMA_KEY!r} is {version}, but the manifest "
+                + ("lists no shards" if manifest.shards is None else "lists shards (a sharded version is version 2)")
+            )
         manifest.extra = fields.rest()
         return manifest
+
+    def _writes(self) -> int:
+        return SHARDED_SCHEMA_VERSION if self.shards else SCHEMA_VERSION
 
     def _dict(self) -> dict[str, Any]:
         d = self._values()

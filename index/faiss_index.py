@@ -62,6 +62,15 @@ def empty_index(dim: int, factory: str) -> faiss.Index:
         raise ValueError(f"invalid faiss factory string {factory!r} for {dim}-d vectors: {faiss_message(exc)}") from exc
 
 
+def emptied_index(index: faiss.Index) -> faiss.Index:
+    """A copy of `index` holding no rows, its training (quantizer, code books) and search
+    parameters kept: a shard that every row has left is such an index, loaded and searched as
+    any other (faiss answers -1 for every place)."""
+    empty = faiss.clone_index(index)
+    empty.reset()
+    return empty
+
+
 def inner_index(index: faiss.Index) -> faiss.Index:
     """`index` downcast, or for a sharded version's merged index (`merged_index`) its first
     shard's own index: every shard has the same structure and search parameters."""
@@ -315,6 +324,8 @@ class ExactRerank:
     ) -> tuple[np.ndarray, np.ndarray]:
         """`params` (a filter's id selector, widened nprobe/efSearch) go to the candidates' search."""
         depth = min(k * self.factor, self.index.ntotal)
+        if depth == 0:  # an empty shard: faiss refuses k = 0; no place has an answer
+            return np.full((len(queries), k), -np.inf, np.float32), np.full((len(queries), k), -1, np.int64)
         _, candidates = self.index.search(queries, depth, params=params)
         found = candidates >= 0
         scores = np.einsum("qd,qcd->qc", queries, self.gather(np.where(found, candidates, 0)))

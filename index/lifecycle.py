@@ -41,7 +41,7 @@ from core.artifacts import utc_now
 from core.config import option
 from core.items import ItemTable
 from core.manifests import IndexManifest, QualityGate, RowCounts
-from index.faiss_index import build_index, empty_index, ivf_of
+from index.faiss_index import build_index, emptied_index, empty_index, ivf_of
 from index.filters import FilterIndex, specs_of
 from index.sharding import ShardPart, ShardRows, write_parts
 from index.version import IndexVersion
@@ -158,7 +158,10 @@ def drop_rows(
         vectors = np.ascontiguousarray(live.vectors[keep])
         manifest = live.manifest
         started = time.perf_counter()
-        index = build_index(vectors, manifest.factory, manifest.search_params, None, manifest.built_on or "auto")
+        if len(keep):
+            index = build_index(vectors, manifest.factory, manifest.search_params, None, manifest.built_on or "auto")
+        else:  # every row gone (a shard a takedown emptied): nothing to build a graph of
+            index = emptied_index(live.read_index())
         seconds = time.perf_counter() - started
         log.info("compacted %s: %d removed rows out, graph rebuilt in %.1f s", live.name, len(deleted), seconds)
         return Remaining(index, vectors, live.items.take(keep), np.zeros(0, np.int64), len(rows), compacted=True)

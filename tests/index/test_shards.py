@@ -300,3 +300,70 @@ def test_build_add_and_list_a_sharded_version(photos, tmp_path, capsys):
         old = first.directory / artifacts.SHARDS / f"{number:03d}" / artifacts.ITEMS_FILE
         new = added.directory / artifacts.SHARDS / f"{number:03d}" / artifacts.ITEMS_FILE
         assert (os.stat(old).st_ino == os.stat(new).st_ino) == (number != home)
+
+
+def test_a_takedown_may_empty_a_shard_which_still_loads_and_searches(catalog, tmp_path):
+    sharded = publish(tmp_path / "root", catalog, "Flat", 4)
+    emptied = list(sharded.shard(2).items.ids)
+    report = remove_items(tmp_path / "root", emptied, "test")
+    after = IndexVersion.open(tmp_path / "root").load(dim=DIM)
+    assert report.removed == len(emptied) and after.manifest.shards[2].rows == 0
+    assert after.manifest.live_size == N - len(emptied) and after.shard(3).manifest.size > 0
+    empty = IndexVersion(after.directory).shard(2).load(dim=DIM)  # a fresh reader: files checked
+    assert empty.vectors.shape == (0, DIM) and len(empty.items) == 0 and empty.index.ntotal == 0
+    scores, rows = search(empty.searchable(), queries(3), 10)
+    assert (rows == -1).all()
+    left = set(after.items.ids)
+    assert all(i in left for row in ids_of(after, search(after.searchable(), queries(), 10)[1]) for i in row)
+    assert not left & set(emptied)
+
+
+def test_compacting_an_all_deleted_hnsw_shard_leaves_an_empty_graph(catalog, tmp_path):
+    root = tmp_path / "root"
+    sharded = publish(root, catalog, "HNSW16", 4, {"efSearch": 32})
+    victims = list(sharded.shard(1).items.ids)
+    remove_items(root, victims[:10], "test")  # tombstones: below the fraction
+    assert IndexVersion.open(root).manifest.shards[1].deleted_rows == 10
+    remove_items(root, victims[10:], "test", compact=True)  # every row of the shard gone: compacted
+    after = IndexVersion.open(root).load(dim=DIM)
+    entry = after.manifest.shards[1]
+    assert (entry.rows, entry.deleted_rows) == (0, 0) and after.manifest.live_size == N - len(victims)
+    empty = IndexVersion(after.directory).shard(1).load(dim=DIM)
+    assert isinstance(faiss.downcast_index(empty.index), faiss.IndexHNSWFlat) and empty.index.ntotal == 0
+    assert faiss.downcast_index(empty.index).hnsw.efSearch == after.manifest.search_params["efSearch"]
+    assert (search(empty.searchable(), queries(3), 5)[1] == -1).all()
+    found = ids_of(after, search(after.searchable(), queries(), 10)[1])
+    assert all(len(row) == 10 for row in found) and not set(victims) & {i for row in found for i in row}
+
+
+def test_a_shard_no_row_hashes_to_is_built_empty(tmp_path):
+    # Items placed only in shards 0 and 1 of 3: shard 2 is an empty copy of the trained index.
+    keys = [k for k in (f"item{i}" for i in range(400)) if shard_of(k, 3) != 2][:60]
+    rng = np.random.default_rng(3)
+    vectors = l2_normalized(rng.standard_normal((120, DIM)).astype(np.float32))
+    items = ItemTable(
+        [f"id{i}" for i in range(120)], None, [f"/images/{i}.png" for i in range(120)],
+        [{"item": keys[i // 2], "shade": str(i % 3)} for i in range(120)],
+    )  # fmt: skip
+    for factory in ("Flat", "IVF2,Flat"):
+        version = publish(tmp_path / factory.replace(",", "_"), (vectors, items), factory, 3)
+        assert [e.rows for e in version.manifest.shards][2] == 0 and version.size == 120
+        empty = version.shard(2)
+        assert empty.index.ntotal == 0 and empty.index.is_trained
+        assert (search(empty.searchable(), vectors[:2], 4)[1] == -1).all()
+
+
+def test_a_sharded_manifest_is_schema_2_which_a_reader_from_before_shards_refuses(flat_pair, monkeypatch):
+    single, sharded = flat_pair
+    assert json.loads((single.directory / artifacts.MANIFEST).read_text())["schema_version"] == 1
+    written = json.loads((sharded.directory / artifacts.MANIFEST).read_text())
+    assert written["schema_version"] == 2
+    assert IndexManifest.read(sharded.directory).to_dict() == written  # read back, written back the same
+    monkeypatch.setattr(IndexManifest, "_READS", 1)  # what a reader from before shards reads
+    with pytest.raises(ArtifactError, match=r"field 'schema_version' is 2; this simsearch reads versions 1 to 1"):
+        IndexManifest.read(sharded.directory)
+    monkeypatch.undo()
+    with pytest.raises(ArtifactError, match=r"'schema_version' is 2, but the manifest lists no shards"):
+        IndexManifest.from_dict({k: v for k, v in written.items() if k != "shards"})
+    with pytest.raises(ArtifactError, match=r"'schema_version' is 1, but the manifest lists shards"):
+        IndexManifest.from_dict({**written, "schema_version": 1})
