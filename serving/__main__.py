@@ -148,10 +148,17 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
 
 def _serve(args: argparse.Namespace) -> None:
     from serving import logs
-    from serving.server import run
 
     logs.configure(args.log_format)
-    run(_server_config(args))
+    config = _server_config(args)
+    if config.sharding.ray:  # the same server on Ray Serve, one deployment per index shard
+        from serving import ray_serve
+
+        ray_serve.run(config)
+        return
+    from serving.server import run
+
+    run(config)
 
 
 # Statuses that belong to one query (its image, its item id); any other ends the command.

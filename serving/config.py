@@ -151,6 +151,33 @@ class Runtime:
 
 
 @dataclass
+class Sharding:
+    """`serve --ray`: the index served on Ray Serve — an ingress (these ports, this service), an
+    embedder, and one deployment per shard of the version (`serving.ray_serve`)."""
+
+    ray: bool = option(
+        False,
+        help="serve on Ray Serve (the cluster at RAY_ADDRESS, else a local Ray): the ingress, the embedder and "
+        "one deployment per index shard",
+    )
+    shard_replicas: int = option(1, help="replicas of each shard deployment (with --ray; 2: a replica may fail)")
+    shard_timeout_s: float = option(
+        5.0,
+        help="a shard call's deadline (with --ray): past it, or failed, the call is tried again; then the shard "
+        "is missing from the answer",
+    )
+    shard_retries: int = option(2, help="further tries of a shard call that failed or timed out (with --ray)")
+
+    def __post_init__(self) -> None:
+        if self.shard_replicas < 1:
+            raise ValueError(f"shard_replicas must be at least 1, got {self.shard_replicas}")
+        if not 0 < self.shard_timeout_s < float("inf"):
+            raise ValueError(f"shard_timeout_s must be > 0 seconds, got {self.shard_timeout_s}")
+        if self.shard_retries < 0:
+            raise ValueError(f"shard_retries must be ≥ 0, got {self.shard_retries}")
+
+
+@dataclass
 class ServerConfig:
     """`serving serve`: the index it serves, and its transport, limits, batching, runtime and
     quality monitor, each a section of its own."""
@@ -169,6 +196,7 @@ class ServerConfig:
     batching: Batching = section(Batching, help="dynamic batching")
     runtime: Runtime = section(Runtime, help="decoding, ONNX Runtime and event-loop threads")
     monitor: MonitorConfig = section(MonitorConfig, help="online Recall@K, ANN fidelity and probe rounds")
+    sharding: Sharding = section(Sharding, help="serving on Ray Serve, one deployment per index shard")
 
     @classmethod
     def flat(cls, **options: Any) -> ServerConfig:

@@ -88,6 +88,33 @@ class ServiceMetrics:
             registry=r,
         )
         self.queue_depth = Gauge("simsearch_queue_depth", "Queries waiting to be batched", registry=r)
+        # A sharded server's (`serve --ray`), by shard: a call's round trip from the ingress (the
+        # hop and the shard's search), the shard's own search time, its rows and its replica's memory.
+        self.shard_latency = Histogram(
+            "simsearch_shard_latency_seconds",
+            "A shard call's round trip from the ingress (hop and search), by shard and method",
+            ["shard", "method"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.shard_search = Histogram(
+            "simsearch_shard_search_seconds",
+            "A shard call's search inside the shard replica, by shard",
+            ["shard"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.shard_failures = Counter(
+            "simsearch_shard_failures", "Shard calls that failed or missed their deadline (each try), by shard",
+            ["shard"], registry=r,
+        )  # fmt: skip
+        self.shard_rows = Gauge(
+            "simsearch_shard_rows", "Rows of the live version's shard, by shard", ["shard"], registry=r
+        )
+        self.shard_memory = Gauge(
+            "simsearch_shard_memory_bytes", "Resident memory of the replica that last answered, by shard", ["shard"],
+            registry=r,
+        )  # fmt: skip
         self.index_size = Gauge("simsearch_index_size", "Vectors in the live index", registry=r)
         self.index_info = Gauge(
             "simsearch_index_info",

@@ -23,6 +23,7 @@ import signal
 import socket
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -106,12 +107,22 @@ class SearchApp:
     """Owns the engine, batcher, recall monitor, gRPC server, health status and metrics endpoint.
     Its lifecycle runs on the loop that serves it: `await start()`, `await stop()`."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        engine: SearchEngine | None = None,
+        load: Callable[..., ServingPair] | None = None,
+        metrics: ServiceMetrics | None = None,
+    ) -> None:
+        """`engine`, `load` and `metrics`: a sharded server's (`serving.ray_serve`) — its engine
+        searches the shards, its load opens the version on them; by default the one-index engine
+        and `config.load`."""
         config.check_inputs()
         self.config = config
         steady_heap()  # before the first pair: see serving/memory.py
-        self.metrics = ServiceMetrics()
-        self.engine = SearchEngine(config.limits)
+        self.metrics = metrics or ServiceMetrics()
+        self.engine = engine or SearchEngine(config.limits)
+        self._load = load or config.load
         workers = config.runtime.worker_threads
         batching = config.batching
         self.batcher = DynamicBatcher(
@@ -243,7 +254,6 @@ class SearchApp:
         self, version: str | None = None, model_dir: str | None = None
     ) -> tuple[ServingPair | None, ServingPair]:
         """Load a pair off the loop and swap it in; on failure the old pair keeps serving."""
-        config = self.config
         async with self._reload_lock:
             engine = self.engine
             what = f"loading index {version}" if version else "loading the index CURRENT names"
@@ -253,7 +263,7 @@ class SearchApp:
 
             engine.loading = what
             previous = engine.pair if engine.loaded else None
-            load = functools.partial(config.load, version, model_dir, previous, progress)
+            load = functools.partial(self._load, version, model_dir, previous, progress)
             try:  # loading takes seconds: the loop keeps answering queries meanwhile
                 new = await asyncio.get_running_loop().run_in_executor(None, load)
             except Exception:

@@ -1,0 +1,442 @@
+"""`python -m serving serve --ray`: one Ray Serve application serving an index version's shards.
+
+- `shard-000`, `shard-001`, …: one deployment per shard of the live version (`--shard-replicas`
+  each), a replica holding its shard of the versions it was asked for, memory-mapped
+  (`serving.sharded.ShardSearcher`), answering global rows and scores only;
+- `embedder`: the model's ONNX Runtime sessions (`QueryEmbedder`), so embedding scales apart
+  from search;
+- `ingress`: the same server as `serve` — gRPC service, HTTP routes, console, metrics, on the
+  configured ports, through the same service layer (`SearchApp`, on an event loop of its own in
+  the replica) — with only its engine's search a fan-out to the shards and an exact merge
+  (`ShardedSearch`), and its embedding the embedder's. It holds the version's items, filters
+  and tombstones (ids for rows), never its vectors or faiss index.
+
+A reload (Reload, make-live, a takedown, --watch-current) opens the new version on every
+replica of every shard deployment before the ingress swaps it in, and each shard call names
+its version: an answer never mixes versions. A version with another shard count than the one
+deployed is refused (redeploy: run `serve --ray` again). A shard call that fails or misses
+`--shard-timeout-s` is tried again `--shard-retries` times (Ray Serve routes it to another
+replica where there is one); then the shard is named missing, and the query fails UNAVAILABLE
+unless it allowed a partial answer.
+
+`app(args)` is the application builder a KubeRay RayService imports
+(deploy/k8s/rayservice-serving.yaml); `run(config)` is the command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core import artifacts
+from core.artifacts import ArtifactError
+from core.manifests import ModelManifest, check_model_index_pair
+from index.version import IndexVersion
+from serving.config import ServerConfig
+from serving.engine import SearchEngine, ServingPair
+from serving.metrics import ServiceMetrics
+from serving.query_embedder import QueryEmbedder
+from serving.sharded import ShardAnswer, ShardedSearch, ShardRequest, ShardSearcher, shard_count, shard_label
+
+log = logging.getLogger(__name__)
+
+APP = "simsearch"
+INGRESS = "ingress"
+EMBEDDER = "embedder"
+
+
+def shard_deployment(number: int) -> str:
+    return f"shard-{shard_label(number)}"
+
+
+# -- what the ingress holds of a version -------------------------------------------------------
+
+
+class IngressVersion(IndexVersion):
+    """A version as the ingress holds it: manifest, items, filters and tombstones (ids and
+    fields for rows), never the vectors or the faiss index — those live in the shards. An
+    item's stored vector (an item_id query) is read from its shard's memory map, one row."""
+
+    @property
+    def vectors(self) -> np.ndarray:  # type: ignore[override]
+        raise RuntimeError("the ingress of a sharded server holds no vectors: ask the shards")
+
+    @property
+    def index(self):  # type: ignore[override]
+        raise RuntimeError("the ingress of a sharded server holds no faiss index: ask the shards")
+
+    # The one index's (or a shard's) vectors memory-mapped: a row read costs a page, not the file.
+    _mapped = functools.cached_property(IndexVersion.vectors.func)  # type: ignore[attr-defined]
+
+    def vector(self, row: int) -> np.ndarray:
+        if not self.shard_names:
+            return np.array(self._mapped[row])
+        offsets = self.shard_offsets
+        number = int(np.searchsorted(offsets, row, side="right") - 1)
+        return np.array(self.shard(number).vectors[row - int(offsets[number])])
+
+    def check(self) -> IngressVersion:
+        """What the ingress reads agrees with the manifest (each shard's own files are checked
+        where they load, in the shard replicas)."""
+        items, deleted, filters = self.items, self.deleted, self.filters
+        if (len(items), len(deleted)) != (self.manifest.size, self.manifest.deleted_rows):
+            raise ArtifactError(
+                f"{self.directory}: the manifest counts {self.manifest.size} rows, {self.manifest.deleted_rows} "
+                f"deleted; the items and tombstones hold {len(items)}, {len(deleted)}"
+            )
+        if filters is not None and filters.size != len(items):
+            raise ArtifactError(f"{self.directory}: the filters cover {filters.size} rows, the items {len(items)}")
+        return self
+
+
+class RemoteEmbedder:
+    """The model as the ingress sees it: its input contract and ids from its manifest, its
+    embeddings from the embedder deployment (`QueryEmbedder.embed`'s contract)."""
+
+    def __init__(self, handle: Any, model_dir: str | Path, timeout_s: float, providers: list[str]) -> None:
+        self.handle = handle
+        self.model_dir = Path(model_dir)
+        manifest = ModelManifest.read(self.model_dir)
+        self.contract = manifest.input
+        self.model_id = manifest.model_id
+        self.dim = manifest.embedding_dim
+        self.timeout_s = timeout_s
+        self.session = _Providers(providers)
+
+    def embed(self, batch: np.ndarray, side_by_side: bool = False) -> np.ndarray:
+        return self.handle.embed.remote(str(self.model_dir), batch, side_by_side).result(timeout_s=self.timeout_s)
+
+
+class _Providers:
+    """What GetInfo asks of a session: the providers it runs on (the embedder replica's)."""
+
+    def __init__(self, providers: list[str]) -> None:
+        self._providers = providers
+
+    def get_providers(self) -> list[str]:
+        return list(self._providers)
+
+
+class ShardedEngine(SearchEngine):
+    """The one-index engine with its search a fan-out to the shards (`ShardedSearch`)."""
+
+    def __init__(self, limits, sharded: ShardedSearch) -> None:
+        super().__init__(limits)
+        self.sharded = sharded
+
+    def search(self, pair, vectors, k, exclude, scopes=None, ks=None):  # type: ignore[override]
+        return self.sharded.search(pair, vectors, k, exclude, scopes, ks)
+
+
+class RayShards:
+    """The shard deployments through their handles: every shard asked at once; a call that
+    fails or misses `timeout_s` is sent again (Ray Serve picks a live replica) up to `retries`
+    times, then answered by its exception."""
+
+    def __init__(self, handles: list[Any], timeout_s: float, retries: int, metrics: ServiceMetrics | None) -> None:
+        self.handles = handles
+        self.names = [shard_label(n) for n in range(len(handles))]
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.metrics = metrics
+
+    def call(self, method: str, version: str, request: ShardRequest) -> list[ShardAnswer | Exception]:
+        started = time.perf_counter()
+        pending = [h.options(method_name=method).remote(version, request) for h in self.handles]
+        return [self._result(n, method, version, request, r, started) for n, r in enumerate(pending)]
+
+    def _result(self, number: int, method: str, version: str, request: ShardRequest, response, started: float):
+        tries = 0
+        while True:
+            try:
+                answer = response.result(timeout_s=max(0.0, started + self.timeout_s - time.perf_counter()))
+                if self.metrics is not None:
+                    self.metrics.shard_latency.labels(self.names[number], method).observe(
+                        time.perf_counter() - started
+                    )
+                return answer
+            except Exception as exc:  # noqa: BLE001 - a dead replica, a timeout, the shard's own error
+                if isinstance(exc, ArtifactError | ValueError):  # the version is bad: no other replica helps
+                    return exc
+                if self.metrics is not None:
+                    self.metrics.shard_failures.labels(self.names[number]).inc()
+                with _suppressed():
+                    response.cancel()
+                tries += 1
+                if tries > self.retries:
+                    return exc
+                log.warning("shard %s: %s failed (%s); trying again", self.names[number], method, exc)
+                started = time.perf_counter()
+                response = self.handles[number].options(method_name=method).remote(version, request)
+
+
+class _suppressed:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return True
+
+
+def _broadcast(handle: Any, method: str, *args: Any, timeout_s: float = 300.0) -> list[Any]:
+    """`method(*args)` on every replica of a deployment (at least one, once it is up)."""
+    results = []
+    try:
+        results = handle.broadcast(method, *args).results(timeout_s=timeout_s)
+    except AttributeError:  # a Ray Serve without broadcast: one replica
+        pass
+    if not results:
+        results = [getattr(handle, method).remote(*args).result(timeout_s=timeout_s)]
+    return results
+
+
+# -- the deployments -----------------------------------------------------------------------------
+
+
+class ShardReplica:
+    """A shard deployment's replica: a `ShardSearcher` over its shard of the index root."""
+
+    def __init__(self, index_root: str, number: int) -> None:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        self.searcher = ShardSearcher(index_root, number)
+
+    def warm(self, version: str) -> dict:
+        return self.searcher.warm(version)
+
+    def search(self, version: str, request: ShardRequest) -> ShardAnswer:
+        return self.searcher.search(version, request)
+
+    def exact(self, version: str, request: ShardRequest) -> ShardAnswer:
+        return self.searcher.exact(version, request)
+
+    def fill(self, version: str, request: ShardRequest) -> ShardAnswer:
+        return self.searcher.fill(version, request)
+
+
+class EmbedderReplica:
+    """The embedder deployment's replica: the model's sessions, by model directory (the last
+    two asked for), tuned as one server tunes them (`--run-rows`)."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self._models: OrderedDict[str, QueryEmbedder] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _embedder(self, model_dir: str) -> QueryEmbedder:
+        with self._lock:
+            found = self._models.get(model_dir)
+            if found is None:
+                runtime = self.config.runtime
+                found = QueryEmbedder(
+                    model_dir, runtime.provider, runtime.intra_op_threads, runtime.ort_spinning,
+                    runs_at_once=self.config.runs_at_once,
+                )  # fmt: skip
+                if runtime.run_rows is not None:
+                    found.set_run_rows(runtime.run_rows or None, runtime.run_rows or None)
+                else:
+                    side = -(-self.config.largest_run // self.config.runs_at_once)
+                    found.tune_run_rows(self.config.largest_run, side, total_budget_s=runtime.run_rows_budget_s)
+                self._models[model_dir] = found
+                while len(self._models) > 2:
+                    self._models.popitem(last=False)
+            return found
+
+    def warm(self, model_dir: str) -> list[str]:
+        return list(self._embedder(model_dir).session.get_providers())
+
+    def embed(self, model_dir: str, batch: np.ndarray, side_by_side: bool = False) -> np.ndarray:
+        return self._embedder(model_dir).embed(batch, side_by_side=side_by_side)
+
+
+class IngressReplica:
+    """The ingress: the server of `serve` (`SearchApp`) on an event loop of its own, its engine
+    searching the shards, its loads opening each version on them first."""
+
+    def __init__(self, config: ServerConfig, shards: list[Any], embedder: Any) -> None:
+        from serving.server import SearchApp, loop_factory
+
+        self.config = config
+        self.embedder = embedder
+        self.shards = shards
+        metrics = ServiceMetrics()
+        sharding = config.sharding
+        self.sharded = ShardedSearch(
+            RayShards(shards, sharding.shard_timeout_s, sharding.shard_retries, metrics), self._observe
+        )
+        self.metrics = metrics
+        self.app = SearchApp(config, ShardedEngine(config.limits, self.sharded), self._load, metrics)
+        self.app.monitor.exact_top = self.sharded.exact_top
+        self.loop = loop_factory(config.runtime.event_loop)
+        threading.Thread(target=self.loop.run_forever, name="ingress-loop", daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self.app.bind(), self.loop).result()
+        self.app.bind_metrics()
+        self._started = asyncio.run_coroutine_threadsafe(self.app.start(), self.loop)
+
+    def _observe(self, answer: ShardAnswer) -> None:
+        self.metrics.shard_search.labels(answer.shard).observe(answer.search_s)
+        self.metrics.shard_rows.labels(answer.shard).set(answer.rows_held)
+        self.metrics.shard_memory.labels(answer.shard).set(answer.memory_bytes)
+
+    def _load(
+        self, version: str | None = None, model_dir: str | None = None, previous: ServingPair | None = None,
+        progress=None,
+    ) -> ServingPair:  # fmt: skip
+        """A version for the ingress: checked, its model's, opened on every replica of every
+        shard deployment (refused naming the shard that cannot open it), then the embedder
+        warmed — only then is it swapped in."""
+        config = self.config
+        opened = IngressVersion(artifacts.version_dir(config.index_root, version))
+        count = shard_count(opened)
+        if count != len(self.shards):
+            raise ArtifactError(
+                f"version {opened.name} has {count} shard{'s' if count > 1 else ''}; this deployment serves "
+                f"{len(self.shards)}: deploy it anew (serve --ray) to serve it"
+            )
+        model = Path(model_dir or config.model or opened.manifest.model_dir or "")
+        if not (model / artifacts.MANIFEST).is_file():
+            raise ArtifactError(f"model directory {model} has no {artifacts.MANIFEST}")
+        model_manifest = ModelManifest.read(model)
+        check_model_index_pair(model_manifest, opened.manifest)
+        opened.check()
+        for number, handle in enumerate(self.shards):
+            if progress is not None:
+                progress(f"opening shard {shard_label(number)} on its replicas")
+            try:
+                for held in _broadcast(handle, "warm", opened.name):
+                    self.metrics.shard_rows.labels(held["shard"]).set(held["rows"])
+                    self.metrics.shard_memory.labels(held["shard"]).set(held["memory_bytes"])
+            except Exception as exc:  # a replica's error arrives wrapped: its message names the shard
+                raise ArtifactError(_cause(exc, shard_label(number), opened.name)) from None
+        if previous is not None and previous.embedder.model_dir.resolve() == model.resolve():
+            embedder = previous.embedder
+        else:
+            if progress is not None:
+                progress("loading the model on the embedder")
+            providers = _broadcast(self.embedder, "warm", str(model))[0]
+            embedder = RemoteEmbedder(self.embedder, model, max(60.0, config.sharding.shard_timeout_s), providers)
+        return ServingPair(embedder, None, opened)  # type: ignore[arg-type]  # the shards hold the index
+
+    async def ports(self) -> dict:
+        """The ports it serves on, once its first load is done (or failed: it then waits, unhealthy)."""
+        await asyncio.wrap_future(self._started)
+        metrics_port = self.config.transport.metrics_port
+        return {"port": self.app.port, "metrics_port": metrics_port, "http_port": self.app.http_port}
+
+    def __del__(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None and loop.is_running():
+            with _suppressed():
+                asyncio.run_coroutine_threadsafe(self.app.stop(grace=5.0), loop).result(10)
+
+
+def _cause(exc: Exception, shard: str, version: str) -> str:
+    """A replica's error as one line naming the shard (Ray wraps it in its own traceback)."""
+    cause = getattr(exc, "cause", None) or exc
+    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
+    text = lines[-1] if lines else type(cause).__name__
+    text = text.split("ArtifactError: ", 1)[-1]
+    return text if f"shard {shard}" in text else f"shard {shard} of version {version}: {text}"
+
+
+# -- the application -----------------------------------------------------------------------------
+
+
+def build(config: ServerConfig, shards: int) -> Any:
+    """The Serve application: the ingress over `shards` shard deployments and the embedder."""
+    from ray import serve
+
+    cpus = {"num_cpus": 0}  # replicas share the machine's cores as threads do; a cluster sets resources
+    shard_apps = [
+        serve.deployment(ShardReplica)
+        .options(
+            name=shard_deployment(n),
+            num_replicas=config.sharding.shard_replicas,
+            ray_actor_options=cpus,
+            max_ongoing_requests=64,
+            health_check_period_s=2.0,
+        )
+        .bind(config.index_root, n)
+        for n in range(shards)
+    ]
+    embedder = serve.deployment(EmbedderReplica).options(name=EMBEDDER, ray_actor_options=cpus).bind(config)
+    ingress = serve.deployment(IngressReplica).options(name=INGRESS, num_replicas=1, ray_actor_options=cpus)
+    return ingress.bind(config, shard_apps, embedder)
+
+
+def live_shards(config: ServerConfig) -> int:
+    """The live version's shard count: how many shard deployments to make."""
+    version = IndexVersion.live(config.index_root)
+    if version is None:
+        raise ValueError(f"serve --ray needs a live version in {config.index_root} (its shards are the deployments)")
+    return shard_count(version)
+
+
+def app(args: dict[str, Any]) -> Any:
+    """The application builder a RayService imports (`serving.ray_serve:app`): `args` are the
+    `serve` options by name (`index_root`, `port`, `shard_replicas`, ...)."""
+    config = ServerConfig.flat(**{"ray": True, **args})
+    return build(config, live_shards(config))
+
+
+def connect_ray() -> None:
+    """Join the cluster at RAY_ADDRESS, or start a local Ray: an address that does not answer is
+    a ValueError (one `error:` line), not a minute of retries."""
+    from core.cli import init_ray
+
+    address = os.environ.get("RAY_ADDRESS", "")
+    if address and address != "auto" and "://" not in address:
+        host, _, port = address.rpartition(":")
+        try:
+            with socket.create_connection((host or "127.0.0.1", int(port)), timeout=3):
+                pass
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {exc}") from None
+    try:
+        init_ray(log_to_driver=False)
+    except ConnectionError as exc:
+        raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {exc}") from None
+
+
+def deploy(config: ServerConfig) -> dict:
+    """Deploy the application on the Ray this process is connected to; its ports once it serves."""
+    from ray import serve
+
+    config.check_inputs()
+    shards = live_shards(config)
+    serve.start(proxy_location="Disabled")
+    handle = serve.run(build(config, shards), name=APP, route_prefix=None)
+    return handle.ports.remote().result(timeout_s=600)
+
+
+def run(config: ServerConfig) -> None:
+    """`serve --ray`: deploy, print the ports (one JSON line), serve until SIGTERM or SIGINT, then
+    delete the application."""
+    from ray import serve
+
+    config.check_inputs()
+    live_shards(config)
+    connect_ray()
+    stopped = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopped.set())
+    try:
+        ports = deploy(config)
+        print(json.dumps({**ports, "shards": live_shards(config)}), flush=True)
+        stopped.wait()
+    finally:
+        log.info("deleting the Serve application")
+        with _suppressed():
+            serve.delete(APP)
+

@@ -1,0 +1,283 @@
+"""`python -m serving serve --ray` on a real local Ray (issue 42): the command deploys one Ray
+Serve application — an ingress with the same gRPC service, the embedder, and one deployment per
+shard — and its answers through its real gRPC port equal the single-process server's on the
+same data; a reload under load never mixes versions; a takedown never answers again; a shard
+replica killed under load costs no call with two replicas a shard, and with none left the
+answers are UNAVAILABLE naming the shard, or marked partial when allowed; a damaged shard is
+refused on load naming it while the live version keeps serving; an unreachable RAY_ADDRESS is
+one error line.
+
+One cluster, one deployment (S = 4, two replicas a shard) for the module: starting them costs
+most of its time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from core import artifacts
+from index.faiss_index import l2_normalized
+from index.version import IndexVersion
+from protos.simsearch.v1 import search_pb2 as pb
+from serving.client import SearchClient
+from tests.support import server as support_server
+from tests.support import shards as support
+
+ROOT = Path(__file__).resolve().parents[2]
+N, DIM, ITEMS = 2000, 16, 500
+TOKEN = "s3cret"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray the command joins through RAY_ADDRESS (and the module's builds use)."""
+    import ray
+
+    from core.cli import init_ray
+
+    init_ray(log_to_driver=False, num_cpus=2)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def roots(cluster, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ray-serve")
+    model = support.model(folder / "model", DIM)
+    data = support.catalog(N, DIM, ITEMS)
+    support.publish(folder / "one", data, model, 1)
+    support.publish(folder / "four", data, model, 4)
+    return folder / "one", folder / "four", model
+
+
+@pytest.fixture(scope="module")
+def single(roots):
+    server, client = support_server.start(roots[0], max_k=50)
+    yield client
+    client.close()
+    server.stop(grace=1)
+
+
+@pytest.fixture(scope="module")
+def sharded(cluster, roots):
+    """`serve --ray` as an operator runs it, joined to the module's cluster."""
+    four = roots[1]
+    env = {**os.environ, "RAY_ADDRESS": cluster}
+    command = [
+        sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(four), "--port", "0",
+        "--metrics-port", "none", "--shard-replicas", "2", "--shard-timeout-s", "3", "--shard-retries", "1",
+        "--admin-token", TOKEN, "--probe-interval-s", "0", "--max-k", "50", "--log-format", "text",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = process.stdout.readline()
+    if not line:
+        process.kill()
+        pytest.fail("serve --ray printed no ports: " + process.stderr.read()[-5000:])
+    ports = json.loads(line)
+    client = SearchClient(f"127.0.0.1:{ports['port']}", timeout=60, admin_token=TOKEN)
+    client.wait_ready(120)
+    yield client, process, ports
+    client.close()
+    process.terminate()
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+def vectors(count: int, seed: int = 3) -> np.ndarray:
+    return l2_normalized(np.random.default_rng(seed).standard_normal((count, DIM)).astype(np.float32))
+
+
+def requests_of(q: np.ndarray, **fields) -> list[pb.SearchRequest]:
+    return [pb.SearchRequest(embedding=pb.Embedding(values=v.tolist()), **fields) for v in q]
+
+
+def answers(client: SearchClient, requests: list[pb.SearchRequest]) -> list[pb.SearchResponse]:
+    out = []
+    for start in range(0, len(requests), 100):
+        out += client.search_batch(requests[start : start + 100]).responses
+    return out
+
+
+def ids(responses) -> list[list[tuple[str, str]]]:
+    return [[(n.id, n.group) for n in r.neighbors] for r in responses]
+
+
+def test_serve_ray_answers_as_the_single_process_server(single, sharded):
+    client, _, _ = sharded
+    q = vectors(300)
+    kinds = {
+        "plain": dict(k=10, group_by=""),
+        "grouped by item": dict(k=5, per_group=2),
+        "grouped by shade, spanning shards": dict(k=3, group_by="shade", per_group=3),
+        "filtered": dict(k=10, group_by="", filter=pb.Filter(must=[pb.Condition(field="shade", value="2")])),
+        "min_score": dict(k=20, group_by="", min_score=0.6),
+    }
+    for kind, fields in kinds.items():
+        one, four = answers(single, requests_of(q, **fields)), answers(client, requests_of(q, **fields))
+        assert ids(one) == ids(four), kind
+        assert [r.truncated for r in one] == [r.truncated for r in four], kind
+        assert all(list(r.shards_answered) == ["000", "001", "002", "003"] for r in four)
+    # Excluded ids: each query's own nearest left out.
+    first = answers(single, requests_of(q[:50], k=10, group_by=""))
+    excluded = [requests_of(q[i : i + 1], k=10, group_by="", exclude_ids=[first[i].neighbors[0].id])[0] for i in range(50)]
+    assert ids(answers(single, excluded)) == ids(answers(client, excluded))
+    info = client.get_info()
+    assert info.index_size == N and info.embedding_dim == DIM
+
+
+def test_a_reload_under_load_never_mixes_versions(sharded, roots):
+    client, _, _ = sharded
+    four, model = roots[1], roots[2]
+    first = IndexVersion.open(four).name
+    second = support.publish(four, support.catalog(N, DIM, ITEMS, seed=1), model, 4).name
+    q = vectors(40, seed=5)
+    expected = {}
+    for name in (first, second):
+        version = IndexVersion.open(four, name)
+        scores = q @ np.asarray(version.vectors).T
+        expected[name] = [[version.items.ids[r] for r in np.argsort(-row, kind="stable")[:10]] for row in scores]
+    seen, failures, stop = [], [], threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            try:
+                for i, r in enumerate(answers(client, requests_of(q, k=10, group_by=""))):
+                    seen.append((r.index_version, i, [n.id for n in r.neighbors]))
+            except grpc.RpcError as exc:
+                failures.append(exc.code())
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        for target in (second, first, second):
+            time.sleep(1.0)
+            assert client.reload(target).index_version == target
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        thread.join()
+    assert not failures
+    assert {v for v, _, _ in seen} == {first, second}
+    assert all(found == expected[v][i] for v, i, found in seen)  # each answer wholly from the version it names
+
+
+def test_a_takedown_never_answers_again(sharded):
+    client, _, _ = sharded
+    q = vectors(30, seed=9)
+    before = answers(client, requests_of(q, k=5, group_by=""))
+    taken = sorted({r.neighbors[0].id for r in before})[:5]
+    report = client.remove_items(taken, reason="test")
+    assert report.removed == len(taken)
+    after = answers(client, requests_of(q, k=5, group_by=""))
+    assert {r.index_version for r in after} == {report.index_version}
+    assert not {n.id for r in after for n in r.neighbors} & set(taken)
+
+
+def _replicas(shard: str) -> list:
+    import ray
+
+    names = [
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::") and f"#shard-{shard}#" in a["name"]
+    ]  # fmt: skip
+    return [ray.get_actor(name, namespace="serve") for name in names]
+
+
+def _under_load(client, requests, seconds, during) -> tuple[list, list]:
+    """Queries sent one at a time for `seconds` while `during()` runs: (answers, error codes)."""
+    got, failed, stop = [], [], threading.Event()
+
+    def load() -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                got.append(client.search(requests[i % len(requests)]))
+            except grpc.RpcError as exc:
+                failed.append((exc.code(), exc.details()))
+            i += 1
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        during()
+        time.sleep(seconds)
+    finally:
+        stop.set()
+        thread.join()
+    return got, failed
+
+
+def test_a_killed_shard_replica(sharded):
+    import ray
+
+    client, _, _ = sharded
+    requests = requests_of(vectors(20, seed=11), k=10, group_by="")
+    replicas = _replicas("001")
+    assert len(replicas) == 2
+    got, failed = _under_load(client, requests, 4.0, lambda: ray.kill(replicas[0], no_restart=True))
+    assert got and not failed  # two replicas a shard: the other answers
+
+    # No replica of shard 002 left: UNAVAILABLE naming it, or partial where the caller allows it.
+    partial = requests_of(vectors(20, seed=11), k=10, group_by="", allow_partial=True)
+
+    def kill_both() -> None:
+        for actor in _replicas("002"):
+            ray.kill(actor, no_restart=True)
+
+    got, failed = _under_load(client, requests, 3.0, kill_both)
+    assert failed and all(code == grpc.StatusCode.UNAVAILABLE and "shard 002" in text for code, text in failed)
+    answer = client.search(partial[0])
+    assert list(answer.shards_missing) == ["002"] or not answer.shards_missing  # partial, or already back
+    # Serve replaces the replicas: the shard answers again.
+    support_server.wait_for(lambda: not client.search(partial[0]).shards_missing, timeout=120)
+
+
+def test_a_damaged_shard_is_refused_naming_it_while_the_live_version_serves(sharded, roots):
+    client, _, _ = sharded
+    four = roots[1]
+    live = client.get_info().index_version
+    source = artifacts.version_dir(four, live)
+    staging = artifacts.index_staging_dir(four)
+    for path in source.rglob("*"):  # a copy of the live version, files hard-linked
+        target = staging / path.relative_to(source)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            os.link(path, target)
+    manifest = json.loads((staging / "manifest.json").read_text())
+    damaged = artifacts.new_version_name(manifest["index_id"])
+    manifest["version"] = damaged
+    (staging / "manifest.json").unlink()
+    artifacts.write_json_atomic(staging / "manifest.json", manifest)
+    vectors_file = staging / "shards" / "002" / "embeddings.npy"
+    data = vectors_file.read_bytes()
+    vectors_file.unlink()  # replaced, not written through: the live version shares the file
+    vectors_file.write_bytes(data[:-64] + bytes(64))
+    artifacts.publish_version(four, staging, damaged, make_current=False)
+    with pytest.raises(grpc.RpcError) as refused:
+        client.reload(damaged)
+    assert "shard 002" in refused.value.details(), refused.value.details()
+    answer = client.search(requests_of(vectors(1), k=5, group_by="")[0])
+    assert answer.index_version == live and len(answer.neighbors) == 5
+
+
+def test_an_unreachable_ray_address_is_one_error_line(roots):
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:9"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(roots[1])],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot reach the Ray cluster at RAY_ADDRESS=127.0.0.1:9")
