@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.catalog import CatalogError, read_catalog
+from core.catalog import Catalog, CatalogError, read_catalog
 from core.items import ItemTable
 from core.manifests import IndexManifest, RowCounts, check_model_index_pair
 from index.config import BuildConfig
@@ -41,45 +41,14 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     if cfg.catalog is None:
         raise ValueError("index add needs --catalog with the new rows")
     live = IndexVersion.open(cfg.index_root)
-    declared = [str(spec) for spec in specs_of(live.manifest.filterable)]
-    if cfg.filterable and parse_filterable(cfg.filterable) != parse_filterable(declared):
-        log.warning("index add keeps the live version's filterable fields %s, not %s", declared, cfg.filterable)
-    cfg = dataclasses.replace(
-        cfg,
-        model=cfg.model or live_model_dir(live.manifest),
-        factory=live.manifest.factory,
-        search_params=live.manifest.search_params,
-        nprobe=None,
-        filterable=declared,
-        item_field=live.manifest.item_field,
-    )
+    cfg = _as_live(cfg, live)
     cfg.check_inputs()
     embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
     check_model_index_pair(embedder.manifest, live.manifest)
     catalog = read_catalog(cfg.catalog)
     cfg.check_catalog(catalog, trains_index=False)  # the live index is trained already
-    if catalog.labelled != live.items.labelled:
-        has, lacks = (
-            (catalog.source, f"version {live.manifest.version}")
-            if catalog.labelled
-            else (f"version {live.manifest.version}", catalog.source)
-        )
-        raise CatalogError(f"{has} has labels and {lacks} has none: a version's items are all labelled or none are")
-    indexed_rows = [live.row_of(item_id) for item_id in catalog.ids]
-    replaced = np.array(sorted(r for r in indexed_rows if r is not None), dtype=np.int64)
-    new_rows = [r for r, row in enumerate(indexed_rows) if row is None or cfg.upsert]
-    already = 0 if cfg.upsert else len(replaced)
-    if not new_rows:
-        raise ValueError(
-            f"all {len(catalog)} rows of {cfg.catalog} are already in version {live.manifest.version} (by id: "
-            f"the catalog's id column, or for a folder the image's path relative to it, e.g. {catalog.ids[0]!r}): "
-            "pass --upsert to replace them with these images"
-        )
-    if already:
-        log.warning(
-            "%d of %d rows of %s are already in version %s and are skipped, e.g. %r (--upsert replaces them)",
-            already, len(catalog), cfg.catalog, live.manifest.version, live.items.ids[int(replaced[0])],
-        )  # fmt: skip
+    _check_labelled_alike(catalog, live)
+    new_rows, replaced, already = _rows_to_embed(cfg, catalog, live)
     fresh = catalog.subset(new_rows)
     vectors, kept, skipped = embed_catalog(
         fresh, embedder, cfg.batch_size, cfg.decode_threads, cfg.max_pixels, progress
@@ -103,44 +72,94 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
         already_indexed=already,
         replaced=int(len(replaced)) if cfg.upsert else None,
     )
-    if live.manifest.shards:
-        new = NewVersion(
-            model_id=embedder.model_id,
-            embeddings=vectors,  # the rows added: the shards hold the rest
-            items=added_items,
-            catalog=cfg.catalog,
-            rows=rows,
-            started=started,
-            embed_seconds=time.perf_counter() - started,
-            parent_version=live.manifest.version,
-            shard_parts=add_to_shards(live, replaced, vectors, added_items),
-        )
-    else:
-        base = drop_rows(live, replaced) if len(replaced) else None
-        index = base.index if base is not None and base.index is not None else live.read_index()
-        old_vectors = base.vectors if base is not None else live.vectors
-        old_items = base.items if base is not None else live.items
-        index.add(l2_normalized(vectors))
-        new = NewVersion(
-            model_id=embedder.model_id,
-            embeddings=np.concatenate([old_vectors, vectors]),
-            items=old_items.concat(added_items),
-            catalog=cfg.catalog,
-            rows=rows,
-            started=started,
-            embed_seconds=time.perf_counter() - started,
-            index=index,
-            parent_version=live.manifest.version,
-            deleted=base.deleted if base is not None else live.deleted,
-        )
+    new = NewVersion(
+        model_id=embedder.model_id,
+        embeddings=vectors,
+        items=added_items,
+        catalog=cfg.catalog,
+        rows=rows,
+        started=started,
+        embed_seconds=time.perf_counter() - started,
+        parent_version=live.manifest.version,
+    )
     return publish_index_version(
-        new,
+        _extended(live, replaced, new),
         cfg.index_recipe,
         cfg.gate_thresholds,
         cfg.probe,
         cfg.filterable_fields,
         cfg.item_field,
         cfg.publish_target,
+    )
+
+
+def _as_live(cfg: BuildConfig, live: IndexVersion) -> BuildConfig:
+    """`cfg` with the live version's model (unless given), factory, search parameters,
+    filterable fields and item field: what the rows it gains are indexed with."""
+    declared = [str(spec) for spec in specs_of(live.manifest.filterable)]
+    if cfg.filterable and parse_filterable(cfg.filterable) != parse_filterable(declared):
+        log.warning("index add keeps the live version's filterable fields %s, not %s", declared, cfg.filterable)
+    return dataclasses.replace(
+        cfg,
+        model=cfg.model or live_model_dir(live.manifest),
+        factory=live.manifest.factory,
+        search_params=live.manifest.search_params,
+        nprobe=None,
+        filterable=declared,
+        item_field=live.manifest.item_field,
+    )
+
+
+def _check_labelled_alike(catalog: Catalog, live: IndexVersion) -> None:
+    if catalog.labelled != live.items.labelled:
+        has, lacks = (
+            (catalog.source, f"version {live.manifest.version}")
+            if catalog.labelled
+            else (f"version {live.manifest.version}", catalog.source)
+        )
+        raise CatalogError(f"{has} has labels and {lacks} has none: a version's items are all labelled or none are")
+
+
+def _rows_to_embed(cfg: BuildConfig, catalog: Catalog, live: IndexVersion) -> tuple[list[int], np.ndarray, int]:
+    """The catalog rows to embed, the live rows their ids already hold (sorted), and how many
+    catalog rows are skipped as already indexed (none with `upsert`, which replaces them)."""
+    indexed_rows = [live.row_of(item_id) for item_id in catalog.ids]
+    replaced = np.array(sorted(r for r in indexed_rows if r is not None), dtype=np.int64)
+    new_rows = [r for r, row in enumerate(indexed_rows) if row is None or cfg.upsert]
+    already = 0 if cfg.upsert else len(replaced)
+    if not new_rows:
+        raise ValueError(
+            f"all {len(catalog)} rows of {cfg.catalog} are already in version {live.manifest.version} (by id: "
+            f"the catalog's id column, or for a folder the image's path relative to it, e.g. {catalog.ids[0]!r}): "
+            "pass --upsert to replace them with these images"
+        )
+    if already:
+        log.warning(
+            "%d of %d rows of %s are already in version %s and are skipped, e.g. %r (--upsert replaces them)",
+            already, len(catalog), cfg.catalog, live.manifest.version, live.items.ids[int(replaced[0])],
+        )  # fmt: skip
+    return new_rows, replaced, already
+
+
+def _extended(live: IndexVersion, replaced: np.ndarray, added: NewVersion) -> NewVersion:
+    """`added` (the new rows alone) as the whole new version: the live one less its `replaced`
+    rows plus these — a sharded version rebuilds only the shards they touch, an unsharded one
+    extends the live index."""
+    if live.manifest.shards:
+        return dataclasses.replace(
+            added, shard_parts=add_to_shards(live, replaced, added.embeddings, added.items)
+        )  # embeddings: the rows added; the shards hold the rest
+    base = drop_rows(live, replaced) if len(replaced) else None
+    index = base.index if base is not None and base.index is not None else live.read_index()
+    old_vectors = base.vectors if base is not None else live.vectors
+    old_items = base.items if base is not None else live.items
+    index.add(l2_normalized(added.embeddings))
+    return dataclasses.replace(
+        added,
+        embeddings=np.concatenate([old_vectors, added.embeddings]),
+        items=old_items.concat(added.items),
+        index=index,
+        deleted=base.deleted if base is not None else live.deleted,
     )
 
 
