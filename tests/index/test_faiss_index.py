@@ -187,6 +187,27 @@ def test_exact_rerank_recovers_what_pq_codes_lose(data, queries):
         searchable(pq, {"rerank": 4}, None)
 
 
+def test_exact_rerank_scores_candidates_in_the_memory_map_as_a_gather_would(data, queries, tmp_path):
+    exact = l2_normalized(data)
+    np.save(tmp_path / "embeddings.npy", exact)
+    mapped = np.load(tmp_path / "embeddings.npy", mmap_mode="r")
+    pq = build_index(data, "IVF16,PQ2", {"nprobe": 4}, device="cpu")
+    reranked = searchable(pq, {"rerank": 10}, mapped)
+    q = l2_normalized(queries)
+    scores, rows = reranked.search(q, 10)
+    # The reference: every candidate's vector gathered out of the map, multiplied, sorted.
+    _, candidates = pq.search(q, 100)
+    reference = np.einsum("qd,qcd->qc", q, exact[np.maximum(candidates, 0)])
+    reference[candidates < 0] = -np.inf
+    order = np.argsort(-reference, axis=1, kind="stable")[:, :10]
+    np.testing.assert_allclose(scores, np.take_along_axis(reference, order, axis=1), atol=1e-6)
+    assert (rows == np.take_along_axis(candidates, order, axis=1)).mean() > 0.999  # float ties aside
+    # A copy of the vectors that is not C-ordered float32 is gathered instead: the same answers.
+    strided = np.asfortranarray(exact)
+    scores_copy, rows_copy = searchable(pq, {"rerank": 10}, strided).search(q, 10)
+    np.testing.assert_allclose(scores_copy, scores, atol=1e-6)
+
+
 # --- searching --------------------------------------------------------------------------------
 
 
