@@ -191,15 +191,21 @@ class _suppressed:
 
 
 def _broadcast(handle: Any, method: str, *args: Any, timeout_s: float = 300.0) -> list[Any]:
-    """`method(*args)` on every replica of a deployment (at least one, once it is up)."""
-    results = []
-    try:
-        results = handle.broadcast(method, *args).results(timeout_s=timeout_s)
-    except AttributeError:  # a Ray Serve without broadcast: one replica
-        pass
-    if not results:
-        results = [getattr(handle, method).remote(*args).result(timeout_s=timeout_s)]
-    return results
+    """`method(*args)` on every replica of a deployment (at least one): waits for a deployment
+    still starting (the ingress's first load runs beside the other deployments' start)."""
+    from ray.serve.exceptions import DeploymentUnavailableError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            results = handle.broadcast(method, *args).results(timeout_s=timeout_s)
+            if not results:
+                results = [getattr(handle, method).remote(*args).result(timeout_s=timeout_s)]
+            return results
+        except DeploymentUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 # -- the deployments -----------------------------------------------------------------------------

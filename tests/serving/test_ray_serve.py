@@ -130,7 +130,9 @@ def test_serve_ray_answers_as_the_single_process_server(single, sharded):
         assert all(list(r.shards_answered) == ["000", "001", "002", "003"] for r in four)
     # Excluded ids: each query's own nearest left out.
     first = answers(single, requests_of(q[:50], k=10, group_by=""))
-    excluded = [requests_of(q[i : i + 1], k=10, group_by="", exclude_ids=[first[i].neighbors[0].id])[0] for i in range(50)]
+    excluded = [
+        requests_of(q[i : i + 1], k=10, group_by="", exclude_ids=[first[i].neighbors[0].id])[0] for i in range(50)
+    ]
     assert ids(answers(single, excluded)) == ids(answers(client, excluded))
     info = client.get_info()
     assert info.index_size == N and info.embedding_dim == DIM
@@ -218,7 +220,7 @@ def _under_load(client, requests, seconds, during) -> tuple[list, list]:
     return got, failed
 
 
-def test_a_killed_shard_replica(sharded):
+def test_a_killed_shard_replica(sharded, roots):
     import ray
 
     client, _, _ = sharded
@@ -226,21 +228,34 @@ def test_a_killed_shard_replica(sharded):
     replicas = _replicas("001")
     assert len(replicas) == 2
     got, failed = _under_load(client, requests, 4.0, lambda: ray.kill(replicas[0], no_restart=True))
-    assert got and not failed  # two replicas a shard: the other answers
+    assert got and not failed  # two replicas a shard: the other answers, and Serve replaces the killed one
+    assert all(len(r.shards_answered) == 4 for r in got)
 
-    # No replica of shard 002 left: UNAVAILABLE naming it, or partial where the caller allows it.
-    partial = requests_of(vectors(20, seed=11), k=10, group_by="", allow_partial=True)
+    # No replica of shard 002 left, and none that Serve starts can open it (its folder moved
+    # away): every answer is whole or UNAVAILABLE naming the shard; partial where allowed.
+    folder = artifacts.version_dir(roots[1], client.get_info().index_version) / "shards" / "002"
+    away = folder.with_name("002.away")
+    partial = requests_of(vectors(1, seed=11), k=10, group_by="", allow_partial=True)[0]
 
     def kill_both() -> None:
+        folder.rename(away)
         for actor in _replicas("002"):
             ray.kill(actor, no_restart=True)
 
-    got, failed = _under_load(client, requests, 3.0, kill_both)
-    assert failed and all(code == grpc.StatusCode.UNAVAILABLE and "shard 002" in text for code, text in failed)
-    answer = client.search(partial[0])
-    assert list(answer.shards_missing) == ["002"] or not answer.shards_missing  # partial, or already back
-    # Serve replaces the replicas: the shard answers again.
-    support_server.wait_for(lambda: not client.search(partial[0]).shards_missing, timeout=120)
+    try:
+        got, failed = _under_load(client, requests, 4.0, kill_both)
+        assert all(len(r.shards_answered) == 4 and not r.shards_missing for r in got)  # never silently short
+        assert all(code == grpc.StatusCode.UNAVAILABLE and "shard 002" in text for code, text in failed), failed
+        answer = support_server.wait_for(lambda: (a := client.search(partial)).shards_missing and a, timeout=60)
+        assert list(answer.shards_missing) == ["002"] and list(answer.shards_answered) == ["000", "001", "003"]
+        assert len(answer.neighbors) == 10
+        with pytest.raises(grpc.RpcError) as refused:
+            client.search(requests[0])
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shard 002" in refused.value.details()
+    finally:
+        away.rename(folder)
+    # Back: the shard answers again.
+    support_server.wait_for(lambda: not client.search(partial).shards_missing, timeout=120)
 
 
 def test_a_damaged_shard_is_refused_naming_it_while_the_live_version_serves(sharded, roots):
