@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -93,7 +94,7 @@ def k8s_documents() -> list[dict]:
 
 
 def test_kubernetes_manifests_validate_against_the_schemas():
-    standard = [p for p in sorted((DEPLOY / "k8s").glob("*.yaml")) if "rayjob" not in p.name]
+    standard = [p for p in sorted((DEPLOY / "k8s").glob("*.yaml")) if not p.name.startswith(("rayjob", "rayservice"))]
     proc = subprocess.run(
         [str(Path(sys.executable).parent / "kubernetes-validate"), "--strict", *map(str, standard)],
         capture_output=True,
@@ -103,6 +104,7 @@ def test_kubernetes_manifests_validate_against_the_schemas():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     kinds = {doc["kind"] for doc in k8s_documents()}
     assert {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "RayJob", "CronJob"} <= kinds
+    assert "RayService" in kinds
 
 
 def test_manifests_reference_what_exists():
@@ -126,3 +128,33 @@ def test_manifests_reference_what_exists():
             assert help_text.returncode == 0, f"RayJob runs unknown command {module} {command}"
             for flag in re.findall(r"(--[\w-]+)", spec["entrypoint"].split(f"-m {module} {command}")[1].split("&&")[0]):
                 assert flag in help_text.stdout, f"{module} {command} has no flag {flag}"
+
+
+def test_the_rayservice_deploys_what_serve_ray_deploys():
+    """No schema for the CRD here: its shape, the application builder it imports, options
+    `serve` takes, one shard replica a node (each shard asks for a slot the shard workers offer)."""
+    import importlib
+
+    from core.config import options
+    from serving.config import ServerConfig
+
+    service = next(d for d in k8s_documents() if d["kind"] == "RayService")
+    assert service["apiVersion"] == "ray.io/v1"
+    serve_config = yaml.safe_load(service["spec"]["serveConfigV2"])
+    (application,) = serve_config["applications"]
+    module, attribute = application["import_path"].split(":")
+    assert callable(getattr(importlib.import_module(module), attribute))
+    known = {opt.name for opt in options(ServerConfig)}
+    assert set(application["args"]) <= known, set(application["args"]) - known
+    assert ServerConfig.flat(ray=True, **application["args"]).sharding.ray
+    deployments = {d["name"]: d for d in application["deployments"]}
+    shards = sorted(name for name in deployments if name.startswith("shard-"))
+    assert shards == [f"shard-{n:03d}" for n in range(len(shards))] and {"ingress", "embedder"} <= set(deployments)
+    for name in shards:
+        assert deployments[name]["ray_actor_options"]["resources"] == {"shard_slot": 1}
+    cluster = service["spec"]["rayClusterConfig"]
+    offered = [g for g in cluster["workerGroupSpecs"] if "shard_slot" in g["rayStartParams"].get("resources", "")]
+    assert offered and json.loads(json.loads(offered[0]["rayStartParams"]["resources"])) == {"shard_slot": 1}
+    assert offered[0]["minReplicas"] >= len(shards)
+    claims = {d["metadata"]["name"] for d in k8s_documents() if d["kind"] == "PersistentVolumeClaim"}
+    assert "simsearch-artifacts" in claims
