@@ -200,6 +200,46 @@ def search_service() -> Dashboard:
             44,
             unit="reqps",
         ),
+        # A sharded server's (`serve --ray`): the slowest shard sets a query's latency.
+        panel(
+            TimeSeries,
+            14,
+            "Shard calls p99 by shard (round trip from the ingress; search inside the shard)",
+            [
+                (
+                    "histogram_quantile(0.99, sum by (le, shard) "
+                    f'(rate(simsearch_shard_latency_seconds_bucket{{{SEL}, method="search"}}[5m])))',
+                    "round trip {{shard}}",
+                ),
+                (
+                    "histogram_quantile(0.99, sum by (le, shard) "
+                    f"(rate(simsearch_shard_search_seconds_bucket{{{SEL}}}[5m])))",
+                    "search {{shard}}",
+                ),
+            ],
+            12,
+            44,
+            unit="s",
+        ),
+        panel(
+            TimeSeries,
+            15,
+            "Shard rows and replica memory",
+            [
+                (f"max by (shard) (simsearch_shard_rows{{{SEL}}})", "rows {{shard}}"),
+                (f"max by (shard) (simsearch_shard_memory_bytes{{{SEL}}})", "memory {{shard}}"),
+            ],
+            0,
+            52,
+        ),
+        panel(
+            TimeSeries,
+            16,
+            "Shard call failures/s (each try; past the retries a query is UNAVAILABLE or partial)",
+            [(f"sum by (shard) (rate(simsearch_shard_failures_total{{{SEL}}}[5m]))", "{{shard}}")],
+            12,
+            52,
+        ),
     ]
     templating = variables("simsearch_index_loaded", "simsearch_recall_at_k")
     return Dashboard(

@@ -143,6 +143,8 @@ def test_every_rule_runs_against_real_metrics(demo_run, tmp_path):
         from tests.support.dashboards import dashboard_expressions
 
         for title, expr in dashboard_expressions(SERVER_DASHBOARDS):  # every panel shows data, no typo'd name
+            if "simsearch_shard_" in expr:  # a sharded server's panels: tests/serving/test_ray_serve.py's
+                continue
             concrete = expr.replace("$instance", ".+").replace("$k", "1")
             deadline = time.time() + 120
             while not query(prom_port, concrete)["data"]["result"] and time.time() < deadline:

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -72,9 +75,12 @@ def sharded(cluster, roots):
     """`serve --ray` as an operator runs it, joined to the module's cluster."""
     four = roots[1]
     env = {**os.environ, "RAY_ADDRESS": cluster}
+    with socket.socket() as probe:  # a free port for the ingress's metrics
+        probe.bind(("127.0.0.1", 0))
+        metrics_port = probe.getsockname()[1]
     command = [
         sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(four), "--port", "0",
-        "--metrics-port", "none", "--shard-replicas", "2", "--shard-timeout-s", "3", "--shard-retries", "1",
+        "--metrics-port", str(metrics_port), "--shard-replicas", "2", "--shard-timeout-s", "3", "--shard-retries", "1",
         "--admin-token", TOKEN, "--probe-interval-s", "0", "--max-k", "50", "--log-format", "text",
     ]  # fmt: skip
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -136,6 +142,22 @@ def test_serve_ray_answers_as_the_single_process_server(single, sharded):
     assert ids(answers(single, excluded)) == ids(answers(client, excluded))
     info = client.get_info()
     assert info.index_size == N and info.embedding_dim == DIM
+
+
+def test_the_dashboards_shard_panels_read_the_ingress_metrics(sharded):
+    """Per-shard latency, search time, rows and memory at the ingress's /metrics, by shard: what
+    the Search service dashboard's shard panels read (a single server has none to show)."""
+    from tests.support.dashboards import dashboard_expressions
+
+    client, _, ports = sharded
+    client.search(requests_of(vectors(1), k=5, group_by="")[0])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics_port']}/metrics", timeout=30).read().decode()
+    for shard in ("000", "001", "002", "003"):
+        assert f'simsearch_shard_latency_seconds_count{{method="search",shard="{shard}"}}' in text
+        assert re.search(rf'simsearch_shard_rows{{shard="{shard}"}} [1-9]', text)
+        assert re.search(rf'simsearch_shard_memory_bytes{{shard="{shard}"}} [1-9]', text)
+    shown = {name for _, expr in dashboard_expressions() for name in re.findall(r"simsearch_shard_\w+", expr)}
+    assert shown and all(name.removesuffix("_bucket").removesuffix("_total") in text for name in shown)
 
 
 def test_a_reload_under_load_never_mixes_versions(sharded, roots):
