@@ -321,19 +321,23 @@ class ExactRerank:
 
     def exact_scores(self, queries: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Each query's inner product with the stored vectors of its `rows` (nq × c, rows ≥ 0).
-        faiss scores them where they lie in the memory map, row by row: gathering the candidates
-        into a (nq, c, d) copy first and multiplying it was most of a re-ranked search's cost
-        (2.5× the plain PQ search in all, against 1.5×: docs/benchmarks.md, sharded versions)."""
+        One query's candidates at a time (c × d floats, in cache) scored by faiss's kernel: the
+        (nq, c, d) gather and NumPy product before it were most of a re-ranked search's cost
+        (docs/benchmarks.md, "Sharded versions")."""
         stored = self.stored
         if stored.dtype != np.float32 or not stored.flags.c_contiguous:
             return np.einsum("qd,qcd->qc", queries, self.gather(rows))
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         scores = np.empty(rows.shape, dtype=np.float32)
-        faiss.fvec_inner_products_by_idx(
-            faiss.swig_ptr(scores), faiss.swig_ptr(queries), faiss.swig_ptr(stored), faiss.swig_ptr(rows),
-            self.d, rows.shape[0], rows.shape[1],
-        )  # fmt: skip
+        # Query by query in the caller's thread: faiss's by-index scoring forks an OpenMP team
+        # whose barrier, on a busy machine, waits for a descheduled thread (p99 8 ms against
+        # 2 µs); a query's candidates' rows (c × d floats) are copied out and scored in place.
+        for i, query in enumerate(queries):
+            block = np.ascontiguousarray(stored[rows[i]])
+            faiss.fvec_inner_products_ny(
+                faiss.swig_ptr(scores[i]), faiss.swig_ptr(query), faiss.swig_ptr(block), self.d, len(block)
+            )
         return scores
 
     def search(

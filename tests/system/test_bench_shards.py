@@ -1,0 +1,33 @@
+"""bench_shards (issue 42): a tiny run of each part prints its table; bad flags are one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "benchmarks.bench_shards", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_a_tiny_run_prints_the_build_and_rerank_tables():
+    done = run(
+        "--part", "all", "--rows", "3000", "--dim", "16", "--shards", "2", "--factory", "Flat",
+        "--factory", "IVF8,Flat", "--train-size", "1000", "--nlist", "8", "--pq", "4", "--queries", "32",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "S = 2 shards" in out and "cores (parallel/sequential can be at most min(S, cores)" in out
+    build = [line for line in out.splitlines() if line.startswith(("| Flat |", "| IVF8,Flat |"))]
+    assert len(build) == 2 and all(line.count("|") == 9 and "MB /" in line for line in build)
+    rerank = [line for line in out.splitlines() if line.startswith(("| 1 |", "| 32 |"))]
+    assert len(rerank) == 2 and all(line.count("×") == 2 and "ms |" in line for line in rerank)
+
+
+def test_bad_flags_are_one_line():
+    done = run("--part", "build", "--rows", "3", "--shards", "4")
+    assert done.returncode == 2 and "--shards must be between 1 and --rows, got 4" in done.stderr
