@@ -336,7 +336,9 @@ def _histogram_means(metrics_port: int) -> dict[str, float]:
     }
 
 
-def run_query(rows: int, dim: int, shard_counts: list[int], concurrencies: list[int], seconds: float) -> list[dict]:
+def run_query(
+    rows: int, dim: int, shard_counts: list[int], concurrencies: list[int], seconds: float, ray_flags: list[str] = ()
+) -> list[dict]:
     """The single-process server, then `serve --ray` at each S, on the same vectors in the same
     run, each loaded at each concurrency; at the largest S and concurrency 1, what its p50 is
     made of (from the ingress's shard metrics)."""
@@ -361,7 +363,7 @@ def run_query(rows: int, dim: int, shard_counts: list[int], concurrencies: list[
                 metrics_port = free_port()
                 command = [*base, "--index-root", str(roots[s]), "--metrics-port", str(metrics_port)]
                 if label != "single process":
-                    command.append("--ray")
+                    command += ["--ray", *ray_flags]
                 proc, ports = _serving(command, env)
                 try:
                     for c in concurrencies:
@@ -403,7 +405,8 @@ def show_query(results: list[dict], rows: int, dim: int) -> None:
 def part_query(args: argparse.Namespace) -> None:
     shard_counts = [int(s) for s in args.query_shards.split(",")]
     concurrencies = [int(c) for c in args.query_concurrency.split(",")]
-    show_query(run_query(args.rows, args.dim, shard_counts, concurrencies, args.query_seconds), args.rows, args.dim)
+    figures = run_query(args.rows, args.dim, shard_counts, concurrencies, args.query_seconds, args.ray_flags.split())
+    show_query(figures, args.rows, args.dim)
 
 
 # `--part NAME` runs PARTS[NAME]; `all` runs every part in this order.
@@ -428,6 +431,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--query-shards", default="1,2,4", help="query part: the S of each `serve --ray`")
     parser.add_argument("--query-concurrency", default="1,32", help="query part: callers at once, each level")
     parser.add_argument("--query-seconds", type=float, default=10.0, help="query part: seconds of load a level")
+    parser.add_argument("--ray-flags", default="", help="query part: more flags for each `serve --ray`, one string")
     args = parser.parse_args(argv)
     if args.shards < 1 or args.rows < args.shards:
         parser.error(f"--shards must be between 1 and --rows, got {args.shards}")
