@@ -5,7 +5,8 @@ same data; a reload under load never mixes versions; a takedown never answers ag
 replica killed under load costs no call with two replicas a shard, and with none left the
 answers are UNAVAILABLE naming the shard, or marked partial when allowed; a damaged shard is
 refused on load naming it while the live version keeps serving; an unreachable RAY_ADDRESS is
-one error line.
+one error line; images embed on the embedder deployment as in one process, and HTTP beside the
+ingress answers what its gRPC does.
 
 One cluster, one deployment (S = 4, two replicas a shard) for the module: starting them costs
 most of its time."""
@@ -34,6 +35,7 @@ from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient
 from tests.support import server as support_server
 from tests.support import shards as support
+from tests.support.images import encode
 
 ROOT = Path(__file__).resolve().parents[2]
 N, DIM, ITEMS = 2000, 16, 500
@@ -82,6 +84,7 @@ def sharded(cluster, roots):
         sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(four), "--port", "0",
         "--metrics-port", str(metrics_port), "--shard-replicas", "2", "--shard-timeout-s", "3", "--shard-retries", "1",
         "--admin-token", TOKEN, "--probe-interval-s", "0", "--max-k", "50", "--log-format", "text",
+        "--http-port", "0",
     ]  # fmt: skip
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = process.stdout.readline()
@@ -318,3 +321,31 @@ def test_an_unreachable_ray_address_is_one_error_line(roots):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cannot reach the Ray cluster at RAY_ADDRESS=127.0.0.1:9")
+
+
+def test_images_through_the_embedder_deployment_and_http_answer_as_one_process(sharded, single):
+    """An image query decodes at the ingress and embeds on the embedder deployment: its vector
+    is the single-process server's own session's (Embed), and it answers as that vector does;
+    the HTTP route beside the ingress's gRPC answers what gRPC does. (Earlier tests took items
+    down from the sharded root, so answers are compared within it.)"""
+    from PIL import Image
+
+    client, _, ports = sharded
+    rng = np.random.default_rng(17)
+    images = [encode(Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8))) for _ in range(6)]
+    for image in images:
+        remote, local = list(client.embed(image).embedding), list(single.embed(image).embedding)
+        assert remote == pytest.approx(local, abs=1e-5)
+        by_image = client.search(pb.SearchRequest(image=image, k=10, group_by=""))
+        by_vector = client.search(pb.SearchRequest(embedding=pb.Embedding(values=local), k=10, group_by=""))
+        assert [n.id for n in by_image.neighbors] == [n.id for n in by_vector.neighbors]
+        assert by_image.neighbors and by_image.index_version == by_vector.index_version
+    q = vectors(5, seed=23)
+    for request in requests_of(q, k=8, group_by=""):
+        body = json.dumps({"embedding": {"values": list(request.embedding.values)}, "k": 8, "groupBy": ""}).encode()
+        call = urllib.request.Request(
+            f"http://127.0.0.1:{ports['http_port']}/v1/search", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(call, timeout=60) as response:
+            over_http = json.loads(response.read())
+        assert [n["id"] for n in over_http["neighbors"]] == [n.id for n in client.search(request).neighbors]
