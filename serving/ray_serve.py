@@ -415,6 +415,21 @@ def connect_ray() -> None:
         raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {exc}") from None
 
 
+def check_not_deployed() -> None:
+    """One `serve --ray` a cluster: a second one would replace the first's application under it
+    (Serve redeploys an application by name), so it is refused before anything is deployed."""
+    from ray import serve
+
+    found = serve.status().applications.get(APP)
+    if found is not None and str(getattr(found.status, "value", found.status)) != "DELETING":
+        where = os.environ.get("RAY_ADDRESS") or "this machine's Ray"
+        state = str(getattr(found.status, "value", found.status)).lower()
+        raise ValueError(
+            f"Ray Serve application {APP!r} is already {state} on the cluster at {where}: another `serve --ray` "
+            f"serves it; stop that one first (or, if nothing serves it, delete it: serve delete {APP})"
+        )
+
+
 def deploy(config: ServerConfig) -> dict:
     """Deploy the application on the Ray this process is connected to; its ports once it serves."""
     from ray import serve
@@ -434,6 +449,7 @@ def run(config: ServerConfig) -> None:
     config.check_inputs()
     live_shards(config)
     connect_ray()
+    check_not_deployed()  # before the try: a refused command must not delete the other's application
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopped.set())

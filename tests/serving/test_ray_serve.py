@@ -349,3 +349,19 @@ def test_images_through_the_embedder_deployment_and_http_answer_as_one_process(s
         with urllib.request.urlopen(call, timeout=60) as response:
             over_http = json.loads(response.read())
         assert [n["id"] for n in over_http["neighbors"]] == [n.id for n in client.search(request).neighbors]
+
+
+def test_a_second_serve_on_the_same_cluster_is_refused_and_the_first_keeps_serving(cluster, sharded, roots):
+    """Serve redeploys an application by name: a second `serve --ray` on the cluster would have
+    replaced the first's under it. It is one error line, and the first still answers."""
+    client, _, _ = sharded
+    env = {**os.environ, "RAY_ADDRESS": cluster}
+    proc = subprocess.run(
+        [sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(roots[1]), "--port", "0",
+         "--metrics-port", "none"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "already running on the cluster" in lines[0], proc.stderr[-3000:]
+    assert client.search(requests_of(vectors(1), k=5, group_by="")[0]).neighbors
