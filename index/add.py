@@ -19,7 +19,7 @@ from index.embedder import OnnxEmbedder
 from index.faiss_index import l2_normalized
 from index.filters import parse_filterable, specs_of
 from index.lifecycle import drop_rows
-from index.publish import NewVersion, publish_index_version
+from index.publish import NewVersion
 from index.sharding import ShardPart, ShardRows, shard_keys, shard_of
 from index.version import IndexVersion
 
@@ -82,15 +82,7 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
         embed_seconds=time.perf_counter() - started,
         parent_version=live.manifest.version,
     )
-    return publish_index_version(
-        _extended(live, replaced, new),
-        cfg.index_recipe,
-        cfg.gate_thresholds,
-        cfg.probe,
-        cfg.filterable_fields,
-        cfg.item_field,
-        cfg.publish_target,
-    )
+    return cfg.publish(_extended(live, replaced, new))
 
 
 def _as_live(cfg: BuildConfig, live: IndexVersion) -> BuildConfig:

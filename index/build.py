@@ -12,7 +12,7 @@ from core.manifests import ModelManifest
 from index.config import DEFAULT_MODEL, BuildConfig, default_catalog
 from index.embed import check_bad_rows, embed_catalog
 from index.embedder import OnnxEmbedder
-from index.publish import NewVersion, publish_index_version
+from index.publish import NewVersion
 
 
 def run_build(cfg: BuildConfig, progress: bool = True) -> Path:
@@ -31,12 +31,4 @@ def run_build(cfg: BuildConfig, progress: bool = True) -> Path:
     check_bad_rows(len(catalog), len(kept), skipped, cfg.max_bad_fraction)
     seconds = time.perf_counter() - started
     new = NewVersion.of_catalog(embedder.model_id, catalog_path, catalog, embeddings, kept, skipped, started, seconds)
-    return publish_index_version(
-        new,
-        cfg.index_recipe,
-        cfg.gate_thresholds,
-        cfg.probe,
-        cfg.filterable_fields,
-        cfg.item_field,
-        cfg.publish_target,
-    )
+    return cfg.publish(new)

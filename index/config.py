@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import faiss
 
@@ -14,7 +15,7 @@ from core.preprocess import DEFAULT_MAX_PIXELS
 from index.faiss_index import check_trainable, empty_index, select_device
 from index.filters import FieldSpec, check_catalog_fields, parse_filterable
 from index.gate import GateThresholds, ProbeCatalog
-from index.publish import IndexRecipe, PublishTarget
+from index.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
 from index.sharding import check_shard_count
 
 DEFAULT_MODEL = "runs/model"
@@ -147,6 +148,14 @@ class BuildConfig:
             target_ann_recall=self.target_ann_recall,
             shards=self.shards,
         )
+
+    def publish(self, new: NewVersion) -> Path:
+        """`new` built, tuned, gated and published with what this configuration says each step
+        takes (`publish_index_version` gets those, not the configuration)."""
+        return publish_index_version(
+            new, self.index_recipe, self.gate_thresholds, self.probe, self.filterable_fields, self.item_field,
+            self.publish_target,
+        )  # fmt: skip
 
     @property
     def publish_target(self) -> PublishTarget:

@@ -40,7 +40,7 @@ from index.config import DEFAULT_MODEL, BuildConfig, default_catalog
 from index.embed import check_bad_rows
 from index.faiss_index import empty_index, trained_index
 from index.filters import FieldSpec
-from index.publish import IndexRecipe, NewVersion, publish_index_version, version_table
+from index.publish import IndexRecipe, NewVersion, version_table
 from index.sharding import build_shard_group, check_shard_count, empty_shard, shard_keys, shard_of
 from index.version_writer import VersionWriter
 
@@ -339,14 +339,6 @@ def run_rebuild(cfg: RebuildConfig, progress: bool = True) -> Path:
         new.shard_builder = build_shards_on_ray_data(
             work, catalog, kept, cfg.shards, model.embedding_dim, cfg.item_field
         )
-    target = publish_index_version(
-        new,
-        cfg.index_recipe,
-        cfg.gate_thresholds,
-        cfg.probe,
-        cfg.filterable_fields,
-        cfg.item_field,
-        cfg.publish_target,
-    )
+    target = cfg.publish(new)
     shutil.rmtree(work, ignore_errors=True)
     return target
