@@ -479,16 +479,7 @@ class ShardedSearch:
         )
         filled = self._call("fill", pair.version, fill)
         for j, i in enumerate(spanning):
-            scope = scopes[i]
-            rows = np.concatenate([a.hits(j)[0] for a in filled.answers]) if filled.answers else np.zeros(0, np.int64)
-            scores = np.concatenate([a.hits(j)[1] for a in filled.answers]) if filled.answers else np.zeros(0)
-            codes = scope.groups.codes[rows]
-            order = np.lexsort((rows, -scores))
-            by_group: dict[int, list[Hit]] = {}
-            for o in order.tolist():
-                its = by_group.setdefault(int(codes[o]), [])
-                if len(its) < scope.per_group:
-                    its.append(Hit(int(rows[o]), float(scores[o]), int(codes[o])))
+            by_group = _best_per_group(filled.answers, j, scopes[i])
             kept = list(dict.fromkeys(h.group for h in answers[i].hits))
             answers[i].hits = [h for g in kept for h in by_group.get(g, [])]
         missing = {**split.missing, **filled.missing}
@@ -546,22 +537,29 @@ def _merged_rows(answers: list[ShardAnswer], i: int, k: int, scoped: bool) -> An
     return Answer(hits, truncated, path=path)
 
 
+def _best_per_group(answers: list[ShardAnswer], i: int, scope: Scope) -> dict[int, list[Hit]]:
+    """Query i's rows from every shard by group, each group's best `per_group` (score descending,
+    then row); the groups in the order of their best row."""
+    if not answers:
+        return {}
+    rows = np.concatenate([a.hits(i)[0] for a in answers])
+    scores = np.concatenate([a.hits(i)[1] for a in answers])
+    codes = scope.groups.codes[rows]
+    by_group: dict[int, list[Hit]] = {}
+    for o in np.lexsort((rows, -scores)).tolist():
+        its = by_group.setdefault(int(codes[o]), [])
+        if len(its) < scope.per_group:
+            its.append(Hit(int(rows[o]), float(scores[o]), int(codes[o])))
+    return by_group
+
+
 def _merged_groups(answers: list[ShardAnswer], i: int, k: int, scope: Scope) -> Answer:
     """Query i's best k groups from every shard's best k, each with its best `per_group` rows
     seen (a group's score: its best row's). Truncated as one index says: fewer than k groups,
     or — with a min_score — more groups reach it than k."""
-    groups = scope.groups
     if not answers:
         return Answer([], truncated=scope.min_score is None, candidates=0)
-    rows = np.concatenate([a.hits(i)[0] for a in answers])
-    scores = np.concatenate([a.hits(i)[1] for a in answers])
-    codes = groups.codes[rows]
-    order = np.lexsort((rows, -scores))
-    by_group: dict[int, list[Hit]] = {}
-    for o in order.tolist():
-        its = by_group.setdefault(int(codes[o]), [])
-        if len(its) < scope.per_group:
-            its.append(Hit(int(rows[o]), float(scores[o]), int(codes[o])))
+    by_group = _best_per_group(answers, i, scope)
     chosen = list(by_group)[:k]  # dicts keep insertion order: best first row first
     hits = [h for g in chosen for h in by_group[g]]
     if scope.min_score is not None:

@@ -62,3 +62,16 @@ def served(demo_run):
     yield server, client
     client.close()
     server.stop(grace=1)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray (2 CPUs) for a module whose builds or deployments join it through
+    core.cli.init_ray; a module asks for it with `pytestmark = pytest.mark.usefixtures("local_ray")`."""
+    import ray
+
+    from core.cli import init_ray
+
+    init_ray(log_to_driver=False, num_cpus=2)
+    yield ray.get_runtime_context().gcs_address  # what a command joins it by (RAY_ADDRESS)
+    ray.shutdown()

@@ -23,15 +23,7 @@ from tests.support.index import write_images, write_tiny_model
 IMAGES, PER_ITEM = 160, 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    import ray
-
-    from core.cli import init_ray
-
-    init_ray(log_to_driver=False, num_cpus=2)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # the sharded builds add their shards in Ray tasks
 
 
 @pytest.fixture(scope="module")

@@ -37,16 +37,7 @@ N, DIM, ITEMS = 2400, 24, 800  # three rows an item
 FILTERABLE = parse_filterable(["item", "shade"])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    """One local Ray for the module's sharded builds (each joins it through core.cli.init_ray)."""
-    import ray
-
-    from core.cli import init_ray
-
-    init_ray(log_to_driver=False, num_cpus=2)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # the sharded builds add their shards in Ray tasks
 
 
 @pytest.fixture(scope="module")

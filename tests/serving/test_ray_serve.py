@@ -43,15 +43,9 @@ TOKEN = "s3cret"
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A local Ray the command joins through RAY_ADDRESS (and the module's builds use)."""
-    import ray
-
-    from core.cli import init_ray
-
-    init_ray(log_to_driver=False, num_cpus=2)
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
+def cluster(local_ray):
+    """The local Ray the command joins through RAY_ADDRESS (and the module's builds use)."""
+    return local_ray
 
 
 @pytest.fixture(scope="module")

@@ -22,16 +22,7 @@ N, DIM, ITEMS = 1200, 16, 400
 K = 10
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    """The S = 4 build adds its shards in Ray tasks."""
-    import ray
-
-    from core.cli import init_ray
-
-    init_ray(log_to_driver=False, num_cpus=2)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # the sharded builds add their shards in Ray tasks
 
 
 @pytest.fixture(scope="module")
