@@ -301,6 +301,9 @@ class ExactRerank:
         if stored.shape != (index.ntotal, index.d):
             raise ValueError(f"stored vectors are {stored.shape}, the index {index.ntotal}×{index.d}")
         self.index, self.stored, self.factor = index, stored, factor
+        # The map as a plain array: np.memmap's indexing runs Python (its __getitem__ and
+        # __array_finalize__) for every gather, a fifth of a one-query re-rank's own cost.
+        self._rows = np.asarray(stored)
 
     @property
     def ntotal(self) -> int:
@@ -316,28 +319,33 @@ class ExactRerank:
         # Rows sorted before the gather: a memory-mapped read then walks the file forwards.
         order = np.argsort(flat, kind="stable")
         gathered = np.empty((len(flat), self.d), dtype=np.float32)
-        gathered[order] = self.stored[flat[order]]
+        gathered[order] = self._rows[flat[order]]
         return gathered.reshape(*np.shape(rows), self.d)
 
     def exact_scores(self, queries: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Each query's inner product with the stored vectors of its `rows` (nq × c, rows ≥ 0).
-        One query's candidates at a time (c × d floats, in cache) scored by faiss's kernel: the
-        (nq, c, d) gather and NumPy product before it were most of a re-ranked search's cost
-        (docs/benchmarks.md, "Sharded versions")."""
-        stored = self.stored
+        Scored by faiss's kernels straight from the rows: the (nq, c, d) gather and NumPy
+        product before them were most of a re-ranked search's cost (docs/benchmarks.md,
+        "Sharded versions")."""
+        stored = self._rows
         if stored.dtype != np.float32 or not stored.flags.c_contiguous:
             return np.einsum("qd,qcd->qc", queries, self.gather(rows))
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         scores = np.empty(rows.shape, dtype=np.float32)
-        # Query by query in the caller's thread: faiss's by-index scoring forks an OpenMP team
-        # whose barrier, on a busy machine, waits for a descheduled thread (p99 8 ms against
-        # 2 µs); a query's candidates' rows (c × d floats) are copied out and scored in place.
-        for i, query in enumerate(queries):
-            block = np.ascontiguousarray(stored[rows[i]])
-            faiss.fvec_inner_products_ny(
-                faiss.swig_ptr(scores[i]), faiss.swig_ptr(query), faiss.swig_ptr(block), self.d, len(block)
-            )
+        d, c = self.d, rows.shape[1]
+        if len(queries) != 1:
+            # A batch: faiss scores every query's rows in place (no copy), across its OpenMP
+            # threads — the candidates' search before it forked that team already.
+            faiss.fvec_inner_products_by_idx(
+                faiss.swig_ptr(scores), faiss.swig_ptr(queries), faiss.swig_ptr(stored), faiss.swig_ptr(rows),
+                d, len(queries), c,
+            )  # fmt: skip
+            return scores
+        # One query in the caller's thread: an OpenMP team's barrier, on a busy machine, waits
+        # for a descheduled thread (p99 8 ms against 2 µs); its rows are copied out and scored.
+        block = stored.take(rows[0], axis=0)
+        faiss.fvec_inner_products_ny(faiss.swig_ptr(scores), faiss.swig_ptr(queries), faiss.swig_ptr(block), d, c)
         return scores
 
     def search(
@@ -348,12 +356,16 @@ class ExactRerank:
         if depth == 0:  # an empty shard: faiss refuses k = 0; no place has an answer
             return np.full((len(queries), k), -np.inf, np.float32), np.full((len(queries), k), -1, np.int64)
         _, candidates = self.index.search(queries, depth, params=params)
-        found = candidates >= 0
-        scores = self.exact_scores(queries, np.where(found, candidates, 0))
-        scores[~found] = -np.inf
+        missing = candidates < 0
+        short = bool(missing.any())  # a filter or a small list: fewer candidates than asked
+        scores = self.exact_scores(queries, np.where(missing, 0, candidates) if short else candidates)
+        if short:
+            scores[missing] = -np.inf
         top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-        best = np.take_along_axis(scores, top, axis=1).astype(np.float32)
-        rows = np.where(np.isfinite(best), np.take_along_axis(candidates, top, axis=1), -1)
+        each = np.arange(len(queries))[:, None]
+        best, rows = scores[each, top], candidates[each, top]
+        if short:
+            rows = np.where(np.isfinite(best), rows, -1)
         return best, rows
 
     @functools.cached_property
