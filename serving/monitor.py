@@ -25,6 +25,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -130,6 +131,26 @@ class SlidingRecall:
             self._marks.clear()
 
 
+ANN_BATCH = 64  # sampled queries a sharded server checks in one call to its shards
+ANN_GATHER_S = 0.5  # how long it gathers them (the figure is a window's mean: it can wait)
+
+
+@dataclass(frozen=True)
+class ExactQuery:
+    """A sampled query as a sharded server's `exact_top` re-runs it: its vector, excluded rows,
+    filter and groups."""
+
+    vector: np.ndarray
+    exclude: frozenset[int]
+    filter: Filter | None
+    groups: Groups | None
+
+
+def _answered_groups(rows: Sequence[int], groups: Groups) -> list[int]:
+    """A grouped answer's groups, as codes, in the order it gave them."""
+    return list(dict.fromkeys(int(groups.codes[r]) for r in rows))
+
+
 class RecallMonitor:
     def __init__(self, config: MonitorConfig, metrics: ServiceMetrics) -> None:
         self.config = config
@@ -145,9 +166,9 @@ class RecallMonitor:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._rng = random.Random(0)
-        # (pair, vector, k, exclude, filter, groups) → the exact top k rows (groups, grouped), best
-        # first: set by a sharded server, whose vectors live in its shards (`serving.sharded`).
-        self.exact_top: Callable[..., list[int]] | None = None
+        # (pair, k, queries) → each query's exact top k rows (groups, grouped), best first: set by
+        # a sharded server, whose vectors live in its shards (`serving.sharded`).
+        self.exact_top: Callable[[ServingPair, int, list[ExactQuery]], list[list[int]]] | None = None
 
     # -- live traffic -----------------------------------------------------------------------
 
@@ -266,15 +287,28 @@ class RecallMonitor:
 
     def _ann_loop(self) -> None:
         while not self._stop.is_set():
-            job = self._ann_jobs.get()
-            if job is None:
-                return
+            jobs = [self._ann_jobs.get()]
+            # A sharded server checks the queries sampled within ANN_GATHER_S in one call to its
+            # shards: a call each cost the shards as many calls as the searches they checked.
+            gathered = time.monotonic() + ANN_GATHER_S
+            while self.exact_top is not None and jobs[-1] is not None and len(jobs) < ANN_BATCH:
+                try:
+                    jobs.append(self._ann_jobs.get(timeout=max(0.0, gathered - time.monotonic())))
+                except queue.Empty:
+                    break
+            checked = [job for job in jobs if job is not None]
             try:
-                self.check_ann(*job)
+                if self.exact_top is not None and checked:
+                    self.check_ann_remote(checked)
+                elif checked:
+                    self.check_ann(*checked[0])
             except Exception:
                 log.exception("ANN fidelity check failed")
             finally:
-                self._ann_jobs.task_done()
+                for _ in jobs:
+                    self._ann_jobs.task_done()
+            if len(checked) < len(jobs):
+                return
 
     def ann_settled(self, timeout: float | None = None) -> bool:
         """Wait until every query sampled so far has been checked (or dropped); whether that
@@ -296,22 +330,11 @@ class RecallMonitor:
     ) -> None:
         """Re-run a query answered by load `serial` exactly (among the `allowed` rows, when its
         filter gave some; for its top groups when it was grouped by `groups`), if that load is
-        still live. With `exact_top` set (a sharded server: the vectors live in the shards), the
-        exact answer is that hook's."""
+        still live."""
         pair = self._live
         if pair is None or pair.serial != serial:  # sampled before a reload: it no longer describes the index served
             return
-        if groups is not None:
-            answered = list(dict.fromkeys(int(groups.codes[r]) for r in rows))
-        if self.exact_top is not None:
-            if groups is None:
-                answered = rows
-            ranked = self.exact_top(pair, vector, max(self.config.ks), frozenset(exclude), filter, groups)
-
-            def exact_top(k: int) -> list[int]:
-                return ranked[:k]
-        elif groups is None:
-            answered = rows
+        if groups is None:
             scores = pair.index_version.exact_scores(vector)
             if allowed is not None:
                 scores[~allowed] = -np.inf
@@ -320,17 +343,34 @@ class RecallMonitor:
 
             def exact_top(k: int) -> list[int]:
                 return np.argpartition(-scores, k - 1)[:k].tolist()
-        else:
-            # A grouped answer holds one item's rows together and never a second group's
-            # sibling rows: only its groups compare with an exact answer, the exact top groups.
-            live = pair.index_version.live_mask
-            if live is not None:
-                allowed = live if allowed is None else allowed & live
-            ranked = exact_top_groups(vector, pair.vectors, groups, max(self.config.ks), allowed, frozenset(exclude))
 
-            def exact_top(k: int) -> list[int]:
-                return ranked[:k]
+            self._score_ann(serial, rows, exact_top)
+            return
+        # A grouped answer holds one item's rows together and never a second group's sibling
+        # rows: only its groups compare with an exact answer, the exact top groups.
+        live = pair.index_version.live_mask
+        if live is not None:
+            allowed = live if allowed is None else allowed & live
+        ranked = exact_top_groups(vector, pair.vectors, groups, max(self.config.ks), allowed, frozenset(exclude))
+        self._score_ann(serial, _answered_groups(rows, groups), lambda k: ranked[:k])
 
+    def check_ann_remote(self, jobs: list[tuple]) -> None:
+        """`check_ann` for queued queries whose exact answers come from `exact_top` (a sharded
+        server), all of them in one call."""
+        pair = self._live
+        jobs = [job for job in jobs if pair is not None and job[0] == pair.serial]
+        if not jobs:
+            return
+        queries = [
+            ExactQuery(vector, frozenset(exclude), filter, groups) for _, vector, _, exclude, _, groups, filter in jobs
+        ]
+        ranked = self.exact_top(pair, max(self.config.ks), queries)
+        for (serial, _, rows, _, _, groups, _), exact in zip(jobs, ranked, strict=True):
+            answered = rows if groups is None else _answered_groups(rows, groups)
+            self._score_ann(serial, answered, lambda k, exact=exact: exact[:k])
+
+    def _score_ann(self, serial: int, answered: list[int], exact_top: Callable[[int], list[int]]) -> None:
+        """One checked query's ANN fidelity at each K its answer reaches, while load `serial` is live."""
         for k in self.config.ks:
             if len(answered) < k:
                 continue

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -41,6 +41,9 @@ from index.filters import Filter
 from index.grouping import EXACT_PASS, Groups
 from index.version import IndexVersion
 from serving.engine import EVERY_ROW, Answer, Hit, Scope, SearchEngine, ServingPair
+
+if TYPE_CHECKING:
+    from serving.monitor import ExactQuery
 
 VERSIONS_KEPT = 2  # a shard replica keeps its shard of this many versions open
 NO_CANDIDATES = -2  # a ShardAnswer's `candidates` for a query that was not grouped
@@ -121,9 +124,7 @@ class ShardAnswer:
         return self.rows[a:b], self.scores[a:b]
 
     @classmethod
-    def of(
-        cls, shard: str, answers: Sequence[Answer], offset: int, search_s: float, rows_held: int
-    ) -> ShardAnswer:
+    def of(cls, shard: str, answers: Sequence[Answer], offset: int, search_s: float, rows_held: int) -> ShardAnswer:
         rows = [h.row + offset for a in answers for h in a.hits]
         return cls(
             shard,
@@ -485,28 +486,26 @@ class ShardedSearch:
         missing = {**split.missing, **filled.missing}
         return _Split([a for a in split.answers if a.shard not in missing], missing)
 
-    def exact_top(
-        self,
-        pair: ServingPair,
-        vector: np.ndarray,
-        k: int,
-        exclude: frozenset[int],
-        filter: Filter | None,
-        groups: Groups | None,
-    ) -> list[int]:
-        """The exact top k rows of one query over every shard (grouped: its top k groups, as
-        codes of `groups`), best first: the monitor's reference for ANN fidelity."""
-        scope = Scope(filter=filter, groups=groups)
-        request = self.request(vector[None], k, [exclude], [scope], None)
+    def exact_top(self, pair: ServingPair, k: int, queries: Sequence[ExactQuery]) -> list[list[int]]:
+        """Each query's exact top k rows over every shard (grouped: its top k groups, as codes of
+        its groups), best first, in one call to the shards: the monitor's reference for ANN
+        fidelity (a call a query cost as many shard calls as the searches it checked)."""
+        scopes = [Scope(filter=q.filter, groups=q.groups) for q in queries]
+        vectors = np.stack([q.vector for q in queries])
+        request = self.request(vectors, k, [q.exclude for q in queries], scopes, None)
         split = self._call("exact", pair.version, request)
         if split.missing:
             raise RuntimeError("; ".join(f"shard {n}: {why}" for n, why in split.missing.items()))
-        rows = np.concatenate([a.hits(0)[0] for a in split.answers])
-        scores = np.concatenate([a.hits(0)[1] for a in split.answers])
-        order = np.lexsort((rows, -scores))
-        if groups is None:
-            return rows[order][:k].tolist()
-        return list(dict.fromkeys(int(groups.codes[r]) for r in rows[order]))[:k]
+        ranked = []
+        for i, query in enumerate(queries):
+            rows = np.concatenate([a.hits(i)[0] for a in split.answers])
+            scores = np.concatenate([a.hits(i)[1] for a in split.answers])
+            order = np.lexsort((rows, -scores))
+            if query.groups is None:
+                ranked.append(rows[order][:k].tolist())
+            else:
+                ranked.append(list(dict.fromkeys(int(query.groups.codes[r]) for r in rows[order]))[:k])
+        return ranked
 
 
 def _spans_shards(pair: ServingPair, field_name: str, shards: int) -> bool:

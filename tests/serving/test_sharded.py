@@ -15,6 +15,8 @@ from index.filters import Condition, Filter
 from index.lifecycle import remove_items
 from index.version import IndexVersion
 from serving.engine import Scope, SearchEngine, ServingPair
+from serving.metrics import ServiceMetrics
+from serving.monitor import MonitorConfig, RecallMonitor
 from serving.sharded import LocalShards, ShardedSearch, ShardSearcher
 from tests.support import shards as support
 
@@ -143,3 +145,33 @@ def test_a_shard_replica_keeps_two_versions_and_refuses_a_damaged_one(roots):
     assert searcher.warm(version)["rows"] == IndexVersion.open(four_root).manifest.shards[1].rows
     with pytest.raises(Exception, match="shards: this deployment's shard 004"):
         ShardSearcher(four_root, 4).warm(version)
+
+
+def test_the_monitors_ann_fidelity_over_the_shards_is_the_one_index_figure(roots):
+    """A sharded server's online ANN fidelity (its exact re-runs asked of the shards, many sampled
+    queries a call) is the figure one index gives the same answers: plain, filtered and grouped."""
+    (engine, one), (sharded, four) = engines(*roots)
+    q = queries(40)
+    ranks = [*range(7), 20, 21, 22]  # an imperfect answer: 7 of the exact top 10, then ranks 21-23
+    shade = Filter(must=(Condition("shade", value="1"),))
+    # Rows another test took down in the sharded root are left out of both answers.
+    gone = frozenset(r for r, i in enumerate(one.items.ids) if four.index_version.row_of(i) is None)
+    figures = []
+    for pair, hook in ((one, None), (four, sharded.exact_top)):
+        monitor = RecallMonitor(MonitorConfig(ks=(1, 5, 10), ann_sample_rate=1.0, ann_queue=1024), ServiceMetrics())
+        monitor.exact_top = hook
+        monitor.reset(pair)
+        for query_filter, group_by in ((None, None), (shade, None), (None, "item")):
+            scope = scope_on(one, query_filter, group_by, 1)
+            exact = engine.search(one, q, 30, [gone] * len(q), [scope] * len(q), [30] * len(q))
+            own = scope_on(pair, query_filter, group_by, 1)
+            for vector, answer in zip(q, exact, strict=True):
+                rows = [pair.index_version.row_of(one.items.ids[answer.hits[r].row]) for r in ranks]
+                skip = gone if pair is one else set()
+                monitor.maybe_sample_ann(pair.serial, vector, rows, set(skip), own.allowed, own.groups, query_filter)
+        monitor.start(None)
+        assert monitor.ann_settled(60)
+        monitor.stop()
+        figures.append(monitor.ann_values())
+    assert figures[0] == figures[1]
+    assert figures[0][1] == 1.0 and 0.6 < figures[0][10] < 0.8  # the answers' own fidelity, not 1 nor 0
