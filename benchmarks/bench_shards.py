@@ -352,6 +352,8 @@ def run_query(
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         model = write_query_model(folder / "model", dim)
+        # The servers' workers at the single process's priority (Ray's default is nice 15).
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(num_cpus=os.cpu_count() or 1, log_to_driver=False, include_dashboard=False)
         try:
             roots = {s: folder / f"s{s}" for s in sorted({1, *shard_counts})}

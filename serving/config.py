@@ -76,23 +76,27 @@ class Transport:
         return options
 
 
+DEFAULT_BATCH_STREAMS = 2  # one server's batch streams: two ORT runs overlap, each with half the threads
+
+
 @dataclass
 class Batching:
     """Dynamic batching: queries that arrive together share one ONNX Runtime run and one search."""
 
     enabled: bool = option(True, flag="--batching", help="dynamic batching (off: each query runs alone)")
     max_batch_size: int = option(32, help="queries per ONNX Runtime/faiss batch")
-    batch_streams: int = option(
-        2,
+    batch_streams: int | None = option(
+        None,
         help="batches run at once, each on its own thread and share of the ONNX Runtime threads; one starts "
-        "beside another once half of batch size / streams queries are queued",
+        "beside another once half of batch size / streams queries are queued (default 2; with --ray 1: its "
+        "batches wait on the shards, and one stream makes them bigger, so fewer shard calls)",
     )
     max_wait_ms: float = option(0.0, help="longest wait to fill a batch (0: a batch is what queued meanwhile)")
     max_queue: int = option(1024, help="queued queries before RESOURCE_EXHAUSTED")
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "batch_streams", "max_queue"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_wait_ms < 0:
             raise ValueError("max_wait_ms must be ≥ 0")
@@ -204,6 +208,8 @@ class ServerConfig:
         return resolve_config(cls, options)
 
     def __post_init__(self) -> None:
+        if self.batching.batch_streams is None:
+            self.batching.batch_streams = 1 if self.sharding.ray else DEFAULT_BATCH_STREAMS
         if self.watch_interval_s <= 0:
             raise ValueError("watch_interval_s must be > 0")
         if self.keep_versions < 1:

@@ -116,7 +116,8 @@ class RemoteEmbedder:
         self.session = _Providers(providers)
 
     def embed(self, batch: np.ndarray, side_by_side: bool = False) -> np.ndarray:
-        return self.handle.embed.remote(str(self.model_dir), batch, side_by_side).result(timeout_s=self.timeout_s)
+        call = _direct(self.handle, "embed").remote(str(self.model_dir), batch, side_by_side)
+        return call.result(timeout_s=self.timeout_s)
 
 
 class _Providers:
@@ -151,11 +152,18 @@ class RayShards:
         self.timeout_s = timeout_s
         self.retries = retries
         self.metrics = metrics
+        self._calls: dict[str, list[Any]] = {}  # by method: each shard's handle with its options
 
     def call(self, method: str, version: str, request: ShardRequest) -> list[ShardAnswer | Exception]:
         started = time.perf_counter()
-        pending = [h.options(method_name=method).remote(version, request) for h in self.handles]
+        pending = [self._send(n, method, version, request) for n in range(len(self.handles))]
         return [self._result(n, method, version, request, r, started) for n, r in enumerate(pending)]
+
+    def _send(self, number: int, method: str, version: str, request: ShardRequest) -> Any:
+        calls = self._calls.get(method)
+        if calls is None:
+            calls = self._calls[method] = [_direct(h, method) for h in self.handles]
+        return calls[number].remote(version, request)
 
     def _result(self, number: int, method: str, version: str, request: ShardRequest, response, started: float):
         tries = 0
@@ -179,7 +187,14 @@ class RayShards:
                     return exc
                 log.warning("shard %s: %s failed (%s); trying again", self.names[number], method, exc)
                 started = time.perf_counter()
-                response = self.handles[number].options(method_name=method).remote(version, request)
+                response = self._send(number, method, version, request)
+
+
+def _direct(handle: Any, method: str) -> Any:
+    """`handle`'s `method` called over Serve's inter-deployment gRPC (`_by_reference=False`)
+    rather than as a Ray actor task: the answer comes back in the reply, not through the
+    object store — at a batch a call, the hop's cost (docs/benchmarks.md, "Sharded versions")."""
+    return handle.options(method_name=method, _by_reference=False)
 
 
 class _suppressed:
@@ -409,6 +424,10 @@ def connect_ray() -> None:
                 pass
         except (OSError, ValueError) as exc:
             raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {exc}") from None
+    if not address:
+        # Ray starts its workers at nice 15, for batch work beside interactive use; here the
+        # workers are the server (its shards, embedder and ingress), so they run as one would.
+        os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         init_ray(log_to_driver=False)
     except ConnectionError as exc:
