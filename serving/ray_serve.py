@@ -414,7 +414,7 @@ def app(args: dict[str, Any]) -> Any:
 def connect_ray() -> None:
     """Join the cluster at RAY_ADDRESS, or start a local Ray: an address that does not answer is
     a ValueError (one `error:` line), not a minute of retries."""
-    from core.cli import init_ray
+    from core.cli import init_ray, verbose
 
     address = os.environ.get("RAY_ADDRESS", "")
     if address and address != "auto" and "://" not in address:
@@ -429,7 +429,11 @@ def connect_ray() -> None:
         # workers are the server (its shards, embedder and ingress), so they run as one would.
         os.environ.setdefault("RAY_worker_niceness", "0")
     try:
-        init_ray(log_to_driver=False)
+        # Ray's "Connecting to existing Ray cluster" and Serve's progress lines are INFO: the
+        # command's own output is its ports (or one error line), so they show with --verbose only.
+        init_ray(log_to_driver=False, logging_level=logging.INFO if verbose() else logging.WARNING)
+        if not verbose():  # Serve's logger has a handler of its own, not the "ray" logger's level
+            logging.getLogger("ray.serve").setLevel(logging.WARNING)
     except ConnectionError as exc:
         raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {exc}") from None
 
