@@ -20,6 +20,7 @@ resident set then. The ratio of parallel to sequential is at most min(S, cores).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import sys
 import tempfile
@@ -276,8 +277,6 @@ def _serving(command: list[str], env: dict[str, str]) -> tuple:
 def grpc_load(port: int, queries: np.ndarray, concurrency: int, seconds: float) -> dict[str, float]:
     """`concurrency` callers each sending one Search (an embedding, k = 10) after another for
     `seconds` (after a warm-up): q/s, p50 and p99 of the calls, p50 of the server's search stage."""
-    import asyncio
-
     import grpc
 
     from protos.simsearch.v1 import search_pb2 as pb
@@ -411,9 +410,168 @@ def part_query(args: argparse.Namespace) -> None:
     show_query(figures, args.rows, args.dim)
 
 
+def _metric_values(metrics_port: int, names: tuple[str, ...]) -> dict[str, float]:
+    """Sums of the ingress's samples of `names` (over their labels), from its /metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def run_reload(rows: int, dim: int, shards: int, minutes: float, every_s: float, concurrency: int) -> dict:
+    """`serve --ray` at S shards under `concurrency` gRPC callers for `minutes`, made to serve
+    the other of two versions (different vectors, the same ids) every `every_s` seconds: every
+    answer is checked against the exact top 10 of the version it names (its scores, so float
+    ties do not count as a mix). Statuses, mixed answers, reloads, latency, and the memory of
+    the ingress and the shard replicas before and after."""
+    import ray
+
+    from benchmarks.harness import free_port
+    from protos.simsearch.v1 import search_pb2 as pb
+
+    token = "bench"
+    queries = l2_normalized(np.random.default_rng(99).standard_normal((512, dim)).astype(np.float32))
+    requests = [pb.SearchRequest(embedding=pb.Embedding(values=q.tolist()), k=10) for q in queries]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        model = write_query_model(folder / "model", dim)
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        ray.init(num_cpus=os.cpu_count() or 1, log_to_driver=False, include_dashboard=False)
+        try:
+            root = folder / "root"
+            names, exact = [], {}
+            for seed in (0, 1):
+                vectors = clustered_part(0, rows, dim, seed=seed)
+                names.append(publish_query_root(root, vectors, model, shards).name)
+                scores = queries @ vectors.T
+                exact[names[-1]] = (vectors, -np.sort(-scores, axis=1)[:, :10])
+            env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+            metrics_port = free_port()
+            command = [
+                sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(root), "--port", "0",
+                "--metrics-port", str(metrics_port), "--probe-interval-s", "0", "--admin-token", token,
+            ]  # fmt: skip
+            proc, ports = _serving(command, env)
+            memory = ("process_resident_memory_bytes", "simsearch_shard_memory_bytes")
+            try:
+                before = _metric_values(metrics_port, memory)
+                figures = asyncio.run(
+                    _reload_load(ports["port"], requests, exact, names, minutes, every_s, concurrency, token)
+                )
+                after = _metric_values(metrics_port, memory)
+            finally:
+                proc.terminate()
+                proc.wait(120)
+        finally:
+            ray.shutdown()
+    return {
+        **figures, "rows": rows, "dim": dim, "shards": shards, "minutes": minutes, "every_s": every_s,
+        "concurrency": concurrency,
+        "ingress_mb": (before.get(memory[0], 0) / 2**20, after.get(memory[0], 0) / 2**20),
+        "shards_mb": (before.get(memory[1], 0) / 2**20, after.get(memory[1], 0) / 2**20),
+    }  # fmt: skip
+
+
+async def _reload_load(port, requests, exact, names, minutes, every_s, concurrency, token) -> dict:
+    import grpc
+
+    from protos.simsearch.v1 import search_pb2 as pb
+    from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
+
+    statuses: dict[str, int] = {}
+    latencies, after_reload, mixed, versions = [], [], 0, {}
+    reloads, reload_failures, reload_s = 0, [], []
+    last_reload = [float("-inf")]
+    stop = time.perf_counter() + minutes * 60
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub, admin = pb_grpc.SimilaritySearchStub(channel), pb_grpc.IndexAdminStub(channel)
+
+        async def caller(c: int) -> None:
+            nonlocal mixed
+            i = c
+            while time.perf_counter() < stop:
+                n = i % len(requests)
+                started = time.perf_counter()
+                try:
+                    answer = await stub.Search(requests[n], timeout=30)
+                except grpc.aio.AioRpcError as exc:
+                    statuses[exc.code().name] = statuses.get(exc.code().name, 0) + 1
+                    i += concurrency
+                    continue
+                took = time.perf_counter() - started
+                latencies.append(took)
+                if started - last_reload[0] < 2.0:
+                    after_reload.append(took)
+                statuses["OK"] = statuses.get("OK", 0) + 1
+                versions[answer.index_version] = versions.get(answer.index_version, 0) + 1
+                vectors, top = exact[answer.index_version]
+                rows = [int(x.id[2:]) for x in answer.neighbors]
+                scores = np.sort(vectors[rows] @ np.asarray(requests[n].embedding.values, dtype=np.float32))[::-1]
+                if len(rows) != 10 or not np.allclose(scores, top[n], atol=1e-5):
+                    mixed += 1
+                i += concurrency
+
+        async def reloader() -> None:
+            nonlocal reloads
+            metadata = [("authorization", f"Bearer {token}")]
+            turn = 0
+            while time.perf_counter() + every_s < stop:
+                await asyncio.sleep(every_s)
+                turn += 1
+                last_reload[0] = time.perf_counter()
+                try:
+                    reply = await admin.Reload(
+                        pb.ReloadRequest(index_version=names[turn % 2]), metadata=metadata, timeout=120
+                    )
+                    reloads += reply.index_version == names[turn % 2]
+                except grpc.aio.AioRpcError as exc:
+                    reload_failures.append(f"{exc.code().name}: {exc.details()}")
+                reload_s.append(time.perf_counter() - last_reload[0])
+
+        began = time.perf_counter()
+        await asyncio.gather(reloader(), *(caller(c) for c in range(concurrency)))
+        wall = time.perf_counter() - began
+    return {
+        "queries": sum(statuses.values()), "qps": statuses.get("OK", 0) / wall, "statuses": statuses,
+        "mixed": mixed, "versions": versions, "reloads": reloads, "reload_failures": reload_failures,
+        "reload_s_p50": float(np.median(reload_s)) if reload_s else 0.0,
+        "p50_ms": float(np.percentile(latencies, 50)) * 1e3, "p99_ms": float(np.percentile(latencies, 99)) * 1e3,
+        "after_reload_p99_ms": float(np.percentile(after_reload, 99)) * 1e3 if after_reload else 0.0,
+    }  # fmt: skip
+
+
+def show_reload(r: dict) -> None:
+    unexpected = {k: v for k, v in r["statuses"].items() if k != "OK"}
+    print(f"\nreloads under load: serve --ray, S = {r['shards']}, {r['rows']:,} × {r['dim']}-d Flat, two versions "
+          f"(different vectors) made live in turn every {r['every_s']:.0f} s for {r['minutes']:.1f} min, "
+          f"concurrency {r['concurrency']}, {os.cpu_count()} cores")  # fmt: skip
+    print("| queries | q/s | unexpected statuses | answers not from the version they name | reloads (ok / failed) "
+          "| a reload's p50 | p50 / p99 | p99 within 2 s of a reload | ingress RSS | shard replicas' RSS (sum) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"| {r['queries']:,} | {r['qps']:.0f} | {sum(unexpected.values())} {unexpected or ''} | {r['mixed']} "
+        f"| {r['reloads']} / {len(r['reload_failures'])} | {r['reload_s_p50']:.2f} s "
+        f"| {r['p50_ms']:.1f} / {r['p99_ms']:.1f} ms | {r['after_reload_p99_ms']:.1f} ms "
+        f"| {r['ingress_mb'][0]:.0f} → {r['ingress_mb'][1]:.0f} MB "
+        f"| {r['shards_mb'][0]:.0f} → {r['shards_mb'][1]:.0f} MB |"
+    )
+    print(f"answers by version: {r['versions']}; reload failures: {r['reload_failures'] or 'none'}")
+
+
+def part_reload(args: argparse.Namespace) -> None:
+    show_reload(
+        run_reload(args.rows, args.dim, args.shards, args.reload_minutes, args.reload_every, args.reload_concurrency)
+    )
+
+
 # `--part NAME` runs PARTS[NAME]; `all` runs every part in this order.
 PARTS: dict[str, Callable[[argparse.Namespace], None]] = {
-    "build": part_build, "rerank": part_rerank, "query": part_query,
+    "build": part_build, "rerank": part_rerank, "query": part_query, "reload": part_reload,
 }  # fmt: skip
 
 
@@ -433,6 +591,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--query-shards", default="1,2,4", help="query part: the S of each `serve --ray`")
     parser.add_argument("--query-concurrency", default="1,32", help="query part: callers at once, each level")
     parser.add_argument("--query-seconds", type=float, default=10.0, help="query part: seconds of load a level")
+    parser.add_argument("--reload-minutes", type=float, default=3.0, help="reload part: minutes of load")
+    parser.add_argument("--reload-every", type=float, default=20.0, help="reload part: seconds between reloads")
+    parser.add_argument("--reload-concurrency", type=int, default=32, help="reload part: gRPC callers")
     parser.add_argument("--ray-flags", default="", help="query part: more flags for each `serve --ray`, one string")
     args = parser.parse_args(argv)
     if args.shards < 1 or args.rows < args.shards:
