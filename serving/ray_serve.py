@@ -107,6 +107,7 @@ class RemoteEmbedder:
 
     def __init__(self, handle: Any, model_dir: str | Path, timeout_s: float, providers: list[str]) -> None:
         self.handle = handle
+        self._embed = _direct(handle, "embed")
         self.model_dir = Path(model_dir)
         manifest = ModelManifest.read(self.model_dir)
         self.contract = manifest.input
@@ -116,7 +117,7 @@ class RemoteEmbedder:
         self.session = _Providers(providers)
 
     def embed(self, batch: np.ndarray, side_by_side: bool = False) -> np.ndarray:
-        call = _direct(self.handle, "embed").remote(str(self.model_dir), batch, side_by_side)
+        call = self._embed.remote(str(self.model_dir), batch, side_by_side)
         return call.result(timeout_s=self.timeout_s)
 
 
