@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import faiss
@@ -335,19 +336,12 @@ def _histogram_means(metrics_port: int) -> dict[str, float]:
     }
 
 
-def run_query(
-    rows: int, dim: int, shard_counts: list[int], concurrencies: list[int], seconds: float, ray_flags: list[str] = ()
-) -> list[dict]:
-    """The single-process server, then `serve --ray` at each S, on the same vectors in the same
-    run, each loaded at each concurrency; at the largest S and concurrency 1, what its p50 is
-    made of (from the ingress's shard metrics)."""
+@contextlib.contextmanager
+def query_cluster(dim: int) -> Iterator[tuple[Path, Path, dict[str, str]]]:
+    """A scratch folder, the query model in it, and a local Ray the servers join: the folder,
+    the model, and the environment that points `serve --ray` at that Ray."""
     import ray
 
-    from benchmarks.harness import free_port
-
-    vectors = clustered_part(0, rows, dim)
-    queries = l2_normalized(np.random.default_rng(99).standard_normal((512, dim)).astype(np.float32))
-    results = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         model = write_query_model(folder / "model", dim)
@@ -355,27 +349,47 @@ def run_query(
         os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(num_cpus=os.cpu_count() or 1, log_to_driver=False, include_dashboard=False)
         try:
-            roots = {s: folder / f"s{s}" for s in sorted({1, *shard_counts})}
-            for s, root in roots.items():
-                publish_query_root(root, vectors, model, s)
-            env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-            base = [sys.executable, "-m", "serving", "serve", "--port", "0", "--probe-interval-s", "0"]
-            for label, s in [("single process", 1)] + [(f"serve --ray, S = {s}", s) for s in shard_counts]:
-                metrics_port = free_port()
-                command = [*base, "--index-root", str(roots[s]), "--metrics-port", str(metrics_port)]
-                if label != "single process":
-                    command += ["--ray", *ray_flags]
-                proc, ports = _serving(command, env)
-                try:
-                    for c in concurrencies:
-                        figures = grpc_load(ports["port"], queries, c, seconds)
-                        means = _histogram_means(metrics_port) if label != "single process" else {}
-                        results.append({"server": label, "shards": s, "concurrency": c, **figures, **means})
-                finally:
-                    proc.terminate()
-                    proc.wait(120)
+            yield folder, model, {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
         finally:
             ray.shutdown()
+
+
+def query_vectors(dim: int) -> np.ndarray:
+    """The 512 queries every query-path part sends."""
+    return l2_normalized(np.random.default_rng(99).standard_normal((512, dim)).astype(np.float32))
+
+
+def run_query(
+    rows: int, dim: int, shard_counts: list[int], concurrencies: list[int], seconds: float, ray_flags: list[str] = ()
+) -> list[dict]:
+    """The single-process server, then `serve --ray` at each S, on the same vectors in the same
+    run, each loaded at each concurrency; at the largest S and concurrency 1, what its p50 is
+    made of (from the ingress's shard metrics)."""
+
+    from benchmarks.harness import free_port
+
+    vectors = clustered_part(0, rows, dim)
+    queries = query_vectors(dim)
+    results = []
+    with query_cluster(dim) as (folder, model, env):
+        roots = {s: folder / f"s{s}" for s in sorted({1, *shard_counts})}
+        for s, root in roots.items():
+            publish_query_root(root, vectors, model, s)
+        base = [sys.executable, "-m", "serving", "serve", "--port", "0", "--probe-interval-s", "0"]
+        for label, s in [("single process", 1)] + [(f"serve --ray, S = {s}", s) for s in shard_counts]:
+            metrics_port = free_port()
+            command = [*base, "--index-root", str(roots[s]), "--metrics-port", str(metrics_port)]
+            if label != "single process":
+                command += ["--ray", *ray_flags]
+            proc, ports = _serving(command, env)
+            try:
+                for c in concurrencies:
+                    figures = grpc_load(ports["port"], queries, c, seconds)
+                    means = _histogram_means(metrics_port) if label != "single process" else {}
+                    results.append({"server": label, "shards": s, "concurrency": c, **figures, **means})
+            finally:
+                proc.terminate()
+                proc.wait(120)
     return results
 
 
@@ -429,46 +443,36 @@ def run_reload(rows: int, dim: int, shards: int, minutes: float, every_s: float,
     answer is checked against the exact top 10 of the version it names (its scores, so float
     ties do not count as a mix). Statuses, mixed answers, reloads, latency, and the memory of
     the ingress and the shard replicas before and after."""
-    import ray
 
     from benchmarks.harness import free_port
     from protos.simsearch.v1 import search_pb2 as pb
 
     token = "bench"
-    queries = l2_normalized(np.random.default_rng(99).standard_normal((512, dim)).astype(np.float32))
+    queries = query_vectors(dim)
     requests = [pb.SearchRequest(embedding=pb.Embedding(values=q.tolist()), k=10) for q in queries]
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        model = write_query_model(folder / "model", dim)
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(num_cpus=os.cpu_count() or 1, log_to_driver=False, include_dashboard=False)
+    with query_cluster(dim) as (folder, model, env):
+        root = folder / "root"
+        names, exact = [], {}
+        for seed in (0, 1):
+            vectors = clustered_part(0, rows, dim, seed=seed)
+            names.append(publish_query_root(root, vectors, model, shards).name)
+            exact[names[-1]] = (vectors, -np.sort(-(queries @ vectors.T), axis=1)[:, :10])
+        metrics_port = free_port()
+        command = [
+            sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(root), "--port", "0",
+            "--metrics-port", str(metrics_port), "--probe-interval-s", "0", "--admin-token", token,
+        ]  # fmt: skip
+        proc, ports = _serving(command, env)
+        memory = ("process_resident_memory_bytes", "simsearch_shard_memory_bytes")
         try:
-            root = folder / "root"
-            names, exact = [], {}
-            for seed in (0, 1):
-                vectors = clustered_part(0, rows, dim, seed=seed)
-                names.append(publish_query_root(root, vectors, model, shards).name)
-                scores = queries @ vectors.T
-                exact[names[-1]] = (vectors, -np.sort(-scores, axis=1)[:, :10])
-            env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-            metrics_port = free_port()
-            command = [
-                sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(root), "--port", "0",
-                "--metrics-port", str(metrics_port), "--probe-interval-s", "0", "--admin-token", token,
-            ]  # fmt: skip
-            proc, ports = _serving(command, env)
-            memory = ("process_resident_memory_bytes", "simsearch_shard_memory_bytes")
-            try:
-                before = _metric_values(metrics_port, memory)
-                figures = asyncio.run(
-                    _reload_load(ports["port"], requests, exact, names, minutes, every_s, concurrency, token)
-                )
-                after = _metric_values(metrics_port, memory)
-            finally:
-                proc.terminate()
-                proc.wait(120)
+            before = _metric_values(metrics_port, memory)
+            figures = asyncio.run(
+                _reload_load(ports["port"], requests, exact, names, minutes, every_s, concurrency, token)
+            )
+            after = _metric_values(metrics_port, memory)
         finally:
-            ray.shutdown()
+            proc.terminate()
+            proc.wait(120)
     return {
         **figures, "rows": rows, "dim": dim, "shards": shards, "minutes": minutes, "every_s": every_s,
         "concurrency": concurrency,
