@@ -4,18 +4,23 @@ shard — and its answers through its real gRPC port equal the single-process se
 same data; a reload under load never mixes versions; a takedown never answers again; a shard
 replica killed under load costs no call with two replicas a shard, and with none left the
 answers are UNAVAILABLE naming the shard, or marked partial when allowed; a damaged shard is
-refused on load naming it while the live version keeps serving; an unreachable RAY_ADDRESS is
+refused on load naming it while the live version keeps serving; IVF-Flat, IVF-PQ and HNSW answer
+with the single server's recall@10 (HNSW within 0.01); --watch-current switches every shard to a
+version published into the root by itself; an unreachable RAY_ADDRESS is
 one error line; images embed on the embedder deployment as in one process, and HTTP beside the
 ingress answers what its gRPC does.
 
-One cluster, one deployment (S = 4, two replicas a shard) for the module: starting them costs
-most of its time."""
+One cluster, one deployment (S = 4, two replicas a shard, watching CURRENT) for the module:
+starting them costs most of its time, so other versions (factories, catalogs) are published into
+its root and made live, and the version that was live is made live again after."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -29,6 +34,7 @@ import numpy as np
 import pytest
 
 from core import artifacts
+from core.vectors import exact_search
 from index.faiss_index import l2_normalized
 from index.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
@@ -60,7 +66,7 @@ def roots(cluster, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single(roots):
-    server, client = support_server.start(roots[0], max_k=50)
+    server, client = support_server.start(roots[0], max_k=50, admin_token=TOKEN)  # reloaded to other factories
     yield client
     client.close()
     server.stop(grace=1)
@@ -78,7 +84,7 @@ def sharded(cluster, roots):
         sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(four), "--port", "0",
         "--metrics-port", str(metrics_port), "--shard-replicas", "2", "--shard-timeout-s", "3", "--shard-retries", "1",
         "--admin-token", TOKEN, "--probe-interval-s", "0", "--max-k", "50", "--log-format", "text",
-        "--http-port", "0",
+        "--http-port", "0", "--watch-current", "--watch-interval-s", "0.5",
     ]  # fmt: skip
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = process.stdout.readline()
@@ -141,6 +147,110 @@ def test_serve_ray_answers_as_the_single_process_server(single, sharded):
     assert info.index_size == N and info.embedding_dim == DIM
 
 
+def exact_ids(root: Path, name: str, q: np.ndarray, k: int = 10) -> list[list[str]]:
+    """Each query's exact top `k` ids over the live rows of version `name` of `root`."""
+    version = IndexVersion.open(root, name)
+    live = np.setdiff1d(np.arange(version.manifest.size), version.deleted)
+    _, rows = exact_search(np.asarray(version.vectors)[live], q, k)
+    return [[version.items.ids[live[r]] for r in row] for row in rows]
+
+
+def recall_at_10(responses: list[pb.SearchResponse], truth: list[list[str]]) -> float:
+    return float(
+        np.mean([len({n.id for n in r.neighbors} & set(t)) / 10 for r, t in zip(responses, truth, strict=True)])
+    )
+
+
+def live_again(client: SearchClient, root: Path, version: str) -> None:
+    """`version` live in `root` again: CURRENT names it, and the server has loaded it."""
+    artifacts.set_current(root, version)
+    assert client.reload().index_version == version
+
+
+ANN = [  # factory, search effort (the same on both servers), how far below the single's recall
+    ("IVF16,Flat", {"nprobe": 4}, 0.0),  # the shards share the quantizer: the same lists probed
+    ("IVF16,PQ4x4", {"nprobe": 4}, 0.0),  # ... and the codebooks
+    ("HNSW16", {"efSearch": 16}, 0.01),  # a graph a shard
+]
+
+
+def test_ann_answers_through_serve_ray_recall_as_the_single_server(single, sharded, roots):
+    """IVF-Flat, IVF-PQ and HNSW versions of the catalog at S = 4, served by `serve --ray`
+    through its gRPC port: recall@10 against exact search over the same live rows at least the
+    single-process server's at the same nprobe (HNSW: efSearch; within 0.01). Each made live in
+    both roots, then the versions live before made live again."""
+    client, _, _ = sharded
+    one, four, model = roots
+    before = single.get_info().index_version, client.get_info().index_version
+    data = support.catalog(N, DIM, ITEMS)
+    q = vectors(300, seed=31)
+    published: list[Path] = []
+    try:
+        for factory, params, slack in ANN:
+            name_one = support.publish(one, data, model, 1, factory, params).name
+            published.append(artifacts.version_dir(one, name_one))
+            name_four = support.publish(four, data, model, 4, factory, params).name
+            published.append(artifacts.version_dir(four, name_four))
+            assert single.reload().index_version == name_one and client.reload().index_version == name_four
+            info = client.get_info()
+            assert (info.index_version, info.factory, info.index_size) == (name_four, factory, N)
+            truth = exact_ids(one, name_one, q)
+            assert exact_ids(four, name_four, q) == truth  # the same live rows
+            got_one = answers(single, requests_of(q, k=10, group_by=""))
+            got_four = answers(client, requests_of(q, k=10, group_by=""))
+            assert {r.index_version for r in got_four} == {name_four}
+            assert all(len(r.shards_answered) == 4 and len(r.neighbors) == 10 for r in got_four)
+            recall_one, recall_four = recall_at_10(got_one, truth), recall_at_10(got_four, truth)
+            assert recall_one < 1.0, factory  # approximate at this effort, or the comparison proves nothing
+            assert recall_four >= recall_one - slack - 1e-9, (factory, recall_four, recall_one)
+    finally:
+        live_again(single, one, before[0])
+        live_again(client, four, before[1])
+        for folder in published:  # not left for the next publish's pruning to choose among
+            shutil.rmtree(folder)
+
+
+def test_watch_current_switches_every_shard_to_a_published_version(sharded, roots):
+    """With --watch-current, a version published into the root (CURRENT changed; nothing asked
+    of the server) is what `serve --ray` answers from, by itself: each answer names one version
+    and is wholly its, and once one answer comes from the new version every later one does, and
+    GetInfo names it. CURRENT set back to the old version switches it back the same way."""
+    client, _, _ = sharded
+    four, model = roots[1], roots[2]
+    old = client.get_info().index_version
+    assert artifacts.current_version(four) == old
+    q = vectors(20, seed=41)
+    requests = requests_of(q, k=10, group_by="")
+    new = support.publish(four, support.catalog(N, DIM, ITEMS, seed=2), model, 4).name
+    try:
+        expected = {name: exact_ids(four, name, q) for name in (old, new)}
+        assert expected[old] != expected[new]
+
+        def answered_from(target: str, seen: list[str]) -> bool:
+            for i, request in enumerate(requests):  # one at a time: the answers' order is the calls'
+                answer = client.search(request)
+                assert answer.index_version in expected, answer.index_version
+                assert [n.id for n in answer.neighbors] == expected[answer.index_version][i]
+                seen.append(answer.index_version)
+            return seen[-1] == target
+
+        for target in (new, old):
+            if target == old:
+                artifacts.set_current(four, old)
+            seen: list[str] = []
+            support_server.wait_for(functools.partial(answered_from, target, seen), timeout=120)
+            first = seen.index(target)
+            assert set(seen[:first]) <= {old, new} - {target} and set(seen[first:]) == {target}, seen
+            assert client.get_info().index_version == target
+            after = [client.search(request) for request in requests]
+            assert [r.index_version for r in after] == [target] * len(requests)
+            assert [[n.id for n in r.neighbors] for r in after] == expected[target]
+    finally:
+        artifacts.set_current(four, old)
+        client.reload()
+        shutil.rmtree(artifacts.version_dir(four, new))
+
+
 def test_the_dashboards_shard_panels_read_the_ingress_metrics(sharded):
     """Per-shard latency, search time, rows and memory at the ingress's /metrics, by shard: what
     the Search service dashboard's shard panels read (a single server has none to show)."""
@@ -163,11 +273,7 @@ def test_a_reload_under_load_never_mixes_versions(sharded, roots):
     first = IndexVersion.open(four).name
     second = support.publish(four, support.catalog(N, DIM, ITEMS, seed=1), model, 4).name
     q = vectors(40, seed=5)
-    expected = {}
-    for name in (first, second):
-        version = IndexVersion.open(four, name)
-        scores = q @ np.asarray(version.vectors).T
-        expected[name] = [[version.items.ids[r] for r in np.argsort(-row, kind="stable")[:10]] for row in scores]
+    expected = {name: exact_ids(four, name, q) for name in (first, second)}
     seen, failures, stop = [], [], threading.Event()
 
     def load() -> None:
@@ -183,6 +289,8 @@ def test_a_reload_under_load_never_mixes_versions(sharded, roots):
     try:
         for target in (second, first, second):
             time.sleep(1.0)
+            # CURRENT named too: the server watches it, and would switch back to what it names.
+            artifacts.set_current(four, target)
             assert client.reload(target).index_version == target
         time.sleep(1.0)
     finally:

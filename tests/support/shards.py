@@ -37,8 +37,16 @@ def catalog(rows: int, dim: int, items: int, seed: int = 0) -> tuple[np.ndarray,
     return l2_normalized(vectors.astype(np.float32)), table
 
 
-def publish(root: Path, data: tuple[np.ndarray, ItemTable], model: Path, shards: int, factory: str = "Flat") -> Path:
-    """A version of `data` in `root` (live), of `shards` shards, for the model at `model`."""
+def publish(
+    root: Path,
+    data: tuple[np.ndarray, ItemTable],
+    model: Path,
+    shards: int,
+    factory: str = "Flat",
+    params: dict | None = None,
+) -> Path:
+    """A version of `data` in `root` (live), of `shards` shards, for the model at `model`; `params`
+    its search effort (nprobe, efSearch), tuned to the recall target where not given."""
     vectors, items = data
     new = NewVersion(
         model_id=ModelManifest.read(model).model_id,
@@ -53,7 +61,7 @@ def publish(root: Path, data: tuple[np.ndarray, ItemTable], model: Path, shards:
         ks=(1,), quality_sample=100, ann_k=10, min_ann_recall=0, min_probe_recall_at_1=0, max_recall_drop=None,
         force=False,
     )  # fmt: skip
-    recipe = IndexRecipe(factory, {}, None, "cpu", 0.95, shards)
+    recipe = IndexRecipe(factory, params or {}, None, "cpu", 0.95, shards)
     target = PublishTarget(root, 5, str(model), {})
     return publish_index_version(new, recipe, gate, None, FILTERABLE, "item", target)
 
