@@ -466,4 +466,5 @@ def test_a_second_serve_on_the_same_cluster_is_refused_and_the_first_keeps_servi
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "already running on the cluster" in lines[0], proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == lines  # Ray's own INFO lines show with --verbose only
     assert client.search(requests_of(vectors(1), k=5, group_by="")[0]).neighbors
