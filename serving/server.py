@@ -303,12 +303,11 @@ class SearchApp:
             self.metrics.items_removed.inc(report.removed)
             if report.version is None:
                 return report
-            old, _ = await self.reload(report.version)
-            if old is not None and not await self.service.drained(old.serial, self.config.drain_timeout_s):
+            _, new = await self.reload(report.version)
+            if not await self.service.drained(new.serial, self.config.drain_timeout_s):
                 log.warning(
-                    "takedown %s: requests still answering from %s after %.0f s",
+                    "takedown %s: requests still answering from an earlier version after %.0f s",
                     report.version,
-                    old.version,
                     self.config.drain_timeout_s,
                 )
             return report

@@ -76,11 +76,14 @@ class SearchService:
         # serial of a load → requests still answering from it. Only the loop thread touches it.
         self._answering: Counter[int] = Counter()
 
-    async def drained(self, serial: int, timeout: float) -> bool:
-        """Wait until no request is answering from the load `serial` (a pair swapped out): what
-        a takedown waits for before it says the removed items are gone. False past `timeout`."""
+    async def drained(self, live: int, timeout: float) -> bool:
+        """Wait until no request is answering from a load other than `live` (the pair a takedown
+        swapped in): what a takedown waits for before it says the removed items are gone — every
+        earlier pair, not only the one its own swap replaced (a reload beside it, `--watch-current`
+        loading the takedown's version first, may have swapped one out meanwhile). False past
+        `timeout`."""
         deadline = time.monotonic() + timeout
-        while self._answering.get(serial):
+        while any(serial != live for serial in self._answering):
             if time.monotonic() > deadline:
                 return False
             await asyncio.sleep(0.002)

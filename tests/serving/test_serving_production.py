@@ -786,3 +786,28 @@ def test_sigterm_drains_in_flight_requests(index_root):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_takedown_waits_for_requests_on_every_earlier_version(index_root):
+    """RemoveItems returns once no request answers from any pair before the one it swapped in
+    — also a pair a reload beside it swapped out (`--watch-current` loading the takedown's
+    version first does that), not only the pair its own swap replaced."""
+    server, client = start(index_root, admin_token="tok", batch_streams=1)
+    try:
+        gate = hold_inference(server)  # closed: a query waits in its inference thread
+        held_id = ItemTable.read(artifacts.version_dir(index_root) / "items.parquet").ids[0]
+        with ThreadPoolExecutor(2) as pool:
+            held = pool.submit(client.search, image_requests(index_root, 1)[0])
+            wait_for(lambda: gate.held == 1)
+            client.reload()  # the held query's pair swapped out by a reload beside the takedown
+            beside = server.engine.pair
+            removal = pool.submit(client.remove_items, [held_id])
+            wait_for(lambda: server.engine.pair.version != beside.version)
+            time.sleep(0.5)
+            assert not removal.done()  # the takedown's version is live; the held query still answers
+            gate.open()
+            assert held.result().neighbors
+            assert removal.result().removed == 1
+    finally:
+        client.close()
+        server.stop(grace=1)
