@@ -3,7 +3,9 @@ shard's build holds in memory, and what an exact re-rank costs over a plain PQ s
 
     python -m benchmarks.bench_shards --part build     # S shards in parallel vs one after another
     python -m benchmarks.bench_shards --part rerank    # re-ranked IVF-PQ vs plain PQ, before/after
+    python -m benchmarks.bench_shards --part merge     # S shards' merged search vs one index: equality, recall
     python -m benchmarks.bench_shards --part query     # serve --ray at S = 1, 2, 4 vs one process
+    python -m benchmarks.bench_shards --part reload    # serve --ray reloaded every 20 s under load
     python -m benchmarks.bench_shards --part all
 
 Each part is a function over the same synthetic clustered vectors (`clustered_part`: shard i's
@@ -336,6 +338,119 @@ def _histogram_means(metrics_port: int) -> dict[str, float]:
     }
 
 
+MERGE_FACTORIES = [("IVF256,Flat", {"nprobe": 8}), ("IVF256,PQ16", {"nprobe": 8}), ("HNSW32", {"efSearch": 32})]
+
+
+def publish_catalog(root: Path, vectors: np.ndarray, shards: int, factory: str, params: dict) -> Path:
+    """`vectors` as a version of `shards` shards, items grouped three rows an item (`item`) and
+    a `shade` field to filter by, both declared filterable; the search effort fixed (`params`)."""
+    from core.items import ItemTable
+    from core.manifests import RowCounts
+    from index.filters import parse_filterable
+    from index.gate import GateThresholds
+    from index.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
+
+    rows = len(vectors)
+    items = ItemTable(
+        [f"id{i:07d}" for i in range(rows)], None, [f"/images/{i}.png" for i in range(rows)],
+        [{"item": f"item{i // 3}", "shade": str(i % 3)} for i in range(rows)],
+    )  # fmt: skip
+    new = NewVersion(
+        model_id="bench-shards-0000", embeddings=vectors, items=items, catalog="/catalog.csv",
+        rows=RowCounts(rows, rows), started=time.perf_counter(), embed_seconds=0.0,
+    )  # fmt: skip
+    gate = GateThresholds(
+        ks=(1,), quality_sample=100, ann_k=10, min_ann_recall=0, min_probe_recall_at_1=0, max_recall_drop=None,
+        force=False,
+    )  # fmt: skip
+    recipe = IndexRecipe(factory, params, None, "cpu", 0.95, shards)
+    specs = parse_filterable(["item", "shade"])
+    return publish_index_version(new, recipe, gate, None, specs, "item", PublishTarget(root, 5, str(root), {}))
+
+
+def _share_equal(first: list, second: list) -> float:
+    """The share of queries whose answers are equal, element by element."""
+    return float(np.mean([np.array_equal(a, b) for a, b in zip(first, second, strict=True)]))
+
+
+def flat_equality(pair: list, queries: np.ndarray) -> dict[str, float]:
+    """Flat single index against its S shards' merged search: the share of queries answered with
+    the same ids in the same order, plain, filtered and grouped by the item."""
+    from index.faiss_index import search, search_within
+    from index.grouping import search_groups
+
+    plain, within, grouped = [], [], []
+    for version in pair:
+        ids = np.asarray(version.items.ids)
+        plain.append(ids[search(version.searchable(), queries, 10)[1]])
+        mask = np.zeros(len(ids), bool)
+        mask[version.filters.fields["shade"].rows_equal("1")] = True
+        within.append(ids[search_within(version.searchable(), version.vectors, queries, 10, mask)[1]])
+        answers = search_groups(version.searchable(), version.vectors, queries, 5, version.groups("item"), per_group=2)
+        grouped.append([[ids[r] for _, rows in a.groups for r, _ in rows] for a in answers])
+    return {
+        "plain": _share_equal(*plain),
+        "filtered (shade = 1)": _share_equal(*within),
+        "grouped by item (5 groups, 2 rows each)": _share_equal(*grouped),
+    }
+
+
+def run_merge(rows: int, dim: int, shards: int, count: int) -> dict:
+    """The merged search of S shards against the single index on the same rows, `count` queries:
+    Flat answers equal (ids and order) plain, filtered and grouped by the item; recall@10 against
+    exact search of IVF-Flat, IVF-PQ (re-ranked) and HNSW at the same nprobe / efSearch."""
+    import ray
+
+    from core.vectors import exact_search
+    from index.faiss_index import search
+    from index.version import IndexVersion
+
+    vectors = np.concatenate([clustered_part(p, rows // 4, dim) for p in range(4)])
+    near = vectors[np.random.default_rng(5).integers(0, len(vectors), count)]
+    queries = l2_normalized(near + 0.3 * np.random.default_rng(6).standard_normal(near.shape, dtype=np.float32))
+    truth = np.asarray([f"id{i:07d}" for i in range(len(vectors))])[exact_search(vectors, queries, 10)[1]]
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(num_cpus=os.cpu_count() or 1, log_to_driver=False, include_dashboard=False)
+    equal, recall = {}, []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for factory, params in [("Flat", {}), *MERGE_FACTORIES]:
+                pair = []
+                for s in (1, shards):
+                    root = Path(tmp) / f"{factory.replace(',', '_')}-{s}"
+                    pair.append(IndexVersion(publish_catalog(root, vectors, s, factory, params)).load(dim=dim))
+                if factory == "Flat":
+                    equal = flat_equality(pair, queries)
+                    continue
+                score = []
+                for version in pair:
+                    found = np.asarray(version.items.ids)[search(version.searchable(), queries, 10)[1]]
+                    score.append(float(np.mean([len(set(f) & set(t)) / 10 for f, t in zip(found, truth, strict=True)])))
+                recall.append({"factory": factory, "params": params, "single": score[0], "sharded": score[1]})
+    finally:
+        ray.shutdown()
+    return {"rows": len(vectors), "dim": dim, "shards": shards, "queries": count, "equal": equal, "recall": recall}
+
+
+def show_merge(r: dict) -> None:
+    print(f"\nmerged search: {r['rows']:,} × {r['dim']}-d, S = {r['shards']} against one index, "
+          f"{r['queries']:,} queries")  # fmt: skip
+    print("| Flat answers | equal to the single index's (ids and order) |")
+    print("|---|---|")
+    for kind, share in r["equal"].items():
+        print(f"| {kind} | {share:.1%} |")
+    print("\n| index | search effort | recall@10, single | recall@10, S shards | difference |")
+    print("|---|---|---|---|---|")
+    for row in r["recall"]:
+        effort = ", ".join(f"{k} {v}" for k, v in row["params"].items())
+        print(f"| {row['factory']} | {effort} | {row['single']:.4f} | {row['sharded']:.4f} "
+              f"| {row['sharded'] - row['single']:+.4f} |")  # fmt: skip
+
+
+def part_merge(args: argparse.Namespace) -> None:
+    show_merge(run_merge(args.rows, args.dim, args.shards, args.merge_queries))
+
+
 @contextlib.contextmanager
 def query_cluster(dim: int) -> Iterator[tuple[Path, Path, dict[str, str]]]:
     """A scratch folder, the query model in it, and a local Ray the servers join: the folder,
@@ -575,7 +690,7 @@ def part_reload(args: argparse.Namespace) -> None:
 
 # `--part NAME` runs PARTS[NAME]; `all` runs every part in this order.
 PARTS: dict[str, Callable[[argparse.Namespace], None]] = {
-    "build": part_build, "rerank": part_rerank, "query": part_query, "reload": part_reload,
+    "build": part_build, "rerank": part_rerank, "merge": part_merge, "query": part_query, "reload": part_reload,
 }  # fmt: skip
 
 
@@ -595,6 +710,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--query-shards", default="1,2,4", help="query part: the S of each `serve --ray`")
     parser.add_argument("--query-concurrency", default="1,32", help="query part: callers at once, each level")
     parser.add_argument("--query-seconds", type=float, default=10.0, help="query part: seconds of load a level")
+    parser.add_argument("--merge-queries", type=int, default=1000, help="merge part: queries compared")
     parser.add_argument("--reload-minutes", type=float, default=3.0, help="reload part: minutes of load")
     parser.add_argument("--reload-every", type=float, default=20.0, help="reload part: seconds between reloads")
     parser.add_argument("--reload-concurrency", type=int, default=32, help="reload part: gRPC callers")
