@@ -194,8 +194,12 @@ class RayShards:
 def _direct(handle: Any, method: str) -> Any:
     """`handle`'s `method` called over Serve's inter-deployment gRPC (`_by_reference=False`)
     rather than as a Ray actor task: the answer comes back in the reply, not through the
-    object store — at a batch a call, the hop's cost (docs/benchmarks.md, "Sharded versions")."""
-    return handle.options(method_name=method, _by_reference=False)
+    object store — at a batch a call, the hop's cost (docs/benchmarks.md, "Sharded versions").
+    A Serve without that option (before its inter-deployment gRPC) gets actor tasks."""
+    try:
+        return handle.options(method_name=method, _by_reference=False)
+    except TypeError:
+        return handle.options(method_name=method)
 
 
 class _suppressed:
