@@ -241,27 +241,6 @@ def write_query_model(folder: Path, dim: int) -> Path:
     return folder
 
 
-def publish_query_root(root: Path, vectors: np.ndarray, model: Path, shards: int) -> Path:
-    """`vectors` published as a Flat version of `shards` shards in `root` (live)."""
-    from core.items import ItemTable
-    from core.manifests import ModelManifest, RowCounts
-    from index.gate import GateThresholds
-    from index.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
-
-    rows = len(vectors)
-    items = ItemTable([f"id{i:07d}" for i in range(rows)], None, [f"/images/{i}.png" for i in range(rows)], [{}] * rows)
-    new = NewVersion(
-        model_id=ModelManifest.read(model).model_id, embeddings=vectors, items=items, catalog="/catalog.csv",
-        rows=RowCounts(rows, rows), started=time.perf_counter(), embed_seconds=0.0,
-    )  # fmt: skip
-    gate = GateThresholds(
-        ks=(1,), quality_sample=100, ann_k=10, min_ann_recall=0, min_probe_recall_at_1=0, max_recall_drop=None,
-        force=False,
-    )  # fmt: skip
-    recipe = IndexRecipe("Flat", {}, None, "cpu", 0.95, shards)
-    return publish_index_version(new, recipe, gate, None, [], None, PublishTarget(root, 2, str(model), {}))
-
-
 def _serving(command: list[str], env: dict[str, str]) -> tuple:
     """A `python -m serving serve …` process and the ports it printed once serving."""
     import json
@@ -341,31 +320,35 @@ def _histogram_means(metrics_port: int) -> dict[str, float]:
 MERGE_FACTORIES = [("IVF256,Flat", {"nprobe": 8}), ("IVF256,PQ16", {"nprobe": 8}), ("HNSW32", {"efSearch": 32})]
 
 
-def publish_catalog(root: Path, vectors: np.ndarray, shards: int, factory: str, params: dict) -> Path:
-    """`vectors` as a version of `shards` shards, items grouped three rows an item (`item`) and
-    a `shade` field to filter by, both declared filterable; the search effort fixed (`params`)."""
+def publish_vectors(
+    root: Path, vectors: np.ndarray, shards: int, factory: str = "Flat", params: dict | None = None,
+    model: Path | None = None, grouped: bool = False,
+) -> Path:  # fmt: skip
+    """`vectors` published (live) as a version of `shards` shards in `root`, the search effort
+    fixed (`params`), for `model` (else no model); with `grouped`, items of three rows (`item`)
+    and a `shade` field to filter by, both declared filterable."""
     from core.items import ItemTable
-    from core.manifests import RowCounts
+    from core.manifests import ModelManifest, RowCounts
     from index.filters import parse_filterable
     from index.gate import GateThresholds
     from index.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
 
     rows = len(vectors)
-    items = ItemTable(
-        [f"id{i:07d}" for i in range(rows)], None, [f"/images/{i}.png" for i in range(rows)],
-        [{"item": f"item{i // 3}", "shade": str(i % 3)} for i in range(rows)],
-    )  # fmt: skip
+    fields = [{"item": f"item{i // 3}", "shade": str(i % 3)} for i in range(rows)] if grouped else [{}] * rows
+    items = ItemTable([f"id{i:07d}" for i in range(rows)], None, [f"/images/{i}.png" for i in range(rows)], fields)
     new = NewVersion(
-        model_id="bench-shards-0000", embeddings=vectors, items=items, catalog="/catalog.csv",
-        rows=RowCounts(rows, rows), started=time.perf_counter(), embed_seconds=0.0,
+        model_id=ModelManifest.read(model).model_id if model else "bench-shards-0000", embeddings=vectors,
+        items=items, catalog="/catalog.csv", rows=RowCounts(rows, rows), started=time.perf_counter(),
+        embed_seconds=0.0,
     )  # fmt: skip
     gate = GateThresholds(
         ks=(1,), quality_sample=100, ann_k=10, min_ann_recall=0, min_probe_recall_at_1=0, max_recall_drop=None,
         force=False,
     )  # fmt: skip
-    recipe = IndexRecipe(factory, params, None, "cpu", 0.95, shards)
-    specs = parse_filterable(["item", "shade"])
-    return publish_index_version(new, recipe, gate, None, specs, "item", PublishTarget(root, 5, str(root), {}))
+    recipe = IndexRecipe(factory, params or {}, None, "cpu", 0.95, shards)
+    specs, item_field = (parse_filterable(["item", "shade"]), "item") if grouped else ([], None)
+    target = PublishTarget(root, 5, str(model or root), {})
+    return publish_index_version(new, recipe, gate, None, specs, item_field, target)
 
 
 def _share_equal(first: list, second: list) -> float:
@@ -418,7 +401,8 @@ def run_merge(rows: int, dim: int, shards: int, count: int) -> dict:
                 pair = []
                 for s in (1, shards):
                     root = Path(tmp) / f"{factory.replace(',', '_')}-{s}"
-                    pair.append(IndexVersion(publish_catalog(root, vectors, s, factory, params)).load(dim=dim))
+                    published = publish_vectors(root, vectors, s, factory, params, grouped=True)
+                    pair.append(IndexVersion(published).load(dim=dim))
                 if factory == "Flat":
                     equal = flat_equality(pair, queries)
                     continue
@@ -489,7 +473,7 @@ def run_query(
     with query_cluster(dim) as (folder, model, env):
         roots = {s: folder / f"s{s}" for s in sorted({1, *shard_counts})}
         for s, root in roots.items():
-            publish_query_root(root, vectors, model, s)
+            publish_vectors(root, vectors, s, model=model)
         base = [sys.executable, "-m", "serving", "serve", "--port", "0", "--probe-interval-s", "0"]
         for label, s in [("single process", 1)] + [(f"serve --ray, S = {s}", s) for s in shard_counts]:
             metrics_port = free_port()
@@ -570,7 +554,7 @@ def run_reload(rows: int, dim: int, shards: int, minutes: float, every_s: float,
         names, exact = [], {}
         for seed in (0, 1):
             vectors = clustered_part(0, rows, dim, seed=seed)
-            names.append(publish_query_root(root, vectors, model, shards).name)
+            names.append(publish_vectors(root, vectors, shards, model=model).name)
             exact[names[-1]] = (vectors, -np.sort(-(queries @ vectors.T), axis=1)[:, :10])
         metrics_port = free_port()
         command = [
