@@ -71,6 +71,11 @@ class Groups:
     def rows_of(self, group: int) -> np.ndarray:
         return self.rows[self.offsets[group] : self.offsets[group + 1]]
 
+    def first_seen(self, rows: Sequence[int] | np.ndarray) -> list[int]:
+        """The groups of `rows`, each once, in the order the rows first show them (a grouped
+        answer's groups, or a ranking's)."""
+        return list(dict.fromkeys(int(self.codes[r]) for r in rows))
+
 
 @dataclass
 class GroupedAnswer:

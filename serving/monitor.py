@@ -146,11 +146,6 @@ class ExactQuery:
     groups: Groups | None
 
 
-def _answered_groups(rows: Sequence[int], groups: Groups) -> list[int]:
-    """A grouped answer's groups, as codes, in the order it gave them."""
-    return list(dict.fromkeys(int(groups.codes[r]) for r in rows))
-
-
 class RecallMonitor:
     def __init__(self, config: MonitorConfig, metrics: ServiceMetrics) -> None:
         self.config = config
@@ -352,7 +347,7 @@ class RecallMonitor:
         if live is not None:
             allowed = live if allowed is None else allowed & live
         ranked = exact_top_groups(vector, pair.vectors, groups, max(self.config.ks), allowed, frozenset(exclude))
-        self._score_ann(serial, _answered_groups(rows, groups), lambda k: ranked[:k])
+        self._score_ann(serial, groups.first_seen(rows), lambda k: ranked[:k])
 
     def check_ann_remote(self, jobs: list[tuple]) -> None:
         """`check_ann` for queued queries whose exact answers come from `exact_top` (a sharded
@@ -366,7 +361,7 @@ class RecallMonitor:
         ]
         ranked = self.exact_top(pair, max(self.config.ks), queries)
         for (serial, _, rows, _, _, groups, _), exact in zip(jobs, ranked, strict=True):
-            answered = rows if groups is None else _answered_groups(rows, groups)
+            answered = rows if groups is None else groups.first_seen(rows)
             self._score_ann(serial, answered, lambda k, exact=exact: exact[:k])
 
     def _score_ann(self, serial: int, answered: list[int], exact_top: Callable[[int], list[int]]) -> None:

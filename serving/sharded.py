@@ -504,7 +504,7 @@ class ShardedSearch:
             if query.groups is None:
                 ranked.append(rows[order][:k].tolist())
             else:
-                ranked.append(list(dict.fromkeys(int(query.groups.codes[r]) for r in rows[order]))[:k])
+                ranked.append(query.groups.first_seen(rows[order])[:k])
         return ranked
 
 
