@@ -297,24 +297,31 @@ def grpc_load(port: int, queries: np.ndarray, concurrency: int, seconds: float) 
     }
 
 
-def _histogram_means(metrics_port: int) -> dict[str, float]:
-    """Mean seconds so far of the ingress's shard histograms (a search call's round trip, the
-    search inside the shard), over every shard."""
+def _scraped(metrics_port: int, keep: Callable[[str, dict[str, str]], bool]) -> dict[str, float]:
+    """The ingress's /metrics samples that `keep(name, labels)` accepts, summed by sample name
+    over their labels (prometheus_client's parser)."""
     import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     sums: dict[str, float] = {}
-    for line in text.splitlines():
-        if 'method="' in line and 'method="search"' not in line:
-            continue
-        for name in ("simsearch_shard_latency_seconds", "simsearch_shard_search_seconds"):
-            for part in ("_sum", "_count"):
-                if line.startswith(name + part):
-                    sums[name + part] = sums.get(name + part, 0.0) + float(line.rsplit(" ", 1)[1])
-    return {
-        name: sums.get(f"{name}_sum", 0.0) / max(sums.get(f"{name}_count", 0.0), 1.0)
-        for name in ("simsearch_shard_latency_seconds", "simsearch_shard_search_seconds")
-    }
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if keep(sample.name, sample.labels):
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return sums
+
+
+SHARD_HISTOGRAMS = ("simsearch_shard_latency_seconds", "simsearch_shard_search_seconds")
+
+
+def _histogram_means(metrics_port: int) -> dict[str, float]:
+    """Mean seconds so far of the ingress's shard histograms (a search call's round trip, the
+    search inside the shard), over every shard."""
+    wanted = {f"{name}{part}" for name in SHARD_HISTOGRAMS for part in ("_sum", "_count")}
+    sums = _scraped(metrics_port, lambda name, labels: name in wanted and labels.get("method", "search") == "search")
+    return {name: sums.get(f"{name}_sum", 0.0) / max(sums.get(f"{name}_count", 0.0), 1.0) for name in SHARD_HISTOGRAMS}
 
 
 MERGE_FACTORIES = [("IVF256,Flat", {"nprobe": 8}), ("IVF256,PQ16", {"nprobe": 8}), ("HNSW32", {"efSearch": 32})]
@@ -382,8 +389,6 @@ def run_merge(rows: int, dim: int, shards: int, count: int) -> dict:
     """The merged search of S shards against the single index on the same rows, `count` queries:
     Flat answers equal (ids and order) plain, filtered and grouped by the item; recall@10 against
     exact search of IVF-Flat, IVF-PQ (re-ranked) and HNSW at the same nprobe / efSearch."""
-    import ray
-
     from core.vectors import exact_search
     from index.faiss_index import search
     from index.version import IndexVersion
@@ -392,27 +397,22 @@ def run_merge(rows: int, dim: int, shards: int, count: int) -> dict:
     near = vectors[np.random.default_rng(5).integers(0, len(vectors), count)]
     queries = l2_normalized(near + 0.3 * np.random.default_rng(6).standard_normal(near.shape, dtype=np.float32))
     truth = np.asarray([f"id{i:07d}" for i in range(len(vectors))])[exact_search(vectors, queries, 10)[1]]
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(num_cpus=os.cpu_count() or 1, log_to_driver=False, include_dashboard=False)
     equal, recall = {}, []
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for factory, params in [("Flat", {}), *MERGE_FACTORIES]:
-                pair = []
-                for s in (1, shards):
-                    root = Path(tmp) / f"{factory.replace(',', '_')}-{s}"
-                    published = publish_vectors(root, vectors, s, factory, params, grouped=True)
-                    pair.append(IndexVersion(published).load(dim=dim))
-                if factory == "Flat":
-                    equal = flat_equality(pair, queries)
-                    continue
-                score = []
-                for version in pair:
-                    found = np.asarray(version.items.ids)[search(version.searchable(), queries, 10)[1]]
-                    score.append(float(np.mean([len(set(f) & set(t)) / 10 for f, t in zip(found, truth, strict=True)])))
-                recall.append({"factory": factory, "params": params, "single": score[0], "sharded": score[1]})
-    finally:
-        ray.shutdown()
+    with local_ray(), tempfile.TemporaryDirectory() as tmp:
+        for factory, params in [("Flat", {}), *MERGE_FACTORIES]:
+            pair = []
+            for s in (1, shards):
+                root = Path(tmp) / f"{factory.replace(',', '_')}-{s}"
+                published = publish_vectors(root, vectors, s, factory, params, grouped=True)
+                pair.append(IndexVersion(published).load(dim=dim))
+            if factory == "Flat":
+                equal = flat_equality(pair, queries)
+                continue
+            score = []
+            for version in pair:
+                found = np.asarray(version.items.ids)[search(version.searchable(), queries, 10)[1]]
+                score.append(float(np.mean([len(set(f) & set(t)) / 10 for f, t in zip(found, truth, strict=True)])))
+            recall.append({"factory": factory, "params": params, "single": score[0], "sharded": score[1]})
     return {"rows": len(vectors), "dim": dim, "shards": shards, "queries": count, "equal": equal, "recall": recall}
 
 
@@ -436,21 +436,26 @@ def part_merge(args: argparse.Namespace) -> None:
 
 
 @contextlib.contextmanager
+def local_ray() -> Iterator[dict[str, str]]:
+    """A local Ray, its workers at this process's priority (Ray's default is nice 15): the
+    environment that points `serve --ray` at it."""
+    import ray
+
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(num_cpus=os.cpu_count() or 1, log_to_driver=False, include_dashboard=False)
+    try:
+        yield {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    finally:
+        ray.shutdown()
+
+
+@contextlib.contextmanager
 def query_cluster(dim: int) -> Iterator[tuple[Path, Path, dict[str, str]]]:
     """A scratch folder, the query model in it, and a local Ray the servers join: the folder,
     the model, and the environment that points `serve --ray` at that Ray."""
-    import ray
-
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, local_ray() as env:
         folder = Path(tmp)
-        model = write_query_model(folder / "model", dim)
-        # The servers' workers at the single process's priority (Ray's default is nice 15).
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(num_cpus=os.cpu_count() or 1, log_to_driver=False, include_dashboard=False)
-        try:
-            yield folder, model, {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-        finally:
-            ray.shutdown()
+        yield folder, write_query_model(folder / "model", dim), env
 
 
 def query_vectors(dim: int) -> np.ndarray:
@@ -523,19 +528,6 @@ def part_query(args: argparse.Namespace) -> None:
     show_query(figures, args.rows, args.dim)
 
 
-def _metric_values(metrics_port: int, names: tuple[str, ...]) -> dict[str, float]:
-    """Sums of the ingress's samples of `names` (over their labels), from its /metrics."""
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    found: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in names:
-            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return found
-
-
 def run_reload(rows: int, dim: int, shards: int, minutes: float, every_s: float, concurrency: int) -> dict:
     """`serve --ray` at S shards under `concurrency` gRPC callers for `minutes`, made to serve
     the other of two versions (different vectors, the same ids) every `every_s` seconds: every
@@ -564,11 +556,11 @@ def run_reload(rows: int, dim: int, shards: int, minutes: float, every_s: float,
         proc, ports = _serving(command, env)
         memory = ("process_resident_memory_bytes", "simsearch_shard_memory_bytes")
         try:
-            before = _metric_values(metrics_port, memory)
+            before = _scraped(metrics_port, lambda name, _: name in memory)
             figures = asyncio.run(
                 _reload_load(ports["port"], requests, exact, names, minutes, every_s, concurrency, token)
             )
-            after = _metric_values(metrics_port, memory)
+            after = _scraped(metrics_port, lambda name, _: name in memory)
         finally:
             proc.terminate()
             proc.wait(120)
