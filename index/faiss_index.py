@@ -300,10 +300,9 @@ class ExactRerank:
             raise ValueError(f"rerank factor must be >= 1, got {factor}")
         if stored.shape != (index.ntotal, index.d):
             raise ValueError(f"stored vectors are {stored.shape}, the index {index.ntotal}×{index.d}")
-        self.index, self.stored, self.factor = index, stored, factor
-        # The map as a plain array: np.memmap's indexing runs Python (its __getitem__ and
+        # The map kept as a plain array: np.memmap's indexing runs Python (its __getitem__ and
         # __array_finalize__) for every gather, a fifth of a one-query re-rank's own cost.
-        self._rows = np.asarray(stored)
+        self.index, self.stored, self.factor = index, np.asarray(stored), factor
 
     @property
     def ntotal(self) -> int:
@@ -319,7 +318,7 @@ class ExactRerank:
         # Rows sorted before the gather: a memory-mapped read then walks the file forwards.
         order = np.argsort(flat, kind="stable")
         gathered = np.empty((len(flat), self.d), dtype=np.float32)
-        gathered[order] = self._rows[flat[order]]
+        gathered[order] = self.stored[flat[order]]
         return gathered.reshape(*np.shape(rows), self.d)
 
     def exact_scores(self, queries: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -327,7 +326,7 @@ class ExactRerank:
         Scored by faiss's kernels straight from the rows: the (nq, c, d) gather and NumPy
         product before them were most of a re-ranked search's cost (docs/benchmarks.md,
         "Sharded versions")."""
-        stored = self._rows
+        stored = self.stored
         if stored.dtype != np.float32 or not stored.flags.c_contiguous:
             return np.einsum("qd,qcd->qc", queries, self.gather(rows))
         queries = np.ascontiguousarray(queries, dtype=np.float32)
