@@ -278,12 +278,34 @@ def to_model_input(
     image = _center_crop_or_resize(image, contract.height, contract.width, RESAMPLING[contract.interpolation])
     pixels = np.asarray(image)
     pixels = pixels[None, :, :] if pixels.ndim == 2 else pixels.transpose(2, 0, 1)
-    array = np.empty(contract.input_shape, dtype=np.float32)
+    return scaled_pixels(pixels, contract)
+
+
+def scaled_pixels(pixels: np.ndarray, contract: InputContract) -> np.ndarray:
+    """uint8 pixels, channels first (C, H, W, or N of them), as the contract's float32 model
+    input: scaled, and normalised by mean and std where the graph does not do it itself. One
+    grey channel for an RGB model is replicated."""
+    array = np.empty(pixels.shape[:-3] + contract.input_shape, dtype=np.float32)
     np.multiply(pixels, np.float32(contract.scale), out=array)  # casts, scales and broadcasts in one pass
     if not contract.normalize_in_graph:
         array -= np.asarray(contract.mean, dtype=np.float32).reshape(-1, 1, 1)
         array /= np.asarray(contract.std, dtype=np.float32).reshape(-1, 1, 1)
     return array
+
+
+def pixels_of(batch: np.ndarray, contract: InputContract) -> np.ndarray | None:
+    """The uint8 pixels a batch of model inputs was made from (`scaled_pixels` of them gives the
+    batch back bit for bit), or None when it was not made from whole pixels. A quarter of the
+    bytes: what a batch travels as between processes (a sharded server's ingress and embedder)."""
+    values = batch
+    if not contract.normalize_in_graph:
+        values = batch * np.asarray(contract.std, dtype=np.float32).reshape(-1, 1, 1)
+        values += np.asarray(contract.mean, dtype=np.float32).reshape(-1, 1, 1)
+    pixels = np.rint(values / np.float32(contract.scale))
+    if not len(pixels) or pixels.min() < 0 or pixels.max() > 255:
+        return None
+    pixels = pixels.astype(np.uint8)
+    return pixels if np.array_equal(scaled_pixels(pixels, contract), batch) else None
 
 
 # EXIF Orientation value → the turn that makes the stored pixels upright (1: already upright).

@@ -43,6 +43,7 @@ import numpy as np
 from core import artifacts
 from core.artifacts import ArtifactError
 from core.manifests import ModelManifest, check_model_index_pair
+from core.preprocess import pixels_of, scaled_pixels
 from index.version import IndexVersion
 from serving.config import ServerConfig
 from serving.engine import SearchEngine, ServingPair
@@ -103,22 +104,53 @@ class IngressVersion(IndexVersion):
 
 class RemoteEmbedder:
     """The model as the ingress sees it: its input contract and ids from its manifest, its
-    embeddings from the embedder deployment (`QueryEmbedder.embed`'s contract)."""
+    embeddings from the embedder deployment (`QueryEmbedder.embed`'s contract).
 
-    def __init__(self, handle: Any, model_dir: str | Path, timeout_s: float, providers: list[str]) -> None:
+    A batch crosses to the embedder as the uint8 pixels it was made from (a quarter of its float
+    bytes), in calls of at most `message_bytes` sent at once: Serve's inter-deployment gRPC
+    refuses a message over its limit (4 MiB by default; 32 float images of 224 px are 18 MB). A
+    row larger than a message alone goes through the object store."""
+
+    def __init__(
+        self,
+        handle: Any,
+        model_dir: str | Path,
+        timeout_s: float,
+        providers: list[str],
+        message_bytes: int | None = None,
+    ) -> None:
         self.handle = handle
         self._embed = _direct(handle, "embed")
+        self._by_reference = handle.options(method_name="embed")
         self.model_dir = Path(model_dir)
         manifest = ModelManifest.read(self.model_dir)
         self.contract = manifest.input
         self.model_id = manifest.model_id
         self.dim = manifest.embedding_dim
         self.timeout_s = timeout_s
+        self.message_bytes = message_bytes or call_bytes()
         self.session = _Providers(providers)
 
     def embed(self, batch: np.ndarray, side_by_side: bool = False) -> np.ndarray:
-        call = self._embed.remote(str(self.model_dir), batch, side_by_side)
-        return call.result(timeout_s=self.timeout_s)
+        pixels = pixels_of(batch, self.contract)
+        payload = batch if pixels is None else pixels
+        if not len(payload):
+            return np.empty((0, self.dim), dtype=np.float32)
+        row_bytes = payload[0].nbytes
+        send = self._embed if row_bytes <= self.message_bytes else self._by_reference
+        calls = max(1, -(-len(payload) * row_bytes // self.message_bytes))
+        parts = np.array_split(payload, min(calls, len(payload)))
+        deadline = time.monotonic() + self.timeout_s
+        pending = [send.remote(str(self.model_dir), part, side_by_side) for part in parts]
+        return np.concatenate([p.result(timeout_s=max(0.0, deadline - time.monotonic())) for p in pending])
+
+
+def call_bytes() -> int:
+    """The most bytes of array one call to another deployment carries: three quarters of Serve's
+    inter-deployment message limit (RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH, 4 MiB by default),
+    the rest left to the call's other arguments and its envelope."""
+    limit = int(os.environ.get("RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH") or 4 * 1024 * 1024)
+    return max(1, limit * 3 // 4)
 
 
 class _Providers:
@@ -172,9 +204,7 @@ class RayShards:
             try:
                 answer = response.result(timeout_s=max(0.0, started + self.timeout_s - time.perf_counter()))
                 if self.metrics is not None:
-                    self.metrics.shard_latency.labels(self.names[number], method).observe(
-                        time.perf_counter() - started
-                    )
+                    self.metrics.shard_latency.labels(self.names[number], method).observe(time.perf_counter() - started)
                 return answer
             except Exception as exc:  # noqa: BLE001 - a dead replica, a timeout, the shard's own error
                 if isinstance(exc, ArtifactError | ValueError):  # the version is bad: no other replica helps
@@ -289,7 +319,11 @@ class EmbedderReplica:
         return list(self._embedder(model_dir).session.get_providers())
 
     def embed(self, model_dir: str, batch: np.ndarray, side_by_side: bool = False) -> np.ndarray:
-        return self._embedder(model_dir).embed(batch, side_by_side=side_by_side)
+        """Embeddings of a batch of model inputs, or of the uint8 pixels they are made of."""
+        embedder = self._embedder(model_dir)
+        if batch.dtype == np.uint8:
+            batch = scaled_pixels(batch, embedder.contract)
+        return embedder.embed(batch, side_by_side=side_by_side)
 
 
 class IngressReplica:
@@ -495,4 +529,3 @@ def run(config: ServerConfig) -> None:
         log.info("deleting the Serve application")
         with _suppressed():
             serve.delete(APP)
-

@@ -461,3 +461,22 @@ def test_load_batch_empty_and_bad():
     assert empty.shape == (0, 1, 8, 8) and empty.dtype == np.float32
     with pytest.raises(ImageDecodeError):
         load_batch([encode(Image.new("L", (8, 8))), b""], GREY)
+
+
+@pytest.mark.parametrize("in_graph", [True, False])
+def test_a_batch_travels_as_the_pixels_it_was_made_of(in_graph):
+    """`pixels_of` gives the uint8 pixels a batch of model inputs was decoded from, and
+    `scaled_pixels` of them is the batch bit for bit (the sharded server sends its embedder a
+    quarter of the bytes); a batch not made of whole pixels is None (it travels as floats)."""
+    from core.preprocess import pixels_of, scaled_pixels, to_model_input
+
+    contract = InputContract(
+        32, 32, 3, normalize_in_graph=in_graph, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)
+    )
+    images = [Image.fromarray(np.random.default_rng(i).integers(0, 256, (40, 50, 3), dtype=np.uint8)) for i in range(4)]
+    batch = np.stack([to_model_input(image, contract) for image in images])
+    pixels = pixels_of(batch, contract)
+    assert pixels is not None and pixels.dtype == np.uint8
+    assert np.array_equal(scaled_pixels(pixels, contract), batch)
+    assert pixels_of(batch + np.float32(1e-3), contract) is None
+    assert pixels_of(batch[:0], contract) is None

@@ -16,6 +16,7 @@ its root and made live, and the version that was live is made live again after."
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import os
@@ -27,6 +28,7 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -45,6 +47,7 @@ from tests.support.images import encode
 
 ROOT = Path(__file__).resolve().parents[2]
 N, DIM, ITEMS = 2000, 16, 500
+SIDE = 224  # the model's input: what users send (a float image of it is 600 kB)
 TOKEN = "s3cret"
 
 
@@ -57,7 +60,7 @@ def cluster(local_ray):
 @pytest.fixture(scope="module")
 def roots(cluster, tmp_path_factory):
     folder = tmp_path_factory.mktemp("ray-serve")
-    model = support.model(folder / "model", DIM)
+    model = support.model(folder / "model", DIM, side=SIDE)
     data = support.catalog(N, DIM, ITEMS)
     support.publish(folder / "one", data, model, 1)
     support.publish(folder / "four", data, model, 4)
@@ -451,6 +454,44 @@ def test_images_through_the_embedder_deployment_and_http_answer_as_one_process(s
         with urllib.request.urlopen(call, timeout=60) as response:
             over_http = json.loads(response.read())
         assert [n["id"] for n in over_http["neighbors"]] == [n.id for n in client.search(request).neighbors]
+
+
+def test_image_traffic_at_concurrency_32_over_grpc_and_http(sharded, single):
+    """224-px image queries as users send them (issue 47: at concurrency 8 most failed — a batch
+    crossed to the embedder as floats, 18 MB for 32 images, over a 4 MB message limit): 32
+    callers, half over HTTP, every call answers OK with what the image's vector answers; a
+    SearchBatch of 32 images, over gRPC and over HTTP, the same."""
+    from PIL import Image
+
+    client, _, ports = sharded
+    rng = np.random.default_rng(29)
+    images = [encode(Image.fromarray(rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8))) for _ in range(64)]
+    expected = []
+    for image in images:
+        vector = list(single.embed(image).embedding)
+        by_vector = client.search(pb.SearchRequest(embedding=pb.Embedding(values=vector), k=10, group_by=""))
+        expected.append([n.id for n in by_vector.neighbors])
+    http = f"http://127.0.0.1:{ports['http_port']}"
+
+    def over_http(route: str, body: dict) -> dict:
+        call = urllib.request.Request(http + route, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(call, timeout=60) as response:
+            return json.loads(response.read())
+
+    def one(i: int) -> list[str]:
+        if i % 2:
+            found = over_http("/v1/search", {"image": base64.b64encode(images[i]).decode(), "k": 10, "groupBy": ""})
+            return [n["id"] for n in found["neighbors"]]
+        return [n.id for n in client.search(pb.SearchRequest(image=images[i], k=10, group_by="")).neighbors]
+
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(one, range(len(images))))
+    assert got == expected
+    batch = [pb.SearchRequest(image=image, k=10, group_by="") for image in images[:32]]
+    assert [[n.id for n in r.neighbors] for r in client.search_batch(batch).responses] == expected[:32]
+    body = {"requests": [{"image": base64.b64encode(image).decode(), "k": 10, "groupBy": ""} for image in images[32:]]}
+    answered = over_http("/v1/search-batch", body)["responses"]
+    assert [[n["id"] for n in r["neighbors"]] for r in answered] == expected[32:]
 
 
 def test_a_second_serve_on_the_same_cluster_is_refused_and_the_first_keeps_serving(cluster, sharded, roots):

@@ -15,19 +15,30 @@ from core.preprocess import InputContract
 SIDE = 8
 
 
-def write_tiny_model(out: Path, dim: int = 16, seed: int = 0) -> Path:
-    """A model directory (model.onnx + manifest.json) embedding SIDE×SIDE RGB images in `dim`-d."""
+def write_tiny_model(out: Path, dim: int = 16, seed: int = 0, side: int = SIDE) -> Path:
+    """A model directory (model.onnx + manifest.json) embedding side×side RGB images in `dim`-d
+    (SIDE by default; a larger side is first average-pooled to SIDE×SIDE, so a 224-px model —
+    what users send, 600 kB a float image — stays as small and fast as the 8-px one)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
+    if side % SIDE:
+        raise ValueError(f"side must be a multiple of {SIDE}, got {side}")
     weights = np.random.default_rng(seed).standard_normal((3 * SIDE * SIDE, dim)).astype(np.float32)
+    pool = side // SIDE
+    nodes = (
+        []
+        if pool == 1
+        else [helper.make_node("AveragePool", ["images"], ["pooled"], kernel_shape=[pool, pool], strides=[pool, pool])]
+    )
     graph = helper.make_graph(
         [
-            helper.make_node("Flatten", ["images"], ["flat"], axis=1),
+            *nodes,
+            helper.make_node("Flatten", ["images" if pool == 1 else "pooled"], ["flat"], axis=1),
             helper.make_node("MatMul", ["flat", "w"], ["embeddings"]),
         ],
         "tiny",
-        [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["batch", 3, SIDE, SIDE])],
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["batch", 3, side, side])],
         [helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, ["batch", dim])],
         [numpy_helper.from_array(weights, "w")],
     )
@@ -36,7 +47,7 @@ def write_tiny_model(out: Path, dim: int = 16, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(out / "model.onnx"))
     ModelManifest(
-        model_id=f"tiny{seed:012d}", embedding_dim=dim, input=InputContract(height=SIDE, width=SIDE, channels=3)
+        model_id=f"tiny{seed:012d}", embedding_dim=dim, input=InputContract(height=side, width=side, channels=3)
     ).write(out)
     return out
 

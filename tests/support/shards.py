@@ -66,8 +66,8 @@ def publish(
     return publish_index_version(new, recipe, gate, None, FILTERABLE, "item", target)
 
 
-def model(folder: Path, dim: int) -> Path:
-    return write_tiny_model(folder, dim=dim)
+def model(folder: Path, dim: int, side: int = 8) -> Path:
+    return write_tiny_model(folder, dim=dim, side=side)
 
 
 def opened(root: Path) -> IndexVersion:
