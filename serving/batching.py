@@ -222,6 +222,7 @@ class Inference:
                 [w.query.exclude for w in to_search],
                 [w.query.scope for w in to_search],
                 [w.query.k for w in to_search],
+                _latest_deadline(to_search),
             )
             for work, answer in zip(to_search, found, strict=True):
                 grouped = work.query.scope.groups is not None  # searched to its own k groups already
@@ -240,6 +241,12 @@ class Inference:
             work.result.embed_s = embedded - started if id(work) in embedding else 0.0
             work.result.search_s = searched - embedded if id(work) in searching else 0.0
             work.result.batch_size = len(batch)
+
+
+def _latest_deadline(batch: list[_Work]) -> float | None:
+    """When the last caller of a batch stops waiting (None: one of them waits as long as it takes)."""
+    deadlines = [w.query.deadline for w in batch]
+    return None if None in deadlines else max(deadlines)  # type: ignore[type-var]
 
 
 class DirectExecutor:

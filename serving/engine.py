@@ -256,8 +256,10 @@ class SearchEngine:
         exclude: list[frozenset[int]],
         scopes: list[Scope] | None = None,
         ks: list[int] | None = None,
+        deadline: float | None = None,
     ) -> list[Answer]:
-        """Top-k per query within its scope, leaving out excluded and deleted rows. Plain
+        """Top-k per query within its scope, leaving out excluded and deleted rows (`deadline`:
+        when the callers stop waiting, for an engine that waits on others; one index does not). Plain
         queries share one faiss call (searching deeper to make up for excluded rows) — through
         a selector of the live rows while some are deleted (HNSW tombstones) —; queries of one
         filter share one planned search; a min_score is searched alone; grouped queries of one

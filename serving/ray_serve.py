@@ -49,7 +49,15 @@ from serving.config import ServerConfig
 from serving.engine import SearchEngine, ServingPair
 from serving.metrics import ServiceMetrics
 from serving.query_embedder import QueryEmbedder
-from serving.sharded import ShardAnswer, ShardedSearch, ShardRequest, ShardSearcher, shard_count, shard_label
+from serving.sharded import (
+    ShardAnswer,
+    ShardedSearch,
+    ShardRequest,
+    ShardSearcher,
+    failure_reason,
+    shard_count,
+    shard_label,
+)
 
 log = logging.getLogger(__name__)
 
@@ -170,14 +178,16 @@ class ShardedEngine(SearchEngine):
         super().__init__(limits)
         self.sharded = sharded
 
-    def search(self, pair, vectors, k, exclude, scopes=None, ks=None):  # type: ignore[override]
-        return self.sharded.search(pair, vectors, k, exclude, scopes, ks)
+    def search(self, pair, vectors, k, exclude, scopes=None, ks=None, deadline=None):  # type: ignore[override]
+        return self.sharded.search(pair, vectors, k, exclude, scopes, ks, deadline)
 
 
 class RayShards:
     """The shard deployments through their handles: every shard asked at once; a call that
     fails or misses `timeout_s` is sent again (Ray Serve picks a live replica) up to `retries`
-    times, then answered by its exception."""
+    times, then answered by its exception. The whole fan-out keeps one deadline — the caller's,
+    or the budget of `timeout_s` × (`retries` + 1) from its start, whichever comes first — past
+    which a shard still unanswered is answered by a `ShardDeadline`."""
 
     def __init__(self, handles: list[Any], timeout_s: float, retries: int, metrics: ServiceMetrics | None) -> None:
         self.handles = handles
@@ -187,10 +197,54 @@ class RayShards:
         self.metrics = metrics
         self._calls: dict[str, list[Any]] = {}  # by method: each shard's handle with its options
 
-    def call(self, method: str, version: str, request: ShardRequest) -> list[ShardAnswer | Exception]:
-        started = time.perf_counter()
-        pending = [self._send(n, method, version, request) for n in range(len(self.handles))]
-        return [self._result(n, method, version, request, r, started) for n, r in enumerate(pending)]
+    @property
+    def budget_s(self) -> float:
+        return self.timeout_s * (self.retries + 1)
+
+    def call(
+        self, method: str, version: str, request: ShardRequest, deadline: float | None = None
+    ) -> list[ShardAnswer | Exception]:
+        started = time.monotonic()
+        budget = started + self.budget_s
+        end = budget if deadline is None else min(deadline, budget)
+        answers: list[ShardAnswer | Exception | None] = [None] * len(self.handles)
+        pending = {n: (self._send(n, method, version, request), started, 0) for n in range(len(self.handles))}
+        while pending:  # each pass waits on every shard in turn: a retry runs beside the others' waits
+            for number, (response, sent, tries) in list(pending.items()):
+                now = time.monotonic()
+                try:
+                    answers[number] = response.result(timeout_s=max(0.0, min(sent + self.timeout_s, end) - now))
+                    if self.metrics is not None:
+                        self.metrics.shard_latency.labels(self.names[number], method).observe(time.monotonic() - sent)
+                    del pending[number]
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a dead replica, a timeout, the shard's own error
+                    failure = exc
+                if isinstance(failure, ArtifactError | ValueError):  # the version is bad: no other replica helps
+                    answers[number] = failure
+                    del pending[number]
+                    continue
+                if self.metrics is not None:
+                    self.metrics.shard_failures.labels(self.names[number]).inc()
+                with _suppressed():
+                    response.cancel()
+                now = time.monotonic()
+                if now >= end:
+                    answers[number] = ShardDeadline(now - started, caller=end < budget)
+                elif tries >= self.retries:
+                    answers[number] = failure
+                else:
+                    log.warning(
+                        "shard %s: %s failed (%s); trying again",
+                        self.names[number],
+                        method,
+                        failure_reason(failure),
+                        extra={"shard": self.names[number], "index_version": version},
+                    )
+                    pending[number] = (self._send(number, method, version, request), now, tries + 1)
+                    continue
+                del pending[number]
+        return answers  # type: ignore[return-value]  # every shard answered or failed
 
     def _send(self, number: int, method: str, version: str, request: ShardRequest) -> Any:
         calls = self._calls.get(method)
@@ -198,27 +252,13 @@ class RayShards:
             calls = self._calls[method] = [_direct(h, method) for h in self.handles]
         return calls[number].remote(version, request)
 
-    def _result(self, number: int, method: str, version: str, request: ShardRequest, response, started: float):
-        tries = 0
-        while True:
-            try:
-                answer = response.result(timeout_s=max(0.0, started + self.timeout_s - time.perf_counter()))
-                if self.metrics is not None:
-                    self.metrics.shard_latency.labels(self.names[number], method).observe(time.perf_counter() - started)
-                return answer
-            except Exception as exc:  # noqa: BLE001 - a dead replica, a timeout, the shard's own error
-                if isinstance(exc, ArtifactError | ValueError):  # the version is bad: no other replica helps
-                    return exc
-                if self.metrics is not None:
-                    self.metrics.shard_failures.labels(self.names[number]).inc()
-                with _suppressed():
-                    response.cancel()
-                tries += 1
-                if tries > self.retries:
-                    return exc
-                log.warning("shard %s: %s failed (%s); trying again", self.names[number], method, exc)
-                started = time.perf_counter()
-                response = self._send(number, method, version, request)
+
+class ShardDeadline(TimeoutError):
+    """A shard that had not answered when the call's deadline came."""
+
+    def __init__(self, waited_s: float, caller: bool) -> None:
+        whose = "the caller's deadline" if caller else "the shard budget (--shard-timeout-s × (--shard-retries + 1))"
+        super().__init__(f"no answer within {waited_s:.1f} s, {whose}")
 
 
 def _direct(handle: Any, method: str) -> Any:
@@ -330,10 +370,11 @@ class IngressReplica:
     """The ingress: the server of `serve` (`SearchApp`) on an event loop of its own, its engine
     searching the shards, its loads opening each version on them first."""
 
-    def __init__(self, config: ServerConfig, shards: list[Any], embedder: Any) -> None:
+    def __init__(self, config: ServerConfig, shards: list[Any], embedder: Any, first: str | None = None) -> None:
         from serving.server import SearchApp, loop_factory
 
         self.config = config
+        self._first = first  # the version the command read and deployed: the first load's
         self.embedder = embedder
         self.shards = shards
         metrics = ServiceMetrics()
@@ -363,6 +404,7 @@ class IngressReplica:
         shard deployment (refused naming the shard that cannot open it), then the embedder
         warmed — only then is it swapped in."""
         config = self.config
+        version, self._first = version or self._first, None
         opened = IngressVersion(artifacts.version_dir(config.index_root, version))
         count = shard_count(opened)
         if count != len(self.shards):
@@ -419,8 +461,9 @@ def _cause(exc: Exception, shard: str, version: str) -> str:
 # -- the application -----------------------------------------------------------------------------
 
 
-def build(config: ServerConfig, shards: int) -> Any:
-    """The Serve application: the ingress over `shards` shard deployments and the embedder."""
+def build(config: ServerConfig, version: IndexVersion) -> Any:
+    """The Serve application for `version`: the ingress over its shard deployments and the
+    embedder; the ingress loads `version` first (what was read is what is deployed)."""
     from ray import serve
 
     cpus = {"num_cpus": 0}  # replicas share the machine's cores as threads do; a cluster sets resources
@@ -434,26 +477,71 @@ def build(config: ServerConfig, shards: int) -> Any:
             health_check_period_s=2.0,
         )
         .bind(config.index_root, n)
-        for n in range(shards)
+        for n in range(shard_count(version))
     ]
     embedder = serve.deployment(EmbedderReplica).options(name=EMBEDDER, ray_actor_options=cpus).bind(config)
     ingress = serve.deployment(IngressReplica).options(name=INGRESS, num_replicas=1, ray_actor_options=cpus)
-    return ingress.bind(config, shard_apps, embedder)
+    return ingress.bind(config, shard_apps, embedder, version.name)
 
 
-def live_shards(config: ServerConfig) -> int:
-    """The live version's shard count: how many shard deployments to make."""
-    version = IndexVersion.live(config.index_root)
-    if version is None:
-        raise ValueError(f"serve --ray needs a live version in {config.index_root} (its shards are the deployments)")
-    return shard_count(version)
+def live_version(config: ServerConfig) -> IndexVersion:
+    """The version CURRENT names, read once: its shards are the deployments. With
+    --watch-current, an index root with none yet is waited on (as `serve` waits), saying so once."""
+    said = False
+    while True:
+        version = IndexVersion.live(config.index_root)
+        if version is not None:
+            return version
+        if not config.watch_current:
+            raise ValueError(
+                f"serve --ray needs a live version in {config.index_root} (its shards are the deployments); "
+                "publish one (index build), or pass --watch-current to wait for one"
+            )
+        if not said:
+            log.warning(
+                "no live version in %s yet: waiting for CURRENT to name one (--watch-current)", config.index_root
+            )
+            said = True
+        time.sleep(config.watch_interval_s)
 
 
 def app(args: dict[str, Any]) -> Any:
     """The application builder a RayService imports (`serving.ray_serve:app`): `args` are the
     `serve` options by name (`index_root`, `port`, `shard_replicas`, ...)."""
     config = ServerConfig.flat(**{"ray": True, **args})
-    return build(config, live_shards(config))
+    return build(config, live_version(config))
+
+
+def _local_ray(address: str) -> bool:
+    """Whether RAY_ADDRESS names this machine's Ray (or none): the ingress then listens here. An
+    address is this machine's when a socket can bind it."""
+    if address in ("", "auto", "local"):
+        return True
+    host = address.split("://", 1)[-1].rpartition(":")[0] or "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((socket.gethostbyname(host), 0))
+        return True
+    except OSError:
+        return False
+
+
+def check_ports(config: ServerConfig) -> None:
+    """Every port the ingress will listen on, claimed here first when it will listen on this
+    machine: one `error:` line naming the port before anything is deployed (Serve's own failure,
+    after half a minute of retries, names the deployment, not the port)."""
+    from serving.server import claim_port
+
+    if not _local_ray(os.environ.get("RAY_ADDRESS", "")):
+        return
+    transport = config.transport
+    for what, port, flag in (
+        ("gRPC", transport.port, "--port"),
+        ("HTTP", transport.http_port, "--http-port"),
+        ("metrics", transport.metrics_port, "--metrics-port"),
+    ):
+        if port is not None:
+            claim_port(what, transport.host, port, flag)
 
 
 def connect_ray() -> None:
@@ -462,12 +550,17 @@ def connect_ray() -> None:
     from core.cli import init_ray, verbose
 
     address = os.environ.get("RAY_ADDRESS", "")
-    if address and address != "auto" and "://" not in address:
-        host, _, port = address.rpartition(":")
+    if address and address not in ("auto", "local") and "://" not in address:
+        host, colon, port = address.rpartition(":")
+        if not colon or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"RAY_ADDRESS={address} is not host:port (a Ray head's GCS address, such as 10.0.0.5:6379), "
+                "auto, or ray://host:port"
+            )
         try:
             with socket.create_connection((host or "127.0.0.1", int(port)), timeout=3):
                 pass
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
             raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {exc}") from None
     if not address:
         # Ray starts its workers at nice 15, for batch work beside interactive use; here the
@@ -481,6 +574,19 @@ def connect_ray() -> None:
             logging.getLogger("ray.serve").setLevel(logging.WARNING)
     except ConnectionError as exc:
         raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {exc}") from None
+    except Exception as exc:
+        if "InvalidAuthToken" in type(exc).__name__ + str(exc) or "auth" in type(exc).__name__.lower():
+            raise ValueError(
+                f"the Ray cluster at RAY_ADDRESS={address} refused this process's token ({_first_line(exc)}): "
+                "run serve --ray where the cluster's token is (Ray's token file under the home directory of "
+                "the user who started it), or set RAY_AUTH_TOKEN to it"
+            ) from None
+        raise
+
+
+def _first_line(exc: Exception) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[0].strip() if lines else type(exc).__name__
 
 
 def check_not_deployed() -> None:
@@ -498,32 +604,33 @@ def check_not_deployed() -> None:
         )
 
 
-def deploy(config: ServerConfig) -> dict:
-    """Deploy the application on the Ray this process is connected to; its ports once it serves."""
+def deploy(config: ServerConfig, version: IndexVersion) -> dict:
+    """Deploy the application for `version` on the Ray this process is connected to; its ports
+    once it serves."""
     from ray import serve
 
-    config.check_inputs()
-    shards = live_shards(config)
     serve.start(proxy_location="Disabled")
-    handle = serve.run(build(config, shards), name=APP, route_prefix=None)
+    handle = serve.run(build(config, version), name=APP, route_prefix=None)
     return handle.ports.remote().result(timeout_s=600)
 
 
 def run(config: ServerConfig) -> None:
     """`serve --ray`: deploy, print the ports (one JSON line), serve until SIGTERM or SIGINT, then
-    delete the application."""
+    delete the application. The inputs are checked and CURRENT read once: the shards printed are
+    the shards deployed."""
     from ray import serve
 
     config.check_inputs()
-    live_shards(config)
+    check_ports(config)
+    version = live_version(config)
     connect_ray()
     check_not_deployed()  # before the try: a refused command must not delete the other's application
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopped.set())
     try:
-        ports = deploy(config)
-        print(json.dumps({**ports, "shards": live_shards(config)}), flush=True)
+        ports = deploy(config, version)
+        print(json.dumps({**ports, "shards": shard_count(version), "version": version.name}), flush=True)
         stopped.wait()
     finally:
         log.info("deleting the Serve application")

@@ -348,11 +348,14 @@ class ShardSearcher:
 
 class ShardSet(Protocol):
     """How the ingress reaches its shards: `call(method, version, request)` asks every shard
-    (retrying where it can) and gives each shard's answer, or the exception it ended with."""
+    (retrying where it can, until `deadline`, a `time.monotonic()` value) and gives each shard's
+    answer, or the exception it ended with."""
 
     names: list[str]
 
-    def call(self, method: str, version: str, request: ShardRequest) -> list[ShardAnswer | Exception]: ...
+    def call(
+        self, method: str, version: str, request: ShardRequest, deadline: float | None = None
+    ) -> list[ShardAnswer | Exception]: ...
 
 
 class LocalShards:
@@ -363,7 +366,9 @@ class LocalShards:
         self.searchers = [ShardSearcher(index_root, number) for number in range(shards)]
         self.names = [s.name for s in self.searchers]
 
-    def call(self, method: str, version: str, request: ShardRequest) -> list[ShardAnswer | Exception]:
+    def call(
+        self, method: str, version: str, request: ShardRequest, deadline: float | None = None
+    ) -> list[ShardAnswer | Exception]:
         answers: list[ShardAnswer | Exception] = []
         for searcher in self.searchers:
             try:
@@ -394,11 +399,11 @@ class ShardedSearch:
         self.shards = shards
         self.observe = observe
 
-    def _call(self, method: str, version: str, request: ShardRequest) -> _Split:
+    def _call(self, method: str, version: str, request: ShardRequest, deadline: float | None = None) -> _Split:
         answers, missing = [], {}
-        for name, answer in zip(self.shards.names, self.shards.call(method, version, request), strict=True):
+        for name, answer in zip(self.shards.names, self.shards.call(method, version, request, deadline), strict=True):
             if isinstance(answer, Exception):
-                missing[name] = _reason(answer)
+                missing[name] = failure_reason(answer)
             else:
                 answers.append(answer)
                 if self.observe is not None:
@@ -428,11 +433,13 @@ class ShardedSearch:
         exclude: list[frozenset[int]],
         scopes: list[Scope] | None = None,
         ks: list[int] | None = None,
+        deadline: float | None = None,
     ) -> list[Answer]:
-        """Top-k per query within its scope over every shard, merged exactly (see the module)."""
+        """Top-k per query within its scope over every shard, merged exactly (see the module);
+        every shard call of it ends by `deadline` (a `time.monotonic()` value)."""
         scopes = scopes or [EVERY_ROW] * len(vectors)
         request = self.request(vectors, k, exclude, scopes, ks)
-        split = self._call("search", pair.version, request)
+        split = self._call("search", pair.version, request, deadline)
         answers = []
         for i, scope in enumerate(scopes):
             if scope.groups is None:
@@ -444,7 +451,7 @@ class ShardedSearch:
             if s.groups is not None and s.per_group > 1 and _spans_shards(pair, s.groups.name, len(self.shards.names))
         ]  # fmt: skip
         if spanning and split.answers:
-            split = self._fill(pair, vectors, request, answers, scopes, spanning, split)
+            split = self._fill(pair, request, answers, scopes, spanning, split, deadline)
         missing = tuple(split.missing)
         unavailable = None
         if missing:
@@ -456,12 +463,12 @@ class ShardedSearch:
     def _fill(
         self,
         pair: ServingPair,
-        vectors: np.ndarray,
         request: ShardRequest,
         answers: list[Answer],
         scopes: list[Scope],
         spanning: list[int],
         split: _Split,
+        deadline: float | None,
     ) -> _Split:
         """Grouped by a field other than the shard key, with more than one row a group: the
         chosen groups' rows from every shard, each group's best `per_group` kept."""
@@ -478,7 +485,7 @@ class ShardedSearch:
             [request.exclude[i] for i in spanning],
             chosen,
         )
-        filled = self._call("fill", pair.version, fill)
+        filled = self._call("fill", pair.version, fill, deadline)
         for j, i in enumerate(spanning):
             by_group = _best_per_group(filled.answers, j, scopes[i])
             kept = list(dict.fromkeys(h.group for h in answers[i].hits))
@@ -514,7 +521,7 @@ def _spans_shards(pair: ServingPair, field_name: str, shards: int) -> bool:
     return shards > 1 and field_name != pair.manifest.shard_key
 
 
-def _reason(exc: Exception) -> str:
+def failure_reason(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[-1] if text else ''}".rstrip(": ")
 
