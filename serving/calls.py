@@ -9,6 +9,7 @@ import grpc
 
 from serving.errors import status_of
 from serving.history import TrafficHistory
+from serving.logs import REQUEST_ID
 from serving.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
@@ -30,15 +31,15 @@ class CallRecorder:
         self.metrics.latency.labels(method, protocol).observe(elapsed)
         self.history.observe(elapsed)
         if self.access_log:
-            log.info(
-                "call", extra={"method": method, "protocol": protocol, "code": code.name, "ms": round(elapsed * 1e3, 3)}
-            )
+            fields = {"method": method, "protocol": protocol, "code": code.name, "ms": round(elapsed * 1e3, 3)}
+            log.info("call", extra={"request_id": REQUEST_ID.get(), **fields})
 
     def failed(self, method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
         """The status a failed call is answered with, logged: a bug with its traceback."""
         code, message = status_of(exc)
+        fields = {"request_id": REQUEST_ID.get(), "method": method, "code": code.name}
         if code == grpc.StatusCode.INTERNAL:
-            log.exception("%s failed", method, extra={"method": method, "code": code.name})
+            log.exception("%s failed", method, extra=fields)
         else:
-            log.warning("%s: %s", method, message, extra={"method": method, "code": code.name})
+            log.warning("%s: %s", method, message, extra=fields)
         return code, message

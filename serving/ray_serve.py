@@ -47,6 +47,7 @@ from core.preprocess import pixels_of, scaled_pixels
 from index.version import IndexVersion
 from serving.config import ServerConfig
 from serving.engine import SearchEngine, ServingPair
+from serving.logs import Sink, relay, ship_records
 from serving.metrics import ServiceMetrics
 from serving.query_embedder import QueryEmbedder
 from serving.sharded import (
@@ -304,8 +305,9 @@ def _broadcast(handle: Any, method: str, *args: Any, timeout_s: float = 300.0) -
 class ShardReplica:
     """A shard deployment's replica: a `ShardSearcher` over its shard of the index root."""
 
-    def __init__(self, index_root: str, number: int) -> None:
+    def __init__(self, index_root: str, number: int, log_sink: Sink | None = None) -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        ship_records(log_sink, shard_deployment(number))
         self.searcher = ShardSearcher(index_root, number)
 
     def warm(self, version: str) -> dict:
@@ -331,7 +333,8 @@ class EmbedderReplica:
     """The embedder deployment's replica: the model's sessions, by model directory (the last
     two asked for), tuned as one server tunes them (`--run-rows`)."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, log_sink: Sink | None = None) -> None:
+        ship_records(log_sink, EMBEDDER)
         self.config = config
         self._models: OrderedDict[str, QueryEmbedder] = OrderedDict()
         self._lock = threading.Lock()
@@ -370,9 +373,17 @@ class IngressReplica:
     """The ingress: the server of `serve` (`SearchApp`) on an event loop of its own, its engine
     searching the shards, its loads opening each version on them first."""
 
-    def __init__(self, config: ServerConfig, shards: list[Any], embedder: Any, first: str | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        shards: list[Any],
+        embedder: Any,
+        first: str | None = None,
+        log_sink: Sink | None = None,
+    ) -> None:
         from serving.server import SearchApp, loop_factory
 
+        ship_records(log_sink, INGRESS, logging.INFO)  # what `serve` writes: loads, reloads, the access log
         self.config = config
         self._first = first  # the version the command read and deployed: the first load's
         self.embedder = embedder
@@ -461,9 +472,10 @@ def _cause(exc: Exception, shard: str, version: str) -> str:
 # -- the application -----------------------------------------------------------------------------
 
 
-def build(config: ServerConfig, version: IndexVersion) -> Any:
+def build(config: ServerConfig, version: IndexVersion, log_sink: Sink | None = None) -> Any:
     """The Serve application for `version`: the ingress over its shard deployments and the
-    embedder; the ingress loads `version` first (what was read is what is deployed)."""
+    embedder; the ingress loads `version` first (what was read is what is deployed). `log_sink`:
+    where every replica ships its records (the command's `relay`), else they stay in Ray's logs."""
     from ray import serve
 
     cpus = {"num_cpus": 0}  # replicas share the machine's cores as threads do; a cluster sets resources
@@ -476,12 +488,12 @@ def build(config: ServerConfig, version: IndexVersion) -> Any:
             max_ongoing_requests=64,
             health_check_period_s=2.0,
         )
-        .bind(config.index_root, n)
+        .bind(config.index_root, n, log_sink)
         for n in range(shard_count(version))
     ]
-    embedder = serve.deployment(EmbedderReplica).options(name=EMBEDDER, ray_actor_options=cpus).bind(config)
+    embedder = serve.deployment(EmbedderReplica).options(name=EMBEDDER, ray_actor_options=cpus).bind(config, log_sink)
     ingress = serve.deployment(IngressReplica).options(name=INGRESS, num_replicas=1, ray_actor_options=cpus)
-    return ingress.bind(config, shard_apps, embedder, version.name)
+    return ingress.bind(config, shard_apps, embedder, version.name, log_sink)
 
 
 def live_version(config: ServerConfig) -> IndexVersion:
@@ -570,8 +582,12 @@ def connect_ray() -> None:
         # Ray's "Connecting to existing Ray cluster" and Serve's progress lines are INFO: the
         # command's own output is its ports (or one error line), so they show with --verbose only.
         init_ray(log_to_driver=False, logging_level=logging.INFO if verbose() else logging.WARNING)
-        if not verbose():  # Serve's logger has a handler of its own, not the "ray" logger's level
-            logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        for name in ("ray", "ray.serve"):  # their lines in this command's format, not their own
+            logger = logging.getLogger(name)
+            logger.handlers[:] = []
+            logger.propagate = True
+            if not verbose():  # Serve's logger has a level of its own, not the "ray" logger's
+                logger.setLevel(logging.WARNING)
     except ConnectionError as exc:
         raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {exc}") from None
     except Exception as exc:
@@ -604,13 +620,13 @@ def check_not_deployed() -> None:
         )
 
 
-def deploy(config: ServerConfig, version: IndexVersion) -> dict:
+def deploy(config: ServerConfig, version: IndexVersion, log_sink: Sink | None = None) -> dict:
     """Deploy the application for `version` on the Ray this process is connected to; its ports
     once it serves."""
     from ray import serve
 
     serve.start(proxy_location="Disabled")
-    handle = serve.run(build(config, version), name=APP, route_prefix=None)
+    handle = serve.run(build(config, version, log_sink), name=APP, route_prefix=None)
     return handle.ports.remote().result(timeout_s=600)
 
 
@@ -625,14 +641,22 @@ def run(config: ServerConfig) -> None:
     version = live_version(config)
     connect_ray()
     check_not_deployed()  # before the try: a refused command must not delete the other's application
+    from ray.util.queue import Queue
+
     stopped = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopped.set())
+    # Every replica's records reach this command's own log stream, in its format: a failure's
+    # trace is where the operator looks, not only in a worker's file under Ray's session folder.
+    log_sink = Queue(maxsize=1000, actor_options={"num_cpus": 0})
+    relaying = threading.Event()
+    threading.Thread(target=relay, args=(log_sink, relaying), name="log-relay", daemon=True).start()
     try:
-        ports = deploy(config, version)
+        ports = deploy(config, version, log_sink)
         print(json.dumps({**ports, "shards": shard_count(version), "version": version.name}), flush=True)
         stopped.wait()
     finally:
         log.info("deleting the Serve application")
         with _suppressed():
             serve.delete(APP)
+        relaying.set()

@@ -34,6 +34,7 @@ from serving.engine import EVERY_ROW, Hit, Limits, Scope, SearchEngine, ServingP
 from serving.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable, at_place, image_errors
 from serving.feedback import FeedbackLog
 from serving.history import TrafficHistory
+from serving.logs import REQUEST_ID
 from serving.metrics import ServiceMetrics
 from serving.monitor import RecallMonitor
 
@@ -180,6 +181,7 @@ class SearchService:
             raise Unavailable(result.unavailable or f"shard {', '.join(result.shards_missing)} did not answer")
         items = pair.items
         request_id = search.request_id or uuid.uuid4().hex
+        REQUEST_ID.set(request_id)  # the call's log lines (its access line, a failure) name it
         neighbors = [
             pb.Neighbor(
                 id=items.ids[h.row],
@@ -290,6 +292,8 @@ class SearchService:
             return await self._answer(search, deadline, received)
 
     async def search(self, request: pb.SearchRequest, timeout: float | None) -> pb.SearchResponse:
+        if request.request_id:
+            REQUEST_ID.set(request.request_id)
         return (await self.search_many([request], timeout))[0]
 
     async def search_batch(self, request: pb.SearchBatchRequest, timeout: float | None) -> pb.SearchBatchResponse:

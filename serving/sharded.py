@@ -23,6 +23,7 @@ unless the request allowed a partial answer — never a silently short answer.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -44,6 +45,8 @@ from serving.engine import EVERY_ROW, Answer, Hit, Scope, SearchEngine, ServingP
 
 if TYPE_CHECKING:
     from serving.monitor import ExactQuery
+
+log = logging.getLogger(__name__)
 
 VERSIONS_KEPT = 2  # a shard replica keeps its shard of this many versions open
 NO_CANDIDATES = -2  # a ShardAnswer's `candidates` for a query that was not grouped
@@ -246,7 +249,14 @@ class ShardSearcher:
             raise ArtifactError(
                 f"version {version} has {shard_count(whole)} shards: this deployment's shard {self.name} is not in it"
             )
-        opened = _OpenShard(whole, self.number)
+        try:
+            opened = _OpenShard(whole, self.number)
+        except Exception as exc:
+            log.error(
+                "shard %s cannot open version %s: %s", self.name, version, exc,
+                extra={"shard": self.name, "index_version": version},
+            )  # fmt: skip
+            raise
         with self._lock:
             self._open[version] = opened
             while len(self._open) > VERSIONS_KEPT:

@@ -51,6 +51,8 @@ ROOT = Path(__file__).resolve().parents[2]
 N, DIM, ITEMS = 2000, 16, 500
 SIDE = 224  # the model's input: what users send (a float image of it is 600 kB)
 TOKEN = "s3cret"
+SERVER_LOG: list[str] = []  # the module's serve --ray's own log stream (stderr), line by line
+SERVER_OUT: list[str] = []  # and its stdout after the ports line: nothing
 
 
 @pytest.fixture(scope="module")
@@ -89,14 +91,17 @@ def sharded(cluster, roots):
         sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(four), "--port", "0",
         "--metrics-port", str(metrics_port), "--shard-replicas", "2", "--shard-timeout-s", "3", "--shard-retries", "1",
         "--admin-token", TOKEN, "--probe-interval-s", "0", "--max-k", "50", "--log-format", "text",
-        "--http-port", "0", "--watch-current", "--watch-interval-s", "0.5",
+        "--http-port", "0", "--watch-current", "--watch-interval-s", "0.5", "--access-log",
     ]  # fmt: skip
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    threading.Thread(target=lambda: SERVER_LOG.extend(process.stderr), daemon=True).start()
     line = process.stdout.readline()
     if not line:
         process.kill()
-        pytest.fail("serve --ray printed no ports: " + process.stderr.read()[-5000:])
+        time.sleep(1.0)
+        pytest.fail("serve --ray printed no ports: " + "".join(SERVER_LOG)[-5000:])
     ports = json.loads(line)
+    threading.Thread(target=lambda: SERVER_OUT.extend(process.stdout), daemon=True).start()
     client = SearchClient(f"127.0.0.1:{ports['port']}", timeout=60, admin_token=TOKEN)
     client.wait_ready(120)
     yield client, process, ports
@@ -417,6 +422,33 @@ def test_a_damaged_shard_is_refused_naming_it_while_the_live_version_serves(shar
     assert "shard 002" in refused.value.details(), refused.value.details()
     answer = client.search(requests_of(vectors(1), k=5, group_by="")[0])
     assert answer.index_version == live and len(answer.neighbors) == 5
+    # Issue 47: the shard replica's own error is in the command's log stream, naming it, not only
+    # in a worker's file under Ray's session folder.
+    said = support_server.wait_for(
+        lambda: [line for line in SERVER_LOG if "cannot open version" in line and damaged in line], timeout=10
+    )
+    assert all("shard=002" in line and "deployment=shard-002" in line and " ERROR " in line for line in said), said
+
+
+def test_every_deployments_records_reach_the_commands_log_in_its_format(sharded):
+    """Issue 47: the ingress's lines as `serve` writes them (the access log, with its request id),
+    and every replica's warnings, in the command's own stream and format, each naming its
+    deployment and replica."""
+    client, _, _ = sharded
+    client.search(pb.SearchRequest(embedding=pb.Embedding(values=vectors(1)[0].tolist()), k=3, request_id="seen-47"))
+    access = support_server.wait_for(lambda: [line for line in SERVER_LOG if "request_id=seen-47" in line], timeout=10)
+    assert "method=Search" in access[0] and "deployment=ingress" in access[0] and "replica=" in access[0], access
+    assert any("deployment=ingress" in line and "serving index" in line for line in SERVER_LOG)
+    assert not SERVER_OUT, SERVER_OUT[:20]  # stdout is the ports line alone (Ray printed dead workers there)
+    head = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) \S+: ")
+    in_traceback = False
+    for line in SERVER_LOG:  # the text format throughout: records, some with a traceback after them
+        if head.match(line):
+            in_traceback = False
+        elif line.startswith("Traceback (most recent call last):"):
+            in_traceback = True
+        else:
+            assert in_traceback or not line.strip(), line
 
 
 @pytest.mark.parametrize("flag", ["--port", "--http-port", "--metrics-port"])
