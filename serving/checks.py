@@ -184,14 +184,14 @@ class RequestChecks:
         return k
 
     def check_k(self, k: int) -> None:
-        if k <= 0:
-            raise InvalidArgument(f"k must be at least 1, got {k}")
-        if k > self.limits.max_k:
-            raise InvalidArgument(f"k={k} exceeds the maximum of {self.limits.max_k}")
+        """k within 1..max_k: the one message for every transport and spelling (a query string's
+        k past int32 is checked here too, before it could be a SearchRequest's)."""
+        if not 1 <= k <= self.limits.max_k:
+            raise InvalidArgument(f"k must be within 1..{self.limits.max_k}, got {k}", "k")
 
     def check_min_score(self, min_score: float) -> float:
         if not MIN_SCORE_RANGE[0] <= min_score <= MIN_SCORE_RANGE[1]:
-            raise InvalidArgument(f"min_score must be within [-1, 1] (cosine similarity), got {min_score}")
+            raise InvalidArgument(f"min_score must be within [-1, 1] (cosine similarity), got {min_score}", "min_score")
         return min_score
 
     def open_image(self, data: bytes) -> Image.Image:
@@ -234,7 +234,9 @@ class RequestChecks:
 
     def check_per_group(self, per_group: int) -> int:
         if not 1 <= per_group <= self.limits.max_per_group:
-            raise InvalidArgument(f"per_group must be within 1..{self.limits.max_per_group}, got {per_group}")
+            raise InvalidArgument(
+                f"per_group must be within 1..{self.limits.max_per_group}, got {per_group}", "per_group"
+            )
         return per_group
 
     def check_region(self, region: pb.Region, image: Image.Image, upright: bool) -> Region:

@@ -3,6 +3,7 @@ the edge (the HTTP one after google.rpc.Code's mapping)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -12,12 +13,29 @@ from core.preprocess import ImageDecodeError, ImageTooLarge
 
 
 class ServiceError(Exception):
+    """`field`: the request field the message names, by its protobuf name (`request_id`); each
+    transport says it as its clients spell it (`message_for`: `requestId` in HTTP/JSON)."""
+
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
     http_status: int = 500
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.field = field
+
+    def message_for(self, json_names: bool) -> str:
+        """The message as a transport says it: over HTTP/JSON (`json_names`) the field it names
+        (its first mention: a value quoted after it is the client's) is spelled as the JSON body
+        and query string spell it."""
+        if not json_names or self.field is None:
+            return self.message
+        return re.sub(rf"(?<![\w-]){re.escape(self.field)}(?![\w-])", json_name(self.field), self.message, count=1)
+
+
+def json_name(field: str) -> str:
+    """A protobuf field's proto3 JSON name (`per_group` → `perGroup`), as protoc derives it."""
+    return re.sub(r"_([a-z0-9])", lambda m: m.group(1).upper(), field)
 
 
 class InvalidArgument(ServiceError):
@@ -70,11 +88,12 @@ class PayloadTooLarge(ResourceExhausted):
 INTERNAL_MESSAGE = "internal error; see server logs"
 
 
-def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    """The status and message an RPC that raised `exc` is answered with: a service error's own;
-    anything else is a bug, INTERNAL, its details kept for the server's log."""
+def status_of(exc: Exception, json_names: bool = False) -> tuple[grpc.StatusCode, str]:
+    """The status and message an RPC that raised `exc` is answered with: a service error's own
+    (`json_names`: its field as HTTP/JSON names it); anything else is a bug, INTERNAL, its details
+    kept for the server's log."""
     if isinstance(exc, ServiceError):
-        return exc.code, exc.message
+        return exc.code, exc.message_for(json_names)
     return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
 
 
@@ -99,4 +118,4 @@ def at_place(i: int) -> Iterator[None]:
     except (DeadlineExceeded, Unavailable):
         raise
     except ServiceError as exc:
-        raise type(exc)(f"requests[{i}]: {exc.message}") from exc
+        raise type(exc)(f"requests[{i}]: {exc.message}", exc.field) from exc

@@ -30,8 +30,10 @@ class FeedbackLog:
     def returned_ids(self, request_id: str, live: ServingPair) -> tuple[int, list[str]]:
         """(serial of the load that answered `request_id`, the ids it returned); no ids when
         that load is not `live` (its rows may name other items now)."""
+        if not request_id:
+            raise InvalidArgument("request_id is required: the id of the answer this feedback is on", "request_id")
         answer = self._recent.get(request_id)
         if answer is None:
-            raise InvalidArgument(f"unknown or expired request_id {request_id!r}")
+            raise InvalidArgument(f"unknown or expired request_id {request_id!r}", "request_id")
         serial, rows = answer
         return serial, [live.items.ids[r] for r in rows] if live.serial == serial else []

@@ -27,6 +27,7 @@ import grpc
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
 
 from core.catalog import parse_bbox
@@ -34,7 +35,7 @@ from protos.simsearch.v1 import search_pb2 as pb
 from serving.admin import AdminService
 from serving.auth import Tokens, token_fingerprint
 from serving.calls import CallRecorder
-from serving.errors import InvalidArgument, PayloadTooLarge, ServiceError, status_of
+from serving.errors import InvalidArgument, PayloadTooLarge, ServiceError, json_name, status_of
 from serving.openapi import Served, openapi_document
 from serving.routes import IMAGE_TYPES, QUERY_BOUNDS, ROUTES, TIMEOUT_HEADER, Route
 from serving.service import SearchService
@@ -50,6 +51,9 @@ CONTENT_SECURITY_POLICY = (
 # aiohttp's default of 8 KiB is short for a Filter in the query string of /v1/search/image; a longer
 # request line is refused by aiohttp itself (400, in plain text).
 MAX_REQUEST_LINE = 64 * 1024
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+# A SearchRequest field's proto name → the service layer's check of its value (raising ServiceError)
+FieldChecks = dict[str, Callable[[int], object]]
 
 
 class UnsupportedMediaType(InvalidArgument):
@@ -85,7 +89,9 @@ def to_json(message: Message) -> dict[str, Any]:
     return json_format.MessageToDict(message, always_print_fields_with_no_presence=True)
 
 
-def parse_json(text: bytes, message: Message) -> Message:
+def parse_json(text: bytes, message: Message, bounded: FieldChecks | None = None) -> Message:
+    """A JSON body as `message`; `bounded`: SearchRequest fields whose numbers past int32 are
+    refused by their own check (`past_int32`) rather than by json_format, which names no range."""
     if not text.strip():
         raise InvalidArgument(f"empty body: send a {message.DESCRIPTOR.name} as JSON")
     name = message.DESCRIPTOR.name
@@ -98,14 +104,66 @@ def parse_json(text: bytes, message: Message) -> Message:
     # json_format takes a list or a string for a message too (it iterates them): only an object is one
     if not isinstance(value, dict):
         raise InvalidArgument(f"body is not a {name}: a JSON object is expected, got {type(value).__name__}")
+    if bounded:
+        past_int32(value, message.DESCRIPTOR, bounded)
     try:
         return json_format.ParseDict(value, message)
     except json_format.ParseError as exc:
         raise InvalidArgument(f"body is not a {name} in proto3 JSON: {exc}") from None
 
 
+def _whole_number(value: object) -> int | None:
+    """A JSON value proto3 JSON reads as an integer (a number, or a string of one), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, (int, str)):
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    return None
+
+
+def past_int32(value: dict, descriptor: Descriptor, bounded: FieldChecks, place: str = "") -> None:
+    """Each SearchRequest field of `bounded` in a JSON object (nested ones too: a batch's
+    `requests[3]`) given a number past int32, refused by the field's own check — the range every
+    transport states for it."""
+    for field in descriptor.fields:
+        given = value.get(field.json_name, value.get(field.name))
+        if given is None:
+            continue
+        if field.message_type is not None:
+            parts = given if field.is_repeated else [given]
+            if not isinstance(parts, list):  # a map, an object of entries: none is a SearchRequest
+                continue
+            for i, part in enumerate(parts):
+                if isinstance(part, dict):
+                    where = f"{place}{field.json_name}[{i}]: " if field.is_repeated else place
+                    past_int32(part, field.message_type, bounded, where)
+        elif field.containing_type is pb.SearchRequest.DESCRIPTOR and field.name in bounded:
+            number = _whole_number(given)
+            if number is not None and not INT32_MIN <= number <= INT32_MAX:
+                try:
+                    bounded[field.name](number)
+                except ServiceError as exc:
+                    raise type(exc)(f"{place}{exc.message}", exc.field) from None
+
+
+def _query_number(request: web.Request, name: str) -> int | None:
+    """A whole-number query parameter (None: not given)."""
+    text = request.query.get(name)
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidArgument(f"{name}: not a whole number: {text!r}") from None
+
+
 def error_response(exc: ServiceError | Exception) -> web.Response:
-    code, message = status_of(exc)
+    code, message = status_of(exc, json_names=True)
     status = exc.http_status if isinstance(exc, ServiceError) else 500
     return web.json_response({"error": {"code": code.name, "message": message}}, status=status)
 
@@ -123,6 +181,9 @@ class HttpApi:
         cors_origin: str | None = None,
     ) -> None:
         self.service = service
+        # SearchRequest's integer fields the service layer bounds: a number past int32 in a query
+        # string or JSON body meets the same check, and the same message, as one within it
+        self.bounded: FieldChecks = {"k": service.checks.check_k, "per_group": service.checks.check_per_group}
         self.admin = admin
         self.tokens = tokens
         self.recorder = recorder
@@ -262,7 +323,7 @@ class HttpApi:
         kind = request.content_type
         if request.can_read_body and kind not in ("application/json", "application/octet-stream"):
             raise UnsupportedMediaType(f"Content-Type {kind!r}: send application/json")
-        return parse_json(await request.read(), message)
+        return parse_json(await request.read(), message, self.bounded)
 
     async def _image(self, request: web.Request) -> bytes:
         """The image of a request: its raw body, or the `image` field of a multipart upload."""
@@ -296,15 +357,21 @@ class HttpApi:
 
     @staticmethod
     def _query_int(request: web.Request, name: str, default: int, low: int, high: int) -> int:
-        text = request.query.get(name)
-        if text is None:
+        """A route's own integer query parameter (`QUERY_BOUNDS`)."""
+        value = _query_number(request, name)
+        if value is None:
             return default
-        try:
-            value = int(text)
-        except ValueError:
-            raise InvalidArgument(f"{name}: not a whole number: {text!r}") from None
         if not low <= value <= high:
             raise InvalidArgument(f"{name} must be within {low}..{high}, got {value}")
+        return value
+
+    def _search_int(self, request: web.Request, field: str) -> int | None:
+        """A SearchRequest field given in the query string (None: not given), left to the service
+        layer's check of that field, as a JSON body's or a gRPC request's is; a number past int32
+        cannot be set on the request, and is refused by that same check here."""
+        value = _query_number(request, json_name(field))
+        if value is not None and not INT32_MIN <= value <= INT32_MAX:
+            self.bounded[field](value)
         return value
 
     # -- the calls: one service call each ---------------------------------------------------
@@ -316,7 +383,7 @@ class HttpApi:
     async def search_image(self, request: web.Request, route: Route) -> Message:
         query = request.query
         # k left out is 0, as in a JSON body or over gRPC: the service layer's default
-        message = pb.SearchRequest(k=self._query_int(request, "k", 0, 0, 2**31 - 1))
+        message = pb.SearchRequest(k=self._search_int(request, "k") or 0)
         unknown = set(query) - {name for name, _, _ in route.params}
         if unknown:
             raise InvalidArgument(f"unknown query parameter {sorted(unknown)[0]!r}")
@@ -337,7 +404,7 @@ class HttpApi:
         if "groupBy" in query:
             message.group_by = query["groupBy"]
         if "perGroup" in query:  # 0 is refused as out of range, not read as unset
-            message.per_group = self._query_int(request, "perGroup", 1, -(2**31), 2**31 - 1)
+            message.per_group = self._search_int(request, "per_group")
         if "region" in query:
             try:
                 x, y, width, height = parse_bbox(query["region"])

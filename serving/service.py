@@ -331,7 +331,8 @@ class SearchService:
                 if len(unknown) > 10:
                     named += f" and {len(unknown) - 10} more"
                 raise InvalidArgument(
-                    f"relevant_ids: {named} neither in the answer nor in index version {pair.version}; nothing counted"
+                    f"relevant_ids: {named} neither in the answer nor in index version {pair.version}; nothing counted",
+                    "relevant_ids",
                 )
         accepted = self.monitor.record_feedback(serial, ids, relevant, request.request_id)
         return pb.FeedbackResponse(accepted=accepted)

@@ -188,11 +188,15 @@ def bad_requests(catalog) -> list[tuple[str, str, str, dict, int, str, str]]:
         ("unknown JSON field", "POST", "/v1/search", {"json": {"itemId": catalog.ids[0], "kk": 5}}, 400,
          "INVALID_ARGUMENT", "kk"),
         ("k negative", "POST", "/v1/search", {"json": {"itemId": catalog.ids[0], "k": -1}}, 400, "INVALID_ARGUMENT",
-         "k must be at least 1"),
+         "k must be within 1..50, got -1"),
         ("k huge", "POST", "/v1/search", {"json": {"itemId": catalog.ids[0], "k": 10**10}}, 400, "INVALID_ARGUMENT",
-         "k"),
+         "k must be within 1..50, got 10000000000"),
         ("k past max_k", "POST", "/v1/search", {"json": {"itemId": catalog.ids[0], "k": 51}}, 400,
-         "INVALID_ARGUMENT", "exceeds the maximum of 50"),
+         "INVALID_ARGUMENT", "k must be within 1..50, got 51"),
+        ("k negative in the query string", "POST", "/v1/search/image?k=-3", {"data": good, "headers": png}, 400,
+         "INVALID_ARGUMENT", "k must be within 1..50, got -3"),
+        ("feedback without its request id", "POST", "/v1/feedback", {"json": {"relevantIds": ["x"]}}, 400,
+         "INVALID_ARGUMENT", "requestId is required"),
         ("NaN embedding", "POST", "/v1/search", {"json": {"embedding": {"values": ["NaN"] * 128}, "k": 3}}, 400,
          "INVALID_ARGUMENT", "NaN"),
         ("wrong-dimension embedding", "POST", "/v1/search", {"json": {"embedding": {"values": [0.1] * 7}, "k": 3}},
@@ -222,6 +226,48 @@ def bad_requests(catalog) -> list[tuple[str, str, str, dict, int, str, str]]:
         ("version name as a path", "GET", "/v1/admin/versions/..%2F..%2Fetc/neighbours.png",
          {"headers": admin_headers()}, 404, "NOT_FOUND", ""),
     ]  # fmt: skip
+
+
+def test_a_mistake_is_said_alike_on_every_path_naming_the_field_as_its_transport_does(served):
+    """k=-3 was `k must be within 0..2147483647` in the query string and `k must be at least 1` in
+    a JSON body, neither the real range; a Feedback without its request id was `unknown or expired
+    request_id ''` (issue 47)."""
+    import grpc
+
+    from protos.simsearch.v1 import search_pb2 as pb
+
+    server, client, catalog = served
+    item, image = catalog.ids[0], catalog.paths[0].read_bytes()
+
+    def refused(path: str, **kwargs) -> str:
+        answer = requests.post(url(server, path), timeout=60, **kwargs)
+        assert answer.status_code == 400, (path, answer.text)
+        assert answer.json()["error"]["code"] == "INVALID_ARGUMENT"
+        return answer.json()["error"]["message"]
+
+    def refused_over_grpc(call, *args) -> str:
+        with pytest.raises(grpc.RpcError) as caught:
+            call(*args)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        return caught.value.details()
+
+    for k in (-3, 51, -(2**31), 2**31 - 1, 2**31, 10**10):
+        said = f"k must be within 1..50, got {k}"  # the server's max_k
+        assert refused(f"/v1/search/image?k={k}", data=image, headers={"Content-Type": "image/png"}) == said
+        assert refused("/v1/search", json={"itemId": item, "k": k}) == said
+        assert refused("/v1/search", json={"itemId": item, "k": str(k)}) == said  # proto3 JSON's int as a string
+        batch = {"requests": [{"itemId": item, "k": 2}, {"itemId": item, "k": k}]}
+        assert refused("/v1/search-batch", json=batch) == f"requests[1]: {said}"
+        if -(2**31) <= k < 2**31:  # an int32 field: gRPC cannot carry more
+            assert refused_over_grpc(client.search, pb.SearchRequest(item_id=item, k=k)) == said
+    # a field spelled apart: the JSON name over HTTP, the proto one over gRPC
+    assert refused(f"/v1/search/image?perGroup={2**40}", data=image, headers={"Content-Type": "image/png"}) == (
+        f"perGroup must be within 1..16, got {2**40}"
+    )
+    assert refused("/v1/feedback", json={"relevantIds": [item]}).startswith("requestId is required")
+    assert refused_over_grpc(client.feedback, "", [item]).startswith("request_id is required")
+    assert refused("/v1/feedback", json={"requestId": "never-sent"}) == "unknown or expired requestId 'never-sent'"
+    assert refused_over_grpc(client.feedback, "never-sent", []) == "unknown or expired request_id 'never-sent'"
 
 
 def test_bad_requests_get_their_status_and_a_message_naming_the_problem(served):

@@ -60,6 +60,10 @@ def test_request_id_is_echoed_and_feedback_accepted(served, test_catalog):
     with pytest.raises(grpc.RpcError) as err:
         client.feedback("never-sent", [])
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:  # no id at all: said so, not "unknown or expired request_id ''"
+        client.feedback("", [response.neighbors[0].id])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("request_id is required")
 
 
 @pytest.mark.parametrize(
@@ -71,8 +75,8 @@ def test_request_id_is_echoed_and_feedback_accepted(served, test_catalog):
         ({"k": 5}, grpc.StatusCode.INVALID_ARGUMENT, "no query"),
         ({"item_id": "no-such-item", "k": 5}, grpc.StatusCode.INVALID_ARGUMENT, "unknown item"),
         ({"embedding": pb.Embedding(values=[1.0, 2.0]), "k": 5}, grpc.StatusCode.INVALID_ARGUMENT, "dimension"),
-        ({"item_id": "x", "k": -3}, grpc.StatusCode.INVALID_ARGUMENT, "k must be"),
-        ({"item_id": "x", "k": 51}, grpc.StatusCode.INVALID_ARGUMENT, "exceeds"),
+        ({"item_id": "x", "k": -3}, grpc.StatusCode.INVALID_ARGUMENT, "k must be within 1..50, got -3"),
+        ({"item_id": "x", "k": 51}, grpc.StatusCode.INVALID_ARGUMENT, "k must be within 1..50, got 51"),
         ({"item_id": "x", "k": 5, "min_score": 1.5}, grpc.StatusCode.INVALID_ARGUMENT, "min_score"),
         ({"item_id": "x", "k": 5, "min_score": -1.01}, grpc.StatusCode.INVALID_ARGUMENT, "min_score"),
         ({"item_id": "x", "k": 5, "min_score": float("nan")}, grpc.StatusCode.INVALID_ARGUMENT, "min_score"),
