@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import tomllib
 import types
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -282,9 +283,10 @@ def _build(cls: type[T], values: dict[str, Any]) -> T:
     return cls(**kwargs)
 
 
-def resolve_config(cls: type[T], *layers: dict[str, Any]) -> T:
+def resolve_config(cls: type[T], *layers: dict[str, Any], spelled: Mapping[str, str] | None = None) -> T:
     """Build `cls` from layers of overrides (later wins), checking names and types; a layer may
-    nest options in their sections or name them flat."""
+    nest options in their sections or name them flat. `spelled`: how the user wrote options
+    (their flags, `from_cli`), for the dataclasses' own checks to name them so (`said_as`)."""
     all_options = {opt.name: opt for opt in options(cls)}
     sections = {name for opt in all_options.values() for name in opt.section}
     merged: dict[str, Any] = {}
@@ -303,6 +305,32 @@ def resolve_config(cls: type[T], *layers: dict[str, Any]) -> T:
         return _build(cls, values)
     except TypeError as exc:
         raise ConfigError(str(exc)) from exc
+    except ValueError as exc:  # a dataclass's own check, naming options by their config keys
+        said = said_as(str(exc), spelled or {})
+        if said == str(exc):
+            raise
+        raise ConfigError(said) from exc
+
+
+def said_as(message: str, spelled: Mapping[str, str]) -> str:
+    """`message` with each option it names by its config key (`shard_replicas`) named as the
+    user gave it instead (`--shard-replicas`), where `spelled` says; other keys stay keys, as a
+    config file spells them."""
+    if not spelled:
+        return message
+    names = "|".join(re.escape(name) for name in sorted(spelled, key=len, reverse=True))
+
+    def said(match: re.Match) -> str:
+        # A key of one word is also an ordinary noun ("unknown backbone 'vgg'"): it is the key
+        # only where a check names one — opening the message or a clause, or showing its value.
+        name = match.group(1)
+        opens = match.start() == 0 or message[: match.start()].endswith(("; ", ": "))
+        if "_" in name or opens or message.startswith(" (", match.end()):
+            return spelled[name]
+        return name
+
+    # a whole word: not part of a longer name, a flag already, or a possessive ("the model's")
+    return re.sub(rf"(?<![\w-])({names})(?![\w'-])", said, message)
 
 
 def explicit_args(args: argparse.Namespace, skip: tuple[str, ...] = ("config", "command", "verbose")) -> dict:
@@ -311,8 +339,16 @@ def explicit_args(args: argparse.Namespace, skip: tuple[str, ...] = ("config", "
 
 
 def from_cli(cls: type[T], args: argparse.Namespace) -> T:
+    """`cls` from the config file under the flags given; a check's error names an option by the
+    flag when a flag set it (`--shard-replicas must be at least 1`), by its key when the file did."""
     file_values = load_config_file(args.config) if getattr(args, "config", None) else {}
-    return resolve_config(cls, file_values, explicit_args(args))
+    flags = explicit_args(args)
+    return resolve_config(cls, file_values, flags, spelled=flag_spellings(flags, cls))
+
+
+def flag_spellings(flags: dict[str, Any], *classes: type) -> dict[str, str]:
+    """Each option among `flags` (`explicit_args`) → its flag, for `resolve_config(spelled=…)`."""
+    return {opt.name: opt.flag for cls in classes for opt in options(cls) if opt.name in flags}
 
 
 def to_jsonable(config: Any) -> dict[str, Any]:

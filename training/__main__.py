@@ -77,11 +77,15 @@ def main(argv: list[str] | None = None) -> int:
             out = run_training(from_cli(TrainConfig, args))
             print(json.dumps({"run": str(out), **_summary(out)}, indent=2))
         elif args.command == "benchmark":
-            from core.config import explicit_args, load_config_file
+            from core.config import explicit_args, flag_spellings, load_config_file
             from training.benchmark import BenchmarkConfig, run_benchmark
+            from training.train import TrainConfig
 
-            values = {**(load_config_file(args.config) if args.config else {}), **explicit_args(args)}
-            out = run_benchmark(BenchmarkConfig.from_values(values))
+            flags = explicit_args(args)
+            values = {**(load_config_file(args.config) if args.config else {}), **flags}
+            out = run_benchmark(
+                BenchmarkConfig.from_values(values, flag_spellings(flags, BenchmarkConfig, TrainConfig))
+            )
             print((out / "table.md").read_text())
         elif args.command == "export":
             from training.export import ExportConfig, run_export

@@ -90,13 +90,17 @@ class BenchmarkConfig:
         )
 
     @classmethod
-    def from_values(cls, values: dict[str, Any]) -> BenchmarkConfig:
-        """Benchmark options and protocol options from one flat mapping (file + flags)."""
+    def from_values(cls, values: dict[str, Any], spelled: dict[str, str] | None = None) -> BenchmarkConfig:
+        """Benchmark options and protocol options from one flat mapping (file + flags); `spelled`:
+        the options given as flags, which the checks' errors name so (`core.config.flag_spellings`)."""
         own = {f.name for f in dataclasses.fields(cls)} - {"protocol"}
         protocol = {k: v for k, v in values.items() if k not in own}
-        checked = to_jsonable(resolve_config(TrainConfig, protocol))  # names and types, as for train
+        checked = to_jsonable(resolve_config(TrainConfig, protocol, spelled=spelled))  # names and types, as for train
         return resolve_config(
-            cls, {k: v for k, v in values.items() if k in own}, {"protocol": {k: checked[k] for k in protocol}}
+            cls,
+            {k: v for k, v in values.items() if k in own},
+            {"protocol": {k: checked[k] for k in protocol}},
+            spelled=spelled,
         )
 
 

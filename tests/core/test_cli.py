@@ -22,32 +22,37 @@ def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 BAD_INPUT = [
     (("training", "train", "--catalog", "/no/such/catalog.csv"), "catalog not found"),
     (("training", "benchmark", "--catalog", "/no/such/catalog.csv", "--losses", "raw_vthm"), "catalog not found"),
-    (("index", "rebuild", "--workers", "0"), "workers must be at least 1"),
-    (("training", "train", "--epochs", "0"), "epochs must be positive"),
+    (("index", "rebuild", "--workers", "0"), "--workers must be at least 1"),
+    (("training", "train", "--epochs", "0"), "--epochs must be positive"),
     (("training", "train", "--device", "maybe"), "invalid choice"),
     (("training", "train", "--backbone", "vgg99", "--catalog", "."), "unknown backbone"),
     (("training", "train", "--pretrained", "/no/weights.pth"), "pretrained weights file not found"),
     (("training", "train", "--pretrained", "pkg:no_such_pkg/w.pth"), "package 'no_such_pkg' is not installed"),
     (("training", "train", "--dataset", "cub", "--data-root", "/no/such/dir"), "needs data_root"),
     (("training", "train", "--dataset", "imagenet", "--data-root", "."), "unknown dataset 'imagenet'"),
-    (("training", "train", "--warmup-epochs", "9", "--epochs", "3"), "warmup_epochs (9) must be fewer"),
+    (
+        ("training", "train", "--warmup-epochs", "9", "--epochs", "3"),
+        "--warmup-epochs (9) must be fewer than --epochs (3)",
+    ),
     (("training", "train", "--resume", "--out", "/no/such/run"), "nothing to resume"),
     (("training", "benchmark", "--losses", "raw_vthm,nope"), "unknown loss 'nope'"),
-    (("training", "benchmark", "--seeds", "0"), "seeds must be positive"),
+    (("training", "benchmark", "--seeds", "0"), "--seeds must be positive"),
     (("training", "export", "--run", "/no/such/run"), "no checkpoint.pt"),
     (("index", "build", "--model", "/no/such/model", "--index-root", "/tmp/x"), "not a published artifact"),
     (("index", "list", "--index-root", "/no/such/root"), "index root not found"),
     (("index", "rollback", "--index-root", "/no/such/root"), "index root not found"),
     (("serving", "serve", "--index-root", "/no/such/root"), "index root not found"),
-    (("serving", "serve", "--workers", "0"), "workers must be positive"),
-    (("serving", "serve", "--intra-op-threads", "-1"), "intra_op_threads must be positive"),
-    (("serving", "serve", "--batch-streams", "0"), "batch_streams must be positive"),
-    (("serving", "serve", "--inline-decode-pixels", "-1"), "inline_decode_pixels must be ≥ 0"),
-    (("serving", "serve", "--inference-decode-pixels", "-2"), "inference_decode_pixels must be ≥ 0"),
-    (("serving", "serve", "--run-rows", "-1"), "run_rows must be ≥ 0"),
+    (("serving", "serve", "--workers", "0"), "--workers must be positive"),
+    (("serving", "serve", "--intra-op-threads", "-1"), "--intra-op-threads must be positive"),
+    (("serving", "serve", "--batch-streams", "0"), "--batch-streams must be positive"),
+    (("serving", "serve", "--inline-decode-pixels", "-1"), "--inline-decode-pixels must be ≥ 0"),
+    (("serving", "serve", "--inference-decode-pixels", "-2"), "--inference-decode-pixels must be ≥ 0"),
+    (("serving", "serve", "--run-rows", "-1"), "--run-rows must be ≥ 0"),
     (("serving", "serve", "--event-loop", "trio"), "invalid choice"),
-    (("serving", "serve", "--max-connection-age-s", "-1"), "max_connection_age_s must be ≥ 0 seconds"),
-    (("serving", "serve", "--probe-interval-s", "-1"), "probe_interval_s must be ≥ 0 seconds"),
+    # a check's error names the option as the user gave it: the flag typed here, the key of a file below
+    (("serving", "serve", "--shard-replicas", "0"), "--shard-replicas must be at least 1, got 0"),
+    (("serving", "serve", "--max-connection-age-s", "-1"), "--max-connection-age-s must be ≥ 0 seconds"),
+    (("serving", "serve", "--probe-interval-s", "-1"), "--probe-interval-s must be ≥ 0 seconds"),
     (("serving", "query", "/no/such.png", "--k", "0"), "--k must be at least 1"),
 ]
 
@@ -131,3 +136,12 @@ def test_a_busy_machine_keeps_ray_trains_resource_request_warning_off_the_termin
     assert "worker done" in proc.stderr  # and the worker's stderr reached the driver's
     for noise in ("Failed to send resource request", "GetTimeoutError", "Traceback"):
         assert noise not in proc.stdout + proc.stderr, proc.stderr
+
+
+def test_a_config_files_mistake_names_its_key_and_a_flags_names_the_flag(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text("sharding:\n  shard_replicas: 0\n")
+    proc = run("serving", "serve", "--config", str(config), "--port", "0")
+    assert proc.returncode == 2 and "error: shard_replicas must be at least 1, got 0" in proc.stderr, proc.stderr
+    proc = run("serving", "serve", "--config", str(config), "--shard-replicas", "-1")  # the flag wins, and is named
+    assert proc.returncode == 2 and "error: --shard-replicas must be at least 1, got -1" in proc.stderr, proc.stderr

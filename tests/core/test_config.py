@@ -253,3 +253,51 @@ def test_options_only_in_files_have_no_flag_and_the_reference_lists_every_option
     for key in ("`name`", "`width`", "`limits.max_k`", "`limits.strict`", "`hidden`"):
         assert key in table
     assert "`--strict` / `--no-strict`" in table and "auto/cpu/gpu" in table and "`100`" in table
+
+
+@dataclasses.dataclass
+class Checked:
+    max_batch_size: int = option(8, help="rows per batch")
+    batch: int = option(4, flag="--batch-rows", help="spelled by its flag")
+    limits: Limits = section(Limits, help="limits")
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {self.max_batch_size}")
+        if self.batch_rows > self.max_batch_size:
+            raise ValueError(f"batch_rows ({self.batch_rows}) must not exceed max_batch_size ({self.max_batch_size})")
+        if self.limits.max_k < 1:
+            raise ValueError(f"max_k must be at least 1, got {self.limits.max_k}")
+
+    @property
+    def batch_rows(self) -> int:
+        return self.batch
+
+
+def _checked(*argv: str) -> Checked:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config")
+    add_options(parser, Checked)
+    return from_cli(Checked, parser.parse_args(list(argv)))
+
+
+def test_a_checks_error_names_the_flag_the_user_typed_and_the_key_a_file_set(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        _checked("--max-batch-size", "0")
+    assert str(caught.value) == "--max-batch-size must be at least 1, got 0"
+    with pytest.raises(ValueError) as caught:
+        _checked("--max-k", "0")  # an option of a section
+    assert str(caught.value) == "--max-k must be at least 1, got 0"
+    config = tmp_path / "run.yaml"
+    config.write_text("max_batch_size: 0\nlimits:\n  max_k: 0\n")
+    with pytest.raises(ValueError) as caught:
+        _checked("--config", str(config))
+    assert str(caught.value) == "max_batch_size must be at least 1, got 0"
+    # each option as its own source spelled it: the flag where a flag set it, else the key
+    config.write_text("max_batch_size: 2\n")
+    with pytest.raises(ValueError) as caught:
+        _checked("--config", str(config), "--batch-rows", "3")
+    assert str(caught.value) == "--batch-rows (3) must not exceed max_batch_size (2)"
+    # with no flags, a resolved configuration's errors are as its checks wrote them
+    with pytest.raises(ValueError, match="^max_k must be at least 1, got 0$"):
+        resolve_config(Checked, {"max_k": 0})

@@ -114,7 +114,7 @@ def test_the_threshold_moves_precision_against_recall(index_root, planted, tmp_p
 def test_bad_input_is_one_error_line(index_root, tmp_path):
     root, versions = index_root
     for args, fragment in (
-        (["--min-score", "1.5"], "min_score must be within [-1, 1]"),
+        (["--min-score", "1.5"], "--min-score must be within [-1, 1]"),
         ([], "needs --min-score"),
         (["--min-score", "0.9", "--version", "no-such-version"], "no-such-version"),
     ):
