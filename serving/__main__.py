@@ -252,10 +252,14 @@ def _query(args: argparse.Namespace) -> None:
             )
             width = max([12, len(field), *(len(n.group) for n in response.neighbors)]) if field else 0
             group_head = f"{field:<{width}}  " if field else ""
-            print(f"  {'rank':>4}  {'score':>7}  {group_head}{'label':<12} id")
+            # grouped by the label (a folder per class, --item-field label), the group column is it
+            labels = field != "label"
+            label_head = f"{'label':<12} " if labels else ""
+            print(f"  {'rank':>4}  {'score':>7}  {group_head}{label_head}id")
             for rank, n in enumerate(response.neighbors, 1):
                 group = f"{n.group:<{width}}  " if field else ""
-                print(f"  {rank:>4}  {n.score:7.4f}  {group}{n.label:<12} {n.id}")
+                label = f"{n.label:<12} " if labels else ""
+                print(f"  {rank:>4}  {n.score:7.4f}  {group}{label}{n.id}")
             if response.truncated:
                 print(f"  … fewer neighbours than all that qualify: cut at {len(response.neighbors)}")
     if failed:

@@ -94,6 +94,20 @@ def test_item_id_exclusions_filter_and_label_reach_the_server(server):
     assert len(server.monitor.traffic) == before + 1  # scored into the traffic Recall@K
 
 
+def test_an_answer_grouped_by_label_shows_the_label_once(server):
+    """A folder per class gives the field `label`: grouped by it, the group column is the label,
+    and the table had a second `label` column beside it (issue 47)."""
+    server, catalog = server
+    proc = query(server, str(catalog.paths[0]), "--k", "3", "--group-by", "label")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "grouped by label, 1 per group" in lines[0]
+    assert lines[1].split() == ["rank", "score", "label", "id"]
+    rows = [line.split() for line in lines[2:5]]
+    assert rows[0][2] == catalog.labels[0] and len({row[2] for row in rows}) == 3  # a label a row
+    assert all(len(row) == 4 for row in rows)
+
+
 def test_mistakes_are_one_line_naming_the_flag(server):
     server, catalog = server
     proc = query(server, str(catalog.paths[0]), "--k", "10000000000")
