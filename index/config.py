@@ -78,7 +78,8 @@ class BuildConfig:
     item_field: str | None = option(
         None,
         help="the catalog column naming each row's item (a product with several photos, an icon in several "
-        "themes; label for a labelled set): answers can be grouped by it and item Recall@K is measured "
+        "themes; label for a labelled set — a folder per class gives its images the field label, the folder's "
+        "name): answers can be grouped by it and item Recall@K is measured "
         f"(default: {ITEM_COLUMN} when the catalog has that column); declared filterable",
     )
     shards: int = option(
