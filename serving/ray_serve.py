@@ -35,6 +35,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from core.preprocess import pixels_of, scaled_pixels
 from index.version import IndexVersion
 from serving.config import ServerConfig
 from serving.engine import SearchEngine, ServingPair
+from serving.errors import Unavailable
 from serving.logs import Sink, relay, ship_records
 from serving.metrics import ServiceMetrics
 from serving.query_embedder import QueryEmbedder
@@ -77,7 +79,11 @@ def shard_deployment(number: int) -> str:
 class IngressVersion(IndexVersion):
     """A version as the ingress holds it: manifest, items, filters and tombstones (ids and
     fields for rows), never the vectors or the faiss index — those live in the shards. An
-    item's stored vector (an item_id query) is read from its shard's memory map, one row."""
+    item's stored vector (an item_id query) is asked of the shard holding its row."""
+
+    def __init__(self, directory: str | Path, shards: RayShards | None = None) -> None:
+        super().__init__(directory)
+        self._reach = shards
 
     @property
     def vectors(self) -> np.ndarray:  # type: ignore[override]
@@ -87,15 +93,12 @@ class IngressVersion(IndexVersion):
     def index(self):  # type: ignore[override]
         raise RuntimeError("the ingress of a sharded server holds no faiss index: ask the shards")
 
-    # The one index's (or a shard's) vectors memory-mapped: a row read costs a page, not the file.
-    _mapped = functools.cached_property(IndexVersion.vectors.func)  # type: ignore[attr-defined]
-
     def vector(self, row: int) -> np.ndarray:
-        if not self.shard_names:
-            return np.array(self._mapped[row])
-        offsets = self.shard_offsets
-        number = int(np.searchsorted(offsets, row, side="right") - 1)
-        return np.array(self.shard(number).vectors[row - int(offsets[number])])
+        number = int(np.searchsorted(self.shard_offsets, row, side="right") - 1) if self.shard_names else 0
+        local = row - (int(self.shard_offsets[number]) if self.shard_names else 0)
+        if self._reach is None:
+            raise RuntimeError("this ingress version reaches no shards")
+        return self._reach.vector(number, self.name, local)
 
     def check(self) -> IngressVersion:
         """What the ingress reads agrees with the manifest (each shard's own files are checked
@@ -247,11 +250,34 @@ class RayShards:
                 del pending[number]
         return answers  # type: ignore[return-value]  # every shard answered or failed
 
-    def _send(self, number: int, method: str, version: str, request: ShardRequest) -> Any:
+    def vector(self, number: int, version: str, row: int) -> np.ndarray:
+        """Row `row` of shard `number`'s vectors in `version`, from a replica of that shard (tried
+        again on failure, within the budget): the ingress maps no vectors file. The call runs on a
+        thread of its own, so it may be made from the ingress's event loop (Serve refuses a sync
+        call there); the loop waits for it as it waits for a page of a memory map in `serve`."""
+        deadline = time.monotonic() + self.budget_s
+        failure: Exception | None = None
+        for _ in range(self.retries + 1):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            call = functools.partial(self._send(number, "vector", version, row).result, timeout_s=left)
+            try:
+                return _OFF_LOOP.submit(call).result()
+            except (ArtifactError, ValueError, IndexError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - a dead replica or a timeout: another replica may answer
+                failure = exc
+        raise Unavailable(f"shard {self.names[number]} did not answer for an item's vector: {failure_reason(failure)}")
+
+    def _send(self, number: int, method: str, version: str, request: Any) -> Any:
         calls = self._calls.get(method)
         if calls is None:
             calls = self._calls[method] = [_direct(h, method) for h in self.handles]
         return calls[number].remote(version, request)
+
+
+_OFF_LOOP = ThreadPoolExecutor(4, thread_name_prefix="shard-vector")
 
 
 class ShardDeadline(TimeoutError):
@@ -327,6 +353,9 @@ class ShardReplica:
 
     async def fill(self, version: str, request: ShardRequest) -> ShardAnswer:
         return self.searcher.fill(version, request)
+
+    async def vector(self, version: str, row: int) -> np.ndarray:
+        return self.searcher.vector(version, row)
 
 
 class EmbedderReplica:
@@ -416,7 +445,7 @@ class IngressReplica:
         warmed — only then is it swapped in."""
         config = self.config
         version, self._first = version or self._first, None
-        opened = IngressVersion(artifacts.version_dir(config.index_root, version))
+        opened = IngressVersion(artifacts.version_dir(config.index_root, version), self.sharded.shards)
         count = shard_count(opened)
         if count != len(self.shards):
             raise ArtifactError(

@@ -269,6 +269,13 @@ class ShardSearcher:
         opened = self.open(version)
         return {"shard": self.name, "rows": opened.size, "memory_bytes": _resident_bytes()}
 
+    def vector(self, version: str, row: int) -> np.ndarray:
+        """This shard's row `row` (its own numbering) of `version`: an item's stored vector."""
+        shard = self.open(version)
+        if not 0 <= row < shard.size:
+            raise IndexError(f"shard {self.name} of version {version} has {shard.size} rows, not row {row}")
+        return np.array(shard.version.vectors[row])
+
     def search(self, version: str, request: ShardRequest) -> ShardAnswer:
         """The engine's answers over this shard's rows: global rows and scores."""
         started = time.perf_counter()

@@ -430,6 +430,38 @@ def test_a_damaged_shard_is_refused_naming_it_while_the_live_version_serves(shar
     assert all("shard=002" in line and "deployment=shard-002" in line and " ERROR " in line for line in said), said
 
 
+def test_an_item_id_query_asks_the_shard_holding_it_and_the_ingress_maps_no_vectors(sharded, roots):
+    """Issue 47: an item_id query made the ingress map the owning shard's vectors file (the
+    first read hashed all of it). The shard holding the row now answers with its vector: the
+    answer is the stored vector's own, and the ingress process maps no vectors file."""
+    client, _, _ = sharded
+    version = IndexVersion(artifacts.version_dir(roots[1], client.get_info().index_version))
+    answered = 0
+    size = len(version.items.ids)
+    for row in np.linspace(0, size - 1, 6).astype(int).tolist():  # rows spread over the shards
+        item = version.items.ids[row]
+        if version.row_of(item) is None:  # taken down by an earlier test
+            continue
+        by_id = client.search(pb.SearchRequest(item_id=item, k=10, group_by=""))
+        stored = version.vectors[row].tolist()
+        by_vector = client.search(
+            pb.SearchRequest(embedding=pb.Embedding(values=stored), k=10, group_by="", exclude_ids=[item])
+        )
+        assert by_id.index_version == by_vector.index_version == version.name
+        assert [n.id for n in by_id.neighbors] == [n.id for n in by_vector.neighbors] and by_id.neighbors
+        answered += 1
+    assert answered >= 3
+    with pytest.raises(grpc.RpcError) as unknown:
+        client.search(pb.SearchRequest(item_id="no-such-item", k=10))
+    assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    ingress = support_server.wait_for(
+        lambda: {m for line in SERVER_LOG if (m := re.search(r"deployment=ingress replica=(\d+)", line))}, timeout=10
+    )
+    for found in ingress:
+        maps = Path(f"/proc/{found.group(1)}/maps").read_text()
+        assert "embeddings.npy" not in maps and "index.faiss" not in maps
+
+
 def test_every_deployments_records_reach_the_commands_log_in_its_format(sharded):
     """Issue 47: the ingress's lines as `serve` writes them (the access log, with its request id),
     and every replica's warnings, in the command's own stream and format, each naming its
