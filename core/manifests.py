@@ -198,7 +198,9 @@ class QualityReport:
     """The `quality` section of an index manifest: figures measured before publishing.
 
     `ann_recall_at_k`: overlap of the index's top `ann_k` with exact search on a sample;
-    `probe_recall_at_k` (by str(k)): Recall@K of probe queries, from `probe_source`;
+    `probe_recall_at_k` (by str(k)): Recall@K of probe queries, from `probe_source`; over
+    `probe_queries` queries, each figure's 95% Wilson interval in `probe_interval_at_k` ([low,
+    high]; absent from manifests written before it was measured);
     `exact_recall_at_k`: Recall@K of exact search over the whole catalog (small catalogs only);
     `search_tuning`: how the build chose a search effort it was not given (nprobe, efSearch): the
     parameter, the value, the recall target and the recall of every value tried."""
@@ -214,10 +216,13 @@ class QualityReport:
     # The same sample's item-level Recall@K, where the catalog has items: its item among the top K
     # items (grouped search), the query's own row left out.
     item_recall_at_k: dict[str, float] | None = None
+    probe_queries: int | None = None
+    probe_interval_at_k: dict[str, list[float]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     _OPTIONAL: ClassVar[tuple[str, ...]] = (
-        "probe_source", "probe_recall_at_k", "exact_recall_at_k", "search_tuning", "item_recall_at_k"
+        "probe_source", "probe_recall_at_k", "exact_recall_at_k", "search_tuning", "item_recall_at_k",
+        "probe_queries", "probe_interval_at_k",
     )  # fmt: skip
 
     @property
@@ -240,6 +245,8 @@ class QualityReport:
             exact_recall_at_k=_figures(fields, "exact_recall_at_k"),
             search_tuning=fields.get("search_tuning", dict, required=False),
             item_recall_at_k=_figures(fields, "item_recall_at_k"),
+            probe_queries=fields.get("probe_queries", int, required=False),
+            probe_interval_at_k=_intervals(fields, "probe_interval_at_k"),
             extra=fields.rest(),
         )
 
@@ -253,6 +260,20 @@ def _figures(fields: _Fields, name: str) -> dict[str, float] | None:
     if section is None:
         return None
     return {k: float(section.get(k, _NUMBER)) for k in section.data}
+
+
+def _intervals(fields: _Fields, name: str) -> dict[str, list[float]] | None:
+    """A section of [low, high] pairs by str(k)."""
+    section = fields.section_of(name, required=False)
+    if section is None:
+        return None
+    intervals = {}
+    for k in section.data:
+        pair = section.get(k, list)
+        if len(pair) != 2 or not all(isinstance(v, _NUMBER) and not isinstance(v, bool) for v in pair):
+            raise ArtifactError(f"{section.source}: field '{section.section}.{k}' must be [low, high], got {pair!r}")
+        intervals[k] = [float(v) for v in pair]
+    return intervals
 
 
 @dataclass

@@ -6,6 +6,8 @@ Recall@K means the same thing at every stage.
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -94,3 +96,32 @@ def map_at_r(embeddings: np.ndarray, labels: Sequence) -> float:
     within_r = ranks[None, :] <= r_per_query[:, None]
     ap = (precision_at_i * hits * within_r).sum(axis=1) / np.maximum(r_per_query, 1)
     return float(ap[r_per_query > 0].mean())
+
+
+def stable_order(ids: Sequence[str], seed: int = 0) -> np.ndarray:
+    """Every row, ranked by a hash of `seed` and its id (BLAKE2b; Python's hash() is salted per
+    process), ties by id: the same ids rank alike whatever the rows' order, in every build."""
+    keys = [(hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest(), str(i)) for i in ids]
+    return np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
+
+
+def stable_sample(ids: Sequence[str], size: int, seed: int = 0) -> np.ndarray:
+    """`size` of the rows (all when fewer), sorted, chosen by their ids (`stable_order`): two
+    builds of one catalog in different row orders sample the same items, so their figures compare."""
+    return np.sort(stable_order(ids, seed)[:size])
+
+
+WILSON_Z = 1.959964  # the normal quantile of a two-sided 95% interval
+
+
+def wilson_interval(fraction: float, n: int, z: float = WILSON_Z) -> tuple[float, float]:
+    """The Wilson score interval (95% by default) of a proportion measured on `n` trials, such as
+    a Recall@K over `n` queries: unlike the normal approximation it stays within [0, 1] and is
+    not empty at 0 or 1. (0, 1) when nothing was measured."""
+    if n <= 0:
+        return 0.0, 1.0
+    z2 = z * z
+    centre = (fraction + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * math.sqrt(fraction * (1 - fraction) / n + z2 / (4 * n * n))
+    # At 0 or 1 the bound is exactly 0 or 1 (the formula lands an ulp inside it).
+    return (0.0 if fraction <= 0 else centre - half), (1.0 if fraction >= 1 else centre + half)

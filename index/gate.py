@@ -3,6 +3,7 @@ and item Recall@K) and the floors it must meet to be published, all passed in as
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import numpy as np
 
 from core.catalog import read_probe_catalog
 from core.manifests import IndexManifest, QualityReport
-from core.metrics import recall_at_k, recall_from_neighbor_labels
+from core.metrics import recall_at_k, recall_from_neighbor_labels, stable_sample, wilson_interval
 from index.embed import embed_catalog
 from index.embedder import OnnxEmbedder
 from index.faiss_index import ann_recall, search, search_leaving_out_self
@@ -51,10 +52,11 @@ class ProbeCatalog:
 
 def probe_catalog_recall(
     index, labels: list[str] | None, probe_catalog: ProbeCatalog, ks: tuple[int, ...]
-) -> tuple[dict[str, float], str]:
+) -> tuple[dict[str, float], str, int]:
     """Recall@K of held-out labelled images querying the built index (nothing to exclude),
-    and where it comes from. An index without labels cannot say which answers are right: the
-    probe images then query each other (leave-one-out), which measures the model alone."""
+    where it comes from and how many images queried. An index without labels cannot say which
+    answers are right: the probe images then query each other (leave-one-out), which measures
+    the model alone."""
     embedder = OnnxEmbedder(probe_catalog.model, provider=probe_catalog.provider)
     probe = read_probe_catalog(probe_catalog.path)
     vectors, kept, _ = embed_catalog(
@@ -67,7 +69,7 @@ def probe_catalog_recall(
         within = [kk for kk in ks if kk < len(kept)]
         recall = recall_at_k(vectors, [probe.labels[r] for r in kept], within) if within else {}
         source += " (leave-one-out among its images: the catalog has no labels)"
-        return {str(kk): v for kk, v in recall.items()}, source
+        return {str(kk): v for kk, v in recall.items()}, source, len(kept)
     k = min(max(ks), index.ntotal)
     _, rows = search(index, vectors, k)
     label_array = np.asarray(labels, dtype=object)
@@ -75,22 +77,25 @@ def probe_catalog_recall(
     query_labels = np.asarray([probe.labels[r] for r in kept], dtype=object)
     within = [kk for kk in ks if kk <= k]
     recall = recall_from_neighbor_labels(neighbor_labels, query_labels, within)
-    return {str(kk): v for kk, v in recall.items()}, source
+    return {str(kk): v for kk, v in recall.items()}, source, len(kept)
 
 
 def quality_figures(
     index,
     embeddings: np.ndarray,
+    ids: Sequence[str],
     labels: list[str] | None,
     thresholds: GateThresholds,
     items: Groups | None = None,
     probe_catalog: ProbeCatalog | None = None,
 ) -> QualityReport:
-    """ANN recall vs exact search, and probe Recall@K, on a fixed sample of the catalog.
-    Without labels (`labels` None) the probe comes from `probe_catalog` or is absent. With
-    `items` (the rows grouped by the item field), item Recall@K of the same sample too."""
+    """ANN recall vs exact search, and probe Recall@K with its 95% interval, on a fixed sample
+    of the catalog, chosen by the rows' `ids` (the same items whatever the row order, so two
+    builds of one catalog compare). Without labels (`labels` None) the probe comes from
+    `probe_catalog` or is absent. With `items` (the rows grouped by the item field), item
+    Recall@K of the same sample too."""
     n = len(embeddings)
-    sample = sample_rows(n, thresholds.quality_sample, seed=0)
+    sample = stable_sample(ids, thresholds.quality_sample, seed=0)
     ann_k = min(thresholds.ann_k, n)
     report = QualityReport(
         sample_size=int(len(sample)),
@@ -102,12 +107,12 @@ def quality_figures(
         item_recall = item_recall_at_k(index, embeddings, items, sample, thresholds.ks)
         report.item_recall_at_k = None if item_recall is None else {str(k): v for k, v in item_recall.items()}
     if probe_catalog is not None:
-        report.probe_recall_at_k, report.probe_source = probe_catalog_recall(
+        report.probe_recall_at_k, report.probe_source, report.probe_queries = probe_catalog_recall(
             index, labels, probe_catalog, thresholds.ks
         )
     if labels is None:
         report.probe_source = report.probe_source or NO_PROBE
-        return report
+        return _with_probe_interval(report)
     label_array = np.asarray(labels)
     depth = min(max(thresholds.ks), n - 1)
     ks = [kk for kk in thresholds.ks if kk <= depth]
@@ -119,14 +124,21 @@ def quality_figures(
         report.probe_recall_at_k = {
             str(kk): v for kk, v in recall_from_neighbor_labels(neighbor_labels, label_array[sample], ks).items()
         }
+        report.probe_queries = len(sample)
     if n <= 20000:
         report.exact_recall_at_k = {str(kk): v for kk, v in recall_at_k(embeddings, labels, ks).items()} if ks else {}
+    return _with_probe_interval(report)
+
+
+def _with_probe_interval(report: QualityReport) -> QualityReport:
+    """`report` with the 95% Wilson interval of each probe Recall@K over its `probe_queries`:
+    a sample of 1,000 leaves R@1 near 0.33 uncertain by ±0.03, what two builds of one catalog
+    differed by while the sample followed row order."""
+    if report.probe_recall_at_k and report.probe_queries:
+        report.probe_interval_at_k = {
+            k: list(wilson_interval(v, report.probe_queries)) for k, v in report.probe_recall_at_k.items()
+        }
     return report
-
-
-def sample_rows(n: int, size: int, seed: int) -> np.ndarray:
-    """`size` of `n` rows (all when fewer), sorted: a fixed sample for a given seed."""
-    return np.sort(np.random.default_rng(seed).choice(n, size=min(size, n), replace=False))
 
 
 def describe_quality(figures: QualityReport) -> str:
@@ -135,8 +147,13 @@ def describe_quality(figures: QualityReport) -> str:
         f"ANN recall@{figures.ann_k} {figures.ann_recall_at_k:.4f} against exact search ({figures.sample_size} queries)"
     )
     if figures.probe_recall_at_k:
-        recall = ", ".join(f"R@{k} {v:.4f}" for k, v in figures.probe_recall_at_k.items())
-        line += f"; probe {recall} ({figures.probe_source})"
+        intervals = figures.probe_interval_at_k or {}
+        recall = ", ".join(
+            f"R@{k} {v:.4f}" + (" [{:.4f}, {:.4f}]".format(*intervals[k]) if k in intervals else "")
+            for k, v in figures.probe_recall_at_k.items()
+        )
+        over = f"{figures.probe_queries} queries, 95% intervals; " if intervals else ""
+        line += f"; probe {recall} ({over}{figures.probe_source})"
     else:
         line += f"; probe Recall@K {figures.probe_source or NO_PROBE}"
     if figures.item_recall_at_k:

@@ -145,20 +145,19 @@ def search_groups(
     return answers  # type: ignore[return-value]
 
 
-def exact_top_groups(
+def exact_group_scores(
     query: np.ndarray,
     stored: np.ndarray,
     groups: Groups,
-    k: int,
     allowed: np.ndarray | None = None,
     exclude: frozenset[int] = frozenset(),
-    min_score: float | None = None,
-) -> list[int]:
-    """The exact top k groups of one query, best first: what `search_groups` answers with
-    (same rows allowed, excluded and left out for having no value), every eligible row scored.
-    The reference an approximate grouped answer is measured against."""
+) -> np.ndarray:
+    """Each group's exact score for one query, its best eligible row's (-inf: none), every row
+    scored, with the rows `search_groups` allows, excludes and leaves out for having no value:
+    the reference an approximate grouped answer is measured against (its top groups, and the
+    scores that say which groups tie)."""
     query = np.ascontiguousarray(query, dtype=np.float32)
-    return _exact_groups(query, stored, groups, k, _eligible(groups, allowed), exclude, min_score)[:k]
+    return _group_scores(query, stored, groups, _eligible(groups, allowed), exclude, None)
 
 
 def _eligible(groups: Groups, allowed: np.ndarray | None) -> np.ndarray | None:
@@ -221,6 +220,21 @@ def _exact_groups(
     min_score: float | None,
 ) -> list[int]:
     """Every eligible row scored: the k groups with the best rows, best first."""
+    best = _group_scores(query, stored, groups, eligible, exclude, min_score)
+    reachable = np.flatnonzero(np.isfinite(best))
+    top = reachable[np.argsort(-best[reachable], kind="stable")[: k + 1]]  # one past k: is there more?
+    return top.tolist()
+
+
+def _group_scores(
+    query: np.ndarray,
+    stored: np.ndarray,
+    groups: Groups,
+    eligible: np.ndarray | None,
+    exclude: frozenset[int],
+    min_score: float | None,
+) -> np.ndarray:
+    """Every eligible row scored: each group's best (-inf: no eligible row reaching `min_score`)."""
     scores = inner_products(stored, query)
     if eligible is not None:
         scores[~eligible] = -np.inf
@@ -229,11 +243,8 @@ def _exact_groups(
     if min_score is not None:
         scores[scores < min_score] = -np.inf
     if not len(groups):
-        return []
-    best = np.maximum.reduceat(scores[groups.rows], groups.offsets[:-1])
-    reachable = np.flatnonzero(np.isfinite(best))
-    top = reachable[np.argsort(-best[reachable], kind="stable")[: k + 1]]  # one past k: is there more?
-    return top.tolist()
+        return np.zeros(0, dtype=np.float32)
+    return np.maximum.reduceat(scores[groups.rows], groups.offsets[:-1])
 
 
 def _filled(

@@ -20,6 +20,7 @@ from core.artifacts import utc_now
 from core.catalog import Catalog
 from core.items import ItemTable
 from core.manifests import IndexManifest, QualityGate, QualityReport, RowCounts, ShardEntry
+from core.metrics import stable_sample
 from index.contact_sheet import contact_sheet, sample_neighbours
 from index.faiss_index import (
     EffortChoice,
@@ -40,7 +41,6 @@ from index.gate import (
     check_quality,
     describe_quality,
     quality_figures,
-    sample_rows,
 )
 from index.grouping import Groups
 from index.lifecycle import warn_of_returning_items
@@ -152,7 +152,7 @@ def publish_index_version(
     # a removal's subset), so a version's structure always describes its rows.
     filter_index = FilterIndex.build(table, filterable) if filterable else None
     searched, search_params, quality, quality_gate = _measure(
-        index, new.embeddings, labels, filter_index, len(table), recipe, gate, probe, item_field, target, new.model_id
+        index, new.embeddings, table.ids, labels, filter_index, recipe, gate, probe, item_field, target, new.model_id
     )
 
     if new.parent_version is None:  # a build from a whole catalog
@@ -188,9 +188,9 @@ def publish_index_version(
 def _measure(
     index: faiss.Index,
     embeddings: np.ndarray,
+    ids: list[str],
     labels: list[str] | None,
     filter_index: FilterIndex | None,
-    rows: int,
     recipe: IndexRecipe,
     gate: GateThresholds,
     probe: ProbeCatalog | None,
@@ -199,10 +199,12 @@ def _measure(
     model_id: str,
 ) -> tuple[faiss.Index | ExactRerank, dict[str, float], QualityReport, QualityGate]:
     """Tune the search effort, measure the quality figures and apply the gate (QualityGateError
-    when it refuses): the index as searched, its search parameters, figures and verdict."""
-    searched, search_params, tuning = _tune(index, embeddings, recipe, gate)
+    when it refuses): the index as searched, its search parameters, figures and verdict. Both
+    samples (the tuning's and the gate's) are chosen by the rows' `ids`, not their order."""
+    searched, search_params, tuning = _tune(index, embeddings, ids, recipe, gate)
+    rows = len(ids)
     item_groups = Groups.of(item_field, filter_index.fields[item_field], rows) if item_field and filter_index else None
-    quality = quality_figures(searched, embeddings, labels, gate, item_groups, probe)
+    quality = quality_figures(searched, embeddings, ids, labels, gate, item_groups, probe)
     quality.search_tuning = tuning.to_dict() if tuning is not None else None
     log.info("quality: %s; search parameters %s", describe_quality(quality), search_params or "none")
     return searched, search_params, quality, _gate(quality, gate, target.index_root, model_id)
@@ -258,7 +260,7 @@ def _publish_sharded(
         index, embeddings, table = staged.read_index(), staged.vectors, staged.items
         labels = list(table.labels) if table.labelled else None
         searched, search_params, quality, quality_gate = _measure(
-            index, embeddings, labels, staged.filters, len(table), recipe, gate, probe, item_field, target,
+            index, embeddings, table.ids, labels, staged.filters, recipe, gate, probe, item_field, target,
             new.model_id,
         )  # fmt: skip
         if new.parent_version is None:
@@ -338,7 +340,7 @@ def version_table(items: Catalog | ItemTable) -> tuple[ItemTable, list[str] | No
 
 
 def _tune(
-    index: faiss.Index, embeddings: np.ndarray, recipe: IndexRecipe, gate: GateThresholds
+    index: faiss.Index, embeddings: np.ndarray, ids: list[str], recipe: IndexRecipe, gate: GateThresholds
 ) -> tuple[faiss.Index | ExactRerank, dict[str, float], EffortChoice | None]:
     """The index as searched, its search parameters (a search effort the recipe does not give
     raised until ANN recall reaches its target) and what the tuning measured (None: not tuned)."""
@@ -348,7 +350,7 @@ def _tune(
     tuning = None
     if effort is not None and effort[0] not in search_params:
         # Tuned on a sample of its own, so the gate's figure below is measured, not the tuning's.
-        queries = embeddings[sample_rows(len(embeddings), gate.quality_sample, seed=1)]
+        queries = embeddings[stable_sample(ids, gate.quality_sample, seed=1)]
         k = min(gate.ann_k, len(embeddings))
         tuning = tune_search_effort(searched, embeddings, queries, k, recipe.target_ann_recall)
         search_params = {**search_params, tuning.parameter: tuning.value}

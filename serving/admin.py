@@ -75,6 +75,8 @@ class AdminService:
                     "modelId": m.model_id,
                     "annRecall": quality.ann_recall_at_k if quality else None,
                     "probeRecallAtK": (quality.probe_recall_at_k or {}) if quality else {},
+                    "probeIntervalAtK": (quality.probe_interval_at_k or {}) if quality else {},  # 95%, Wilson
+                    "probeQueries": quality.probe_queries if quality else None,
                     "created": m.created,
                     "parentVersion": m.parent_version,
                 }

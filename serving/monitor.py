@@ -6,10 +6,11 @@
    results of an earlier request, give Recall@K over a sliding window.
 3. ANN fidelity: a sampled fraction of live queries is re-run with exact search over the
    version's stored vectors in a background thread, off the request path; the figure is the
-   fraction of the exact top K that the index returned. Like is compared with like: a grouped
-   answer's first K groups with the exact top K groups (`index.grouping.exact_top_groups`),
-   a plain answer's first K rows with the exact top K rows, each within the same filter,
-   exclusions and takedowns.
+   fraction of the exact top K that the index returned, rows (groups) tied with the exact K-th
+   best counted as equal (`index.faiss_index.recall_with_ties`, as the build's ANN recall).
+   Like is compared with like: a grouped answer's first K groups with the exact top K groups
+   (`index.grouping.exact_group_scores`), a plain answer's first K rows with the exact top K
+   rows, each within the same filter, exclusions and takedowns.
 
 Every buffer is bounded, so neither traffic nor feedback can grow the server's memory. Figures
 describe the live pair only: each record names the pair that produced it, and one from a pair
@@ -29,14 +30,16 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from google.protobuf import json_format
 
 from core.config import option
 from core.metrics import recall_from_neighbor_labels
+from index.faiss_index import recall_with_ties
 from index.filters import Filter
-from index.grouping import Groups, exact_top_groups
+from index.grouping import Groups, exact_group_scores
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.engine import ServingPair
 from serving.metrics import ServiceMetrics
@@ -133,6 +136,10 @@ class SlidingRecall:
 
 ANN_BATCH = 64  # sampled queries a sharded server checks in one call to its shards
 ANN_GATHER_S = 0.5  # how long it gathers them (the figure is a window's mean: it can wait)
+# A sharded server's exact re-run lists the top EXACT_DEPTH×K: its scores are all the monitor
+# knows of the answer's rows, so a row tied with the K-th but listed past that (more than K
+# copies of one vector) is not seen as tied and counts as a miss.
+EXACT_DEPTH = 2
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,15 @@ class ExactQuery:
     exclude: frozenset[int]
     filter: Filter | None
     groups: Groups | None
+
+
+class ExactRanking(NamedTuple):
+    """An exact re-run's answer to one query: its top rows (a grouped query's groups, as codes),
+    best first, and their exact scores (a group's: its best row's). A plain (ids, scores) tuple
+    is one too."""
+
+    ids: list[int]
+    scores: list[float]
 
 
 class RecallMonitor:
@@ -161,9 +177,9 @@ class RecallMonitor:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._rng = random.Random(0)
-        # (pair, k, queries) → each query's exact top k rows (groups, grouped), best first: set by
-        # a sharded server, whose vectors live in its shards (`serving.sharded`).
-        self.exact_top: Callable[[ServingPair, int, list[ExactQuery]], list[list[int]]] | None = None
+        # (pair, k, queries) → each query's exact top k rows (groups, grouped) and their scores,
+        # best first: set by a sharded server, whose vectors live in its shards (`serving.sharded`).
+        self.exact_top: Callable[[ServingPair, int, list[ExactQuery]], list[ExactRanking]] | None = None
 
     # -- live traffic -----------------------------------------------------------------------
 
@@ -329,29 +345,31 @@ class RecallMonitor:
         pair = self._live
         if pair is None or pair.serial != serial:  # sampled before a reload: it no longer describes the index served
             return
+        depth = max(self.config.ks)
         if groups is None:
             scores = pair.index_version.exact_scores(vector)
             if allowed is not None:
                 scores[~allowed] = -np.inf
             if exclude:
                 scores[list(exclude)] = -np.inf
-
-            def exact_top(k: int) -> list[int]:
-                return np.argpartition(-scores, k - 1)[:k].tolist()
-
-            self._score_ann(serial, rows, exact_top)
+            top = _best(scores, depth)
+            self._score_ann(serial, rows, scores[rows].tolist(), top.tolist(), scores[top].tolist())
             return
         # A grouped answer holds one item's rows together and never a second group's sibling
         # rows: only its groups compare with an exact answer, the exact top groups.
         live = pair.index_version.live_mask
         if live is not None:
             allowed = live if allowed is None else allowed & live
-        ranked = exact_top_groups(vector, pair.vectors, groups, max(self.config.ks), allowed, frozenset(exclude))
-        self._score_ann(serial, groups.first_seen(rows), lambda k: ranked[:k])
+        best = exact_group_scores(vector, pair.vectors, groups, allowed, frozenset(exclude))
+        answered = groups.first_seen(rows)
+        top = _best(best, depth)
+        their = [float(best[g]) if g >= 0 else -np.inf for g in answered]
+        self._score_ann(serial, answered, their, top.tolist(), best[top].tolist())
 
     def check_ann_remote(self, jobs: list[tuple]) -> None:
         """`check_ann` for queued queries whose exact answers come from `exact_top` (a sharded
-        server), all of them in one call."""
+        server), all of them in one call. The answers' rows are scored from the exact ranking,
+        which lists EXACT_DEPTH×K of them: one past it scores below every row that can tie."""
         pair = self._live
         jobs = [job for job in jobs if pair is not None and job[0] == pair.serial]
         if not jobs:
@@ -359,21 +377,30 @@ class RecallMonitor:
         queries = [
             ExactQuery(vector, frozenset(exclude), filter, groups) for _, vector, _, exclude, _, groups, filter in jobs
         ]
-        ranked = self.exact_top(pair, max(self.config.ks), queries)
-        for (serial, _, rows, _, _, groups, _), exact in zip(jobs, ranked, strict=True):
+        ranked = self.exact_top(pair, EXACT_DEPTH * max(self.config.ks), queries)
+        for (serial, _, rows, _, _, groups, _), (ids, scores) in zip(jobs, ranked, strict=True):
             answered = rows if groups is None else groups.first_seen(rows)
-            self._score_ann(serial, answered, lambda k, exact=exact: exact[:k])
+            known = dict(zip(ids, scores, strict=True))
+            self._score_ann(serial, answered, [known.get(a, -np.inf) for a in answered], ids, scores)
 
-    def _score_ann(self, serial: int, answered: list[int], exact_top: Callable[[int], list[int]]) -> None:
-        """One checked query's ANN fidelity at each K its answer reaches, while load `serial` is live."""
+    def _score_ann(
+        self,
+        serial: int,
+        answered: list[int],
+        answered_scores: list[float],
+        exact: list[int],
+        exact_scores: list[float],
+    ) -> None:
+        """One checked query's ANN fidelity at each K its answer reaches, while load `serial` is
+        live: `answered` (rows or groups) with their exact scores, against the exact ranking."""
         for k in self.config.ks:
             if len(answered) < k:
                 continue
-            exact = exact_top(k)
+            fidelity = recall_with_ties(answered, answered_scores, exact, exact_scores, k)
             with self._lock:
                 if not self._is_live(serial):
                     return
-                self.ann[k].append(len(set(answered[:k]) & set(exact)) / k)
+                self.ann[k].append(fidelity)
                 self.metrics.ann_recall_at_k.labels(str(k)).set(float(np.mean(self.ann[k])))
 
     def ann_values(self) -> dict[int, float]:
@@ -399,6 +426,14 @@ class RecallMonitor:
                 else:  # no answer in the window reaches K any more: no figure rather than a stale one
                     with contextlib.suppress(KeyError):
                         self.metrics.recall_at_k.remove(str(k), source)
+
+
+def _best(scores: np.ndarray, depth: int) -> np.ndarray:
+    """The places of the `depth` best finite `scores`, best first (ties: the lower place)."""
+    depth = min(depth, len(scores))
+    top = np.argpartition(-scores, depth - 1)[:depth] if 0 < depth < len(scores) else np.arange(depth)
+    top = top[np.lexsort((top, -scores[top]))]
+    return top[np.isfinite(scores[top])]
 
 
 def probe_recall(neighbor_labels: list[list[str]], labels: list[str], ks: Sequence[int]) -> dict[int, float]:

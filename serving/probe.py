@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from core.catalog import read_probe_catalog
+from core.metrics import stable_order
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.engine import SearchEngine, ServingPair
 from serving.monitor import probe_recall
@@ -47,17 +48,27 @@ class ProbeRunner:
         self.max_batch_queries = max_batch_queries
         self.probe_catalog = probe_catalog
         self.probe_filter = probe_filter  # every probe query carries it: the filtered path is measured
+        self._ranked: tuple[int, np.ndarray] | None = None  # (load serial, its rows by id)
+
+    def _rows_by_id(self, pair: ServingPair) -> np.ndarray:
+        """The version's rows ranked by their ids (`core.metrics.stable_order`), hashed once a
+        load: probe rounds sample its first rows, the same items whatever the catalog's row order."""
+        ranked = self._ranked
+        if ranked is None or ranked[0] != pair.serial:
+            ranked = self._ranked = (pair.serial, stable_order(pair.items.ids))
+        return ranked[1]
 
     def probe_set(self, pair: ServingPair) -> tuple[list[str | Path], list[str], list[list[str]]]:
-        """(image paths, labels, ids to exclude): a held-out catalog, or a fixed sample of items."""
+        """(image paths, labels, ids to exclude): a held-out catalog, or a fixed sample of items,
+        chosen by their ids (the same items whatever the catalog's row order)."""
         if not pair.items.labelled:
             return [], [], []  # answers without labels cannot be scored (build-time figures say so)
         if self.probe_catalog:
             catalog = read_probe_catalog(self.probe_catalog)
-            rows = np.random.default_rng(0).permutation(len(catalog))[: self.probe_size]
+            rows = stable_order(catalog.ids)[: self.probe_size]
             return [catalog.paths[r] for r in rows], [catalog.labels[r] for r in rows], [[] for _ in rows]
         items = pair.items
-        rows = np.random.default_rng(0).permutation(len(items))[: self.probe_size]
+        rows = self._rows_by_id(pair)[: self.probe_size]
         live = pair.index_version.live_mask
         rows = [r for r in rows if (live is None or live[r]) and os.path.isfile(items.paths[r])]
         return [items.paths[r] for r in rows], [items.labels[r] for r in rows], [[items.ids[r]] for r in rows]
@@ -91,8 +102,8 @@ class ProbeRunner:
         return answers
 
     def item_round(self, loop: asyncio.AbstractEventLoop) -> dict[int, float] | None:
-        """Item Recall@K where the live version has an item field: a fixed sample of rows whose
-        item has another row queries by its image, grouped by item, its own row left out; a hit
+        """Item Recall@K where the live version has an item field: a fixed sample of rows (by
+        their ids) whose item has another row queries by its image, grouped by item, its own row left out; a hit
         when its item is among the K best. Labels are not needed. Recorded on the monitor unless
         a reload swapped the pair meanwhile; None with no item field or nothing to score."""
         if not self.engine.loaded:
@@ -105,7 +116,7 @@ class ProbeRunner:
         sizes = np.diff(groups.offsets)
         live = pair.index_version.live_mask
         items = pair.items
-        order = np.random.default_rng(0).permutation(len(items))
+        order = self._rows_by_id(pair)
         rows = [
             int(r) for r in order if groups.codes[r] >= 0 and sizes[groups.codes[r]] > 1 and (live is None or live[r])
         ][: self.probe_size]

@@ -60,7 +60,16 @@
   }
 
   const fmtScore = (v) => (typeof v === "number" ? v.toFixed(3) : "—");
-  const fmtPct = (v) => (typeof v === "number" && Number.isFinite(v) ? `${(v * 100).toFixed(1)}%` : "—");
+  // A percentage to one decimal, but never 100.0% for a figure short of 1: 0.9995 is 99.95%, not
+  // what an exact index measures. Digits are added until it reads below 100, then it is cut.
+  function fmtPct(v) {
+    if (typeof v !== "number" || !Number.isFinite(v)) return "—";
+    for (let digits = 1; digits <= 3; digits += 1) {
+      const text = (v * 100).toFixed(digits);
+      if (v >= 1 || Number(text) < 100) return `${text}%`;
+    }
+    return "99.999%";
+  }
   const fmtMs = (v) =>
     typeof v === "number" && Number.isFinite(v) ? `${v < 10 ? v.toFixed(1) : Math.round(v)} ms` : "—";
   const fmtInt = (v) => (v === undefined || v === null || v === "" ? "—" : Number(v).toLocaleString("en-US"));
@@ -1133,7 +1142,7 @@
           el("td", null, v.factory || "—"),
           el("td", null, el("code", null, v.modelId || "—")),
           el("td", { class: "num" }, fmtPct(v.annRecall)),
-          sortedK.map((k) => el("td", { class: "num" }, fmtPct((v.probeRecallAtK || {})[k]))),
+          sortedK.map((k) => probeCell(v, k)),
           actions,
         ),
       );
@@ -1141,6 +1150,21 @@
     table.append(body);
     const live = ordered.find((v) => v.live);
     if (live && $("neighbours-figure").hidden) showNeighbours(live.version);
+  }
+
+  // A version's probe Recall@K, with its 95% interval below it where the build measured one
+  // (versions built before it have none): two versions' figures differ only beyond it.
+  function probeCell(v, k) {
+    const value = (v.probeRecallAtK || {})[k];
+    const interval = (v.probeIntervalAtK || {})[k];
+    if (!Array.isArray(interval) || typeof value !== "number") return el("td", { class: "num" }, fmtPct(value));
+    const queries = typeof v.probeQueries === "number" ? ` of ${fmtInt(v.probeQueries)} queries` : "";
+    return el(
+      "td",
+      { class: "num", title: `95% confidence interval (Wilson)${queries}` },
+      fmtPct(value),
+      el("div", { class: "muted small probe-interval" }, `${fmtPct(interval[0])}–${fmtPct(interval[1])}`),
+    );
   }
 
   async function showNeighbours(version) {

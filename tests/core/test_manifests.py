@@ -102,6 +102,11 @@ def test_typed_fields():
             {**INDEX, "quality": {**INDEX["quality"], "ann_recall_at_k": "high"}},
             "'quality.ann_recall_at_k'",
         ),
+        (
+            IndexManifest,
+            {**INDEX, "quality": {**INDEX["quality"], "probe_interval_at_k": {"1": [0.7]}}},
+            r"'quality.probe_interval_at_k.1' must be \[low, high\]",
+        ),
         (IndexManifest, {**INDEX, "rows": {"catalog": 1}}, "'rows.indexed' is missing"),
         (IndexManifest, {**INDEX, "schema_version": SCHEMA_VERSION + 1}, "'schema_version'"),
         (IndexManifest, [INDEX], "must be a JSON object"),

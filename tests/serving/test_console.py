@@ -465,6 +465,32 @@ def test_search_versions_and_duplicates_pages_are_screenshotted(page, console):
     assert no_alert(page)
 
 
+def test_versions_show_the_probe_interval_and_never_round_a_lesser_recall_up_to_exact(page, console):
+    """An ANN recall of 0.9995 (a Flat index counting ties by identity read that) is 99.95%, not
+    100.0%; each probe Recall@K shows its 95% interval beneath it."""
+    manifest = artifacts.version_dir(console.root, console.old) / artifacts.MANIFEST
+    kept = manifest.read_text()
+    data = artifacts.read_manifest(manifest.parent)
+    data["quality"]["ann_recall_at_k"] = 0.9995
+    artifacts.write_json_atomic(manifest, data)
+    try:
+        open_page(page, console, "versions")
+        use_admin_token(page)
+        wait(page, lambda d: len(d.find_elements(By.CSS_SELECTOR, "#versions-table tbody tr")) == 2, "two versions")
+        cells = {
+            v: page.find_elements(By.CSS_SELECTOR, f'#versions-table tr[data-version="{v}"] td')
+            for v in (console.old, console.new)
+        }
+        assert cells[console.old][4].text == "99.95%"
+        probe = cells[console.new][5]  # Probe R@1
+        interval = probe.find_element(By.CSS_SELECTOR, ".probe-interval").text
+        low, high = (float(p.rstrip("%")) for p in interval.split("–"))
+        assert low <= float(probe.text.splitlines()[0].rstrip("%")) <= high
+        assert probe.get_attribute("title").startswith("95% confidence interval (Wilson) of ")
+    finally:
+        manifest.write_text(kept)
+
+
 def test_making_another_version_live_changes_getinfo(page, console):
     open_page(page, console, "versions")
     use_admin_token(page)

@@ -11,7 +11,7 @@ import numpy as np
 
 from core.items import ItemTable
 from core.manifests import ModelManifest, RowCounts
-from index.faiss_index import l2_normalized
+from index.faiss_index import build_index, l2_normalized, merged_index
 from index.filters import parse_filterable
 from index.gate import GateThresholds
 from index.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
@@ -72,3 +72,12 @@ def model(folder: Path, dim: int, side: int = 8) -> Path:
 
 def opened(root: Path) -> IndexVersion:
     return IndexVersion.open(root)
+
+
+def two_flat_shards(vectors: np.ndarray):
+    """`vectors` as two Flat shards, merged (faiss's IndexShards, as a sharded version is measured
+    and searched whole): exact, but where two equal rows lie in different shards the merge lists
+    them in another order than exact search does."""
+    half = len(vectors) // 2
+    shards = [build_index(vectors[:half], "Flat", device="cpu"), build_index(vectors[half:], "Flat", device="cpu")]
+    return merged_index(shards, np.array([0, half]))
