@@ -510,10 +510,13 @@ class ShardedSearch:
         missing = {**split.missing, **filled.missing}
         return _Split([a for a in split.answers if a.shard not in missing], missing)
 
-    def exact_top(self, pair: ServingPair, k: int, queries: Sequence[ExactQuery]) -> list[list[int]]:
+    def exact_top(
+        self, pair: ServingPair, k: int, queries: Sequence[ExactQuery]
+    ) -> list[tuple[list[int], list[float]]]:
         """Each query's exact top k rows over every shard (grouped: its top k groups, as codes of
-        its groups), best first, in one call to the shards: the monitor's reference for ANN
-        fidelity (a call a query cost as many shard calls as the searches it checked)."""
+        its groups) and their exact scores (a group's: its best row's), best first, in one call to
+        the shards: the monitor's reference for ANN fidelity, which compares by score where rows
+        tie (a call a query cost as many shard calls as the searches it checked)."""
         scopes = [Scope(filter=q.filter, groups=q.groups) for q in queries]
         vectors = np.stack([q.vector for q in queries])
         request = self.request(vectors, k, [q.exclude for q in queries], scopes, None)
@@ -525,10 +528,12 @@ class ShardedSearch:
             rows = np.concatenate([a.hits(i)[0] for a in split.answers])
             scores = np.concatenate([a.hits(i)[1] for a in split.answers])
             order = np.lexsort((rows, -scores))
-            if query.groups is None:
-                ranked.append(rows[order][:k].tolist())
-            else:
-                ranked.append(query.groups.first_seen(rows[order])[:k])
+            rows, scores = rows[order], scores[order]
+            if query.groups is not None:  # each group once, at its best row's place
+                codes = query.groups.codes[rows]
+                first = np.sort(np.unique(codes, return_index=True)[1])
+                rows, scores = codes[first], scores[first]
+            ranked.append((rows[:k].tolist(), scores[:k].tolist()))
         return ranked
 
 
