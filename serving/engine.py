@@ -15,6 +15,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import faiss
 import numpy as np
@@ -32,7 +33,9 @@ from index.filters import Filter
 from index.grouping import Groups, search_groups
 from index.version import IndexVersion
 from serving.errors import Unavailable, image_errors
-from serving.query_embedder import MEASURE_BUDGET_S, Progress, QueryEmbedder
+
+if TYPE_CHECKING:  # ONNX Runtime loads where a model does, not in a shard replica (serving.replicas)
+    from serving.query_embedder import Progress, QueryEmbedder
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +119,7 @@ def load_pair(
     run_rows: int | None = 0,
     batch_rows: int = 1,
     previous: ServingPair | None = None,
-    measure_budget_s: float = MEASURE_BUDGET_S,
+    measure_budget_s: float | None = None,
     progress: Progress | None = None,
 ) -> ServingPair:
     """Load an index version and its model, refusing a pair built with different models.
@@ -125,7 +128,7 @@ def load_pair(
     `run_rows`: at most this many images per ORT run (0: a batch in one run); None: the fastest
     for batches of up to `batch_rows` images, measured — or, when the `previous` pair has the
     same model (a new index for it), that pair's sessions, rows per run included; the
-    measurement takes at most `measure_budget_s`, telling `progress` how far it got."""
+    measurement takes at most `measure_budget_s` (default: MEASURE_BUDGET_S), telling `progress` how far it got."""
     opened = IndexVersion.open(index_root, version)
     model_dir = Path(model_dir or opened.manifest.model_dir or "")
     if not (model_dir / artifacts.MANIFEST).is_file():
@@ -143,12 +146,19 @@ def load_pair(
         # The same model from the same directory: a new index for it, as a takedown or an add
         # publishes, keeps the live sessions rather than building and tuning them again.
         return ServingPair(previous.embedder, opened.searchable(), opened)
+    from serving.query_embedder import MEASURE_BUDGET_S, QueryEmbedder
+
     embedder = QueryEmbedder(model_dir, provider, intra_op_threads, ort_spinning, runs_at_once=runs_at_once)
     if run_rows is not None:
         embedder.set_run_rows(run_rows or None, run_rows or None)
     else:
         side_by_side_rows = -(-batch_rows // runs_at_once)
-        embedder.tune_run_rows(batch_rows, side_by_side_rows, total_budget_s=measure_budget_s, progress=progress)
+        embedder.tune_run_rows(
+            batch_rows,
+            side_by_side_rows,
+            total_budget_s=MEASURE_BUDGET_S if measure_budget_s is None else measure_budget_s,
+            progress=progress,
+        )
     return ServingPair(embedder, opened.searchable(), opened)
 
 

@@ -34,7 +34,6 @@ import signal
 import socket
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,19 +43,18 @@ import numpy as np
 from core import artifacts
 from core.artifacts import ArtifactError
 from core.manifests import ModelManifest, check_model_index_pair
-from core.preprocess import pixels_of, scaled_pixels
+from core.preprocess import pixels_of
 from index.version import IndexVersion
 from serving.config import ServerConfig
 from serving.engine import SearchEngine, ServingPair
 from serving.errors import Unavailable
 from serving.logs import Sink, relay, ship_records
 from serving.metrics import ServiceMetrics
-from serving.query_embedder import QueryEmbedder
+from serving.replicas import EMBEDDER, EmbedderReplica, EmbedderSettings, ShardReplica, shard_deployment
 from serving.sharded import (
     ShardAnswer,
     ShardedSearch,
     ShardRequest,
-    ShardSearcher,
     failure_reason,
     shard_count,
     shard_label,
@@ -66,11 +64,6 @@ log = logging.getLogger(__name__)
 
 APP = "simsearch"
 INGRESS = "ingress"
-EMBEDDER = "embedder"
-
-
-def shard_deployment(number: int) -> str:
-    return f"shard-{shard_label(number)}"
 
 
 # -- what the ingress holds of a version -------------------------------------------------------
@@ -328,76 +321,6 @@ def _broadcast(handle: Any, method: str, *args: Any, timeout_s: float = 300.0) -
 # -- the deployments -----------------------------------------------------------------------------
 
 
-class ShardReplica:
-    """A shard deployment's replica: a `ShardSearcher` over its shard of the index root."""
-
-    def __init__(self, index_root: str, number: int, log_sink: Sink | None = None) -> None:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        ship_records(log_sink, shard_deployment(number))
-        self.searcher = ShardSearcher(index_root, number)
-
-    def warm(self, version: str) -> dict:
-        return self.searcher.warm(version)
-
-    # The query methods are coroutines that block: Serve runs a sync method on a thread pool,
-    # a hop that cost ~1.2 ms a call (S = 1 at concurrency 1: p50 4.3 → 3.1 ms; S = 4 at 32:
-    # 780 → 915 q/s, docs/benchmarks.md). A replica then answers one call at a time (faiss
-    # spreads a batch over the cores; more replicas, `--shard-replicas`, add calls at once);
-    # `warm` stays sync, so opening a version runs beside the searches. Serve's health checks
-    # run on the replica's own loop, not the one user code blocks.
-    async def search(self, version: str, request: ShardRequest) -> ShardAnswer:
-        return self.searcher.search(version, request)
-
-    async def exact(self, version: str, request: ShardRequest) -> ShardAnswer:
-        return self.searcher.exact(version, request)
-
-    async def fill(self, version: str, request: ShardRequest) -> ShardAnswer:
-        return self.searcher.fill(version, request)
-
-    async def vector(self, version: str, row: int) -> np.ndarray:
-        return self.searcher.vector(version, row)
-
-
-class EmbedderReplica:
-    """The embedder deployment's replica: the model's sessions, by model directory (the last
-    two asked for), tuned as one server tunes them (`--run-rows`)."""
-
-    def __init__(self, config: ServerConfig, log_sink: Sink | None = None) -> None:
-        ship_records(log_sink, EMBEDDER)
-        self.config = config
-        self._models: OrderedDict[str, QueryEmbedder] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def _embedder(self, model_dir: str) -> QueryEmbedder:
-        with self._lock:
-            found = self._models.get(model_dir)
-            if found is None:
-                runtime = self.config.runtime
-                found = QueryEmbedder(
-                    model_dir, runtime.provider, runtime.intra_op_threads, runtime.ort_spinning,
-                    runs_at_once=self.config.runs_at_once,
-                )  # fmt: skip
-                if runtime.run_rows is not None:
-                    found.set_run_rows(runtime.run_rows or None, runtime.run_rows or None)
-                else:
-                    side = -(-self.config.largest_run // self.config.runs_at_once)
-                    found.tune_run_rows(self.config.largest_run, side, total_budget_s=runtime.run_rows_budget_s)
-                self._models[model_dir] = found
-                while len(self._models) > 2:
-                    self._models.popitem(last=False)
-            return found
-
-    def warm(self, model_dir: str) -> list[str]:
-        return list(self._embedder(model_dir).session.get_providers())
-
-    def embed(self, model_dir: str, batch: np.ndarray, side_by_side: bool = False) -> np.ndarray:
-        """Embeddings of a batch of model inputs, or of the uint8 pixels they are made of."""
-        embedder = self._embedder(model_dir)
-        if batch.dtype == np.uint8:
-            batch = scaled_pixels(batch, embedder.contract)
-        return embedder.embed(batch, side_by_side=side_by_side)
-
-
 class IngressReplica:
     """The ingress: the server of `serve` (`SearchApp`) on an event loop of its own, its engine
     searching the shards, its loads opening each version on them first."""
@@ -520,7 +443,11 @@ def build(config: ServerConfig, version: IndexVersion, log_sink: Sink | None = N
         .bind(config.index_root, n, log_sink)
         for n in range(shard_count(version))
     ]
-    embedder = serve.deployment(EmbedderReplica).options(name=EMBEDDER, ray_actor_options=cpus).bind(config, log_sink)
+    embedder = (
+        serve.deployment(EmbedderReplica)
+        .options(name=EMBEDDER, ray_actor_options=cpus)
+        .bind(EmbedderSettings.of(config), log_sink)
+    )
     ingress = serve.deployment(IngressReplica).options(name=INGRESS, num_replicas=1, ray_actor_options=cpus)
     return ingress.bind(config, shard_apps, embedder, version.name, log_sink)
 

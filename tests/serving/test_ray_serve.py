@@ -462,6 +462,47 @@ def test_an_item_id_query_asks_the_shard_holding_it_and_the_ingress_maps_no_vect
         assert "embeddings.npy" not in maps and "index.faiss" not in maps
 
 
+REPLICA_WORK = """
+import json, sys
+import numpy as np
+from serving.replicas import {cls}
+replica = {make}
+{work}
+print(json.dumps(sorted({{name.split(".", 1)[0] for name in sys.modules}})))
+"""
+
+
+def _packages_of(cls: str, make: str, work: str) -> set[str]:
+    """The top-level packages a fresh process holds after a replica's work (a Ray worker may
+    have run other tasks before it was given a replica: its modules say nothing of the replica's)."""
+    code = REPLICA_WORK.format(cls=cls, make=make, work=work)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return set(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_a_replica_imports_what_its_work_needs(roots):
+    """Issue 47: a shard replica loaded the model stack (320 MB a replica for a 56 MB catalog).
+    After opening and searching its shard it holds faiss and its rows, never ONNX Runtime or
+    the server's HTTP and metrics stack; the embedder after embedding holds ONNX Runtime, never
+    faiss."""
+    _, four, model = roots
+    search = "\n".join([
+        "from index.version import IndexVersion",
+        "from serving.engine import EVERY_ROW",
+        "from serving.sharded import ShardedSearch",
+        f"version = IndexVersion.live({str(four)!r}).name",
+        f"request = ShardedSearch.request(np.ones((2, {DIM}), np.float32), 5, [frozenset()] * 2, [EVERY_ROW] * 2, None)",  # noqa: E501
+        "assert len(replica.searcher.search(version, request).rows) == 10",
+    ])  # fmt: skip
+    shard = _packages_of("ShardReplica", f"ShardReplica({str(four)!r}, 1)", search)
+    assert "faiss" in shard and not {"onnxruntime", "aiohttp", "prometheus_client", "torch"} & shard
+    settings = "EmbedderSettings('cpu', 1, False, 1, 0, 8, 1.0)"
+    embed = f"replica.embed({str(model)!r}, np.zeros((2, 3, {SIDE}, {SIDE}), np.uint8))"
+    embedder = _packages_of("EmbedderReplica, EmbedderSettings", f"EmbedderReplica({settings})", embed)
+    assert "onnxruntime" in embedder and not {"faiss", "aiohttp", "prometheus_client", "torch"} & embedder
+
+
 def test_every_deployments_records_reach_the_commands_log_in_its_format(sharded):
     """Issue 47: the ingress's lines as `serve` writes them (the access log, with its request id),
     and every replica's warnings, in the command's own stream and format, each naming its

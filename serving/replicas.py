@@ -1,0 +1,125 @@
+"""The replicas of `serve --ray`'s shard and embedder deployments (`serving.ray_serve` deploys
+them), in a module of their own: a replica process imports what its work needs and no more — a
+shard replica faiss and its rows, never ONNX Runtime or the server's gRPC, HTTP and metrics
+stack; an embedder replica ONNX Runtime, never faiss (docs/operations.md, memory a replica)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from serving.logs import Sink, ship_records
+
+if TYPE_CHECKING:
+    from serving.config import ServerConfig
+    from serving.query_embedder import QueryEmbedder
+    from serving.sharded import ShardAnswer, ShardRequest
+
+EMBEDDER = "embedder"
+
+
+def shard_deployment(number: int) -> str:
+    return f"shard-{number:03d}"
+
+
+class ShardReplica:
+    """A shard deployment's replica: a `ShardSearcher` over its shard of the index root."""
+
+    def __init__(self, index_root: str, number: int, log_sink: Sink | None = None) -> None:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        ship_records(log_sink, shard_deployment(number))
+        from serving.sharded import ShardSearcher
+
+        self.searcher = ShardSearcher(index_root, number)
+
+    def warm(self, version: str) -> dict:
+        return self.searcher.warm(version)
+
+    # The query methods are coroutines that block: Serve runs a sync method on a thread pool,
+    # a hop that cost ~1.2 ms a call (S = 1 at concurrency 1: p50 4.3 → 3.1 ms; S = 4 at 32:
+    # 780 → 915 q/s, docs/benchmarks.md). A replica then answers one call at a time (faiss
+    # spreads a batch over the cores; more replicas, `--shard-replicas`, add calls at once);
+    # `warm` stays sync, so opening a version runs beside the searches. Serve's health checks
+    # run on the replica's own loop, not the one user code blocks.
+    async def search(self, version: str, request: ShardRequest) -> ShardAnswer:
+        return self.searcher.search(version, request)
+
+    async def exact(self, version: str, request: ShardRequest) -> ShardAnswer:
+        return self.searcher.exact(version, request)
+
+    async def fill(self, version: str, request: ShardRequest) -> ShardAnswer:
+        return self.searcher.fill(version, request)
+
+    async def vector(self, version: str, row: int) -> np.ndarray:
+        return self.searcher.vector(version, row)
+
+
+@dataclass(frozen=True)
+class EmbedderSettings:
+    """What an embedder replica needs of the server's configuration (the whole of it would
+    import the server's stack into the replica): its sessions' runtime, as one server tunes them."""
+
+    provider: str
+    intra_op_threads: int | None
+    ort_spinning: bool
+    runs_at_once: int
+    run_rows: int | None
+    largest_run: int
+    run_rows_budget_s: float
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> EmbedderSettings:
+        runtime = config.runtime
+        return cls(
+            runtime.provider, runtime.intra_op_threads, runtime.ort_spinning, config.runs_at_once, runtime.run_rows,
+            config.largest_run, runtime.run_rows_budget_s,
+        )  # fmt: skip
+
+
+class EmbedderReplica:
+    """The embedder deployment's replica: the model's sessions, by model directory (the last
+    two asked for), tuned as one server tunes them (`--run-rows`)."""
+
+    def __init__(self, settings: EmbedderSettings, log_sink: Sink | None = None) -> None:
+        ship_records(log_sink, EMBEDDER)
+        self.settings = settings
+        self._models: OrderedDict[str, QueryEmbedder] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _embedder(self, model_dir: str) -> QueryEmbedder:
+        from serving.query_embedder import QueryEmbedder
+
+        with self._lock:
+            found = self._models.get(model_dir)
+            if found is None:
+                settings = self.settings
+                found = QueryEmbedder(
+                    model_dir, settings.provider, settings.intra_op_threads, settings.ort_spinning,
+                    runs_at_once=settings.runs_at_once,
+                )  # fmt: skip
+                if settings.run_rows is not None:
+                    found.set_run_rows(settings.run_rows or None, settings.run_rows or None)
+                else:
+                    side = -(-settings.largest_run // settings.runs_at_once)
+                    found.tune_run_rows(settings.largest_run, side, total_budget_s=settings.run_rows_budget_s)
+                self._models[model_dir] = found
+                while len(self._models) > 2:
+                    self._models.popitem(last=False)
+            return found
+
+    def warm(self, model_dir: str) -> list[str]:
+        return list(self._embedder(model_dir).session.get_providers())
+
+    def embed(self, model_dir: str, batch: np.ndarray, side_by_side: bool = False) -> np.ndarray:
+        """Embeddings of a batch of model inputs, or of the uint8 pixels they are made of."""
+        from core.preprocess import scaled_pixels
+
+        embedder = self._embedder(model_dir)
+        if batch.dtype == np.uint8:
+            batch = scaled_pixels(batch, embedder.contract)
+        return embedder.embed(batch, side_by_side=side_by_side)
