@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO   ?= runs/demo
 
-.PHONY: setup demo console test test-fast bench protos lint clean
+.PHONY: setup demo console test test-fast bench soak protos lint clean
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -30,6 +30,12 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	@for script in benchmarks/bench_*.py; do name=$$(basename $$script .py); echo "== $$name"; \
 		$(PY) -m benchmarks.$$name || exit 1; done
+
+# Issue 47's soak (slow, not in `make bench`): `serve --ray` at S = 4 on 224-px images for 15 minutes —
+# mixed image, embedding and bad requests, half over HTTP, a reload every 20 s, 32 callers; exits 1 on
+# an unexpected status or a serving process's memory growing (docs/benchmarks.md). SOAK_FLAGS adds to it.
+soak: $(STAMP)
+	$(PY) -m benchmarks.soak --ray --shards 4 --synthetic 20000 --minutes 15 --reload-every 20 --no-baseline $(SOAK_FLAGS)
 
 protos: $(STAMP)
 	PATH=$(VENV)/bin:$$PATH bash scripts/gen_protos.sh

@@ -4,7 +4,8 @@ shard's build holds in memory, and what an exact re-rank costs over a plain PQ s
     python -m benchmarks.bench_shards --part build     # S shards in parallel vs one after another
     python -m benchmarks.bench_shards --part rerank    # re-ranked IVF-PQ vs plain PQ, before/after
     python -m benchmarks.bench_shards --part merge     # S shards' merged search vs one index: equality, recall
-    python -m benchmarks.bench_shards --part query     # serve --ray at S = 1, 2, 4 vs one process
+    python -m benchmarks.bench_shards --part query     # serve --ray at S = 1, 2, 4 vs one process:
+                                                       # embedding queries, then 224-px images
     python -m benchmarks.bench_shards --part reload    # serve --ray reloaded every 20 s under load
     python -m benchmarks.bench_shards --part all
 
@@ -125,8 +126,10 @@ def show_build(results: list[dict], rows: int, dim: int, shards: int) -> None:
     print(f"\nparallel build: {rows:,} × {dim}-d, S = {shards} shards, {cores} cores "
           f"(parallel/sequential can be at most min(S, cores) = {min(shards, cores)}×); faiss threads a task: "
           f"{int(results[0]['threads']) if results else 1}")  # fmt: skip
-    print("| factory | train (once) | S in parallel | S one after another | speed-up | adds: parallel / sequential "
-          "| single build's add | peak memory: a shard's build / the single build |")
+    print(
+        "| factory | train (once) | S in parallel | S one after another | speed-up | adds: parallel / sequential "
+        "| single build's add | peak memory: a shard's build / the single build |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
@@ -215,56 +218,13 @@ def part_rerank(args: argparse.Namespace) -> None:
 # -- the query path (serving side): `serve --ray` at S = 1, 2, 4 against the single-process server
 
 
-def write_query_model(folder: Path, dim: int) -> Path:
-    """A model artifact the servers load (one MatMul over 8×8 RGB pixels): the queries are
-    embeddings, so it only has to exist and agree with the index's model id."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    from core.manifests import ModelManifest
-    from core.preprocess import InputContract
-
-    weights = np.random.default_rng(0).standard_normal((3 * 8 * 8, dim)).astype(np.float32)
-    graph = helper.make_graph(
-        [helper.make_node("Flatten", ["images"], ["flat"], axis=1), helper.make_node("MatMul", ["flat", "w"], ["e"])],
-        "bench",
-        [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["batch", 3, 8, 8])],
-        [helper.make_tensor_value_info("e", TensorProto.FLOAT, ["batch", dim])],
-        [numpy_helper.from_array(weights, "w")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    model.ir_version = 8
-    folder.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(folder / "model.onnx"))
-    contract = InputContract(height=8, width=8, channels=3)
-    ModelManifest(model_id="bench-shards-0000", embedding_dim=dim, input=contract).write(folder)
-    return folder
-
-
-def _serving(command: list[str], env: dict[str, str]) -> tuple:
-    """A `python -m serving serve …` process and the ports it printed once serving."""
-    import json
-    import subprocess
-
-    proc = subprocess.Popen(
-        command, cwd=Path(__file__).resolve().parents[1], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        text=True,
-    )  # fmt: skip
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"{' '.join(command[2:5])} exited with {proc.wait()} before it served")
-    return proc, json.loads(line)
-
-
-def grpc_load(port: int, queries: np.ndarray, concurrency: int, seconds: float) -> dict[str, float]:
-    """`concurrency` callers each sending one Search (an embedding, k = 10) after another for
-    `seconds` (after a warm-up): q/s, p50 and p99 of the calls, p50 of the server's search stage."""
+def grpc_load(port: int, requests: list, concurrency: int, seconds: float) -> dict[str, float]:
+    """`concurrency` callers each sending one Search of `requests` (embeddings or images, k = 10)
+    after another for `seconds` (after a warm-up): q/s, p50 and p99 of the calls, p50 of the
+    server's search stage."""
     import grpc
 
-    from protos.simsearch.v1 import search_pb2 as pb
     from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
-
-    requests = [pb.SearchRequest(embedding=pb.Embedding(values=q.tolist()), k=10) for q in queries]
 
     async def run() -> tuple[list[float], list[float], float]:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -398,7 +358,9 @@ def run_merge(rows: int, dim: int, shards: int, count: int) -> dict:
     queries = l2_normalized(near + 0.3 * np.random.default_rng(6).standard_normal(near.shape, dtype=np.float32))
     truth = np.asarray([f"id{i:07d}" for i in range(len(vectors))])[exact_search(vectors, queries, 10)[1]]
     equal, recall = {}, []
-    with local_ray(), tempfile.TemporaryDirectory() as tmp:
+    from benchmarks import harness
+
+    with harness.local_ray(), tempfile.TemporaryDirectory() as tmp:
         for factory, params in [("Flat", {}), *MERGE_FACTORIES]:
             pair = []
             for s in (1, shards):
@@ -435,27 +397,22 @@ def part_merge(args: argparse.Namespace) -> None:
     show_merge(run_merge(args.rows, args.dim, args.shards, args.merge_queries))
 
 
-@contextlib.contextmanager
-def local_ray() -> Iterator[dict[str, str]]:
-    """A local Ray, its workers at this process's priority (Ray's default is nice 15): the
-    environment that points `serve --ray` at it."""
-    import ray
-
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(num_cpus=os.cpu_count() or 1, log_to_driver=False, include_dashboard=False)
-    try:
-        yield {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    finally:
-        ray.shutdown()
+IMAGE_SIDE = 224  # the query model's input and the image queries' size: what users send
 
 
 @contextlib.contextmanager
 def query_cluster(dim: int) -> Iterator[tuple[Path, Path, dict[str, str]]]:
     """A scratch folder, the query model in it, and a local Ray the servers join: the folder,
-    the model, and the environment that points `serve --ray` at that Ray."""
-    with tempfile.TemporaryDirectory() as tmp, local_ray() as env:
+    the model, and the environment that points `serve --ray` at that Ray. The model takes
+    224-px images and is cheap (tests/support/index.py: an average pool to 8×8 and one
+    projection), so an image query's cost is what the server does around it — decoding, the
+    pixels' trip to the embedder, the search — not a network's."""
+    from benchmarks import harness
+    from tests.support.index import write_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp, harness.local_ray() as env:
         folder = Path(tmp)
-        yield folder, write_query_model(folder / "model", dim), env
+        yield folder, write_tiny_model(folder / "model", dim=dim, side=IMAGE_SIDE), env
 
 
 def query_vectors(dim: int) -> np.ndarray:
@@ -463,17 +420,31 @@ def query_vectors(dim: int) -> np.ndarray:
     return l2_normalized(np.random.default_rng(99).standard_normal((512, dim)).astype(np.float32))
 
 
-def run_query(
-    rows: int, dim: int, shard_counts: list[int], concurrencies: list[int], seconds: float, ray_flags: list[str] = ()
-) -> list[dict]:
-    """The single-process server, then `serve --ray` at each S, on the same vectors in the same
-    run, each loaded at each concurrency; at the largest S and concurrency 1, what its p50 is
-    made of (from the ingress's shard metrics)."""
+def query_requests(dim: int, kind: str) -> list:
+    """The Search requests of one kind of query: the 512 embeddings, or 64 JPEG images of 224 px
+    (about 10 kB each, `harness.photo_like_images`), k = 10."""
+    from benchmarks import harness
+    from protos.simsearch.v1 import search_pb2 as pb
 
-    from benchmarks.harness import free_port
+    if kind == "embedding":
+        return [pb.SearchRequest(embedding=pb.Embedding(values=q.tolist()), k=10) for q in query_vectors(dim)]
+    images, _ = harness.photo_like_images(64, side=IMAGE_SIDE, seed=99)
+    return [pb.SearchRequest(image=image, k=10) for image in images]
+
+
+def run_query(
+    rows: int, dim: int, shard_counts: list[int], concurrencies: list[int], seconds: float, ray_flags: list[str] = (),
+    image_concurrencies: list[int] = (32,),
+) -> list[dict]:  # fmt: skip
+    """The single-process server, then `serve --ray` at each S, on the same vectors and model in
+    the same run, each loaded with embedding queries at each concurrency, then with 224-px image
+    queries at each of `image_concurrencies`; at the largest S and the least concurrency, what
+    an embedding query's p50 is made of (from the ingress's shard metrics)."""
+    from benchmarks import harness
 
     vectors = clustered_part(0, rows, dim)
-    queries = query_vectors(dim)
+    loads = [("embedding", c) for c in concurrencies] + [("image", c) for c in image_concurrencies]
+    requests = {kind: query_requests(dim, kind) for kind in {kind for kind, _ in loads}}
     results = []
     with query_cluster(dim) as (folder, model, env):
         roots = {s: folder / f"s{s}" for s in sorted({1, *shard_counts})}
@@ -481,16 +452,16 @@ def run_query(
             publish_vectors(root, vectors, s, model=model)
         base = [sys.executable, "-m", "serving", "serve", "--port", "0", "--probe-interval-s", "0"]
         for label, s in [("single process", 1)] + [(f"serve --ray, S = {s}", s) for s in shard_counts]:
-            metrics_port = free_port()
+            metrics_port = harness.free_port()
             command = [*base, "--index-root", str(roots[s]), "--metrics-port", str(metrics_port)]
             if label != "single process":
                 command += ["--ray", *ray_flags]
-            proc, ports = _serving(command, env)
+            proc, ports = harness.serving(command, env)
             try:
-                for c in concurrencies:
-                    figures = grpc_load(ports["port"], queries, c, seconds)
+                for kind, c in loads:
+                    figures = grpc_load(ports["port"], requests[kind], c, seconds)
                     means = _histogram_means(metrics_port) if label != "single process" else {}
-                    results.append({"server": label, "shards": s, "concurrency": c, **figures, **means})
+                    results.append({"server": label, "shards": s, "query": kind, "concurrency": c, **figures, **means})
             finally:
                 proc.terminate()
                 proc.wait(120)
@@ -498,17 +469,22 @@ def run_query(
 
 
 def show_query(results: list[dict], rows: int, dim: int) -> None:
-    print(f"\nquery path: {rows:,} × {dim}-d Flat, embedding queries, k = 10, {os.cpu_count()} cores "
+    print(f"\nquery path: {rows:,} × {dim}-d Flat, k = 10, embedding queries and {IMAGE_SIDE}-px JPEG image queries "
+          f"(a {IMAGE_SIDE}-px model: an average pool and one projection), {os.cpu_count()} cores "
           "(every process on them)")  # fmt: skip
-    print("| server | concurrency | q/s | p50 | p99 | vs single process (q/s) |")
-    print("|---|---|---|---|---|---|")
-    single = {r["concurrency"]: r["qps"] for r in results if r["server"] == "single process"}
-    for r in results:
+    print("| server | query | concurrency | q/s | p50 | p99 | vs single process (q/s) |")
+    print("|---|---|---|---|---|---|---|")
+    single = {(r["query"], r["concurrency"]): r["qps"] for r in results if r["server"] == "single process"}
+    for r in sorted(results, key=lambda r: r["query"] != "embedding"):  # the embedding rows first, as before
+        query = "embedding" if r["query"] == "embedding" else f"image, {IMAGE_SIDE} px"
         print(
-            f"| {r['server']} | {r['concurrency']} | {r['qps']:.0f} | {r['p50_ms']:.1f} ms | {r['p99_ms']:.1f} ms "
-            f"| {r['qps'] / single[r['concurrency']]:.2f}× |"
+            f"| {r['server']} | {query} | {r['concurrency']} | {r['qps']:.0f} | {r['p50_ms']:.1f} ms "
+            f"| {r['p99_ms']:.1f} ms | {r['qps'] / single[r['query'], r['concurrency']]:.2f}× |"
         )
-    sharded = [r for r in results if r["server"] != "single process" and r["concurrency"] == min(single)]
+    least = min((c for kind, c in single if kind == "embedding"), default=None)
+    sharded = [
+        r for r in results if r["server"] != "single process" and (r["query"], r["concurrency"]) == ("embedding", least)
+    ]
     if sharded:
         r = max(sharded, key=lambda x: x["shards"])
         trip, search = r["simsearch_shard_latency_seconds"] * 1e3, r["simsearch_shard_search_seconds"] * 1e3
@@ -524,7 +500,10 @@ def show_query(results: list[dict], rows: int, dim: int) -> None:
 def part_query(args: argparse.Namespace) -> None:
     shard_counts = [int(s) for s in args.query_shards.split(",")]
     concurrencies = [int(c) for c in args.query_concurrency.split(",")]
-    figures = run_query(args.rows, args.dim, shard_counts, concurrencies, args.query_seconds, args.ray_flags.split())
+    images = [int(c) for c in args.image_concurrency.split(",") if c]
+    figures = run_query(
+        args.rows, args.dim, shard_counts, concurrencies, args.query_seconds, args.ray_flags.split(), images
+    )
     show_query(figures, args.rows, args.dim)
 
 
@@ -535,12 +514,11 @@ def run_reload(rows: int, dim: int, shards: int, minutes: float, every_s: float,
     ties do not count as a mix). Statuses, mixed answers, reloads, latency, and the memory of
     the ingress and the shard replicas before and after."""
 
-    from benchmarks.harness import free_port
-    from protos.simsearch.v1 import search_pb2 as pb
+    from benchmarks import harness
 
     token = "bench"
     queries = query_vectors(dim)
-    requests = [pb.SearchRequest(embedding=pb.Embedding(values=q.tolist()), k=10) for q in queries]
+    requests = query_requests(dim, "embedding")
     with query_cluster(dim) as (folder, model, env):
         root = folder / "root"
         names, exact = [], {}
@@ -548,12 +526,12 @@ def run_reload(rows: int, dim: int, shards: int, minutes: float, every_s: float,
             vectors = clustered_part(0, rows, dim, seed=seed)
             names.append(publish_vectors(root, vectors, shards, model=model).name)
             exact[names[-1]] = (vectors, -np.sort(-(queries @ vectors.T), axis=1)[:, :10])
-        metrics_port = free_port()
+        metrics_port = harness.free_port()
         command = [
             sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(root), "--port", "0",
             "--metrics-port", str(metrics_port), "--probe-interval-s", "0", "--admin-token", token,
         ]  # fmt: skip
-        proc, ports = _serving(command, env)
+        proc, ports = harness.serving(command, env)
         memory = ("process_resident_memory_bytes", "simsearch_shard_memory_bytes")
         try:
             before = _scraped(metrics_port, lambda name, _: name in memory)
@@ -645,8 +623,10 @@ def show_reload(r: dict) -> None:
     print(f"\nreloads under load: serve --ray, S = {r['shards']}, {r['rows']:,} × {r['dim']}-d Flat, two versions "
           f"(different vectors) made live in turn every {r['every_s']:.0f} s for {r['minutes']:.1f} min, "
           f"concurrency {r['concurrency']}, {os.cpu_count()} cores")  # fmt: skip
-    print("| queries | q/s | unexpected statuses | answers not from the version they name | reloads (ok / failed) "
-          "| a reload's p50 | p50 / p99 | p99 within 2 s of a reload | ingress RSS | shard replicas' RSS (sum) |")
+    print(
+        "| queries | q/s | unexpected statuses | answers not from the version they name | reloads (ok / failed) "
+        "| a reload's p50 | p50 / p99 | p99 within 2 s of a reload | ingress RSS | shard replicas' RSS (sum) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     print(
         f"| {r['queries']:,} | {r['qps']:.0f} | {sum(unexpected.values())} {unexpected or ''} | {r['mixed']} "
@@ -685,6 +665,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--queries", type=int, default=512)
     parser.add_argument("--query-shards", default="1,2,4", help="query part: the S of each `serve --ray`")
     parser.add_argument("--query-concurrency", default="1,32", help="query part: callers at once, each level")
+    parser.add_argument(
+        "--image-concurrency",
+        default="32",
+        help="query part: callers at once sending 224-px images, each level ('': none)",
+    )
     parser.add_argument("--query-seconds", type=float, default=10.0, help="query part: seconds of load a level")
     parser.add_argument("--merge-queries", type=int, default=1000, help="merge part: queries compared")
     parser.add_argument("--reload-minutes", type=float, default=3.0, help="reload part: minutes of load")

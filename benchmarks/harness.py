@@ -2,14 +2,17 @@
 benchmarks/grpc_floor.py's bare gRPC server), the load generators (h2load sending one gRPC-framed
 SearchRequest; benchmarks/loadgen.py in its own process), the in-process ceiling (the server's
 model and index called directly), the server's Prometheus counters and its CPU time from /proc,
-and the medians across rounds.
+and the medians across rounds; and for sharded serving, a local Ray, a `serve` or `serve --ray`
+process read by the ports it prints, and 224-px JPEG images as users send them.
 
-bench_serving.py is the benchmark built on it; bench_http.py, ab_serving.py, bench_scale.py and
-soak.py start servers and send load through it too.
+bench_serving.py is the benchmark built on it; bench_http.py, ab_serving.py, bench_scale.py,
+bench_shards.py and soak.py start servers and send load through it too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -22,7 +25,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -376,3 +379,74 @@ def median_rounds(rounds: list[list[dict]]) -> list[dict]:
         merged["qps_rounds"] = [round(r["qps"]) for r in per_level]
         out.append(merged)
     return out
+
+
+# -- sharded serving: a local Ray, a server read by its ports line, images as users send them ----
+
+
+@contextlib.contextmanager
+def local_ray() -> Iterator[dict[str, str]]:
+    """A local Ray, its workers at this process's priority (Ray's default is nice 15): the
+    environment that points `serve --ray` (and `index build --shards`) at it."""
+    import ray
+
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(num_cpus=os.cpu_count() or 1, log_to_driver=False, include_dashboard=False)
+    try:
+        yield {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    finally:
+        ray.shutdown()
+
+
+def serving(
+    command: list[str], env: dict[str, str], log: Path | None = None, timeout_s: float = 600.0
+) -> tuple[subprocess.Popen, dict]:
+    """A `python -m serving serve …` process (`--ray` or not) and the ports it printed, one JSON
+    line, once serving; its stderr into `log` (else dropped). A server that exits first, or prints
+    nothing within `timeout_s`, is a RuntimeError quoting the end of its log."""
+    stderr = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - the child keeps it
+    try:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    finally:
+        if log:
+            stderr.close()
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if not lines or not lines[0]:
+        if reader.is_alive():
+            proc.kill()
+        said = "".join(log.read_text().splitlines(keepends=True)[-20:]) if log else ""
+        what = " ".join(command[2:5])
+        raise RuntimeError(f"{what} exited with {proc.wait()} before it served\n{said}")
+    return proc, json.loads(lines[0])
+
+
+def photo_like_images(count: int, side: int = 224, classes: int = 50, seed: int = 0) -> tuple[list[bytes], list[int]]:
+    """`count` JPEG images of `side` px (about 10 kB each, as a phone's photo scaled down) and
+    each one's class: a class is a smooth colour field (a 6×6 grid of random colours scaled up),
+    an image a crop of its class's field at a random offset with noise on it."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    margin = side // 7
+    fields = [
+        np.asarray(
+            Image.fromarray(rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)).resize(
+                (side + margin, side + margin), Image.BILINEAR
+            ),
+            dtype=np.float32,
+        )
+        for _ in range(classes)
+    ]
+    images, labels = [], []
+    for _ in range(count):
+        label = int(rng.integers(classes))
+        y, x = rng.integers(0, margin + 1, 2)
+        pixels = fields[label][y : y + side, x : x + side] + rng.normal(0.0, 8.0, (side, side, 3))
+        out = io.BytesIO()
+        Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(out, format="JPEG", quality=85)
+        images.append(out.getvalue())
+        labels.append(label)
+    return images, labels

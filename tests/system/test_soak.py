@@ -1,0 +1,141 @@
+"""soak (issue 47): a short soak of `serve`, and of `serve --ray` at S = 2, on 224-px images —
+mixed image, embedding and bad requests, half over HTTP, reloads with a damaged and a missing
+version between — exits 0 with no unexpected status and every serving process sampled through
+the run; what fails a soak (an unexpected status, a failed reload, a server error, a serving
+process replaced or grown past the threshold) is one `FAILED:` line each and exit status 1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import soak
+
+ROOT = Path(__file__).resolve().parents[2]
+GOOD = ("image", "embedding")
+
+
+def short_soak(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """30 s of traffic (the first 15 s the warm-up), a reload every 10 s, the second with a
+    damaged and a missing version before it; 300 images."""
+    out = tmp_path / "soak.json"
+    command = [
+        sys.executable, "-m", "benchmarks.soak", "--synthetic", "300", "--run", str(tmp_path / "data"),
+        "--minutes", "0.5", "--warmup-min", "0.25", "--reload-every", "10", "--bad-reload-every", "2",
+        "--sample-every", "2", "--no-baseline", "--json", str(out), *args,
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.is_file(), done.stdout[-3000:] + done.stderr[-3000:]
+    (result,) = json.loads(out.read_text()).values()
+    return done, result
+
+
+def check_traffic(done: subprocess.CompletedProcess, r: dict) -> None:
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "passed: no unexpected status" in done.stdout and "FAILED" not in done.stdout
+    assert r["unexpected"] == 0 and r["queries"] > 100 and r["qps"] > 0
+    for transport in ("", "/http"):  # every kind over both transports, each with its one status
+        for kind in (*GOOD, *soak.BAD_KINDS):
+            code = "OK" if kind in GOOD else "INVALID_ARGUMENT"
+            assert r["statuses"].get(f"{kind}{transport}:{code}", 0) > 0, (kind, transport, r["statuses"])
+    assert (r["reloads_ok"], r["reloads_failed"], r["bad_reloads_refused"], r["bad_reloads_wrong"]) == (2, [], 2, [])
+    assert set(r["latency_ms"]) == set(GOOD) and 0 < r["p50_ms"] <= r["p99_ms"]
+
+
+@pytest.mark.slow
+def test_a_short_soak_of_serve_passes(tmp_path):
+    done, r = short_soak(tmp_path)
+    check_traffic(done, r)
+    assert r["server"] == "serve, S = 1"
+    assert [p["process"] for p in r["processes"]] == ["serve"] and r["processes"][0]["whole_run"]
+
+
+@pytest.mark.slow
+def test_a_short_soak_of_serve_ray_passes_and_samples_every_replica(tmp_path):
+    done, r = short_soak(tmp_path, "--ray", "--shards", "2")
+    check_traffic(done, r)
+    assert r["server"] == "serve --ray, S = 2"
+    by_name = {p["process"]: p for p in r["processes"]}
+    serving = {"serve --ray", "ingress", "embedder", "shard-000", "shard-001"}
+    assert {p["process"] for p in r["processes"] if p["serving"]} == serving, sorted(by_name)
+    for name in serving:  # one process each, through the whole run, with its start and end
+        assert by_name[name]["whole_run"] and by_name[name]["start_mb"] > 0 and by_name[name]["end_mb"] > 0
+        assert not by_name[name]["judged"]  # 15 s after the warm-up: within the reloads' sawtooth
+    assert "ServeController" in by_name and not by_name["ServeController"]["serving"]  # Ray's, reported
+    assert "| shard-001 |" in done.stdout and "RSS after warm-up (0.25 min)" in done.stdout
+
+
+def result(**changes) -> dict:
+    """A run's figures as `soak.soak` returns them, passing, with `changes`."""
+    process = {
+        "process": "ingress", "pid": 11, "serving": True, "first_min": 0.0, "last_min": 15.0, "whole_run": True,
+        "start_mb": 300.0, "end_mb": 302.0, "growth_mb": 2.0, "max_mb": 310.0, "fds": (20, 20), "judged": True,
+    }  # fmt: skip
+    base = {
+        "queries": 1000, "unexpected": 0, "unexpected_by_kind": {}, "reloads_failed": [], "bad_reloads_wrong": [],
+        "server_log_errors": [], "processes": [process],
+    }  # fmt: skip
+    return {**base, **changes}
+
+
+def test_what_fails_a_soak_is_one_line_each():
+    assert soak.failures(result(), max_growth_mb=8) == []
+    grown = dict(result()["processes"][0], growth_mb=9.5, end_mb=309.5)
+    replaced = dict(result()["processes"][0], process="shard-001", pid=12, last_min=7.2, whole_run=False)
+    ray_own = dict(result()["processes"][0], process="gcs_server", serving=False, growth_mb=50.0)
+    short = dict(result()["processes"][0], process="embedder", growth_mb=50.0, judged=False)
+    failed = soak.failures(
+        result(
+            unexpected=3, unexpected_by_kind={"image/http:UNAVAILABLE": 3}, reloads_failed=["INTERNAL: boom"],
+            server_log_errors=["2026-11-28 08:40:30,986 ERROR serving.monitor: failed … ValueError: x"],
+            processes=[grown, replaced, ray_own, short],
+        ),
+        max_growth_mb=8,
+    )  # fmt: skip
+    assert len(failed) == 5, failed
+    assert "3 unexpected statuses: {'image/http:UNAVAILABLE': 3}" in failed[0]
+    assert "reloads of CURRENT failed" in failed[1] and "INTERNAL: boom" in failed[1]
+    assert "the server logged 1 errors" in failed[2] and "ValueError" in failed[2]
+    assert "ingress (pid 11) grew +9.5 MB after the warm-up (300 → 310 MB), over --max-growth-mb 8" in failed[3]
+    assert "shard-001 (pid 12) was sampled only from minute 0.0 to 7.2: it exited or was replaced" in failed[4]
+
+
+def test_the_server_log_keeps_what_the_bad_input_does_not_explain(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text(
+        "2026-11-28 08:40:01,000 INFO serving.server: serving index v1\n"
+        "2026-11-28 08:40:02,000 WARNING serving.calls: Search: cannot decode image method=Search "
+        "code=INVALID_ARGUMENT\n"
+        "2026-11-28 08:40:03,000 ERROR ray.serve: Request failed. deployment=shard-000\n"
+        "Traceback (most recent call last):\n"
+        "core.artifacts.ArtifactError: shard 000 of version v-damaged: index.faiss is damaged\n"
+        "2026-11-28 08:40:04,000 ERROR serving.monitor: ANN fidelity check failed deployment=ingress\n"
+        "Traceback (most recent call last):\n"
+        '  File "serving/monitor.py", line 381, in check_ann_remote\n'
+        "ValueError: too many values to unpack (expected 2)\n"
+        "2026-11-28 08:40:05,000 WARNING serving.sharded: shard 001: search failed; trying again\n"
+    )
+    assert soak.log_records_of_note(log, ["v-damaged", "v-no-such-version"]) == [
+        (
+            "ERROR",
+            "2026-11-28 08:40:04,000 ERROR serving.monitor: ANN fidelity check failed deployment=ingress … "
+            "ValueError: too many values to unpack (expected 2)",
+        ),
+        ("WARNING", "2026-11-28 08:40:05,000 WARNING serving.sharded: shard 001: search failed; trying again"),
+    ]
+
+
+def test_bad_flags_are_one_line():
+    for args, says in (
+        (["--synthetic", "10"], "--synthetic needs at least 64 images"),
+        (["--minutes", "1", "--warmup-min", "2"], "--warmup-min (2.0) must be shorter than --minutes (1.0)"),
+        (["--synthetic", "100", "--shards", "200"], "--shards must be between 1 and the catalog's images"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.soak", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 2 and says in done.stderr.splitlines()[-1], (args, done.stderr)
