@@ -5,7 +5,7 @@ same data; a reload under load never mixes versions; a takedown never answers ag
 replica killed under load costs no call with two replicas a shard, and with none left the
 answers are UNAVAILABLE naming the shard, or marked partial when allowed; a damaged shard is
 refused on load naming it while the live version keeps serving; IVF-Flat, IVF-PQ and HNSW answer
-with the single server's recall@10 (HNSW within 0.01); --watch-current switches every shard to a
+with at least the single server's recall@10; --watch-current switches every shard to a
 version published into the root by itself; an unreachable RAY_ADDRESS is
 one error line; images embed on the embedder deployment as in one process, and HTTP beside the
 ingress answers what its gRPC does.
@@ -177,17 +177,17 @@ def live_again(client: SearchClient, root: Path, version: str) -> None:
     assert client.reload().index_version == version
 
 
-ANN = [  # factory, search effort (the same on both servers), how far below the single's recall
-    ("IVF16,Flat", {"nprobe": 4}, 0.0),  # the shards share the quantizer: the same lists probed
-    ("IVF16,PQ4x4", {"nprobe": 4}, 0.0),  # ... and the codebooks
-    ("HNSW16", {"efSearch": 16}, 0.01),  # a graph a shard
+ANN = [  # factory, search effort (the same on both servers)
+    ("IVF16,Flat", {"nprobe": 4}),  # the shards share the quantizer: the same lists probed
+    ("IVF16,PQ4x4", {"nprobe": 4}),  # ... and the codebooks
+    ("HNSW16", {"efSearch": 16}),  # a graph a shard, each searched at the same efSearch
 ]
 
 
 def test_ann_answers_through_serve_ray_recall_as_the_single_server(single, sharded, roots):
     """IVF-Flat, IVF-PQ and HNSW versions of the catalog at S = 4, served by `serve --ray`
     through its gRPC port: recall@10 against exact search over the same live rows at least the
-    single-process server's at the same nprobe (HNSW: efSearch; within 0.01). Each made live in
+    single-process server's at the same nprobe (HNSW: efSearch). Each made live in
     both roots, then the versions live before made live again."""
     client, _, _ = sharded
     one, four, model = roots
@@ -196,7 +196,7 @@ def test_ann_answers_through_serve_ray_recall_as_the_single_server(single, shard
     q = vectors(300, seed=31)
     published: list[Path] = []
     try:
-        for factory, params, slack in ANN:
+        for factory, params in ANN:
             name_one = support.publish(one, data, model, 1, factory, params).name
             published.append(artifacts.version_dir(one, name_one))
             name_four = support.publish(four, data, model, 4, factory, params).name
@@ -212,7 +212,7 @@ def test_ann_answers_through_serve_ray_recall_as_the_single_server(single, shard
             assert all(len(r.shards_answered) == 4 and len(r.neighbors) == 10 for r in got_four)
             recall_one, recall_four = recall_at_10(got_one, truth), recall_at_10(got_four, truth)
             assert recall_one < 1.0, factory  # approximate at this effort, or the comparison proves nothing
-            assert recall_four >= recall_one - slack - 1e-9, (factory, recall_four, recall_one)
+            assert recall_four >= recall_one - 1e-9, (factory, recall_four, recall_one)
     finally:
         live_again(single, one, before[0])
         live_again(client, four, before[1])
