@@ -32,6 +32,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -534,26 +535,62 @@ def connect_ray() -> None:
         # Ray starts its workers at nice 15, for batch work beside interactive use; here the
         # workers are the server (its shards, embedder and ingress), so they run as one would.
         os.environ.setdefault("RAY_worker_niceness", "0")
-    try:
-        # Ray's "Connecting to existing Ray cluster" and Serve's progress lines are INFO: the
-        # command's own output is its ports (or one error line), so they show with --verbose only.
-        init_ray(log_to_driver=False, logging_level=logging.INFO if verbose() else logging.WARNING)
-        for name in ("ray", "ray.serve"):  # their lines in this command's format, not their own
-            logger = logging.getLogger(name)
-            logger.handlers[:] = []
-            logger.propagate = True
-            if not verbose():  # Serve's logger has a level of its own, not the "ray" logger's
-                logger.setLevel(logging.WARNING)
-    except ConnectionError as exc:
-        raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {exc}") from None
-    except Exception as exc:
-        if "InvalidAuthToken" in type(exc).__name__ + str(exc) or "auth" in type(exc).__name__.lower():
-            raise ValueError(
-                f"the Ray cluster at RAY_ADDRESS={address} refused this process's token ({_first_line(exc)}): "
-                "run serve --ray where the cluster's token is (Ray's token file under the home directory of "
-                "the user who started it), or set RAY_AUTH_TOKEN to it"
-            ) from None
-        raise
+    with _core_warnings_held() as held:
+        try:
+            # Ray's "Connecting to existing Ray cluster" and Serve's progress lines are INFO: the
+            # command's own output is its ports (or one error line), so they show with --verbose only.
+            init_ray(log_to_driver=False, logging_level=logging.INFO if verbose() else logging.WARNING)
+        except ConnectionError as exc:
+            if "InvalidAuthToken" in held.text():
+                raise ValueError(
+                    f"the Ray cluster at RAY_ADDRESS={address} refused this process's token (InvalidAuthToken): "
+                    "set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's token, or start the cluster "
+                    "with RAY_AUTH_MODE=disabled"
+                ) from None
+            raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {_first_line(exc)}") from None
+    _ray_lines_as_ours()
+
+
+def _ray_lines_as_ours() -> None:
+    """Ray's and Serve's lines in this command's log format, not their own, and their INFO lines
+    with --verbose only. Serve configures its logger as it is imported: imported here first."""
+    import ray.serve  # noqa: F401 - its logger configured, then made ours
+
+    from core.cli import verbose
+
+    for name in ("ray", "ray.serve"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = []
+        logger.propagate = True
+        if not verbose():  # Serve's logger has a level of its own, not the "ray" logger's
+            logger.setLevel(logging.WARNING)
+
+
+class _core_warnings_held:
+    """Ray's core (C++) writes a warning to file descriptor 2 for every failed try to reach a
+    cluster, a score of lines before the Python error: held here while Ray starts or joins, and
+    written out after only when it started (a refusal is then said in one line, naming why)."""
+
+    def __enter__(self) -> _core_warnings_held:
+        import tempfile
+
+        sys.stderr.flush()
+        self._file = tempfile.TemporaryFile(mode="w+b")
+        self._saved = os.dup(2)
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def text(self) -> str:
+        self._file.seek(0)
+        return self._file.read().decode(errors="replace")
+
+    def __exit__(self, kind: object, *_: object) -> None:
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        if kind is None:
+            sys.stderr.write(self.text())
+        self._file.close()
 
 
 def _first_line(exc: Exception) -> str:
@@ -590,7 +627,6 @@ def run(config: ServerConfig) -> None:
     """`serve --ray`: deploy, print the ports (one JSON line), serve until SIGTERM or SIGINT, then
     delete the application. The inputs are checked and CURRENT read once: the shards printed are
     the shards deployed."""
-    from ray import serve
 
     config.check_inputs()
     check_ports(config)
@@ -612,7 +648,31 @@ def run(config: ServerConfig) -> None:
         print(json.dumps({**ports, "shards": shard_count(version), "version": version.name}), flush=True)
         stopped.wait()
     finally:
-        log.info("deleting the Serve application")
-        with _suppressed():
-            serve.delete(APP)
         relaying.set()
+        cleanup = threading.Thread(target=_leave_cluster, name="leave-cluster", daemon=True)
+        cleanup.start()
+        cleanup.join(CLEANUP_S)
+        if cleanup.is_alive():
+            # A terminal's Ctrl-C (or a service manager's stop) signals the whole process group,
+            # the local Ray this command started included: its GCS is gone, and Ray's core would
+            # hold the process a minute and end it with status 1 (the server did stop as asked).
+            log.warning("the Ray cluster stopped before the application was deleted: exiting without it")
+            logging.shutdown()
+            os._exit(0)
+
+
+CLEANUP_S = 20.0  # the application's deletion and Ray's shutdown, at most
+
+
+def _leave_cluster() -> None:
+    """Delete the application; on a local Ray this command started, stop Serve and Ray too."""
+    import ray
+    from ray import serve
+
+    log.info("deleting the Serve application")
+    with _suppressed():
+        serve.delete(APP)
+    with _suppressed():
+        if not os.environ.get("RAY_ADDRESS"):
+            serve.shutdown()
+        ray.shutdown()

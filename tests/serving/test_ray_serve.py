@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -556,6 +557,41 @@ def test_a_bad_ray_address_is_one_error_line(roots, address, says):
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0] and address in lines[0], lines
+
+
+def test_a_token_the_cluster_refuses_is_one_error_line_saying_what_to_set(cluster, roots):
+    """Ray 2.60 clusters require their token: a wrong one was a score of Ray's warnings and a line
+    naming none of it."""
+    env = {**os.environ, "RAY_ADDRESS": cluster, "RAY_AUTH_TOKEN": "not-the-clusters-token-0123456789abcdef"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(roots[1]), "--port", "0",
+         "--metrics-port", "none"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "RAY_AUTH_TOKEN" in lines[0] and cluster in lines[0], lines
+
+
+def test_a_terminals_signal_to_the_group_stops_serve_ray_on_its_own_ray(roots):
+    """Without RAY_ADDRESS the command starts a local Ray; a terminal's Ctrl-C (or a service
+    manager's stop) signals the whole process group, that Ray included. It exited 1 a minute
+    later (Ray's core waiting for its gone GCS); now 0, promptly."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    command = [sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(roots[1]), "--port", "0",
+               "--metrics-port", "none", "--probe-interval-s", "0"]  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert json.loads(process.stdout.readline())["shards"] == 4
+        started = time.monotonic()
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(60) == 0, process.stderr.read()[-3000:]
+        assert time.monotonic() - started < 30
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def test_watch_current_on_an_empty_root_waits_as_serve_does(cluster, tmp_path):
