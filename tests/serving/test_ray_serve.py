@@ -525,6 +525,16 @@ def test_every_deployments_records_reach_the_commands_log_in_its_format(sharded)
             assert in_traceback or not line.strip(), line
 
 
+def _refused(root: Path, env: dict[str, str], *flags: str) -> list[str]:
+    """`serve --ray` on `root` with `flags`, refused: exit 2; its stderr's lines."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(root), *flags],
+        cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    return proc.stderr.strip().splitlines()
+
+
 @pytest.mark.parametrize("flag", ["--port", "--http-port", "--metrics-port"])
 def test_a_used_port_is_one_error_line_naming_it_before_anything_deploys(cluster, roots, flag):
     """Issue 47: a port in use made serve --ray fail after 35 s naming a deployment, not the port."""
@@ -534,14 +544,8 @@ def test_a_used_port_is_one_error_line_naming_it_before_anything_deploys(cluster
         port = taken.getsockname()[1]
         ports = {"--port": "0", "--http-port": "0", "--metrics-port": "none", flag: str(port)}
         started = time.monotonic()
-        proc = subprocess.run(
-            [sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(roots[1]),
-             *[x for pair in ports.items() for x in pair]],
-            cwd=ROOT, env={**os.environ, "RAY_ADDRESS": cluster}, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr[-3000:]
+        lines = _refused(roots[1], {"RAY_ADDRESS": cluster}, *[x for pair in ports.items() for x in pair])
     assert time.monotonic() - started < 20
-    lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"port 127.0.0.1:{port} is already in use" in lines[0] and flag in lines[0], lines
 
 
@@ -550,26 +554,15 @@ def test_a_used_port_is_one_error_line_naming_it_before_anything_deploys(cluster
     [("notahost", "is not host:port"), ("127.0.0.1:99999", "is not host:port"), ("127.0.0.1:9", "cannot reach")],
 )
 def test_a_bad_ray_address_is_one_error_line(roots, address, says):
-    proc = subprocess.run(
-        [sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(roots[1]), "--port", "0"],
-        cwd=ROOT, env={**os.environ, "RAY_ADDRESS": address}, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = proc.stderr.strip().splitlines()
+    lines = _refused(roots[1], {"RAY_ADDRESS": address}, "--port", "0")
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0] and address in lines[0], lines
 
 
 def test_a_token_the_cluster_refuses_is_one_error_line_saying_what_to_set(cluster, roots):
     """Ray 2.60 clusters require their token: a wrong one was a score of Ray's warnings and a line
     naming none of it."""
-    env = {**os.environ, "RAY_ADDRESS": cluster, "RAY_AUTH_TOKEN": "not-the-clusters-token-0123456789abcdef"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(roots[1]), "--port", "0",
-         "--metrics-port", "none"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = proc.stderr.strip().splitlines()
+    token = {"RAY_ADDRESS": cluster, "RAY_AUTH_TOKEN": "not-the-clusters-token-0123456789abcdef"}
+    lines = _refused(roots[1], token, "--port", "0", "--metrics-port", "none")
     assert len(lines) == 1 and "RAY_AUTH_TOKEN" in lines[0] and cluster in lines[0], lines
 
 
@@ -729,14 +722,6 @@ def test_a_second_serve_on_the_same_cluster_is_refused_and_the_first_keeps_servi
     """Serve redeploys an application by name: a second `serve --ray` on the cluster would have
     replaced the first's under it. It is one error line, and the first still answers."""
     client, _, _ = sharded
-    env = {**os.environ, "RAY_ADDRESS": cluster}
-    proc = subprocess.run(
-        [sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(roots[1]), "--port", "0",
-         "--metrics-port", "none"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "already running on the cluster" in lines[0], proc.stderr[-3000:]
-    assert proc.stderr.strip().splitlines() == lines  # Ray's own INFO lines show with --verbose only
+    lines = _refused(roots[1], {"RAY_ADDRESS": cluster}, "--port", "0", "--metrics-port", "none")
+    assert len(lines) == 1 and lines[0].startswith("error:") and "already running on the cluster" in lines[0], lines
     assert client.search(requests_of(vectors(1), k=5, group_by="")[0]).neighbors
