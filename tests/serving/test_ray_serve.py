@@ -566,18 +566,55 @@ def test_a_token_the_cluster_refuses_is_one_error_line_saying_what_to_set(cluste
     assert len(lines) == 1 and "RAY_AUTH_TOKEN" in lines[0] and cluster in lines[0], lines
 
 
-def test_a_terminals_signal_to_the_group_stops_serve_ray_on_its_own_ray(roots):
-    """Without RAY_ADDRESS the command starts a local Ray; a terminal's Ctrl-C (or a service
-    manager's stop) signals the whole process group, that Ray included. It exited 1 a minute
-    later (Ray's core waiting for its gone GCS); now 0, promptly."""
+def _labelled_sharded_root(folder: Path) -> Path:
+    """A 2-shard index root over 96 labelled images (8 labels), embedded by a 224-px model."""
+    import csv
+
+    from index.build import run_build
+    from index.config import BuildConfig
+    from tests.support.index import write_images, write_tiny_model
+
+    paths = write_images(folder / "images", 96)
+    catalog = folder / "images" / "catalog.csv"
+    with open(catalog, "w", newline="") as out:
+        csv.writer(out).writerows(
+            [["id", "path", "label"], *([p.stem, p.name, f"l{n % 8}"] for n, p in enumerate(paths))]
+        )
+    model = write_tiny_model(folder / "model", side=SIDE)
+    config = BuildConfig(
+        model=str(model), index_root=str(folder / "index"), catalog=str(catalog), shards=2, min_ann_recall=0
+    )
+    run_build(config, progress=False)
+    return folder / "index"
+
+
+def test_serve_ray_on_its_own_ray_measures_its_probe_and_stops_on_a_terminals_signal(cluster, tmp_path):
+    """Without RAY_ADDRESS the command starts a local Ray. Its probe rounds (batches of 32
+    images, each 600 kB as floats) measure Recall@K: they always failed, and a sharded server
+    showed no Recall@K. A terminal's Ctrl-C (or a service manager's stop) signals the whole
+    process group, that Ray included: the command exited 1 a minute later (Ray's core waiting for
+    its gone GCS); now 0, promptly."""
+    root = _labelled_sharded_root(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    command = [sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(roots[1]), "--port", "0",
-               "--metrics-port", "none", "--probe-interval-s", "0"]  # fmt: skip
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        metrics_port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(root), "--port", "0",
+               "--metrics-port", str(metrics_port), "--probe-interval-s", "1"]  # fmt: skip
     process = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
-        assert json.loads(process.stdout.readline())["shards"] == 4
+        assert json.loads(process.stdout.readline())["shards"] == 2
+
+        def probe_recall() -> float | None:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+                text = response.read().decode()
+            found = re.search(r'simsearch_recall_at_k\{k="1",source="probe"\} ([0-9.e+-]+)', text)
+            return float(found.group(1)) if found else None
+
+        measured = support_server.wait_for(lambda: (value := probe_recall()) is not None and [value], timeout=60)
+        assert 0.0 <= measured[0] <= 1.0
         started = time.monotonic()
         os.killpg(process.pid, signal.SIGINT)
         assert process.wait(60) == 0, process.stderr.read()[-3000:]
