@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks import soak
@@ -66,14 +67,15 @@ def test_a_short_soak_of_serve_ray_passes_and_samples_every_replica(tmp_path):
         assert by_name[name]["whole_run"] and by_name[name]["start_mb"] > 0 and by_name[name]["end_mb"] > 0
         assert not by_name[name]["judged"]  # 15 s after the warm-up: within the reloads' sawtooth
     assert "ServeController" in by_name and not by_name["ServeController"]["serving"]  # Ray's, reported
-    assert "| shard-001 |" in done.stdout and "RSS after warm-up (0.25 min)" in done.stdout
+    assert "| shard-001 |" in done.stdout and "RSS at the start (first third after 0.25 min)" in done.stdout
 
 
 def result(**changes) -> dict:
     """A run's figures as `soak.soak` returns them, passing, with `changes`."""
     process = {
         "process": "ingress", "pid": 11, "serving": True, "first_min": 0.0, "last_min": 15.0, "whole_run": True,
-        "start_mb": 300.0, "end_mb": 302.0, "growth_mb": 2.0, "max_mb": 310.0, "fds": (20, 20), "judged": True,
+        "start_mb": 300.0, "end_mb": 302.0, "growth_mb": 2.0, "allowed_mb": 8.0, "max_mb": 310.0, "fds": (20, 20),
+        "judged": True,
     }  # fmt: skip
     base = {
         "queries": 1000, "unexpected": 0, "unexpected_by_kind": {}, "reloads_failed": [], "bad_reloads_wrong": [],
@@ -85,6 +87,7 @@ def result(**changes) -> dict:
 def test_what_fails_a_soak_is_one_line_each():
     assert soak.failures(result(), max_growth_mb=8) == []
     grown = dict(result()["processes"][0], growth_mb=9.5, end_mb=309.5)
+    swinging = dict(result()["processes"][0], process="ingress", pid=13, growth_mb=20.0, allowed_mb=23.5)
     replaced = dict(result()["processes"][0], process="shard-001", pid=12, last_min=7.2, whole_run=False)
     ray_own = dict(result()["processes"][0], process="gcs_server", serving=False, growth_mb=50.0)
     short = dict(result()["processes"][0], process="embedder", growth_mb=50.0, judged=False)
@@ -92,7 +95,7 @@ def test_what_fails_a_soak_is_one_line_each():
         result(
             unexpected=3, unexpected_by_kind={"image/http:UNAVAILABLE": 3}, reloads_failed=["INTERNAL: boom"],
             server_log_errors=["2026-11-28 08:40:30,986 ERROR serving.monitor: failed … ValueError: x"],
-            processes=[grown, replaced, ray_own, short],
+            processes=[grown, swinging, replaced, ray_own, short],
         ),
         max_growth_mb=8,
     )  # fmt: skip
@@ -100,7 +103,10 @@ def test_what_fails_a_soak_is_one_line_each():
     assert "3 unexpected statuses: {'image/http:UNAVAILABLE': 3}" in failed[0]
     assert "reloads of CURRENT failed" in failed[1] and "INTERNAL: boom" in failed[1]
     assert "the server logged 1 errors" in failed[2] and "ValueError" in failed[2]
-    assert "ingress (pid 11) grew +9.5 MB after the warm-up (300 → 310 MB), over --max-growth-mb 8" in failed[3]
+    assert (
+        "ingress (pid 11) grew +9.5 MB after the warm-up (300 → 310 MB), over the 8.0 MB allowed (--max-growth-mb 8)"
+        in failed[3]
+    )
     assert "shard-001 (pid 12) was sampled only from minute 0.0 to 7.2: it exited or was replaced" in failed[4]
 
 
@@ -139,3 +145,30 @@ def test_bad_flags_are_one_line():
             [sys.executable, "-m", "benchmarks.soak", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
         )
         assert done.returncode == 2 and says in done.stderr.splitlines()[-1], (args, done.stderr)
+
+
+def test_growth_is_judged_against_a_process_own_swing():
+    """Samples every 5 s for 15 minutes: a process climbing 1 MB a minute grows past 8 MB in the
+    13 minutes after the warm-up; one swinging by ±50 MB around a flat level (the ingress under
+    load) is allowed its medians' noise; a flat one stays at 8 MB allowed; the growth is the
+    median of the last third after the warm-up less the first third's."""
+    import os
+
+    sampler = soak.Sampler(os.getpid(), 5.0)
+    times = np.arange(0, 15.01, 5 / 60)
+    swing = 50 * np.sin(times * 7.3) * np.cos(times * 2.9)
+    sampler.ticks = list(times)
+    for pid, (label, rss) in enumerate(
+        (("embedder", 300 + times), ("ingress", 450 + swing), ("shard-000", 316 + 0 * times)), start=1
+    ):
+        sampler.series[(label, pid)] = [(t, r, 20) for t, r in zip(times, rss, strict=True)]
+    by_name = {p["process"]: p for p in soak.memory_by_process(sampler, warmup_min=2.0, max_growth_mb=8.0)}
+    embedder, ingress, shard = by_name["embedder"], by_name["ingress"], by_name["shard-000"]
+    assert embedder["growth_mb"] == pytest.approx(13 * 2 / 3, abs=0.2) and embedder["allowed_mb"] == 8.0
+    assert ingress["allowed_mb"] > 12 and abs(ingress["growth_mb"]) < ingress["allowed_mb"]
+    assert shard["growth_mb"] == 0 and shard["allowed_mb"] == 8.0
+    assert all(p["judged"] and p["whole_run"] for p in by_name.values())
+    failed = soak.failures(result(processes=list(by_name.values())), max_growth_mb=8.0)
+    assert failed == [
+        "embedder (pid 1) grew +8.8 MB after the warm-up (304 → 313 MB), over the 8.0 MB allowed (--max-growth-mb 8)"
+    ]
