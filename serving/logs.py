@@ -19,6 +19,13 @@ FIELDS = (
 )  # fmt: skip
 
 
+def shard_label(number: int) -> str:
+    """A shard's name as answers, errors, metrics and records' `shard` field give it ("000", "001", ...):
+    here, where a replica (`serving.replicas`) and the sharded search (`serving.sharded`) both
+    import it without importing each other."""
+    return f"{number:03d}"
+
+
 # The request a call answers, where it has one (a Search's request_id, given or made up): set by
 # the service, read by the call's access line and failure log, which are written outside it.
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)

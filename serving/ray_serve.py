@@ -26,7 +26,7 @@ unless it allowed a partial answer.
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import json
 import logging
 import os
@@ -35,6 +35,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -49,17 +50,10 @@ from index.version import IndexVersion
 from serving.config import ServerConfig
 from serving.engine import SearchEngine, ServingPair
 from serving.errors import Unavailable
-from serving.logs import Sink, relay, ship_records
+from serving.logs import Sink, relay, shard_label, ship_records
 from serving.metrics import ServiceMetrics
 from serving.replicas import EMBEDDER, EmbedderReplica, EmbedderSettings, ShardReplica, shard_deployment
-from serving.sharded import (
-    ShardAnswer,
-    ShardedSearch,
-    ShardRequest,
-    failure_reason,
-    shard_count,
-    shard_label,
-)
+from serving.sharded import ShardAnswer, ShardedSearch, ShardRequest, failure_reason, shard_count
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +174,9 @@ class ShardedEngine(SearchEngine):
         return self.sharded.search(pair, vectors, k, exclude, scopes, ks, deadline)
 
 
+FINAL: tuple[type[Exception], ...] = (ArtifactError, ValueError)  # a shard call's failures no retry mends
+
+
 class RayShards:
     """The shard deployments through their handles: every shard asked at once; a call that
     fails or misses `timeout_s` is sent again (Ray Serve picks a live replica) up to `retries`
@@ -202,11 +199,41 @@ class RayShards:
     def call(
         self, method: str, version: str, request: ShardRequest, deadline: float | None = None
     ) -> list[ShardAnswer | Exception]:
+        return self._tried(method, version, request, range(len(self.handles)), deadline)
+
+    def vector(self, number: int, version: str, row: int) -> np.ndarray:
+        """Row `row` of shard `number`'s vectors in `version`, from a replica of that shard (tried
+        again on failure as every shard call is, within the budget): the ingress maps no vectors
+        file. The call runs on a thread of its own, so it may be made from the ingress's event loop
+        (Serve refuses a sync call there); the loop waits for it as it waits for a page of a memory
+        map in `serve`. A row the shard does not have (IndexError) is not tried again."""
+        final = (*FINAL, IndexError)
+        (answer,) = _OFF_LOOP.submit(self._tried, "vector", version, row, [number], final=final).result()
+        if isinstance(answer, final):
+            raise answer
+        if isinstance(answer, Exception):
+            reason = failure_reason(answer)
+            raise Unavailable(f"shard {self.names[number]} did not answer for an item's vector: {reason}")
+        return answer
+
+    def _tried(
+        self,
+        method: str,
+        version: str,
+        argument: Any,
+        numbers: Sequence[int],
+        deadline: float | None = None,
+        final: tuple[type[Exception], ...] = FINAL,
+    ) -> list[Any]:
+        """`method(version, argument)` of each shard of `numbers`, asked at once: a call that fails
+        or misses `timeout_s` is sent again up to `retries` times, one of a `final` type (the
+        version is bad: no other replica helps) never; each shard's answer, or the exception it
+        ended with (a `ShardDeadline` past the deadline), in the order of `numbers`."""
         started = time.monotonic()
         budget = started + self.budget_s
         end = budget if deadline is None else min(deadline, budget)
-        answers: list[ShardAnswer | Exception | None] = [None] * len(self.handles)
-        pending = {n: (self._send(n, method, version, request), started, 0) for n in range(len(self.handles))}
+        answers: dict[int, Any] = {}
+        pending = {n: (self._send(n, method, version, argument), started, 0) for n in numbers}
         while pending:  # each pass waits on every shard in turn: a retry runs beside the others' waits
             for number, (response, sent, tries) in list(pending.items()):
                 now = time.monotonic()
@@ -218,13 +245,13 @@ class RayShards:
                     continue
                 except Exception as exc:  # noqa: BLE001 - a dead replica, a timeout, the shard's own error
                     failure = exc
-                if isinstance(failure, ArtifactError | ValueError):  # the version is bad: no other replica helps
+                if isinstance(failure, final):
                     answers[number] = failure
                     del pending[number]
                     continue
                 if self.metrics is not None:
                     self.metrics.shard_failures.labels(self.names[number]).inc()
-                with _suppressed():
+                with contextlib.suppress(BaseException):
                     response.cancel()
                 now = time.monotonic()
                 if now >= end:
@@ -239,36 +266,16 @@ class RayShards:
                         failure_reason(failure),
                         extra={"shard": self.names[number], "index_version": version},
                     )
-                    pending[number] = (self._send(number, method, version, request), now, tries + 1)
+                    pending[number] = (self._send(number, method, version, argument), now, tries + 1)
                     continue
                 del pending[number]
-        return answers  # type: ignore[return-value]  # every shard answered or failed
+        return [answers[n] for n in numbers]
 
-    def vector(self, number: int, version: str, row: int) -> np.ndarray:
-        """Row `row` of shard `number`'s vectors in `version`, from a replica of that shard (tried
-        again on failure, within the budget): the ingress maps no vectors file. The call runs on a
-        thread of its own, so it may be made from the ingress's event loop (Serve refuses a sync
-        call there); the loop waits for it as it waits for a page of a memory map in `serve`."""
-        deadline = time.monotonic() + self.budget_s
-        failure: Exception | None = None
-        for _ in range(self.retries + 1):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            call = functools.partial(self._send(number, "vector", version, row).result, timeout_s=left)
-            try:
-                return _OFF_LOOP.submit(call).result()
-            except (ArtifactError, ValueError, IndexError):
-                raise
-            except Exception as exc:  # noqa: BLE001 - a dead replica or a timeout: another replica may answer
-                failure = exc
-        raise Unavailable(f"shard {self.names[number]} did not answer for an item's vector: {failure_reason(failure)}")
-
-    def _send(self, number: int, method: str, version: str, request: Any) -> Any:
+    def _send(self, number: int, method: str, version: str, argument: Any) -> Any:
         calls = self._calls.get(method)
         if calls is None:
             calls = self._calls[method] = [_direct(h, method) for h in self.handles]
-        return calls[number].remote(version, request)
+        return calls[number].remote(version, argument)
 
 
 _OFF_LOOP = ThreadPoolExecutor(4, thread_name_prefix="shard-vector")
@@ -291,14 +298,6 @@ def _direct(handle: Any, method: str) -> Any:
         return handle.options(method_name=method, _by_reference=False)
     except TypeError:
         return handle.options(method_name=method)
-
-
-class _suppressed:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return True
 
 
 def _broadcast(handle: Any, method: str, *args: Any, timeout_s: float = 300.0) -> list[Any]:
@@ -409,16 +408,13 @@ class IngressReplica:
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)
         if loop is not None and loop.is_running():
-            with _suppressed():
+            with contextlib.suppress(BaseException):
                 asyncio.run_coroutine_threadsafe(self.app.stop(grace=5.0), loop).result(10)
 
 
 def _cause(exc: Exception, shard: str, version: str) -> str:
     """A replica's error as one line naming the shard (Ray wraps it in its own traceback)."""
-    cause = getattr(exc, "cause", None) or exc
-    lines = [line for line in str(cause).strip().splitlines() if line.strip()]
-    text = lines[-1] if lines else type(cause).__name__
-    text = text.split("ArtifactError: ", 1)[-1]
+    text = failure_reason(getattr(exc, "cause", None) or exc, typed=False).split("ArtifactError: ", 1)[-1]
     return text if f"shard {shard}" in text else f"shard {shard} of version {version}: {text}"
 
 
@@ -547,7 +543,8 @@ def connect_ray() -> None:
                     "set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's token, or start the cluster "
                     "with RAY_AUTH_MODE=disabled"
                 ) from None
-            raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {_first_line(exc)}") from None
+            reason = failure_reason(exc, typed=False, first=True)
+            raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {reason}") from None
     _ray_lines_as_ours()
 
 
@@ -591,11 +588,6 @@ class _core_warnings_held:
         if kind is None:
             sys.stderr.write(self.text())
         self._file.close()
-
-
-def _first_line(exc: Exception) -> str:
-    lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[0].strip() if lines else type(exc).__name__
 
 
 def check_not_deployed() -> None:
@@ -670,9 +662,9 @@ def _leave_cluster() -> None:
     from ray import serve
 
     log.info("deleting the Serve application")
-    with _suppressed():
+    with contextlib.suppress(BaseException):
         serve.delete(APP)
-    with _suppressed():
+    with contextlib.suppress(BaseException):
         if not os.environ.get("RAY_ADDRESS"):
             serve.shutdown()
         ray.shutdown()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from core.memory import pin_mmap_threshold
-from serving.logs import Sink, ship_records
+from serving.logs import Sink, shard_label, ship_records
 
 if TYPE_CHECKING:
     from serving.config import ServerConfig
@@ -25,7 +25,8 @@ EMBEDDER = "embedder"
 
 
 def shard_deployment(number: int) -> str:
-    return f"shard-{number:03d}"
+    """A shard's deployment name ("shard-000", ...): its label (`shard_label`) as a deployment."""
+    return f"shard-{shard_label(number)}"
 
 
 class ShardReplica:

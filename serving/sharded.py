@@ -42,6 +42,7 @@ from index.filters import Filter
 from index.grouping import EXACT_PASS, Groups
 from index.version import IndexVersion
 from serving.engine import EVERY_ROW, Answer, Hit, Scope, SearchEngine, ServingPair
+from serving.logs import shard_label
 
 if TYPE_CHECKING:
     from serving.monitor import ExactQuery
@@ -55,11 +56,6 @@ NO_CANDIDATES = -2  # a ShardAnswer's `candidates` for a query that was not grou
 def shard_count(version: IndexVersion) -> int:
     """The shards a version is served as: its own, or one (a version of one index)."""
     return len(version.shard_names) or 1
-
-
-def shard_label(number: int) -> str:
-    """A shard's name as answers, errors and metrics give it ("000", "001", ...)."""
-    return f"{number:03d}"
 
 
 def shard_of_version(version: IndexVersion, number: int) -> tuple[IndexVersion, int]:
@@ -543,9 +539,15 @@ def _spans_shards(pair: ServingPair, field_name: str, shards: int) -> bool:
     return shards > 1 and field_name != pair.manifest.shard_key
 
 
-def failure_reason(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[-1] if text else ''}".rstrip(": ")
+def failure_reason(exc: BaseException, typed: bool = True, first: bool = False) -> str:
+    """An exception as one line: its message's last non-blank line (a remote error's message is a
+    traceback that ends with the error; `first`: its first line), after its type's name. With
+    `typed=False` the line alone, or the type's name where the message is blank."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = (lines[0] if first else lines[-1]) if lines else ""
+    if not typed:
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text}".rstrip(": ")
 
 
 def _merged_rows(answers: list[ShardAnswer], i: int, k: int, scoped: bool) -> Answer:

@@ -1,0 +1,96 @@
+"""`serve --ray`'s shard calls without a cluster: `RayShards` over fake handles tries a failed
+call again, never one the version itself refuses, and an item's vector goes the same way; an
+exception said in one line (`failure_reason`) and a shard named as its deployment is."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from serving.errors import Unavailable
+from serving.logs import shard_label
+from serving.metrics import ServiceMetrics
+from serving.ray_serve import RayShards, _cause
+from serving.replicas import shard_deployment
+from serving.sharded import failure_reason
+
+
+class _Response:
+    def __init__(self, outcome) -> None:
+        self.outcome = outcome
+
+    def result(self, timeout_s: float):
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        return self.outcome
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Handle:
+    """A shard deployment's handle: each call's outcome the next of `outcomes` (the last repeats)."""
+
+    def __init__(self, *outcomes) -> None:
+        self.outcomes = list(outcomes)
+        self.sent: list[tuple[str, str, object]] = []
+
+    def options(self, method_name: str, _by_reference: bool = True) -> _Handle.Method:
+        return _Handle.Method(self, method_name)
+
+    class Method:
+        def __init__(self, handle: _Handle, name: str) -> None:
+            self.handle, self.name = handle, name
+
+        def remote(self, version: str, argument: object) -> _Response:
+            handle = self.handle
+            handle.sent.append((self.name, version, argument))
+            return _Response(handle.outcomes.pop(0) if len(handle.outcomes) > 1 else handle.outcomes[0])
+
+
+def shards(*handles: _Handle, retries: int = 2) -> RayShards:
+    return RayShards(list(handles), timeout_s=5.0, retries=retries, metrics=ServiceMetrics())
+
+
+def test_a_vector_is_tried_again_on_another_replica():
+    row = np.arange(4, dtype=np.float32)
+    flaky = _Handle(RuntimeError("replica gone"), row)
+    assert np.array_equal(shards(_Handle(row), flaky).vector(1, "v1", 7), row)
+    assert flaky.sent == [("vector", "v1", 7), ("vector", "v1", 7)]
+
+
+@pytest.mark.parametrize("refusal", [IndexError("row 7 is not in shard 001"), ValueError("bad version")])
+def test_a_vector_the_shard_refuses_is_not_tried_again(refusal):
+    refusing = _Handle(refusal)
+    with pytest.raises(type(refusal)):
+        shards(refusing).vector(0, "v1", 7)
+    assert len(refusing.sent) == 1
+
+
+def test_a_vector_no_replica_answers_is_unavailable():
+    dead = _Handle(RuntimeError("replica gone"))
+    with pytest.raises(Unavailable, match="shard 000 did not answer for an item's vector: RuntimeError: replica gone"):
+        shards(dead, retries=2).vector(0, "v1", 7)
+    assert len(dead.sent) == 3
+
+
+def test_a_fan_out_answers_each_shard_in_order():
+    answers = shards(_Handle("a"), _Handle(ValueError("bad version")), _Handle(RuntimeError("x"), "c")).call(
+        "search", "v1", "request"
+    )
+    assert answers[0] == "a" and isinstance(answers[1], ValueError) and answers[2] == "c"
+
+
+def test_an_exception_in_one_line():
+    remote = RuntimeError("Traceback (most recent call last):\n  File 'x'\n\nArtifactError: shard 001 is damaged\n")
+    assert failure_reason(remote) == "RuntimeError: ArtifactError: shard 001 is damaged"
+    assert failure_reason(remote, typed=False) == "ArtifactError: shard 001 is damaged"
+    assert failure_reason(remote, typed=False, first=True) == "Traceback (most recent call last):"
+    assert failure_reason(TimeoutError()) == "TimeoutError"
+    assert failure_reason(TimeoutError(), typed=False) == "TimeoutError"
+    assert _cause(remote, "001", "v1") == "shard 001 is damaged"
+    assert _cause(RuntimeError("checksum mismatch"), "002", "v1") == "shard 002 of version v1: checksum mismatch"
+
+
+def test_a_shards_deployment_is_named_by_its_label():
+    assert (shard_label(3), shard_deployment(3)) == ("003", "shard-003")
