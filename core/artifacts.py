@@ -16,6 +16,8 @@ import hashlib
 import json
 import os
 import shutil
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +32,8 @@ EMBEDDINGS_FILE = "embeddings.npy"  # the exact vectors indexed, row for row
 DELETED_FILE = "deleted.npy"  # rows removed but still in the index (HNSW tombstones), sorted
 FILTERS_FILE = "filters.npz"  # the filterable fields' value → rows structure
 SHARDS = "shards"  # a sharded index version's folder of shard folders (000/, 001/, ...)
+SEGMENTS = "segments"  # a segmented version's (or shard's) folder of segment folders (000000/, ...)
+TRAINED_FILE = "trained.faiss"  # a segmented IVF/PQ/SQ version's trained empty index, copied by new segments
 CURRENT = "CURRENT"
 LOCK_FILE = ".lock"  # flock'd around every switch of CURRENT that checks what it replaces
 VERSIONS = "versions"
@@ -230,6 +234,75 @@ def current_lock(root: str | Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+WRITER_LOCK = ".writer.lock"  # in the index root: flock'd by the one process writing a version
+WRITER_WAIT_S = 120.0  # how long a second writer waits its turn before it is refused
+_held_writer_locks: dict[str, int] = {}  # root → depth: a writer's nested steps hold the lock once
+_held_writer_guard = threading.Lock()
+
+
+class WriterBusyError(ArtifactError):
+    """Another process has been writing a version of the root for longer than the wait."""
+
+
+@contextlib.contextmanager
+def writer_lock(root: str | Path, wait_s: float = WRITER_WAIT_S) -> Iterator[None]:
+    """The root's one writer: read the live version, write a version made from it and publish,
+    while no other process does (flock, released by the kernel when its holder dies, kill -9
+    included). A second writer waits its turn, up to `wait_s` (`WriterBusyError` naming the
+    holder after), rather than publishing from a parent that is no longer live; once it holds
+    the lock, staging folders left by writers that died are removed. Re-entrant in a process."""
+    key = str(Path(root).resolve())
+    with _held_writer_guard:
+        depth = _held_writer_locks.get(key, 0)
+        if depth:
+            _held_writer_locks[key] = depth + 1
+    if depth:
+        try:
+            yield
+        finally:
+            with _held_writer_guard:
+                _held_writer_locks[key] -= 1
+        return
+    Path(root).mkdir(parents=True, exist_ok=True)
+    with open(Path(root) / WRITER_LOCK, "a+") as lock:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    lock.seek(0)
+                    holder = lock.read().strip() or "another process"
+                    raise WriterBusyError(
+                        f"{root}: another writer ({holder}) has held the index root for more than {wait_s:.0f} s; "
+                        "try again once it has published"
+                    ) from None
+                time.sleep(0.05)
+        try:
+            lock.seek(0)
+            lock.truncate()
+            lock.write(f"pid {os.getpid()}")
+            lock.flush()
+            _remove_dead_staging(root)
+            with _held_writer_guard:
+                _held_writer_locks[key] = 1
+            yield
+        finally:
+            with _held_writer_guard:
+                _held_writer_locks.pop(key, None)
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def _remove_dead_staging(root: str | Path) -> None:
+    """Staging folders under versions/: left by writers that died (the lock is held, so no
+    writer is at work)."""
+    versions = Path(root) / VERSIONS
+    if versions.is_dir():
+        for stale in versions.glob(".staging-*"):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def publish_version(

@@ -23,6 +23,9 @@ SCHEMA_KEY = "schema_version"
 # from before shards reads versions 1 to 1, so it refuses one by this field, naming it, rather
 # than failing to find the index file. A version of one index still writes 1, byte for byte.
 SHARDED_SCHEMA_VERSION = 2
+# A version whose rows lie in immutable segments (`segments`, at the version or in each shard):
+# older readers refuse it by this field rather than find no index file.
+SEGMENTED_SCHEMA_VERSION = 3
 
 _NUMBER = (int, float)
 M = TypeVar("M", bound="_Manifest")
@@ -319,6 +322,26 @@ class ShardEntry:
     rows: int
     deleted_rows: int
     row_offset: int  # global row = row_offset + the shard's own row
+    files: dict[str, str]  # file name → sha256 (a segmented shard's: its tombstones and trained index)
+    segments: list[SegmentEntry] | None = None  # a segmented shard's, in row order
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if self.segments is None:
+            del d["segments"]
+        return d
+
+
+@dataclass
+class SegmentEntry:
+    """One immutable segment of a version (or of a shard): `segments/<name>/` holding its own
+    index, vectors, items and filters, shared by hard link between the versions that keep it.
+    Its rows are the version's `row_offset` … `row_offset + rows - 1`; which of them are deleted
+    is the version's (or shard's) `deleted.npy`, never the segment's."""
+
+    name: str
+    rows: int
+    row_offset: int
     files: dict[str, str]  # file name → sha256
 
     def to_dict(self) -> dict[str, Any]:
@@ -334,7 +357,29 @@ def _shard_entry(data: Any, source: str, number: int) -> ShardEntry:
         deleted_rows=fields.get("deleted_rows", int, required=False, default=0),
         row_offset=fields.get("row_offset", int),
         files={name: files.get(name, str) for name in files.data},
+        segments=_segment_entries(fields, f"shards[{number}].segments"),
     )
+
+
+def _segment_entries(fields: _Fields, where: str = "segments") -> list[SegmentEntry] | None:
+    entries = fields.get("segments", list, required=False)
+    if entries is None:
+        return None
+    if not entries:
+        raise ArtifactError(f"{fields.source}: field {where!r} lists no segment")
+    found = []
+    for number, data in enumerate(entries):
+        entry = _Fields(data, fields.source, f"{where}[{number}]")
+        files = entry.section_of("files") or _Fields({}, fields.source)
+        found.append(
+            SegmentEntry(
+                name=entry.get("name", str),
+                rows=entry.get("rows", int),
+                row_offset=entry.get("row_offset", int),
+                files={name: files.get(name, str) for name in files.data},
+            )
+        )
+    return found
 
 
 @dataclass
@@ -369,10 +414,17 @@ class IndexManifest(_Manifest):
     # A sharded version (`index build --shards S`, S > 1): its shards in order; None: one index.
     shards: list[ShardEntry] | None = None
     shard_key: str | None = None  # what placed a row: "id", or the item field
-    schema_version: int = SCHEMA_VERSION  # written as SHARDED_SCHEMA_VERSION when `shards` (`_writes`)
+    # A segmented version of one index: its segments in row order (a sharded one's are its shards').
+    segments: list[SegmentEntry] | None = None
+    schema_version: int = SCHEMA_VERSION  # written as `_writes()` says: 2 when sharded, 3 when segmented
     extra: dict[str, Any] = field(default_factory=dict)
 
-    _READS: ClassVar[int] = SHARDED_SCHEMA_VERSION
+    _READS: ClassVar[int] = SEGMENTED_SCHEMA_VERSION
+
+    @property
+    def segmented(self) -> bool:
+        """Its rows lie in segments (schema version 3): at the version, or in its shards."""
+        return self.segments is not None or any(entry.segments is not None for entry in self.shards or [])
 
     @property
     def indexed_rows(self) -> int:
@@ -418,17 +470,23 @@ class IndexManifest(_Manifest):
             item_field=fields.get("item_field", str, required=False),
             shards=_shard_entries(fields),
             shard_key=fields.get("shard_key", str, required=False),
+            segments=_segment_entries(fields),
             schema_version=version,
         )
-        if (version == SHARDED_SCHEMA_VERSION) != (manifest.shards is not None):
+        if manifest.segments is not None and manifest.shards is not None:
+            raise ArtifactError(f"{fields.source}: lists both shards and segments (a shard lists its own segments)")
+        if version != manifest._writes():
+            holds = "segments" if manifest.segmented else "shards" if manifest.shards else "one index"
             raise ArtifactError(
-                f"{fields.source}: field {SCHEMA_KEY!r} is {version}, but the manifest "
-                + ("lists no shards" if manifest.shards is None else "lists shards (a sharded version is version 2)")
+                f"{fields.source}: field {SCHEMA_KEY!r} is {version}, but the manifest describes {holds} "
+                f"(schema version {manifest._writes()})"
             )
         manifest.extra = fields.rest()
         return manifest
 
     def _writes(self) -> int:
+        if self.segmented:
+            return SEGMENTED_SCHEMA_VERSION
         return SHARDED_SCHEMA_VERSION if self.shards else SCHEMA_VERSION
 
     def _dict(self) -> dict[str, Any]:
@@ -437,7 +495,9 @@ class IndexManifest(_Manifest):
             if d[name] is not None:
                 d[name] = d[name].to_dict()
         if d["shards"] is not None:
-            d["shards"] = [entry.to_dict() for entry in d["shards"]]
+            d["shards"] = [entry.to_dict() for entry in self.shards or []]
+        if d["segments"] is not None:
+            d["segments"] = [entry.to_dict() for entry in self.segments or []]
         if not d["deleted_rows"]:  # written only by the versions that have them
             del d["deleted_rows"]
         if not d["filterable"]:  # none declared: a manifest read back is written back as it was

@@ -10,16 +10,20 @@ from core.config import add_options, from_cli
 from core.manifests import IndexManifest
 from index.config import BuildConfig
 from index.duplicates import DuplicatesConfig
-from index.lifecycle import RemoveConfig
+from index.lifecycle import CompactConfig, RemoveConfig
 from index.rebuild import RebuildConfig
 
 # command → (help, configuration class, its options this command does not take)
 COMMANDS = {
-    "build": ("embed a catalog and publish a new faiss index version", BuildConfig, ("upsert",)),
+    "build": (
+        "embed a catalog and publish a new faiss index version",
+        BuildConfig,
+        ("upsert", "max_segments", "max_deleted_fraction"),
+    ),
     "rebuild": (
         "batch rebuild on Ray Data (RAY_ADDRESS for a cluster), then publish",
         RebuildConfig,
-        ("decode_threads", "ks", "upsert"),
+        ("decode_threads", "ks", "upsert", "max_segments", "max_deleted_fraction"),
     ),
     "add": (
         "publish live version + new catalog rows, embedding only the new ones (ids already indexed are skipped)",
@@ -39,6 +43,11 @@ COMMANDS = {
         ),
     ),
     "remove": ("publish the live version less some items (takedowns, logged to audit.jsonl)", RemoveConfig, ()),
+    "compact": (
+        "merge each shard's segments of the live version into one, dropping deleted rows (on Ray, a task a shard)",
+        CompactConfig,
+        (),
+    ),
     "duplicates": ("write the groups of near-duplicates (pairs at or above --min-score)", DuplicatesConfig, ()),
 }
 
@@ -78,6 +87,9 @@ def describe_version(m: IndexManifest) -> str:
     probe = quality.probe_recall_at_1 if quality is not None else None
     # A sharded version: its shard count and each shard's rows (deleted ones included).
     shards = f"  shards={len(m.shards)} ({'/'.join(str(e.rows) for e in m.shards)})" if m.shards else ""
+    if m.segmented:  # how many segments: what compaction would merge
+        counts = [len(e.segments or [None]) for e in m.shards] if m.shards else [len(m.segments or [])]
+        shards += f"  segments={'/'.join(map(str, counts))}"
     return (
         f"{m.version}  size={m.live_size}{removed}{shards}  factory={m.factory}  search={params}  model={m.model_id}  "
         f"{ann}  probe_R@1={'-' if probe is None else f'{probe:.4f}'}"
@@ -107,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
             del args.progress
             report = run_remove(from_cli(RemoveConfig, args))  # its summary is logged
             print(artifacts.version_dir(args.index_root, report.version))
+        elif args.command == "compact":
+            from index.lifecycle import run_compact
+
+            del args.progress
+            done = run_compact(from_cli(CompactConfig, args))
+            print(artifacts.version_dir(args.index_root, done.version.name if done else None))
         elif args.command == "rebuild":
             from index.rebuild import RebuildConfig, run_rebuild
 

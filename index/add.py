@@ -10,17 +10,26 @@ from pathlib import Path
 
 import numpy as np
 
+from core import artifacts
 from core.catalog import Catalog, CatalogError, read_catalog
 from core.items import ItemTable
 from core.manifests import IndexManifest, RowCounts, check_model_index_pair
+from core.vectors import unit_rows
 from index.config import BuildConfig
 from index.embed import check_bad_rows, embed_catalog
 from index.embedder import OnnxEmbedder
-from index.faiss_index import l2_normalized
 from index.filters import parse_filterable, specs_of
-from index.lifecycle import drop_rows
-from index.publish import NewVersion
-from index.sharding import ShardPart, ShardRows, shard_keys, shard_of
+from index.gate import GateThresholds
+from index.lifecycle import compact_if_due
+from index.segments import (
+    MAX_DELETED_FRACTION,
+    MAX_SEGMENTS,
+    ChangeReport,
+    UnitChange,
+    gate_change,
+    publish_change,
+)
+from index.sharding import shard_keys, shard_of
 from index.version import IndexVersion
 
 log = logging.getLogger(__name__)
@@ -29,11 +38,14 @@ log = logging.getLogger(__name__)
 def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     """Publish a new version = the live one + the catalog rows it lacks, embedding only those.
 
-    Existing vectors are reused byte for byte (from the live version's embeddings.npy) and the
-    live faiss index is extended in place of a rebuild, so IVF/PQ keep their trained quantisers.
-    Rows whose id is already indexed are skipped and counted, not re-embedded — or, with
-    `upsert`, replace the indexed ones: those leave the live version as a removal does
-    (`index.lifecycle.drop_rows`) and come back at the end with their new vector and metadata.
+    The live version's segments are hard-linked and the new rows written as one new segment a
+    shard they touch (`index.segments`: IVF/PQ rows coded by the version's trained quantiser),
+    so an add writes the new rows and a few kilobytes, whatever the catalog's size. Rows whose
+    id is already indexed are skipped and counted, not re-embedded — or, with `upsert`, replace
+    the indexed ones: those are tombstoned as a removal tombstones them and come back in the
+    new segment with their new vector and metadata. The gate measures the new rows
+    (`index.segments.gate_change`); compaction follows when a shard passes its segment count or
+    deleted share (`index.lifecycle.compact_if_due`).
     The live version's model (unless --model names another directory of it), factory, search
     parameters and filterable fields hold for the rows it gains.
     """
@@ -54,35 +66,119 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
         fresh, embedder, cfg.batch_size, cfg.decode_threads, cfg.max_pixels, progress
     )
     check_bad_rows(len(fresh), len(kept), skipped, cfg.max_bad_fraction)
+    log.info("embedded %d new rows in %.1f s", len(kept), time.perf_counter() - started)
     added = fresh.subset(kept)
-    if cfg.upsert and len(replaced):
-        # A row that failed to embed keeps its old vector rather than vanishing.
-        rows_now = (live.row_of(i) for i in added.ids)
-        replaced = np.array(sorted(r for r in rows_now if r is not None), dtype=np.int64)
     added_items = ItemTable(
         ids=added.ids, labels=added.labels, paths=[str(p.resolve()) for p in added.paths], metadata=added.metadata
     )
-    if not cfg.upsert:
-        replaced = replaced[:0]
-    rows = RowCounts(
-        catalog=len(catalog),
-        indexed=0,  # publish_index_version counts it: the new version's live_size
+    report = add_vectors(
+        cfg.index_root,
+        vectors,
+        added_items,
+        upsert=cfg.upsert,
+        gate=cfg.gate_thresholds,
+        keep=cfg.keep,
+        max_segments=cfg.max_segments,
+        max_deleted_fraction=cfg.max_deleted_fraction,
+        catalog_rows=len(catalog),
         skipped=skipped,
-        added=len(kept) - len(replaced) if cfg.upsert else len(kept),
         already_indexed=already,
-        replaced=int(len(replaced)) if cfg.upsert else None,
-    )
-    new = NewVersion(
         model_id=embedder.model_id,
-        embeddings=vectors,
-        items=added_items,
-        catalog=cfg.catalog,
-        rows=rows,
-        started=started,
-        embed_seconds=time.perf_counter() - started,
-        parent_version=live.manifest.version,
     )
-    return cfg.publish(_extended(live, replaced, new))
+    return report.version
+
+
+def add_vectors(
+    index_root: str | Path,
+    vectors: np.ndarray,
+    items: ItemTable,
+    *,
+    upsert: bool = False,
+    gate: GateThresholds | None = None,
+    keep: int = 5,
+    max_segments: int = MAX_SEGMENTS,
+    max_deleted_fraction: float = MAX_DELETED_FRACTION,
+    catalog_rows: int | None = None,
+    skipped: dict[str, int] | None = None,
+    already_indexed: int | None = None,
+    model_id: str | None = None,
+) -> ChangeReport:
+    """Publish the live version of `index_root` + these rows (embedded already: `vectors`, row
+    for row with `items`) as one new segment a shard they touch, and compact the shards then
+    past `max_segments` or `max_deleted_fraction`. An id the live version holds is refused
+    unless `upsert`, which tombstones its old row. `gate`: the add's gate on its new rows
+    (none: not gated). `model_id`: the model that embedded them, which the live version must
+    have been built with. Writers of the root take their turns (`artifacts.writer_lock`): the
+    live version is read, changed and published by this writer alone."""
+    with artifacts.writer_lock(index_root):
+        return _add_vectors(
+            index_root, vectors, items, upsert, gate, keep, max_segments, max_deleted_fraction, catalog_rows,
+            skipped, already_indexed, model_id,
+        )  # fmt: skip
+
+
+def _add_vectors(
+    index_root, vectors, items, upsert, gate, keep, max_segments, max_deleted_fraction, catalog_rows, skipped,
+    already_indexed, model_id,
+) -> ChangeReport:  # fmt: skip
+    live = IndexVersion.open(index_root)
+    if model_id is not None and live.manifest.model_id != model_id:
+        raise ValueError(
+            f"the new rows were embedded by model {model_id}; the live version {live.name} was built with model "
+            f"{live.manifest.model_id} (it changed meanwhile)"
+        )
+    vectors = np.asarray(vectors, dtype=np.float32)
+    if vectors.ndim != 2 or vectors.shape[1] != live.manifest.dimension:
+        raise ValueError(
+            f"the new rows are vectors of shape {vectors.shape}; version {live.name} holds {live.manifest.dimension}-d "
+            "vectors"
+        )
+    if len(vectors) != len(items) or not len(items):
+        raise ValueError(f"{len(vectors)} vectors for {len(items)} items: one vector a row, at least one row")
+    if not np.isfinite(vectors).all():
+        raise ValueError("the new rows' vectors hold NaN or infinity")
+    ids = list(items.ids)
+    if len(set(ids)) != len(ids):
+        twice = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"item id {twice!r} comes twice among the new rows")
+    present = [(item_id, live.row_of(item_id)) for item_id in ids]
+    held = [(item_id, row) for item_id, row in present if row is not None]
+    if held and not upsert:
+        raise ValueError(
+            f"{len(held)} of the {len(ids)} new ids are already in version {live.name}, e.g. {held[0][0]!r}: "
+            "pass upsert to replace them"
+        )
+    if items.labelled != live.items.labelled and len(live.items):
+        raise ValueError(
+            f"the new rows {'have' if items.labelled else 'lack'} labels and version {live.name}'s "
+            f"{'lack' if items.labelled else 'have'} them: a version's items are all labelled or none are"
+        )
+    replaced = np.array(sorted(row for _, row in held), dtype=np.int64)
+    rows = RowCounts(
+        catalog=catalog_rows if catalog_rows is not None else len(items),
+        indexed=0,  # publish_change counts it: the new version's live_size
+        skipped=skipped or {},
+        added=len(items) - len(replaced),
+        already_indexed=already_indexed,
+        replaced=int(len(replaced)) if upsert else None,
+    )
+    verdict = None
+    if gate is not None:
+        verdict = lambda staged, new_rows: gate_change(  # noqa: E731
+            staged, new_rows, gate.ann_k, gate.min_ann_recall, gate.force
+        )[1]
+    report = publish_change(
+        index_root,
+        live,
+        unit_changes(live, replaced, unit_rows(vectors), items),
+        keep,
+        f"added {len(items)} items" + (f", replacing {len(replaced)}" if len(replaced) else ""),
+        rows=rows,
+        model_id=model_id,
+        gate=verdict,
+    )
+    compact_if_due(index_root, keep, max_segments, max_deleted_fraction)
+    return report
 
 
 def _as_live(cfg: BuildConfig, live: IndexVersion) -> BuildConfig:
@@ -133,60 +229,26 @@ def _rows_to_embed(cfg: BuildConfig, catalog: Catalog, live: IndexVersion) -> tu
     return new_rows, replaced, already
 
 
-def _extended(live: IndexVersion, replaced: np.ndarray, added: NewVersion) -> NewVersion:
-    """`added` (the new rows alone) as the whole new version: the live one less its `replaced`
-    rows plus these — a sharded version rebuilds only the shards they touch, an unsharded one
-    extends the live index."""
-    if live.manifest.shards:
-        return dataclasses.replace(
-            added, shard_parts=add_to_shards(live, replaced, added.embeddings, added.items)
-        )  # embeddings: the rows added; the shards hold the rest
-    base = drop_rows(live, replaced) if len(replaced) else None
-    index = base.index if base is not None and base.index is not None else live.read_index()
-    old_vectors = base.vectors if base is not None else live.vectors
-    old_items = base.items if base is not None else live.items
-    index.add(l2_normalized(added.embeddings))
-    return dataclasses.replace(
-        added,
-        embeddings=np.concatenate([old_vectors, added.embeddings]),
-        items=old_items.concat(added.items),
-        index=index,
-        deleted=base.deleted if base is not None else live.deleted,
-    )
-
-
-def add_to_shards(live: IndexVersion, replaced: np.ndarray, vectors: np.ndarray, added: ItemTable) -> list[ShardPart]:
-    """A sharded `live`'s shards once `replaced` (global rows) leave and the `added` rows join
-    the shard their item hashes to: only the shards they touch are rebuilt (their indexes
-    extended, so IVF/PQ keep the shared quantizer); the others are linked unchanged."""
-    entries = live.manifest.shards or []
+def unit_changes(live: IndexVersion, replaced: np.ndarray, vectors: np.ndarray, added: ItemTable) -> list[UnitChange]:
+    """What an add (or an upsert) changes in each unit of `live` — the version, or each shard:
+    the `replaced` rows (global) leave, the `added` rows join the shard their item hashes to."""
+    if not live.manifest.shards:
+        return [UnitChange(removed=replaced, vectors=vectors, items=added)]
+    entries = live.manifest.shards
     placed = np.fromiter(
         (shard_of(key, len(entries)) for key in shard_keys(added, live.manifest.item_field)), np.int64, len(added)
     )
-    parts = []
+    changes = []
     for number, (entry, offset) in enumerate(zip(entries, live.shard_offsets, strict=True)):
-        shard = live.shard(number)
-        local = replaced[(replaced >= offset) & (replaced < offset + entry.rows)] - offset
         joining = np.flatnonzero(placed == number)
-        if not len(local) and not len(joining):
-            parts.append(ShardPart(None, shard.directory, entry))
-            continue
-        base = drop_rows(shard, local) if len(local) else None
-        index = base.index if base is not None and base.index is not None else shard.read_index()
-        index.add(l2_normalized(vectors[joining]))
-        old_vectors = base.vectors if base is not None else shard.vectors
-        old_items = base.items if base is not None else shard.items
-        parts.append(
-            ShardPart(
-                ShardRows(
-                    index,
-                    np.concatenate([old_vectors, vectors[joining]]),
-                    old_items.concat(added.take(joining)),
-                    base.deleted if base is not None else shard.deleted,
-                )
+        changes.append(
+            UnitChange(
+                removed=replaced[(replaced >= offset) & (replaced < offset + entry.rows)] - offset,
+                vectors=vectors[joining],
+                items=added.take(joining) if len(joining) else None,
             )
         )
-    return parts
+    return changes
 
 
 def live_model_dir(manifest: IndexManifest) -> str:

@@ -68,6 +68,12 @@ class BuildConfig:
     upsert: bool = option(
         False, help="index add: rows whose id is already indexed replace its vector, label and metadata"
     )
+    max_segments: int = option(
+        16, help="index add: compact a shard (merge its segments, drop deleted rows) once it holds more segments"
+    )
+    max_deleted_fraction: float = option(
+        0.2, help="index add: compact a shard once more than this fraction of its rows is deleted (upserts)"
+    )
     keep: int = option(5, help="versions to retain")
     filterable: list[str] = option(
         default_factory=list,
@@ -95,6 +101,10 @@ class BuildConfig:
             raise ValueError("max_bad_fraction must be within [0, 1]")
         if self.keep < 1:
             raise ValueError("keep must be at least 1")
+        if self.max_segments < 1:
+            raise ValueError(f"max_segments must be at least 1, got {self.max_segments}")
+        if not 0 <= self.max_deleted_fraction <= 1:
+            raise ValueError(f"max_deleted_fraction must be within [0, 1], got {self.max_deleted_fraction}")
         if not self.ks or min(self.ks) <= 0:
             raise ValueError(f"ks must be positive, got {self.ks}")
         if self.nprobe is not None and self.nprobe < 1:

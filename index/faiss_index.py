@@ -14,7 +14,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from core.vectors import as_float32_rows, exact_search, l2_normalized, unit_rows
+from core.vectors import RowBlocks, as_float32_rows, exact_search, l2_normalized, unit_rows
 
 log = logging.getLogger(__name__)
 
@@ -261,9 +261,10 @@ def trained_index(
     return index
 
 
-def apply_search_params(index: faiss.Index, params: dict[str, float]) -> None:
+def apply_search_params(index: faiss.Index, params: dict[str, float], strict: bool = True) -> None:
     """Set search-time parameters such as nprobe or efSearch by name (`rerank` is checked
-    here and applied by `ExactRerank`)."""
+    here and applied by `ExactRerank`). `strict=False`: a parameter the index has no use for is
+    passed over (a segment of Flat rows in an HNSW version has no efSearch)."""
     space = faiss.ParameterSpace()
     for name, value in params.items():
         if name == RERANK:
@@ -272,6 +273,8 @@ def apply_search_params(index: faiss.Index, params: dict[str, float]) -> None:
         try:
             space.set_index_parameter(index, name, value)
         except RuntimeError as exc:
+            if not strict:
+                continue
             raise ValueError(f"index does not accept search parameter {name}={value}: {faiss_message(exc)}") from exc
 
 
@@ -302,8 +305,10 @@ class ExactRerank:
         if stored.shape != (index.ntotal, index.d):
             raise ValueError(f"stored vectors are {stored.shape}, the index {index.ntotal}×{index.d}")
         # The map kept as a plain array: np.memmap's indexing runs Python (its __getitem__ and
-        # __array_finalize__) for every gather, a fifth of a one-query re-rank's own cost.
-        self.index, self.stored, self.factor = index, np.asarray(stored), factor
+        # __array_finalize__) for every gather, a fifth of a one-query re-rank's own cost. A
+        # segmented version's `RowBlocks` stays as it is (np.asarray would join its maps).
+        self.index, self.factor = index, factor
+        self.stored = stored if isinstance(stored, RowBlocks) else np.asarray(stored)
 
     @property
     def ntotal(self) -> int:
@@ -328,8 +333,8 @@ class ExactRerank:
         product before them were most of a re-ranked search's cost (docs/benchmarks.md,
         "Sharded versions")."""
         stored = self.stored
-        if stored.dtype != np.float32 or not stored.flags.c_contiguous:
-            return np.einsum("qd,qcd->qc", queries, self.gather(rows))
+        if not _in_place(stored):
+            return np.einsum("qd,qcd->qc", queries, self.gather(rows)).astype(np.float32)
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         rows = np.ascontiguousarray(rows, dtype=np.int64)
         scores = np.empty(rows.shape, dtype=np.float32)
@@ -464,6 +469,13 @@ def inner_products(stored: np.ndarray, query: np.ndarray, rows: np.ndarray | Non
     memory map too): NumPy's BLAS product starts threads that a busy machine stalls (7 ms for
     10k rows under load, against 0.1 ms here)."""
     query = np.ascontiguousarray(query, dtype=np.float32)
+    if isinstance(stored, RowBlocks):  # each segment's rows scored where they lie
+        if rows is None:
+            return np.concatenate([inner_products(block, query) for block in stored.blocks])
+        out = np.empty(len(rows), dtype=np.float32)
+        for block, places, local in stored.split(np.asarray(rows, dtype=np.int64)):
+            out[places] = inner_products(stored.blocks[block], query, local)
+        return out
     if stored.dtype != np.float32 or not stored.flags.c_contiguous:
         return np.asarray((stored if rows is None else stored[rows]) @ query, dtype=np.float32)
     dim = stored.shape[1]
@@ -481,6 +493,11 @@ def inner_products(stored: np.ndarray, query: np.ndarray, rows: np.ndarray | Non
     return out
 
 
+def _in_place(stored: np.ndarray | RowBlocks) -> bool:
+    """faiss's kernels can score `stored`'s rows where they lie (one float32 C-contiguous array)."""
+    return isinstance(stored, np.ndarray) and stored.dtype == np.float32 and stored.flags.c_contiguous
+
+
 def exact_within(stored: np.ndarray, queries: np.ndarray, k: int, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Exact top-k of `queries` among `rows` of `stored`: (scores, rows), -1 rows (score -inf)
     past the rows there are."""
@@ -491,7 +508,7 @@ def exact_within(stored: np.ndarray, queries: np.ndarray, k: int, rows: np.ndarr
     depth = min(k, len(rows))
     if not depth:
         return scores, found
-    if len(queries) <= IN_PLACE_QUERIES and stored.dtype == np.float32 and stored.flags.c_contiguous:
+    if len(queries) <= IN_PLACE_QUERIES and (isinstance(stored, RowBlocks) or _in_place(stored)):
         # faiss scores the rows where they lie (the memory map itself): copying 100k rows out
         # first costs 20× the scoring at 1M items, and a lone query cannot share the copy.
         for i, query in enumerate(queries):
@@ -621,6 +638,9 @@ def scores_of_rows(stored: np.ndarray, queries: np.ndarray, rows: np.ndarray) ->
     rows = np.asarray(rows, dtype=np.int64)
     found = rows >= 0
     picked = np.ascontiguousarray(np.where(found, rows, 0))
+    if isinstance(stored, RowBlocks):  # the rows gathered from their segments, not the maps joined
+        gathered = stored.take(picked)
+        return np.where(found, np.einsum("qd,qcd->qc", queries, gathered).astype(np.float32), -np.inf)
     data = np.ascontiguousarray(stored, dtype=np.float32)
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     scores = np.empty(picked.shape, dtype=np.float32)

@@ -236,7 +236,7 @@ class FilterIndex:
         """One structure over `size` rows from the structures of consecutive row ranges (a
         sharded version's shards: part i's row r is row `offsets[i] + r`)."""
         merged = cls(size)
-        for name, first in (parts[0].fields.items() if parts else ()):
+        for name, first in parts[0].fields.items() if parts else ():
             values = np.concatenate([np.repeat(p.fields[name].values, np.diff(p.fields[name].offsets)) for p in parts])
             rows = np.concatenate(
                 [p.fields[name].rows.astype(np.int64) + offset for p, offset in zip(parts, offsets, strict=True)]

@@ -1,16 +1,12 @@
 """Takedowns and upserts: new index versions made from the live one, without a rebuild.
 
-A removal publishes a version holding the live one's rows less the removed ones, reusing the
-live vectors and index for everything else. How the rows leave depends on what the index can do:
-
-- Flat and the other flat-code indexes (PQ, SQ) drop them (`remove_ids`), which keeps the order
-  of the rest: row r of the new version is the r-th surviving row.
-- IVF indexes drop them from their inverted lists and renumber the ids left, so rows stay 0..n-1
-  (the items table and `embeddings.npy` are positional).
-- HNSW cannot drop a node from its graph: the rows stay, listed in `deleted.npy` (tombstones)
-  and masked inside every search; the index, vectors and items files are hard-linked from the
-  live version, so a takedown writes a few kilobytes whatever the catalog's size. Past
-  `max_deleted_fraction` of tombstones the graph is rebuilt without them (compaction).
+A removal publishes a version holding the live one's rows less the removed ones, writing only
+tombstones: the live version's segments are hard-linked, and each shard that loses rows gets a
+new `deleted.npy` (`index.segments`), masked inside every search — a takedown writes kilobytes
+whatever the catalog's size, and a version of the older formats becomes segmented on its first
+removal without copying a row. Past `max_deleted_fraction` of a shard's rows deleted, or with
+`compact`, the shards it touches are compacted: their live rows in one segment, an HNSW graph
+rebuilt (`compact_version`, also `index compact`).
 
 An upsert (`index add --upsert`) is a removal of the rows whose ids come again, then an add.
 Every removal is appended to the index root's audit log with who asked and what left.
@@ -22,7 +18,6 @@ caller asks to restore them — audited either way (docs/operations.md, "Takedow
 
 from __future__ import annotations
 
-import dataclasses
 import getpass
 import json
 import logging
@@ -33,19 +28,21 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import faiss
 import numpy as np
 
 from core import artifacts
 from core.artifacts import utc_now
 from core.config import option
-from core.items import ItemTable
-from core.manifests import IndexManifest, QualityGate, RowCounts
-from index.faiss_index import build_index, emptied_index, empty_index, ivf_of
-from index.filters import FilterIndex, specs_of
-from index.sharding import ShardPart, ShardRows, write_parts
+from core.manifests import IndexManifest
+from index.segments import (
+    MAX_DELETED_FRACTION,
+    MAX_SEGMENTS,
+    ChangeReport,
+    UnitChange,
+    publish_change,
+    wants_compaction,
+)
 from index.version import IndexVersion
-from index.version_writer import VersionWriter
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +58,9 @@ class RemoveConfig:
     ids: str | None = option(None, help="file of item ids to remove, one per line, or - for standard input (required)")
     reason: str = option("", help="why, for the audit log")
     max_deleted_fraction: float = option(
-        0.2, help="HNSW: rebuild the graph without its removed rows once they are more than this fraction"
+        0.2, help="compact a shard (its segments merged, deleted rows dropped) once they are more than this fraction"
     )
-    compact: bool = option(False, help="HNSW: rebuild the graph without its removed rows now")
+    compact: bool = option(False, help="compact the shards the removal touches now")
     keep: int = option(5, help="versions to retain")
 
     def __post_init__(self) -> None:
@@ -100,82 +97,6 @@ def read_id_file(path: str | Path) -> list[str]:
 
 
 @dataclass
-class Remaining:
-    """A version's rows less some: the index, vectors and items of what is left, and which rows
-    of them are tombstones (HNSW). `reuses_files`: index, vectors and items are the live
-    version's files unchanged (only the tombstones differ)."""
-
-    index: faiss.Index | None  # None: the live version's, unchanged (`reuses_files`)
-    vectors: np.ndarray
-    items: ItemTable
-    deleted: np.ndarray
-    removed: int
-    compacted: bool = False
-
-    @property
-    def reuses_files(self) -> bool:
-        return self.index is None
-
-
-def how_rows_leave(manifest: IndexManifest) -> str:
-    """'compact' (flat codes drop rows in order), 'ivf' (dropped, the rest renumbered) or
-    'tombstone' (the index cannot drop them: HNSW and other graphs). Told from an empty index
-    of the same factory string, so a takedown need not read the live index to decide."""
-    index = empty_index(manifest.dimension, manifest.factory)
-    ivf = ivf_of(index)
-    if ivf is not None:
-        lists = faiss.downcast_InvertedLists(ivf.invlists)
-        return "ivf" if isinstance(lists, faiss.ArrayInvertedLists) else "tombstone"
-    return "compact" if isinstance(faiss.downcast_index(index), faiss.IndexFlatCodes) else "tombstone"
-
-
-def _renumber_ivf(index: faiss.Index, dropped: np.ndarray) -> None:
-    """After `remove_ids`, an IVF's lists still hold the old ids: shift each past the dropped
-    ones below it, so the ids are rows 0..n-1 again (in place, list by list)."""
-    ivf = faiss.extract_index_ivf(index)
-    lists = ivf.invlists
-    for number in range(ivf.nlist):
-        size = lists.list_size(number)
-        if size:
-            ids = faiss.rev_swig_ptr(lists.get_ids(number), size)  # a view of the list's ids
-            ids -= np.searchsorted(dropped, ids)
-    if ivf.direct_map.type != faiss.DirectMap.NoMap:
-        ivf.make_direct_map(True)
-
-
-def drop_rows(
-    live: IndexVersion, rows: np.ndarray, max_deleted_fraction: float = 0.2, compact: bool = False
-) -> Remaining:
-    """`live` without `rows` (sorted, live rows): dropped from the index where it can, else
-    tombstoned — and the graph rebuilt without its tombstones once they pass the fraction."""
-    rows = np.asarray(rows, dtype=np.int64)
-    mode = how_rows_leave(live.manifest)
-    if mode == "tombstone":
-        deleted = np.union1d(live.deleted, rows)
-        if not compact and len(deleted) <= max_deleted_fraction * len(live.items):
-            return Remaining(None, live.vectors, live.items, deleted, len(rows))
-        keep = np.setdiff1d(np.arange(len(live.items)), deleted)
-        vectors = np.ascontiguousarray(live.vectors[keep])
-        manifest = live.manifest
-        started = time.perf_counter()
-        if len(keep):
-            index = build_index(vectors, manifest.factory, manifest.search_params, None, manifest.built_on or "auto")
-        else:  # every row gone (a shard a takedown emptied): nothing to build a graph of
-            index = emptied_index(live.read_index())
-        seconds = time.perf_counter() - started
-        log.info("compacted %s: %d removed rows out, graph rebuilt in %.1f s", live.name, len(deleted), seconds)
-        return Remaining(index, vectors, live.items.take(keep), np.zeros(0, np.int64), len(rows), compacted=True)
-    index = live.read_index()
-    dropped = np.union1d(live.deleted, rows)  # a version with tombstones of another kind: drop them too
-    index.remove_ids(faiss.IDSelectorBatch(dropped))
-    if mode == "ivf":
-        _renumber_ivf(index, dropped)
-    keep = np.setdiff1d(np.arange(len(live.items)), dropped)
-    vectors = np.ascontiguousarray(live.vectors[keep])
-    return Remaining(index, vectors, live.items.take(keep), np.zeros(0, np.int64), len(rows))
-
-
-@dataclass
 class RemovalReport:
     """What a removal did: the version it published (None when nothing was removed), and counts."""
 
@@ -187,6 +108,7 @@ class RemovalReport:
     size: int = 0
     deleted_rows: int = 0
     seconds: float = 0.0
+    bytes_written: int = 0
 
     def __str__(self) -> str:
         head = f"removed {self.removed} of {self.requested} requested ids"
@@ -217,7 +139,10 @@ def remove_items(
     attempt = 1
     while True:
         try:
-            return _remove_once(index_root, ids, who, reason, via, max_deleted_fraction, compact, keep, source, action)
+            with artifacts.writer_lock(index_root):
+                return _remove_once(
+                    index_root, ids, who, reason, via, max_deleted_fraction, compact, keep, source, action
+                )
         except artifacts.StaleParentError as exc:
             if attempt == ATTEMPTS:
                 raise
@@ -248,16 +173,20 @@ def _remove_once(
     not_found = [item_id for item_id, row in found.items() if row is None]
     rows = np.unique(np.fromiter((r for r in found.values() if r is not None), dtype=np.int64))
     report = RemovalReport(live.name, None, len(found), len(rows), not_found, live.size, len(live.deleted))
-    if (len(rows) or (compact and len(live.deleted))) and live.manifest.shards:
-        parts = drop_shard_rows(live, rows, max_deleted_fraction, compact)
-        target = publish_remaining_shards(index_root, live, parts, keep, f"removed {len(rows)} items", current)
-        published = IndexManifest.read(target)
-        report.version, report.size, report.deleted_rows = target.name, published.live_size, published.deleted_rows
-    elif len(rows) or (compact and len(live.deleted)):
-        remaining = drop_rows(live, rows, max_deleted_fraction, compact)
-        target = publish_remaining(index_root, live, remaining, keep, f"removed {len(rows)} items", current)
-        published = IndexManifest.read(target)
-        report.version, report.size, report.deleted_rows = target.name, published.live_size, published.deleted_rows
+    if len(rows) or (compact and len(live.deleted)):
+        changes = []
+        for unit, local in _rows_by_unit(live, rows):
+            change = UnitChange(removed=local)
+            touched = bool(len(local)) or (compact and len(unit.deleted) > 0)
+            change.compact = touched and (compact or wants_compaction(unit, change, MAX_SEGMENTS, max_deleted_fraction))
+            changes.append(change)
+        compacting = any(change.compact for change in changes)
+        done = publish_change(
+            index_root, live, changes, keep, f"removed {len(rows)} items", current=current, on_ray=compacting
+        )
+        published = IndexManifest.read(done.version)
+        report.version, report.size = done.version.name, published.live_size
+        report.deleted_rows, report.bytes_written = published.deleted_rows, done.bytes_written
     report.seconds = time.perf_counter() - started
     removed_ids = [item_id for item_id, row in found.items() if row is not None]
     if action == ROLLBACK:
@@ -267,89 +196,64 @@ def _remove_once(
     return report
 
 
-def publish_remaining(
-    index_root: str | Path, live: IndexVersion, remaining: Remaining, keep: int, what: str, current: str | None = None
-) -> Path:
-    """Publish `remaining` as a new version of `index_root`, its manifest `live`'s with the
-    counts, parent and tombstones of this one; CURRENT must still name `current` (default:
-    `live`, the version the rows came from; a rollback derives from an older one). Not gated: a
-    takedown is never refused for quality; the quality figures are the parent's (a removal only
-    takes answers away)."""
-    with VersionWriter(index_root, keep) as writer:
-        if remaining.reuses_files:
-            writer.link_rows(live.directory)
-            index_id = live.manifest.index_id
-        else:
-            writer.write_index(remaining.index)
-            writer.write_vectors(remaining.vectors)
-            writer.write_items(remaining.items)
-            specs = specs_of(live.manifest.filterable)
-            if specs:  # the filters' value → rows structure describes the rows left
-                writer.write_filters(FilterIndex.build(remaining.items, specs))
-            index_id = None  # the written index's hash
-        writer.write_deleted(remaining.deleted)
-        writer.link_contact_sheet(live.directory)
-        index_id, version = writer.name_version(index_id)
-        parent = live.manifest
-        manifest = dataclasses.replace(
-            parent,
-            index_id=index_id,
-            version=version,
-            size=len(remaining.items),
-            created=utc_now(),
-            quality_gate=QualityGate(passed=True, reasons=[f"not gated: {what}; quality figures of {live.name}"]),
-            parent_version=live.name,
-            deleted_rows=len(remaining.deleted),
-        )
-        catalog_rows = parent.rows.catalog if parent.rows else manifest.live_size
-        manifest.rows = RowCounts(catalog=catalog_rows, indexed=manifest.live_size)
-        return writer.publish(manifest, parent=current or live.name)
+def _rows_by_unit(live: IndexVersion, rows: np.ndarray) -> list[tuple[IndexVersion, np.ndarray]]:
+    """`rows` (global, sorted) of `live` by unit — the version itself, or each shard — as the
+    unit's own rows."""
+    if not live.manifest.shards:
+        return [(live, rows)]
+    units = []
+    for number, (entry, offset) in enumerate(zip(live.manifest.shards, live.shard_offsets, strict=True)):
+        units.append((live.shard(number), rows[(rows >= offset) & (rows < offset + entry.rows)] - offset))
+    return units
 
 
-def drop_shard_rows(
-    live: IndexVersion, rows: np.ndarray, max_deleted_fraction: float = 0.2, compact: bool = False
-) -> list[ShardPart]:
-    """A sharded `live` without `rows` (global rows): each shard holding some of them loses
-    them as `drop_rows` drops them from one index; the others are unchanged (to be linked)."""
-    parts = []
-    for number, (entry, offset) in enumerate(zip(live.manifest.shards or [], live.shard_offsets, strict=True)):
-        shard = live.shard(number)
-        local = rows[(rows >= offset) & (rows < offset + entry.rows)] - offset
-        if not len(local) and not (compact and entry.deleted_rows):
-            parts.append(ShardPart(None, shard.directory, entry))
-            continue
-        left = drop_rows(shard, local, max_deleted_fraction, compact)
-        if left.reuses_files:
-            parts.append(ShardPart(None, shard.directory, entry, deleted=left.deleted))
-        else:
-            parts.append(ShardPart(ShardRows(left.index, left.vectors, left.items, left.deleted)))
-    return parts
+def compact_version(
+    index_root: str | Path,
+    keep: int = 5,
+    on_ray: bool = True,
+    only_due: bool = False,
+    max_segments: int = MAX_SEGMENTS,
+    max_deleted_fraction: float = MAX_DELETED_FRACTION,
+) -> ChangeReport | None:
+    """Merge each shard's segments of the live version into one, its deleted rows dropped and an
+    HNSW graph rebuilt — on Ray, one task a shard — and publish the result; None when nothing
+    is to compact (every shard one segment without deleted rows; with `only_due`, no shard past
+    `max_segments` or `max_deleted_fraction`). Made again from the new live version when
+    another writer publishes meanwhile."""
+    with artifacts.writer_lock(index_root):
+        return _compact_once(index_root, keep, on_ray, only_due, max_segments, max_deleted_fraction)
 
 
-def publish_remaining_shards(
-    index_root: str | Path, live: IndexVersion, parts: list[ShardPart], keep: int, what: str, current: str | None = None
-) -> Path:
-    """`publish_remaining` for a sharded version: the shards that lost rows rewritten, the
-    others' files hard-linked, the whole published by one rename."""
-    with VersionWriter(index_root, keep) as writer:
-        entries = write_parts(writer, parts, specs_of(live.manifest.filterable))
-        writer.link_contact_sheet(live.directory)
-        index_id, version = writer.name_version(shards=entries)
-        parent = live.manifest
-        manifest = dataclasses.replace(
-            parent,
-            index_id=index_id,
-            version=version,
-            size=sum(entry.rows for entry in entries),
-            created=utc_now(),
-            quality_gate=QualityGate(passed=True, reasons=[f"not gated: {what}; quality figures of {live.name}"]),
-            parent_version=live.name,
-            deleted_rows=sum(entry.deleted_rows for entry in entries),
-            shards=entries,
-        )
-        catalog_rows = parent.rows.catalog if parent.rows else manifest.live_size
-        manifest.rows = RowCounts(catalog=catalog_rows, indexed=manifest.live_size)
-        return writer.publish(manifest, parent=current or live.name)
+def _compact_once(
+    index_root: str | Path, keep: int, on_ray: bool, only_due: bool, max_segments: int, max_deleted_fraction: float
+) -> ChangeReport | None:
+    for attempt in range(1, ATTEMPTS + 1):
+        live = IndexVersion.open(index_root)
+        changes = []
+        for unit, _ in _rows_by_unit(live, np.zeros(0, np.int64)):
+            due = wants_compaction(unit, UnitChange(), max_segments, max_deleted_fraction)
+            has_work = len(unit.segment_entries) > 1 or len(unit.deleted) > 0
+            changes.append(UnitChange(compact=has_work and (due or not only_due)))
+        if not any(change.compact for change in changes):
+            return None
+        try:
+            return publish_change(
+                index_root, live, changes, keep, f"compacted {sum(c.compact for c in changes)} of {len(changes)} "
+                f"shard{'s' if len(changes) > 1 else ''}", on_ray=on_ray,
+            )  # fmt: skip
+        except artifacts.StaleParentError as exc:
+            if attempt == ATTEMPTS:
+                raise
+            log.warning("%s: compacting the new live version", exc)
+    return None
+
+
+def compact_if_due(index_root: str | Path, keep: int, max_segments: int, max_deleted_fraction: float) -> None:
+    """Compaction after a change, of the shards past `max_segments` or `max_deleted_fraction`."""
+    done = compact_version(index_root, keep, on_ray=True, only_due=True, max_segments=max_segments,
+                   max_deleted_fraction=max_deleted_fraction)  # fmt: skip
+    if done is not None:
+        log.info("compacted: %s", done.version.name)
 
 
 def audit(
@@ -489,6 +393,41 @@ def local_identity() -> str:
         return f"user:{getpass.getuser()}"
     except (KeyError, OSError):
         return f"uid:{os.getuid()}"
+
+
+@dataclass
+class CompactConfig:
+    """`index compact`: merge each shard's segments of the live version, dropping deleted rows."""
+
+    index_root: str = option("runs/index", help="index root (versions/ and CURRENT)")
+    max_segments: int = option(
+        0, help="compact only the shards holding more segments than this, or past --max-deleted-fraction (0: all)"
+    )
+    max_deleted_fraction: float = option(
+        0.2, help="with --max-segments: compact a shard past this share of deleted rows"
+    )
+    keep: int = option(5, help="versions to retain")
+
+    def __post_init__(self) -> None:
+        if self.max_segments < 0:
+            raise ValueError(f"max_segments must be at least 0, got {self.max_segments}")
+        if not 0 <= self.max_deleted_fraction <= 1:
+            raise ValueError(f"max_deleted_fraction must be within [0, 1], got {self.max_deleted_fraction}")
+        if self.keep < 1:
+            raise ValueError("keep must be at least 1")
+
+
+def run_compact(cfg: CompactConfig) -> ChangeReport | None:
+    """`index compact`: the new version's report, or None when no shard has anything to merge."""
+    artifacts.check_index_root(cfg.index_root)
+    done = compact_version(
+        cfg.index_root, cfg.keep, on_ray=True, only_due=cfg.max_segments > 0,
+        max_segments=cfg.max_segments or MAX_SEGMENTS, max_deleted_fraction=cfg.max_deleted_fraction,
+    )  # fmt: skip
+    if done is None:
+        log.info("nothing to compact: every shard of %s is one segment without deleted rows",
+                 artifacts.current_version(cfg.index_root))  # fmt: skip
+    return done
 
 
 def run_remove(cfg: RemoveConfig) -> RemovalReport:

@@ -383,6 +383,4 @@ def draw_contact_sheet(
     picked, rows, scores = sample_neighbours(index, embeddings)
     query_keys = [keys[r] for r in picked] if keys is not None else None
     paths = list(table.paths)
-    return contact_sheet(
-        [paths[r] for r in picked], query_keys, rows, scores, paths, keys, match=item_field or "label"
-    )
+    return contact_sheet([paths[r] for r in picked], query_keys, rows, scores, paths, keys, match=item_field or "label")

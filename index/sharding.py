@@ -83,9 +83,7 @@ class ShardPart:
     deleted: np.ndarray | None = None
 
 
-def write_shard(
-    writer: ShardWriter, rows: ShardRows, specs: Sequence[FieldSpec], row_offset: int
-) -> ShardEntry:
+def write_shard(writer: ShardWriter, rows: ShardRows, specs: Sequence[FieldSpec], row_offset: int) -> ShardEntry:
     """Write one shard's files (its filters built from its own items) and account for them."""
     writer.write_index(rows.index)
     writer.write_vectors(rows.vectors)
@@ -160,7 +158,6 @@ def build_shards(
         for number, (rows, offset) in enumerate(zip(parts, offsets, strict=True))
     ]
     return list(ray.get(pending))
-
 
 
 def build_shard_group(

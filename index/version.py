@@ -8,6 +8,14 @@ time until a rebuild compacts them). `index add` extends one, the quality
 gate compares against one, and a server serves one; each opens it through `IndexVersion`.
 The files are read when first used, so reading the manifest alone costs only the manifest.
 
+A segmented version (schema 3, `index/segments.py`) holds its rows in immutable segments,
+`segments/<NNNNNN>/` each with its own index, vectors, items and filters, shared by hard link
+with the versions that keep them, and one `deleted.npy` of its rows that no longer answer;
+opened whole it is the same merged view as a sharded version's, one level down (a sharded
+version's shards may each be segmented). Segments are shared between the versions open in one
+process (`segment`): a server loading a version that keeps its live version's segments opens
+only the new ones.
+
 A sharded version (`index build --shards S`) holds those row files once per shard, in
 `shards/<NNN>/`, and one manifest listing the shards (their rows, first global row and each
 file's sha256). `shard(i)` opens one shard as a version of its own (what a shard server loads);
@@ -20,7 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -32,12 +42,18 @@ import pyarrow as pa
 from core import artifacts
 from core.artifacts import ArtifactError
 from core.items import ItemTable
-from core.manifests import IndexManifest
+from core.manifests import IndexManifest, SegmentEntry
+from core.vectors import RowBlocks
 from index.faiss_index import ExactRerank, apply_search_params, load_index, merged_index, searchable
 from index.filters import FilterIndex
 from index.grouping import Groups
 
 T = TypeVar("T")
+
+# Segments open in this process, by content (their files' sha256 and how they are searched): a
+# version that keeps a segment of one already open shares its index, vectors and items.
+_OPEN_SEGMENTS: weakref.WeakValueDictionary[tuple, IndexVersion] = weakref.WeakValueDictionary()
+_OPEN_SEGMENTS_LOCK = threading.Lock()
 
 
 class IndexVersion:
@@ -62,6 +78,7 @@ class IndexVersion:
         self._label = shard_label
         self._verified: set[str] = set()
         self._shards: dict[int, IndexVersion] = {}
+        self._segments: dict[int, IndexVersion] = {}
         self._shards_lock = threading.Lock()
 
     # -- shards ---------------------------------------------------------------------------------
@@ -90,7 +107,12 @@ class IndexVersion:
             if found is None:
                 entry = entries[number]
                 view = dataclasses.replace(
-                    self.manifest, size=entry.rows, deleted_rows=entry.deleted_rows, shards=None, shard_key=None
+                    self.manifest,
+                    size=entry.rows,
+                    deleted_rows=entry.deleted_rows,
+                    shards=None,
+                    shard_key=None,
+                    segments=entry.segments,
                 )
                 found = self._shards[number] = IndexVersion(
                     self.directory / artifacts.SHARDS / entry.name,
@@ -102,6 +124,53 @@ class IndexVersion:
 
     def _shard_versions(self) -> list[IndexVersion]:
         return [self.shard(number) for number in range(len(self.shard_names))]
+
+    # -- segments -------------------------------------------------------------------------------
+
+    @property
+    def segment_entries(self) -> list[SegmentEntry]:
+        """This version's (or shard's) segments in row order; [] when its rows are not segmented."""
+        return list(self.manifest.segments or [])
+
+    def segment(self, number: int) -> IndexVersion:
+        """Segment `number` as a version of its own (its rows, none deleted: the tombstones are
+        this version's). The same segment, by content, is one object in a process, whichever
+        version opened it first: its index, vectors and items are read once."""
+        entries = self.segment_entries
+        if not 0 <= number < len(entries):
+            raise IndexError(f"{self._what} has {len(entries)} segments, not segment {number}")
+        entry = entries[number]
+        directory = self.directory / artifacts.SEGMENTS / entry.name
+        key = (tuple(sorted(entry.files.items())), json.dumps(self.manifest.search_params, sort_keys=True))
+        with _OPEN_SEGMENTS_LOCK:
+            found = self._segments.get(number) or _OPEN_SEGMENTS.get(key)
+            if found is not None:
+                if not found.directory.is_dir():  # its first version was pruned: read the rest from here
+                    found.directory = directory
+                self._segments[number] = found  # held while this version is
+                return found
+            view = dataclasses.replace(
+                self.manifest, size=entry.rows, deleted_rows=0, shards=None, shard_key=None, segments=None
+            )
+            label = f"segment {entry.name} of {self._what}"
+            found = IndexVersion(directory, view, checksums=dict(entry.files), shard_label=label)
+            _OPEN_SEGMENTS[key] = self._segments[number] = found
+            return found
+
+    @property
+    def _what(self) -> str:
+        return self._label or f"version {self.name}"
+
+    def _parts(self) -> tuple[list[IndexVersion], np.ndarray] | None:
+        """The versions this one's rows are made of — its shards, or its segments — and each
+        one's first row; None for one index."""
+        if self.manifest.shards:
+            return self._shard_versions(), self.shard_offsets
+        if self.manifest.segments:
+            entries = self.segment_entries
+            offsets = np.asarray([entry.row_offset for entry in entries], dtype=np.int64)
+            return [self.segment(number) for number in range(len(entries))], offsets
+        return None
 
     def _path(self, name: str) -> Path:
         """The file `name` of this version; a shard's checked against its checksum when first
@@ -144,13 +213,26 @@ class IndexVersion:
 
     def read_index(self) -> faiss.Index:
         """A fresh copy of the faiss index, its search parameters applied (`index add` extends
-        it); a sharded version's: the shards' merged (`merged_index`)."""
+        it); a sharded version's: the shards' merged (`merged_index`); a segmented one's: its
+        segments' merged, over their shared indexes (never extended: an add makes a segment)."""
         if self.manifest.shards:
             return merged_index([shard.read_index() for shard in self._shard_versions()], self.shard_offsets)
+        parts = self._parts()
+        if parts is not None:
+            segments, offsets = parts
+            if len(segments) == 1:
+                return segments[0].index
+            return merged_index([segment.index for segment in segments], offsets)
         index = self._read(load_index, artifacts.INDEX_FILE, "a faiss index")
         if self.manifest.search_params:
-            apply_search_params(index, self.manifest.search_params)
+            # A segment holds its version's factory, or Flat rows waiting for compaction (HNSW):
+            # those take only the parameters that apply to them.
+            apply_search_params(index, self.manifest.search_params, strict=not self._is_segment)
         return index
+
+    @property
+    def _is_segment(self) -> bool:
+        return self.directory.parent.name == artifacts.SEGMENTS
 
     @functools.cached_property
     def index(self) -> faiss.Index:
@@ -158,17 +240,21 @@ class IndexVersion:
 
     @functools.cached_property
     def items(self) -> ItemTable:
-        if self.manifest.shards:
-            tables = [shard.items.to_arrow() for shard in self._shard_versions()]
+        parts = self._parts()
+        if parts is not None:
+            tables = [part.items.to_arrow() for part in parts[0]]
             return ItemTable.from_arrow(pa.concat_tables(tables).combine_chunks())
         return self._read(ItemTable.read, artifacts.ITEMS_FILE, "an items table")
 
     @functools.cached_property
     def vectors(self) -> np.ndarray:
-        """The exact vectors, memory-mapped: what an index may only approximate (a sharded
-        version's: its shards' concatenated, in memory)."""
-        if self.manifest.shards:
-            return np.concatenate([shard.vectors for shard in self._shard_versions()])
+        """The exact vectors, memory-mapped: what an index may only approximate (a sharded or
+        segmented version's: its shards' or segments' maps read as one array, `RowBlocks`)."""
+        parts = self._parts()
+        if parts is not None:
+            blocks = [part.vectors for part in parts[0]]
+            flat = [b for block in blocks for b in (block.blocks if isinstance(block, RowBlocks) else [block])]
+            return RowBlocks(flat)  # type: ignore[return-value]
         return self._read(_map_vectors, artifacts.EMBEDDINGS_FILE, "a float32 vector array")
 
     @functools.cached_property
@@ -176,9 +262,9 @@ class IndexVersion:
         """The filterable fields' value → rows structure; None when the version declares none."""
         if not self.manifest.filterable:
             return None
-        if self.manifest.shards:
-            parts = [shard.filters for shard in self._shard_versions()]
-            return FilterIndex.concat(parts, self.shard_offsets, len(self.items))  # type: ignore[arg-type]
+        parts = self._parts()
+        if parts is not None:
+            return FilterIndex.concat([part.filters for part in parts[0]], parts[1], len(self.items))  # type: ignore[misc]
         return self._read(FilterIndex.load, artifacts.FILTERS_FILE, "a filter structure")
 
     def groups(self, name: str) -> Groups:
@@ -233,15 +319,32 @@ class IndexVersion:
         """Read index, items and vectors (in that order: the cheap checks first) and check that
         they hold the same rows, of the dimension `dim` when given (the model's). A sharded
         version's shards are checked first, each against the manifest (ArtifactError naming the
-        shard); a shard's files against their checksums."""
+        shard); a shard's files against their checksums; a segmented version's segments, each
+        as a shard is (ArtifactError naming the segment)."""
         try:
             if self.manifest.shards:
                 self._check_shards(dim)
             elif self._checksums is not None:
                 self._check_shard_files()
+            if self.manifest.segments:
+                self._check_segments(dim)
             return self._load(dim)
         except ArtifactError as exc:
             raise self._named(exc) from exc
+
+    def _check_segments(self, dim: int | None) -> None:
+        """The segment folders are those the manifest lists, their rows add up, and each loads."""
+        entries = self.segment_entries
+        folder = self.directory / artifacts.SEGMENTS
+        present = {p.name for p in folder.iterdir() if p.is_dir()} if folder.is_dir() else set()
+        missing = [entry.name for entry in entries if entry.name not in present]
+        if missing:
+            raise ArtifactError(f"{self._what}: segment {', '.join(missing)} is missing from {folder}")
+        offset = _contiguous(entries, "segment", self._what)
+        if offset != self.manifest.size:
+            raise ArtifactError(f"{self._what}: the manifest counts {self.manifest.size} rows; its segments {offset}")
+        for number in range(len(entries)):
+            self.segment(number).load(dim)
 
     def _check_shards(self, dim: int | None) -> None:
         """The shard folders are those the manifest lists, their row counts add up, and each
@@ -258,14 +361,7 @@ class IndexVersion:
                 + (f"; shard {', '.join(missing)} is missing" if missing else "")
                 + (f"; shard {', '.join(unlisted)} is not in the manifest" if unlisted else "")
             )
-        offset = 0
-        for entry in entries:
-            if entry.row_offset != offset:
-                raise ArtifactError(
-                    f"{self.directory}: shard {entry.name} starts at row {entry.row_offset}; the shards before it "
-                    f"hold {offset} rows"
-                )
-            offset += entry.rows
+        offset = _contiguous(entries, "shard", str(self.directory))
         deleted = sum(entry.deleted_rows for entry in entries)
         if (offset, deleted) != (self.manifest.size, self.manifest.deleted_rows):
             raise ArtifactError(
@@ -279,6 +375,8 @@ class IndexVersion:
         """A shard holds exactly the files its version's manifest lists, each as summed there."""
         present = {p.name for p in self.directory.iterdir() if p.is_file()} if self.directory.is_dir() else set()
         listed = set(self._checksums or {})
+        if not self.directory.is_dir():
+            raise ArtifactError(f"{self._label}: {self.directory} is missing")
         for name in sorted(listed - present):
             raise ArtifactError(f"{self._label}: {self.directory / name} is missing")
         if present - listed:
@@ -324,6 +422,20 @@ class IndexVersion:
         scores = np.asarray(self.vectors @ query, dtype=np.float32)
         scores[self.deleted] = -np.inf
         return scores
+
+
+def _contiguous(entries: list, kind: str, where: str) -> int:
+    """The rows of `entries` (shards or segments), each starting where the ones before it end
+    (ArtifactError naming the first that does not); their total."""
+    offset = 0
+    for entry in entries:
+        if entry.row_offset != offset:
+            raise ArtifactError(
+                f"{where}: {kind} {entry.name} starts at row {entry.row_offset}; "
+                f"the {kind}s before it hold {offset} rows"
+            )
+        offset += entry.rows
+    return offset
 
 
 def _map_vectors(path: Path) -> np.ndarray:

@@ -16,6 +16,7 @@ shard (a Ray task: the writer is a path, and pickles), and summed up as the mani
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -28,7 +29,7 @@ from PIL import Image
 
 from core import artifacts
 from core.items import ItemTable
-from core.manifests import IndexManifest, ShardEntry
+from core.manifests import IndexManifest, SegmentEntry, ShardEntry
 from index.faiss_index import save_index
 from index.filters import FilterIndex
 
@@ -68,6 +69,42 @@ class _FolderWriter:
         for name in ROW_FILES:
             _link_or_copy(parent / name, self.folder / name)
 
+    def segment(self, name: str) -> SegmentWriter:
+        """The writer of a new segment `name` (its folder made under segments/)."""
+        folder = self.folder / artifacts.SEGMENTS / name
+        folder.mkdir(parents=True, exist_ok=False)
+        return SegmentWriter(folder, name)
+
+    def link_segment(self, parent: Path, entry: SegmentEntry, row_offset: int, name: str | None = None) -> SegmentEntry:
+        """Segment `entry` of the version (or shard) folder `parent`, hard-linked unchanged,
+        its rows starting at `row_offset` here; `name` renames it (a kept segment's files are
+        the same whatever its name)."""
+        target = self.folder / artifacts.SEGMENTS / (name or entry.name)
+        target.mkdir(parents=True, exist_ok=False)
+        for file_name in entry.files:
+            _link_or_copy(parent / artifacts.SEGMENTS / entry.name / file_name, target / file_name)
+        return dataclasses.replace(entry, name=name or entry.name, row_offset=row_offset)
+
+    def link_rows_as_segment(self, parent: Path, name: str, rows: int, sums: dict[str, str] | None) -> SegmentEntry:
+        """The row files of an unsegmented version (or shard) in `parent`, hard-linked as
+        segment `name`: how its first change makes it segmented without copying a row.
+        `sums`: their sha256 when the parent's manifest lists them (a shard's), else computed."""
+        target = self.folder / artifacts.SEGMENTS / name
+        target.mkdir(parents=True, exist_ok=False)
+        files = {}
+        for file_name in ROW_FILES:
+            if (parent / file_name).is_file():
+                _link_or_copy(parent / file_name, target / file_name)
+                files[file_name] = (sums or {}).get(file_name) or artifacts.file_sha256(target / file_name)
+        return SegmentEntry(name=name, rows=rows, row_offset=0, files=files)
+
+    def write_trained(self, index: faiss.Index) -> None:
+        """The trained empty index new segments copy (IVF/PQ/SQ: quantizer and code books)."""
+        save_index(index, self.folder / artifacts.TRAINED_FILE)
+
+    def link_file(self, parent: Path, name: str) -> None:
+        _link_or_copy(parent / name, self.folder / name)
+
 
 class ShardWriter(_FolderWriter):
     """Shard `name` of a version being written: its files in `<staging>/shards/<name>/`."""
@@ -97,6 +134,27 @@ class ShardWriter(_FolderWriter):
         return ShardEntry(name=self.name, rows=rows, deleted_rows=deleted_rows, row_offset=row_offset, files=files)
 
 
+class SegmentWriter(_FolderWriter):
+    """A new segment: its index, vectors, items and filters in `<folder>/segments/<name>/`."""
+
+    def __init__(self, folder: Path, name: str) -> None:
+        self._segment_folder, self.name = Path(folder), name
+
+    @property
+    def folder(self) -> Path:
+        return self._segment_folder
+
+    def entry(self, rows: int, row_offset: int) -> SegmentEntry:
+        files = {p.name: artifacts.file_sha256(p) for p in sorted(self.folder.iterdir()) if p.is_file()}
+        return SegmentEntry(name=self.name, rows=rows, row_offset=row_offset, files=files)
+
+
+def segment_name(number: int) -> str:
+    """Segment `number`'s folder name under segments/: 000000, 000001, ... (never reused in a
+    line of versions: a new segment takes the number after the last one)."""
+    return f"{number:06d}"
+
+
 def shard_name(number: int) -> str:
     """Shard `number`'s folder name under shards/: 000, 001, ..."""
     return f"{number:03d}"
@@ -113,14 +171,25 @@ class VersionWriter(_FolderWriter):
         self._folder: Path | None = None
 
     def __enter__(self) -> VersionWriter:
-        self._folder = artifacts.index_staging_dir(self.root)
+        # The root's one writer from here to the publish (`artifacts.writer_lock`): a second one
+        # waits its turn rather than publishing from a parent no longer live.
+        self._lock = artifacts.writer_lock(self.root)
+        self._lock.__enter__()
+        try:
+            self._folder = artifacts.index_staging_dir(self.root)
+        except BaseException:
+            self._lock.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         # Once published the folder is renamed away and this removes nothing.
-        shutil.rmtree(self.staging, ignore_errors=True)
+        try:
+            shutil.rmtree(self.staging, ignore_errors=True)
+        finally:
+            self._lock.__exit__(kind, exc, traceback)
 
     @property
     def staging(self) -> Path:
@@ -147,13 +216,13 @@ class VersionWriter(_FolderWriter):
         _link_or_copy(parent / artifacts.NEIGHBOURS_FILE, self.staging / artifacts.NEIGHBOURS_FILE)
 
     def name_version(
-        self, index_id: str | None = None, shards: list[ShardEntry] | None = None
+        self, index_id: str | None = None, shards: list[ShardEntry] | list[SegmentEntry] | None = None
     ) -> tuple[str, str]:
         """The version's index id — the written index file's hash (a sharded version's: the hash
         of its `shards`' index hashes, in order), unless given (an index linked from the parent
         keeps its id) — and its name (`<UTC timestamp>-<index id[:8]>`)."""
         if index_id is None and shards:
-            joined = "".join(entry.files.get(artifacts.INDEX_FILE, "") for entry in shards)
+            joined = "".join(_index_sums(entry) for entry in shards)
             index_id = hashlib.sha256(joined.encode()).hexdigest()[:16]
         elif index_id is None:
             index_id = artifacts.file_sha256(self.staging / artifacts.INDEX_FILE)[:16]
@@ -167,6 +236,15 @@ class VersionWriter(_FolderWriter):
         target = artifacts.publish_version(self.root, self.staging, manifest.version, parent=parent)
         artifacts.prune_versions(self.root, self.keep)
         return target
+
+
+def _index_sums(entry: ShardEntry | SegmentEntry) -> str:
+    """What names a shard's (or segment's) rows in a version's index id: its index file's hash,
+    or a segmented shard's segments' and tombstones' hashes."""
+    segments = getattr(entry, "segments", None)
+    if segments:
+        return "".join(_index_sums(segment) for segment in segments) + entry.files.get(artifacts.DELETED_FILE, "")
+    return entry.files.get(artifacts.INDEX_FILE, "")
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

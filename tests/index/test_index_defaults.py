@@ -220,7 +220,7 @@ def test_one_size_through_remove_and_add_and_add_defaults_to_the_live_model(mode
     write_images(new, 3, seed=1, prefix="new")
     added = index_cli("add", "--index-root", str(root), "--catalog", str(new), "--no-progress")
     assert added.returncode == 0, added.stderr
-    assert "(300 items, +3 removed, masked)" in added.stderr
+    assert "(300 items, 2 segments, 3 deleted): added 3 items" in added.stderr
     live = IndexVersion.open(root).load()
     assert live.size == live.manifest.live_size == live.manifest.rows.indexed == 300 and live.index.ntotal == 303
     assert live.manifest.model_dir == str(model.resolve())

@@ -16,6 +16,7 @@ import pytest
 from core import artifacts
 from core.catalog import read_catalog
 from core.items import ItemTable
+from index.version import IndexVersion
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,10 +61,14 @@ def test_add_embeds_only_new_rows_and_keeps_existing_vectors(demo_run, tmp_path)
     assert manifest["size"] == len(catalog) and manifest["parent_version"] == parent
     assert manifest["factory"] == "IVF8,Flat" and manifest["search_params"] == {"nprobe": 8}
     old = np.load(parent_dir / artifacts.EMBEDDINGS_FILE)
-    new = np.load(child_dir / artifacts.EMBEDDINGS_FILE)
-    assert new[: len(old)].tobytes() == old.tobytes()  # existing items were not re-embedded
-    items = ItemTable.read(child_dir / "items.parquet")
-    assert sorted(items.ids) == sorted(catalog.ids)
+    opened = IndexVersion(child_dir).load()
+    assert np.asarray(opened.vectors)[: len(old)].tobytes() == old.tobytes()  # existing items were not re-embedded
+    # ... nor written again: the parent's rows are the child's first segment, hard-linked.
+    first = child_dir / artifacts.SEGMENTS / "000000"
+    for name in (artifacts.INDEX_FILE, artifacts.EMBEDDINGS_FILE, artifacts.ITEMS_FILE):
+        assert (first / name).stat().st_ino == (parent_dir / name).stat().st_ino
+    assert [s.rows for s in opened.manifest.segments] == [n_half, len(catalog) - n_half]
+    assert sorted(opened.items.ids) == sorted(catalog.ids)
     again = index_cli("add", "--model", model, "--index-root", str(root), "--catalog", str(first_half))
     assert again.returncode == 2 and "already in version" in again.stderr
 

@@ -58,9 +58,10 @@ def test_a_sharded_rebuild_places_rows_on_ray_data_as_build_does(photos, tmp_pat
         assert mine.items.ids == theirs.items.ids  # the same rows, in catalog order
         assert all(shard_of(meta["item"], 4) == number for meta in mine.items.metadata)
         np.testing.assert_allclose(mine.vectors, theirs.vectors, atol=1e-6)
-        assert mine.filters.fields["shade"].rows_equal("1").tolist() == theirs.filters.fields["shade"].rows_equal(
-            "1"
-        ).tolist()
+        assert (
+            mine.filters.fields["shade"].rows_equal("1").tolist()
+            == theirs.filters.fields["shade"].rows_equal("1").tolist()
+        )
     assert [e.row_offset for e in rebuilt.manifest.shards] == [e.row_offset for e in built.manifest.shards]
     assert rebuilt.manifest.search_params == built.manifest.search_params  # tuned alike on the merged search
     queries = built.vectors[::7]

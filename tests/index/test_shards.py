@@ -188,15 +188,18 @@ def test_a_takedown_rewrites_only_the_shard_it_touches(catalog, tmp_path):
     after = IndexVersion.open(root).load(dim=DIM)
     assert report.removed == 1 and after.manifest.parent_version == sharded.name
     assert after.row_of(victim) is None and after.manifest.live_size == N - 1
-    for number in range(4):
+    for number in range(4):  # no shard's rows are written again: shard 001 gains tombstones alone
         old = sharded.directory / artifacts.SHARDS / f"{number:03d}" / artifacts.INDEX_FILE
-        new = after.directory / artifacts.SHARDS / f"{number:03d}" / artifacts.INDEX_FILE
-        assert (os.stat(old).st_ino == os.stat(new).st_ino) == (number != 1)
-    assert after.manifest.shards[1].rows == sharded.manifest.shards[1].rows - 1
-    assert after.manifest.shards[2].row_offset == sharded.manifest.shards[2].row_offset - 1
-    # The merged search never answers with it.
+        kept = after.directory / artifacts.SHARDS / f"{number:03d}"
+        kept = kept / artifacts.SEGMENTS / "000000" if number == 1 else kept
+        assert os.stat(old).st_ino == os.stat(kept / artifacts.INDEX_FILE).st_ino
+    assert [e.deleted_rows for e in after.manifest.shards] == [0, 1, 0, 0]
+    assert [e.rows for e in after.manifest.shards] == [e.rows for e in sharded.manifest.shards]
+    assert after.manifest.shards[1].segments is not None and after.manifest.shards[2].segments is None
+    # The merged search, its tombstones masked, never answers with it.
     vector = sharded.vector(sharded.row_of(victim))[None]
-    assert victim not in ids_of(after, search(after.searchable(), vector, 10)[1])[0]
+    _, rows, _ = search_within(after.searchable(), after.vectors, vector, 10, after.live_mask, exact_below=0.0)
+    assert victim not in ids_of(after, rows)[0]
 
 
 def test_a_shard_that_disagrees_with_the_manifest_is_refused_naming_it(catalog, tmp_path):
@@ -264,9 +267,7 @@ def test_shard_counts_out_of_range_are_one_error_line(photos, tmp_path, capsys):
 def test_build_add_and_list_a_sharded_version(photos, tmp_path, capsys):
     model, catalog_path = photos
     root = tmp_path / "root"
-    config = BuildConfig(
-        model=str(model), index_root=str(root), catalog=str(catalog_path), min_ann_recall=0, shards=3
-    )
+    config = BuildConfig(model=str(model), index_root=str(root), catalog=str(catalog_path), min_ann_recall=0, shards=3)
     first = IndexVersion(run_build(config, progress=False)).load()
     assert len(first.shard_names) == 3 and first.manifest.shard_key == "item" and first.size == 12
     assert index_main(["list", "--index-root", str(root)]) == 0
@@ -287,10 +288,12 @@ def test_build_add_and_list_a_sharded_version(photos, tmp_path, capsys):
     assert added.size == 14 and len(added.shard_names) == 3
     home = shard_of("item0", 3)
     assert {added.shard(home).items.ids[-1], added.shard(home).items.ids[-2]} == {p.stem for p in more}
-    for number in range(3):
+    for number in range(3):  # every shard's old rows linked; the home shard's new ones a segment of their own
         old = first.directory / artifacts.SHARDS / f"{number:03d}" / artifacts.ITEMS_FILE
-        new = added.directory / artifacts.SHARDS / f"{number:03d}" / artifacts.ITEMS_FILE
-        assert (os.stat(old).st_ino == os.stat(new).st_ino) == (number != home)
+        kept = added.directory / artifacts.SHARDS / f"{number:03d}"
+        kept = kept / artifacts.SEGMENTS / "000000" if number == home else kept
+        assert os.stat(old).st_ino == os.stat(kept / artifacts.ITEMS_FILE).st_ino
+    assert [s.rows for s in added.manifest.shards[home].segments] == [first.manifest.shards[home].rows, 2]
 
 
 def test_a_takedown_may_empty_a_shard_which_still_loads_and_searches(catalog, tmp_path):
@@ -354,7 +357,7 @@ def test_a_sharded_manifest_is_schema_2_which_a_reader_from_before_shards_refuse
     with pytest.raises(ArtifactError, match=r"field 'schema_version' is 2; this simsearch reads versions 1 to 1"):
         IndexManifest.read(sharded.directory)
     monkeypatch.undo()
-    with pytest.raises(ArtifactError, match=r"'schema_version' is 2, but the manifest lists no shards"):
+    with pytest.raises(ArtifactError, match=r"'schema_version' is 2, but the manifest describes one index"):
         IndexManifest.from_dict({k: v for k, v in written.items() if k != "shards"})
-    with pytest.raises(ArtifactError, match=r"'schema_version' is 1, but the manifest lists shards"):
+    with pytest.raises(ArtifactError, match=r"'schema_version' is 1, but the manifest describes shards"):
         IndexManifest.from_dict({**written, "schema_version": 1})

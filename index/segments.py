@@ -1,0 +1,508 @@
+"""Segments: a change to a version costs the change, not the catalog.
+
+A segmented version (schema 3) keeps its rows — or each shard its rows — in immutable segments,
+`segments/<NNNNNN>/` with an index, vectors, items and filters of their own, plus one
+`deleted.npy` of the rows that no longer answer (tombstones), as Lucene keeps segments and
+live-docs, and Milvus and Qdrant sealed segments and delete logs. A new version hard-links the
+segments it keeps and writes only what changed:
+
+- an add writes one new segment in each shard its rows hash to: Flat while small or while the
+  version is a graph (`flat_until_compaction`: Milvus's growing segments), else IVF/PQ/SQ rows
+  coded by the version's trained quantizer and code books (`trained.faiss`, kept beside the
+  segments once a segment has copied it);
+- a removal writes only the tombstones of the shards it touches; an upsert both;
+- compaction (`compact`) merges a shard's segments into one, its deleted rows dropped and an
+  HNSW graph rebuilt, one Ray task a shard.
+
+A version of the older formats becomes segmented on its first change without copying a row:
+its row files are hard-linked as segment 000000. Opened whole, a segmented version is the
+merged view `index.version.IndexVersion` gives shards (one faiss index over its segments'
+global rows, their items and filters concatenated, their vectors read in place as one array).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from core import artifacts
+from core.artifacts import utc_now
+from core.items import ItemTable
+from core.manifests import IndexManifest, QualityGate, RowCounts, SegmentEntry, ShardEntry
+from core.metrics import stable_sample
+from core.vectors import RowBlocks
+from index.faiss_index import (
+    build_index,
+    emptied_index,
+    empty_index,
+    index_family,
+    l2_normalized,
+    load_index,
+    recall_with_ties,
+    scores_of_rows,
+    search,
+)
+from index.filters import FieldSpec, FilterIndex, specs_of
+from index.version import IndexVersion
+from index.version_writer import ShardWriter, VersionWriter, segment_name, shard_name
+
+log = logging.getLogger(__name__)
+
+# Compaction runs on its own once a shard has more segments than this, or more deleted rows
+# than this share of its rows (`index add`/`remove` --max-segments/--max-deleted-fraction).
+MAX_SEGMENTS = 16
+MAX_DELETED_FRACTION = 0.2
+FLAT_SEGMENT_ROWS = 10_000  # a new segment of fewer rows is Flat until compaction (`flat_until_compaction`)
+GATE_QUERIES = 200  # an add's gate: at most this many new rows query the new version, and half as many kept rows
+
+
+@dataclass
+class UnitChange:
+    """What one unit — a version of one index, or one shard — becomes in a new version: unit
+    rows that leave (`removed`), rows that join (`vectors`, `items`: a new segment), or its
+    segments merged into one (`compact`)."""
+
+    removed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    vectors: np.ndarray | None = None
+    items: ItemTable | None = None
+    compact: bool = False
+
+    @property
+    def touches(self) -> bool:
+        return bool(len(self.removed)) or (self.items is not None and len(self.items) > 0) or self.compact
+
+
+@dataclass
+class UnitWritten:
+    """A unit as written: its segments, tombstones, and its own files' sha256."""
+
+    segments: list[SegmentEntry]
+    deleted: int
+    files: dict[str, str]
+    peak_rss: int = 0  # written by a Ray task: that worker's peak resident bytes
+
+    @property
+    def rows(self) -> int:
+        return sum(entry.rows for entry in self.segments)
+
+
+def needs_training(manifest: IndexManifest) -> bool:
+    """The version's factory trains a quantizer or code books (IVF, PQ, SQ, a PCA)."""
+    return not empty_index(manifest.dimension, manifest.factory).is_trained
+
+
+def graph_factory(manifest: IndexManifest) -> bool:
+    """The version's index is a graph (HNSW): new rows wait in Flat segments for compaction."""
+    return index_family(empty_index(manifest.dimension, manifest.factory)) == "hnsw"
+
+
+def _trained(unit: IndexVersion) -> faiss.Index | None:
+    """The unit's trained empty index (None when its factory trains nothing): its
+    `trained.faiss`, or for an unsegmented unit its index emptied."""
+    if not needs_training(unit.manifest):
+        return None
+    path = unit.directory / artifacts.TRAINED_FILE
+    if path.is_file():
+        return load_index(path)
+    for number in range(len(unit.segment_entries)):  # the first segment of the factory's own kind
+        index = unit.segment(number).read_index()
+        if not isinstance(faiss.downcast_index(index), faiss.IndexFlat):
+            return emptied_index(index)
+    if unit.segment_entries:
+        raise ValueError(f"{unit.name}: no segment holds the trained {unit.manifest.factory} index to copy")
+    return emptied_index(unit.read_index())
+
+
+def flat_until_compaction(manifest: IndexManifest, rows: int) -> bool:
+    """A new segment of `rows` rows is Flat until compaction: a graph version's (HNSW is built
+    once, over every row, by compaction), and any version's below FLAT_SEGMENT_ROWS — scanning
+    a few thousand rows costs a query less than a search of the coarse quantizer, which an
+    IVF segment of any size pays in full."""
+    return graph_factory(manifest) or rows < FLAT_SEGMENT_ROWS
+
+
+def segment_index(unit: IndexVersion, vectors: np.ndarray, final: bool) -> tuple[faiss.Index, faiss.Index | None]:
+    """The index of a segment of `vectors` in `unit` and the trained empty index it copied
+    (None: none): Flat while it grows (`flat_until_compaction`); else, and at compaction
+    (`final`), the version's factory — a copy of its trained quantizer and code books with the
+    rows added, or built (HNSW's graph)."""
+    manifest = unit.manifest
+    data = l2_normalized(vectors) if len(vectors) else np.zeros((0, manifest.dimension), np.float32)
+    if not final and flat_until_compaction(manifest, len(data)):
+        index = faiss.IndexFlatIP(manifest.dimension)
+        index.add(data)
+        return index, None
+    trained = _trained(unit)
+    if trained is not None:
+        index = faiss.clone_index(trained)
+        index.add(data)
+        return index, trained
+    if not len(data):  # a shard every row has left: its factory's empty index
+        return empty_index(manifest.dimension, manifest.factory), None
+    return build_index(data, manifest.factory, None, None, "cpu"), None
+
+
+def write_unit(
+    writer: VersionWriter | object,
+    unit: IndexVersion,
+    change: UnitChange,
+    specs: Sequence[FieldSpec],
+    unit_sums: dict[str, str] | None = None,
+) -> UnitWritten:
+    """Write one unit of a new version through `writer` (a `VersionWriter` or a `ShardWriter`):
+    `unit`'s segments hard-linked (an unsegmented unit's row files as segment 000000), then the
+    change — a new segment of its rows, its tombstones, or its segments compacted into one.
+    `unit_sums`: the sha256 of an unsegmented shard's files, as its manifest lists them."""
+    if change.compact:
+        return _compacted(writer, unit, specs, change.removed)
+    entries = _kept_segments(writer, unit, unit_sums)
+    offset = sum(entry.rows for entry in entries)
+    if change.items is not None and len(change.items):
+        number = int(entries[-1].name) + 1 if entries else 0
+        segment = writer.segment(segment_name(number))
+        vectors = np.ascontiguousarray(change.vectors, dtype=np.float32)
+        index, trained = segment_index(unit, vectors, final=False)
+        segment.write_index(index)
+        segment.write_vectors(vectors)
+        segment.write_items(change.items)
+        segment.write_filters(FilterIndex.build(change.items, specs) if specs else None)
+        entries.append(segment.entry(len(change.items), offset))
+    else:
+        trained = None
+    deleted = np.union1d(unit.deleted, np.asarray(change.removed, dtype=np.int64))
+    return _finish(writer, unit, trained, entries, deleted)
+
+
+def _kept_segments(writer, unit: IndexVersion, unit_sums: dict[str, str] | None) -> list[SegmentEntry]:
+    if unit.segment_entries:
+        return [writer.link_segment(unit.directory, entry, entry.row_offset) for entry in unit.segment_entries]
+    return [writer.link_rows_as_segment(unit.directory, segment_name(0), len(unit.items), unit_sums)]
+
+
+def _finish(writer, unit: IndexVersion, trained: faiss.Index | None, entries, deleted: np.ndarray) -> UnitWritten:
+    """The unit's own files: its tombstones, and the trained empty index — the parent's linked,
+    or, the first time a segment copied it, written."""
+    writer.write_deleted(deleted)
+    if (unit.directory / artifacts.TRAINED_FILE).is_file():
+        writer.link_file(unit.directory, artifacts.TRAINED_FILE)
+    elif trained is not None:
+        writer.write_trained(trained)
+    files = {
+        name: artifacts.file_sha256(writer.folder / name)
+        for name in (artifacts.DELETED_FILE, artifacts.TRAINED_FILE)
+        if (writer.folder / name).is_file()
+    }
+    return UnitWritten(entries, len(deleted), files)
+
+
+def _compacted(writer, unit: IndexVersion, specs: Sequence[FieldSpec], removed: np.ndarray) -> UnitWritten:
+    """`unit`'s live rows, less `removed`, in one segment: deleted rows dropped, a graph rebuilt."""
+    live = np.setdiff1d(np.arange(len(unit.items), dtype=np.int64), np.union1d(unit.deleted, removed))
+    vectors = unit.vectors.take(live) if isinstance(unit.vectors, RowBlocks) else np.asarray(unit.vectors[live])
+    items = unit.items.take(live)
+    last = int(unit.segment_entries[-1].name) if unit.segment_entries else 0
+    segment = writer.segment(segment_name(last + 1))
+    index, trained = segment_index(unit, vectors, final=True)
+    segment.write_index(index)
+    segment.write_vectors(vectors)
+    segment.write_items(items)
+    segment.write_filters(FilterIndex.build(items, specs) if specs else None)
+    return _finish(writer, unit, trained, [segment.entry(len(items), 0)], np.zeros(0, np.int64))
+
+
+def wants_compaction(unit: IndexVersion, change: UnitChange, max_segments: int, max_deleted_fraction: float) -> bool:
+    """After `change`, the unit would hold more than `max_segments` segments or more than
+    `max_deleted_fraction` of its rows deleted."""
+    segments = max(len(unit.segment_entries), 1) + (1 if change.items is not None and len(change.items) else 0)
+    rows = len(unit.items) + (len(change.items) if change.items is not None else 0)
+    deleted = len(np.union1d(unit.deleted, change.removed))
+    return segments > max_segments or (rows > 0 and deleted > max_deleted_fraction * rows)
+
+
+# -- a new version ----------------------------------------------------------------------------
+
+
+@dataclass
+class ChangeReport:
+    """What a segmented change wrote: the version, and how many bytes it wrote (new files; hard
+    links cost none)."""
+
+    version: Path
+    bytes_written: int
+    seconds: float
+    units_touched: int
+    compacted: int = 0
+    peak_task_rss: int = 0  # the largest peak resident bytes of the Ray tasks that wrote the units
+
+
+def publish_change(
+    index_root: str | Path,
+    live: IndexVersion,
+    changes: list[UnitChange],
+    keep: int,
+    what: str,
+    rows: RowCounts | None = None,
+    model_id: str | None = None,
+    quality_gate: QualityGate | None = None,
+    current: str | None = None,
+    on_ray: bool = False,
+    gate: Callable[[IndexVersion, np.ndarray], QualityGate] | None = None,
+) -> ChangeReport:
+    """Publish `live` with `changes` (one per unit: the version itself, or each shard) as a
+    new segmented version: untouched shards linked whole, touched ones written by `write_unit`
+    — on Ray, one task a shard, when `on_ray` (compaction) — and the whole published by one
+    rename, CURRENT still naming `current` (default `live`). `gate`: given the version as staged
+    and its new rows (global), the verdict the manifest records (it raises to refuse)."""
+    started = time.perf_counter()
+    specs = specs_of(live.manifest.filterable)
+    with VersionWriter(index_root, keep) as writer:
+        if live.manifest.shards:
+            entries, peak = _write_shards(writer, live, changes, specs, on_ray)
+            size, deleted = sum(e.rows for e in entries), sum(e.deleted_rows for e in entries)
+            index_id = _index_id([_shard_sums(entry) for entry in entries])
+            layout: dict = {"shards": entries}
+        else:
+            if on_ray and changes[0].touches:  # one task, so the driver never holds the rows
+                written = _on_ray([(ShardWriter(writer.staging, ""), str(live.directory), None, changes[0], specs,
+                                    None)])[0]  # fmt: skip
+            else:
+                written = write_unit(writer, live, changes[0], specs)
+            peak = written.peak_rss
+            size, deleted = written.rows, written.deleted
+            index_id = _index_id([_sums(written.segments, written.files)])
+            layout = {"segments": written.segments}
+        writer.link_contact_sheet(live.directory)
+        index_id, version = writer.name_version(index_id)
+        parent = live.manifest
+        manifest = dataclasses.replace(
+            parent,
+            index_id=index_id,
+            version=version,
+            size=size,
+            deleted_rows=deleted,
+            created=utc_now(),
+            parent_version=live.name,
+            model_id=model_id or parent.model_id,
+            quality_gate=quality_gate
+            or QualityGate(passed=True, reasons=[f"not gated: {what}; quality figures of {live.name}"]),
+            **layout,
+        )
+        if gate is not None:
+            staged = IndexVersion(writer.staging, manifest)
+            manifest.quality_gate = gate(staged, _new_rows(live, manifest))
+        catalog_rows = rows.catalog if rows else parent.rows.catalog if parent.rows else manifest.live_size
+        manifest.rows = (
+            dataclasses.replace(rows, indexed=manifest.live_size)
+            if rows
+            else RowCounts(catalog=catalog_rows, indexed=manifest.live_size)
+        )
+        written_bytes = _bytes_written(writer.staging)
+        target = writer.publish(manifest, parent=current or live.name)
+    report = ChangeReport(
+        target, written_bytes, time.perf_counter() - started, sum(c.touches for c in changes),
+        sum(c.compact for c in changes), peak,
+    )  # fmt: skip
+    log.info(
+        "published index %s (%d items, %d segment%s%s): %s, wrote %s in %.2f s",
+        manifest.version, manifest.live_size, _segment_count(manifest), "" if _segment_count(manifest) == 1 else "s",
+        f", {manifest.deleted_rows} deleted" if manifest.deleted_rows else "", what, _megabytes(written_bytes),
+        report.seconds,
+    )  # fmt: skip
+    return report
+
+
+def _new_rows(live: IndexVersion, manifest: IndexManifest) -> np.ndarray:
+    """The rows (global) of `manifest`'s segments that `live` does not hold: an add's new rows."""
+    units = manifest.shards or [None]
+    parents = live.manifest.shards or [None]
+    found = []
+    for entry, parent in zip(units, parents, strict=True):
+        segments = entry.segments if entry is not None else manifest.segments
+        before = (parent.segments if parent is not None else live.manifest.segments) or []
+        known = {segment.name for segment in before} or {segment_name(0)}
+        offset = entry.row_offset if entry is not None else 0
+        for segment in segments or []:
+            if segment.name not in known:
+                found.append(np.arange(segment.rows, dtype=np.int64) + offset + segment.row_offset)
+    return np.concatenate(found) if found else np.zeros(0, np.int64)
+
+
+def _write_shards(
+    writer: VersionWriter, live: IndexVersion, changes: list[UnitChange], specs: Sequence[FieldSpec], on_ray: bool
+) -> tuple[list[ShardEntry], int]:
+    entries_in = live.manifest.shards or []
+    written: dict[int, UnitWritten] = {}
+    touched = [number for number, change in enumerate(changes) if change.touches]
+    if on_ray and touched:
+        tasks = [
+            (writer.shard(number), str(live.directory), number, changes[number], specs, entries_in[number].files)
+            for number in touched
+        ]
+        written = dict(zip(touched, _on_ray(tasks), strict=True))
+    else:
+        for number in touched:
+            unit = live.shard(number)
+            written[number] = write_unit(writer.shard(number), unit, changes[number], specs, entries_in[number].files)
+    entries: list[ShardEntry] = []
+    offset = 0
+    for number, entry in enumerate(entries_in):
+        shard = writer.shard(number)
+        if number in written:
+            unit = written[number]
+            new = ShardEntry(shard_name(number), unit.rows, unit.deleted, offset, unit.files, unit.segments)
+        else:
+            parent = live.shard(number).directory
+            shard.link_shard(parent)  # its files: rows, or tombstones and trained index
+            for segment in entry.segments or []:
+                shard.link_segment(parent, segment, segment.row_offset)
+            new = dataclasses.replace(entry, row_offset=offset)
+        entries.append(new)
+        offset += new.rows
+    return entries, max((unit.peak_rss for unit in written.values()), default=0)
+
+
+def _on_ray(tasks: list[tuple]) -> list[UnitWritten]:
+    """`_write_unit_task` of each of `tasks` on Ray, at once: their units as written."""
+    import ray
+
+    from core.cli import init_ray
+
+    init_ray(log_to_driver=False)
+    task = ray.remote(num_cpus=1)(_write_unit_task)
+    return list(ray.get([task.remote(*arguments) for arguments in tasks]))
+
+
+def _write_unit_task(
+    unit_writer, directory: str, number: int | None, change: UnitChange, specs: Sequence[FieldSpec], sums: dict | None
+) -> UnitWritten:
+    """A Ray task: one unit of a new version written — shard `number` of the version in
+    `directory`, or the version itself (None) — opened here, so only its rows are read in this
+    worker, whose peak resident bytes come back with it."""
+    import resource
+
+    version = IndexVersion(directory)
+    unit = version.shard(number) if number is not None else version
+    written = write_unit(unit_writer, unit, change, list(specs), sums)
+    written.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return written
+
+
+def _sums(segments: list[SegmentEntry], files: dict[str, str]) -> str:
+    return "".join(entry.files.get(artifacts.INDEX_FILE, "") + entry.files.get(artifacts.ITEMS_FILE, "")
+                   for entry in segments) + files.get(artifacts.DELETED_FILE, "")  # fmt: skip
+
+
+def _shard_sums(entry: ShardEntry) -> str:
+    if entry.segments:
+        return _sums(entry.segments, entry.files)
+    return entry.files.get(artifacts.INDEX_FILE, "") + entry.files.get(artifacts.DELETED_FILE, "")
+
+
+def _index_id(parts: list[str]) -> str:
+    """A segmented version's index id: the hash of its segments' index and items hashes and its
+    tombstones', so two versions with the same segments and deletions have the same id."""
+    return hashlib.sha256("".join(parts).encode()).hexdigest()[:16]
+
+
+def _bytes_written(staging: Path) -> int:
+    """Bytes of the files that are new in the staging folder: a hard-linked file (more than one
+    link) is the parent's, not written."""
+    total = 0
+    for path in staging.rglob("*"):
+        if path.is_file():
+            stat = path.stat()
+            if stat.st_nlink == 1:
+                total += stat.st_size
+    return total
+
+
+def _segment_count(manifest: IndexManifest) -> int:
+    if manifest.shards:
+        return sum(len(entry.segments or [None]) for entry in manifest.shards)
+    return len(manifest.segments or [None])
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:.2f} MB" if count >= 10_000 else f"{count} bytes"
+
+
+# -- what an add changed, gated -----------------------------------------------------------------
+
+
+def gate_change(
+    version: IndexVersion, new_rows: np.ndarray, ann_k: int, min_ann_recall: float, force: bool
+) -> tuple[float | None, QualityGate]:
+    """An add's gate on what changed: ANN recall@`ann_k` of the new version's search against
+    exact search, queried by (at most GATE_QUERIES of) the new rows and half as many kept rows,
+    each unit (version or shard) searched on its own — the merge over units is exact — and
+    its exact search read segment by segment where the vectors lie, never gathered whole.
+    None (and passed) for an index that searches exactly."""
+    units = [version.shard(n) for n in range(len(version.shard_names))] if version.manifest.shards else [version]
+    offsets = version.shard_offsets if version.manifest.shards else np.zeros(1, np.int64)
+    recalls = []
+    for unit, offset in zip(units, offsets, strict=True):
+        local = new_rows[(new_rows >= offset) & (new_rows < offset + len(unit.items))] - offset
+        if not len(local):
+            continue
+        if isinstance(empty_index(unit.manifest.dimension, unit.manifest.factory), faiss.IndexFlat):
+            continue  # exact search: its recall is 1 by construction
+        searched = unit.searchable()
+        ids = unit.items.ids
+        picked_new = local[stable_sample([ids[int(r)] for r in local], GATE_QUERIES, seed=2)]
+        old = np.setdiff1d(np.arange(len(unit.items)), local)
+        picked_old = old[stable_sample([ids[int(r)] for r in old], GATE_QUERIES // 2, seed=2)] if len(old) else old
+        queries = np.asarray(unit.vectors[np.sort(np.concatenate([picked_new, picked_old]))], dtype=np.float32)
+        k = min(ann_k, len(unit.items))
+        exact_scores, exact_rows = _exact_by_segment(unit.vectors, queries, k, unit.live_mask)
+        found_rows = search(searched, queries, k)[1]
+        found_scores = scores_of_rows(unit.vectors, queries, found_rows)  # exact, as recall_with_ties counts
+        recalls.append(
+            float(np.mean([
+                recall_with_ties(f, fs, e, es, k)
+                for f, fs, e, es in zip(found_rows, found_scores, exact_rows, exact_scores, strict=True)
+            ]))
+        )  # fmt: skip
+    if not recalls:
+        return None, QualityGate(passed=True, reasons=["gated on the new rows: exact search, recall 1 by construction"])
+    recall = min(recalls)
+    reasons = (
+        [] if recall >= min_ann_recall else [f"ANN recall@{ann_k} of the new rows {recall:.4f} < {min_ann_recall}"]
+    )
+    if reasons and not force:
+        from index.gate import QualityGateError
+
+        raise QualityGateError("quality gate refused to publish: " + "; ".join(reasons))
+    return recall, QualityGate(passed=not reasons, forced=bool(reasons), reasons=reasons)
+
+
+def _exact_by_segment(
+    stored: np.ndarray | RowBlocks, queries: np.ndarray, k: int, live: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k over `stored`, one block (segment) at a time, deleted rows left out."""
+    blocks = stored.blocks if isinstance(stored, RowBlocks) else [np.asarray(stored)]
+    starts = stored.starts if isinstance(stored, RowBlocks) else np.zeros(1, np.int64)
+    best_scores = np.full((len(queries), k), -np.inf, np.float32)
+    best_rows = np.full((len(queries), k), -1, np.int64)
+    for block, start in zip(blocks, starts, strict=False):
+        if not len(block):
+            continue
+        depth = min(k + (int((~live).sum()) if live is not None else 0), len(block))
+        scores, rows = faiss.knn(queries, np.ascontiguousarray(block), depth, metric=faiss.METRIC_INNER_PRODUCT)
+        rows = np.where(rows >= 0, rows + start, -1)
+        if live is not None:
+            dead = (rows >= 0) & ~live[np.maximum(rows, 0)]
+            scores = np.where(dead, -np.inf, scores)
+        scores = np.concatenate([best_scores, scores], axis=1)
+        rows = np.concatenate([best_rows, rows], axis=1)
+        top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        best_scores = np.take_along_axis(scores, top, axis=1)
+        best_rows = np.take_along_axis(rows, top, axis=1)
+    return best_scores, best_rows

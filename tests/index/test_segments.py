@@ -1,0 +1,228 @@
+"""Segmented versions (index/segments.py): an add writes one new segment and links the rest, a
+removal writes tombstones alone, compaction merges a shard's segments on Ray — and a version of
+several segments answers as the same rows compacted into one index do (Flat: to the id; IVF-PQ
+and HNSW within a recall tolerance), at S = 1 and S = 4, through every kind of search the
+version offers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import faiss
+import numpy as np
+import pytest
+
+from core import artifacts
+from core.artifacts import ArtifactError
+from core.items import ItemTable
+from core.manifests import IndexManifest
+from core.vectors import RowBlocks
+from index import segments
+from index.add import add_vectors
+from index.faiss_index import l2_normalized, search_within
+from index.filters import Condition, Filter
+from index.grouping import search_groups
+from index.lifecycle import compact_version, remove_items
+from index.version import IndexVersion
+from tests.support import shards as support
+
+N, DIM, ITEMS, K = 1200, 16, 300, 10
+FACTORIES = {"flat": ("Flat", {}), "ivf-pq": ("IVF8,PQ4", {"nprobe": 8}), "hnsw": ("HNSW16", {"efSearch": 64})}
+
+pytestmark = pytest.mark.usefixtures("local_ray")  # sharded builds and compaction run Ray tasks
+
+
+def _more(count: int, seed: int, first: int = N) -> tuple[np.ndarray, ItemTable]:
+    vectors, table = support.catalog(count, DIM, ITEMS, seed=seed)
+    ids = [f"id{first + i:05d}" for i in range(count)]
+    return vectors, ItemTable(ids, None, list(table.paths), list(table.metadata))
+
+
+def _grown(root, factory, params, shards, adds=3, per_add=40):
+    """A version built over N rows, then `adds` adds of `per_add` rows; the rows in order."""
+    data = support.catalog(N, DIM, ITEMS)
+    model = support.model(root / "model", DIM)
+    support.publish(root / "index", data, model, shards, factory, params)
+    vectors, ids = [data[0]], list(data[1].ids)
+    for number in range(adds):
+        extra, items = _more(per_add, seed=10 + number, first=N + number * per_add)
+        add_vectors(root / "index", extra, items, max_segments=100)
+        vectors.append(extra)
+        ids += list(items.ids)
+    return np.concatenate(vectors), ids
+
+
+def _top(version: IndexVersion, queries: np.ndarray, k: int = K, allowed=None) -> list[list[str]]:
+    mask = np.ones(len(version.items), dtype=bool) if allowed is None else allowed.copy()
+    if version.live_mask is not None:
+        mask &= version.live_mask
+    _, rows, _ = search_within(version.searchable(), version.vectors, queries, k, mask, exact_below=0.0)
+    return [[version.items.ids[int(r)] for r in line if r >= 0] for line in rows]
+
+
+@pytest.mark.parametrize("shards", [1, 4])
+def test_an_add_writes_one_segment_and_links_every_row_it_keeps(tmp_path, shards):
+    data = support.catalog(N, DIM, ITEMS)
+    model = support.model(tmp_path / "model", DIM)
+    parent = IndexVersion(support.publish(tmp_path / "index", data, model, shards)).load()
+    extra, items = _more(10, seed=5)
+    report = add_vectors(tmp_path / "index", extra, items)
+    child = IndexVersion(report.version).load(dim=DIM)
+    assert child.size == N + 10 and child.manifest.schema_version == 3
+    assert child.manifest.parent_version == parent.name
+    # Written: the ten rows (640 bytes of floats) with their index, items and filters, and tombstones.
+    assert report.bytes_written < 60_000
+    linked = 0
+    for path in child.directory.rglob("*"):
+        if path.is_file() and path.stat().st_nlink > 1:
+            linked += path.stat().st_size
+    assert linked >= (parent.directory / (artifacts.SHARDS if shards > 1 else "")).stat().st_size
+    # Every row keeps its vector; the new ones answer for themselves.
+    for row in (0, N // 2, N - 1):
+        np.testing.assert_array_equal(child.vector(child.row_of(parent.items.ids[row])), parent.vector(row))
+    assert _top(child, extra[:3], 1) == [[i] for i in list(items.ids)[:3]]
+    # The manifest round-trips and an old reader is refused by its schema version.
+    written = json.loads((child.directory / artifacts.MANIFEST).read_text())
+    assert written["schema_version"] == 3
+    assert IndexManifest.from_dict(written, child.directory / artifacts.MANIFEST).to_dict() == written
+
+
+@pytest.mark.parametrize("kind", list(FACTORIES))
+@pytest.mark.parametrize("shards", [1, 4])
+def test_segments_answer_as_the_same_rows_compacted(tmp_path, monkeypatch, kind, shards):
+    factory, params = FACTORIES[kind]
+    if kind == "ivf-pq":  # segments of its own kind, not Flat ones, however small
+        monkeypatch.setattr(segments, "FLAT_SEGMENT_ROWS", 1)
+    vectors, ids = _grown(tmp_path, factory, params, shards)
+    segmented = IndexVersion.open(tmp_path / "index").load(dim=DIM)
+    counts = [len(e.segments) for e in segmented.manifest.shards] if shards > 1 else [len(segmented.manifest.segments)]
+    assert max(counts) == 4 and segmented.size == len(ids)
+    if kind == "ivf-pq":  # new segments are coded by the version's trained quantizer
+        first = segmented.shard(0) if shards > 1 else segmented
+        centroids = []
+        for number in range(len(first.segment_entries)):
+            index = first.segment(number).index  # held: the IVF below is a view into it
+            ivf = faiss.extract_index_ivf(index)
+            centroids.append(faiss.downcast_index(ivf.quantizer).reconstruct_n(0, ivf.nlist))
+        assert all(np.array_equal(c, centroids[0]) for c in centroids)
+    if kind == "hnsw":  # new rows wait in Flat segments
+        first = segmented.shard(0) if shards > 1 else segmented
+        assert isinstance(faiss.downcast_index(first.segment(1).index), faiss.IndexFlatIP)
+
+    queries = l2_normalized(vectors[::37] + 0.05)
+    before = _top(segmented, queries)
+    shade = Filter(must=(Condition("shade", any_of=("2",)),))
+    allowed = segmented.filters.mask(shade)
+    before_filtered = _top(segmented, queries, allowed=allowed)
+    report = compact_version(tmp_path / "index", keep=10)
+    compacted = IndexVersion(report.version).load(dim=DIM)
+    counts = [len(e.segments) for e in compacted.manifest.shards] if shards > 1 else [len(compacted.manifest.segments)]
+    assert counts == [1] * shards and sorted(compacted.items.ids) == sorted(ids)
+    after = _top(compacted, queries)
+    after_filtered = _top(compacted, queries, allowed=compacted.filters.mask(shade))
+    if kind == "flat":
+        assert before == after and before_filtered == after_filtered  # to the id
+    else:
+        overlap = np.mean([len(set(b) & set(a)) / K for b, a in zip(before, after, strict=True)])
+        assert overlap >= 0.9, overlap
+    if kind == "hnsw":  # compaction built the graph over every row
+        first = compacted.shard(0) if shards > 1 else compacted
+        assert isinstance(faiss.downcast_index(first.segment(0).index), faiss.IndexHNSWFlat)
+
+
+def test_grouped_search_over_segments_equals_the_compacted_version(tmp_path):
+    vectors, _ = _grown(tmp_path, "Flat", {}, 1)
+    segmented = IndexVersion.open(tmp_path / "index").load(dim=DIM)
+    queries = l2_normalized(vectors[::53] + 0.05)
+    groups = segmented.groups("item")
+
+    def grouped(version):
+        found = search_groups(version.searchable(), version.vectors, queries, 5, version.groups("item"), per_group=2)
+        return [[[version.items.ids[row] for row, _ in hits] for _, hits in answer.groups] for answer in found]
+
+    assert len(groups.values) == ITEMS
+    expected = grouped(segmented)
+    compacted = IndexVersion(compact_version(tmp_path / "index", keep=10).version).load(dim=DIM)
+    assert grouped(compacted) == expected
+
+
+def test_a_removal_writes_tombstones_alone_and_an_upsert_both(tmp_path):
+    _grown(tmp_path, "IVF8,Flat", {"nprobe": 8}, 1, adds=1)
+    root = tmp_path / "index"
+    before = IndexVersion.open(root).load()
+    victims = [before.items.ids[3], before.items.ids[N + 5]]
+    report = remove_items(root, victims, "test")
+    assert report.bytes_written < 2_000  # deleted.npy and nothing else
+    small = before.segment(1).index  # 40 rows: Flat until compaction, not an IVF of 8 lists
+    assert isinstance(faiss.downcast_index(small), faiss.IndexFlatIP)
+    after = IndexVersion.open(root).load()
+    assert all(after.row_of(v) is None for v in victims) and after.size == before.size - 2
+    assert victims[0] not in _top(after, before.vector(3)[None])[0]
+    # An upsert: the old row tombstoned, the new one in a segment of its own.
+    new_vector = l2_normalized(np.random.default_rng(3).standard_normal((1, DIM)).astype(np.float32))
+    items = ItemTable([before.items.ids[7]], None, ["/new.png"], [{"item": "item7", "shade": "1"}])
+    with pytest.raises(ValueError, match="already in version .* pass upsert"):
+        add_vectors(root, new_vector, items)
+    add_vectors(root, new_vector, items, upsert=True)
+    upserted = IndexVersion.open(root).load()
+    row = upserted.row_of(before.items.ids[7])
+    np.testing.assert_array_equal(upserted.vector(row), new_vector[0])
+    assert upserted.size == after.size and len(upserted.deleted) == 3
+    assert _top(upserted, new_vector, 1) == [[before.items.ids[7]]]
+
+
+def test_compaction_runs_by_itself_past_the_segment_count_or_deleted_share(tmp_path):
+    _grown(tmp_path, "Flat", {}, 1, adds=0)
+    root = tmp_path / "index"
+    for number in range(3):
+        extra, items = _more(5, seed=number, first=N + 5 * number)
+        add_vectors(root, extra, items, max_segments=3)
+    version = IndexVersion.open(root).load()
+    assert len(version.manifest.segments) == 1 and version.size == N + 15  # the third add went past 3
+    ids = list(version.items.ids)
+    remove_items(root, ids[: int(0.25 * N)], "test", max_deleted_fraction=0.2)
+    version = IndexVersion.open(root).load()
+    assert len(version.deleted) == 0 and version.size == N + 15 - int(0.25 * N)
+
+
+def test_a_missing_or_damaged_segment_is_refused_naming_it(tmp_path):
+    _grown(tmp_path, "Flat", {}, 1, adds=2)
+    live = IndexVersion.open(tmp_path / "index")
+    segment = live.directory / artifacts.SEGMENTS / "000001"
+    data = (segment / artifacts.EMBEDDINGS_FILE).read_bytes()
+    (segment / artifacts.EMBEDDINGS_FILE).unlink()  # a hard link: the parent's copy is untouched
+    (segment / artifacts.EMBEDDINGS_FILE).write_bytes(data[:-4] + b"\0\0\0\1")
+    with pytest.raises(ArtifactError, match=r"segment 000001 of version .*embeddings\.npy is damaged"):
+        IndexVersion(live.directory).load(dim=DIM)
+    os.rename(segment, segment.with_name("gone"))
+    with pytest.raises(ArtifactError, match=r"segment 000001 is missing"):
+        IndexVersion(live.directory).load(dim=DIM)
+
+
+def test_a_version_opened_beside_its_parent_shares_the_segments_it_keeps(tmp_path):
+    _grown(tmp_path, "Flat", {}, 1, adds=1)
+    root = tmp_path / "index"
+    parent = IndexVersion.open(root).load()
+    extra, items = _more(3, seed=99, first=5000)
+    child = IndexVersion(add_vectors(root, extra, items).version).load()
+    for number in range(2):  # the same objects: a server loading the child reads only its new segment
+        assert child.segment(number) is parent.segment(number)
+        assert child.segment(number).index is parent.segment(number).index
+    assert isinstance(child.vectors, RowBlocks) and len(child.vectors.blocks) == 3
+    assert child.vectors.blocks[0].ctypes.data == parent.vectors.blocks[0].ctypes.data  # one map
+
+
+def test_bad_rows_are_refused_precisely(tmp_path):
+    _grown(tmp_path, "Flat", {}, 1, adds=0)
+    root = tmp_path / "index"
+    extra, items = _more(2, seed=1)
+    with pytest.raises(ValueError, match=r"shape \(2, 8\); version .* holds 16-d vectors"):
+        add_vectors(root, extra[:, :8], items)
+    twice = ItemTable(["a", "a"], None, ["/a", "/b"], [{}, {}])
+    with pytest.raises(ValueError, match="item id 'a' comes twice"):
+        add_vectors(root, extra, twice)
+    bad = extra.copy()
+    bad[0, 0] = np.nan
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        add_vectors(root, bad, items)
