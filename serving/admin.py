@@ -1,26 +1,49 @@
-"""The IndexAdmin service and the console's admin pages: Reload, RemoveItems and make live, and
-what the index root holds — its versions with their manifests' figures, a version's contact
-sheet, the takedown audit log, the live version's duplicate groups. Plain classes, protobuf
-messages in and out, as `serving.service`; the app (`serving.server`) does the loading."""
+"""The IndexAdmin service and the console's admin pages: Reload, RemoveItems, AddItems and make
+live, and what the index root holds — its versions with their manifests' figures, a version's
+contact sheet, the takedown audit log, the live version's duplicate groups. Plain classes,
+protobuf messages in and out, as `serving.service`; the app (`serving.server`) does the loading."""
 
 from __future__ import annotations
 
 import csv
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from core import artifacts
 from core.artifacts import ArtifactError
+from core.items import ItemTable
 from core.manifests import IndexManifest
 from index.duplicates import GROUPS_FILE, SUMMARY_FILE, runs_of
 from index.lifecycle import RemovalReport, RollbackReport, audit_entries
 from protos.simsearch.v1 import search_pb2 as pb
+from serving.checks import CheckedImage, RequestChecks
 from serving.engine import ServingPair
-from serving.errors import FailedPrecondition, InvalidArgument, NotFound
+from serving.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+
+# The path an ingested item records when its call names none: no file, so its thumbnail is NOT_FOUND.
+INGEST_PATH = "ingest:{id}"
+
+
+@dataclass(frozen=True)
+class Ingested:
+    """What an AddItems call did: the version its items were added to, the version now served
+    (the one published, or a compaction of it), and its counts."""
+
+    parent_version: str
+    version: str
+    added: int
+    replaced: int
+    size: int
+
 
 Reloader = Callable[[str | None, str | None], Awaitable[tuple[ServingPair | None, ServingPair]]]
 Remover = Callable[[list[str], str, str, str], Awaitable[RemovalReport]]
+# (pair, the items' checked images or vectors, their rows, upsert, who, via) → what the ingest did
+Adder = Callable[[ServingPair, list[CheckedImage | np.ndarray], ItemTable, bool, str, str], Awaitable[Ingested]]
 # (version, model_dir, who, via, restore_taken_down, make_current) → what the rollback did, old pair, new pair
 RollingBack = Callable[
     [str, str | None, str, str, bool, bool],
@@ -30,8 +53,9 @@ RollingBack = Callable[
 
 class AdminService:
     """Reload: a new pair swapped in, or FAILED_PRECONDITION with the old one still serving.
-    RemoveItems: a takedown published as a new version and swapped in. A named version (Reload,
-    make live) goes through `rollback`: takedowns made since it was built are re-applied."""
+    RemoveItems: a takedown published as a new version and swapped in. AddItems: items embedded
+    by the live model, published as a new version and swapped in. A named version (Reload, make
+    live) goes through `rollback`: takedowns made since it was built are re-applied."""
 
     def __init__(
         self,
@@ -40,9 +64,13 @@ class AdminService:
         index_root: str | Path | None = None,
         rollback: RollingBack | None = None,
         live: Callable[[], ServingPair | None] | None = None,
+        add: Adder | None = None,
+        checks: RequestChecks | None = None,
     ) -> None:
         self._reload = reload
         self._remove = remove
+        self._add = add
+        self._checks = checks
         self._rollback = rollback
         self._live = live
         self.index_root = Path(index_root) if index_root is not None else None
@@ -146,6 +174,39 @@ class AdminService:
             removed=report.removed,
             not_found=report.not_found,
             index_size=report.size,
+        )
+
+    async def add_items(self, request: pb.AddItemsRequest, who: str, via: str) -> pb.AddItemsResponse:
+        """Items checked against the live pair (`RequestChecks.new_items`), then embedded, added
+        to the version CURRENT names as one segment, published and swapped in. What the root
+        refuses them for (an id already indexed without upsert, an id given twice, a label the
+        version's items lack, a filterable field's value of the wrong type) is INVALID_ARGUMENT;
+        a root that cannot take them now (its writer busy, a version unreadable) FAILED_PRECONDITION."""
+        if self._add is None or self._checks is None:
+            raise FailedPrecondition("this server cannot add items")
+        pair = self._live() if self._live is not None else None
+        if pair is None:
+            raise Unavailable("no model and index are loaded yet: nothing to embed the items with")
+        items = list(request.items)
+        checked = self._checks.new_items(pair, items)
+        rows = ItemTable(
+            ids=[item.id for item in items],
+            labels=[item.label for item in items] if items[0].HasField("label") else None,
+            paths=[item.path or INGEST_PATH.format(id=item.id) for item in items],
+            metadata=[dict(item.metadata) for item in items],
+        )
+        try:
+            done = await self._add(pair, checked, rows, request.upsert, who, via)
+        except ValueError as exc:
+            raise InvalidArgument(f"nothing added: {exc}") from None
+        except (ArtifactError, FileNotFoundError) as exc:  # WriterBusyError among them
+            raise FailedPrecondition(f"nothing added: {exc}") from None
+        return pb.AddItemsResponse(
+            index_version=done.version,
+            previous_index_version=done.parent_version,
+            added=done.added,
+            replaced=done.replaced,
+            index_size=done.size,
         )
 
     async def reload(self, request: pb.ReloadRequest, who: str = "", via: str = "grpc") -> pb.ReloadResponse:

@@ -27,6 +27,10 @@ NEGATIVE_WEIGHT = 0.2
 # The k of a request that leaves it unset (0 in proto3), on every transport and route.
 DEFAULT_K = 10
 MIN_SCORE_RANGE = (-1.0, 1.0)  # a cosine similarity's
+# Items one AddItems call may carry. Each call publishes a version (a segment, and a reload),
+# so many small calls cost more than few large ones; but a call embeds its images and holds
+# the root's one writer until it is served, and a bound keeps that to seconds, beside queries.
+MAX_ADD_ITEMS = 1_000
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,37 @@ class RequestChecks:
         if region is not None:
             crop = self.check_region(region, image, pair.embedder.contract.exif_orientation)
         return CheckedImage(image, crop)
+
+    def new_items(self, pair: ServingPair, items: list[pb.NewItem]) -> list[CheckedImage | np.ndarray]:
+        """An AddItems call's items checked, each error naming its item (`items[3]: …`): at most
+        MAX_ADD_ITEMS, each with an id and an image (opened, its header only) or an embedding (a
+        unit vector of the live model's dimension), labelled all or none. What they are, in
+        order: a checked image to embed, or the embedding's unit vector."""
+        if not items:
+            raise InvalidArgument("items: empty; give the items to add")
+        if len(items) > MAX_ADD_ITEMS:
+            raise InvalidArgument(
+                f"{len(items)} items exceed the limit of {MAX_ADD_ITEMS} a call; send them in several calls"
+            )
+        checked: list[CheckedImage | np.ndarray] = []
+        for i, item in enumerate(items):
+            with at_place(i, "items"):
+                if not item.id:
+                    raise InvalidArgument("id is empty; every item needs its id")
+                kind = item.WhichOneof("content")
+                if kind == "embedding":
+                    checked.append(self.check_embedding(pair, item.embedding.values))
+                elif kind == "image":
+                    checked.append(self.image(pair, item.image))
+                else:
+                    raise InvalidArgument(f"item {item.id!r} has neither image nor embedding; set one")
+        labelled = [item.HasField("label") for item in items]
+        if any(labelled) and not all(labelled):
+            raise InvalidArgument(
+                f"items[{labelled.index(False)}]: has no label and items[{labelled.index(True)}] has one; a "
+                "version's items are all labelled or none are"
+            )
+        return checked
 
     def parts(self, pair: ServingPair, parts: list[pb.QueryPart]) -> tuple[CheckedPart, ...]:
         """A query's parts checked, as a whole (`check_parts`) then each in turn; a part's error

@@ -197,3 +197,13 @@ class SearchClient:
             timeout=timeout or max(self.timeout, 60.0),
             metadata=self._admin_metadata,
         )
+
+    def add_items(
+        self, items: Sequence[pb.NewItem], upsert: bool = False, timeout: float | None = None
+    ) -> pb.AddItemsResponse:
+        """An ingest: returns once the server answers from a version with these items."""
+        return self.admin.AddItems(
+            pb.AddItemsRequest(items=list(items), upsert=upsert),
+            timeout=timeout or max(self.timeout, 60.0),
+            metadata=self._admin_metadata,
+        )

@@ -12,6 +12,7 @@ from typing import Any
 from core import artifacts
 from core.catalog import read_probe_catalog
 from core.config import DEVICES, option, resolve_config, section
+from index.segments import MAX_SEGMENTS
 from serving.engine import Limits, ServingPair, load_pair
 from serving.monitor import MonitorConfig
 from serving.query_embedder import MEASURE_BUDGET_S, Progress
@@ -191,9 +192,14 @@ class ServerConfig:
     watch_current: bool = option(False, help="reload when the index root's CURRENT changes")
     watch_interval_s: float = option(5.0, help="how often CURRENT is read with --watch-current")
     access_log: bool = option(False, help="log every RPC")
-    keep_versions: int = option(5, help="index versions a RemoveItems takedown keeps in the root")
+    keep_versions: int = option(5, help="index versions a RemoveItems takedown or an AddItems ingest keeps in the root")
     drain_timeout_s: float = option(
         30.0, help="RemoveItems returns once no request answers from the old version, or after this long"
+    )
+    max_segments: int = option(
+        MAX_SEGMENTS,
+        help="AddItems: compact a shard (merge its segments, drop deleted rows) once it holds more segments, "
+        "as index add --max-segments",
     )
     transport: Transport = section(Transport, help="address, TLS, tokens, connection lifetime")
     limits: Limits = section(Limits, help="what one request may ask")
@@ -214,6 +220,8 @@ class ServerConfig:
             raise ValueError("watch_interval_s must be > 0")
         if self.keep_versions < 1:
             raise ValueError(f"keep_versions must be at least 1, got {self.keep_versions}")
+        if self.max_segments < 1:
+            raise ValueError(f"max_segments must be at least 1, got {self.max_segments}")
         if not 0 < self.drain_timeout_s < float("inf"):
             raise ValueError(f"drain_timeout_s must be > 0 seconds, got {self.drain_timeout_s}")
 

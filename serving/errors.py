@@ -109,13 +109,13 @@ def image_errors() -> Iterator[None]:
 
 
 @contextmanager
-def at_place(i: int) -> Iterator[None]:
-    """Request `i` of a batch: one bad request fails the batch, so its error says which it was
-    (`requests[3]: …`). The call's own errors — its deadline, no pair to answer — are not the
-    request's, and are left as they are."""
+def at_place(i: int, field: str = "requests") -> Iterator[None]:
+    """Entry `i` of a call's list (a batch's requests, an AddItems call's items): one bad entry
+    fails the call, so its error says which it was (`requests[3]: …`). The call's own errors —
+    its deadline, no pair to answer — are not the entry's, and are left as they are."""
     try:
         yield
     except (DeadlineExceeded, Unavailable):
         raise
     except ServiceError as exc:
-        raise type(exc)(f"requests[{i}]: {exc.message}", exc.field) from exc
+        raise type(exc)(f"{field}[{i}]: {exc.message}", exc.field) from exc

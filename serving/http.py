@@ -455,6 +455,10 @@ class HttpApi:
         message = await self._message(request, pb.RemoveItemsRequest())
         return await self.admin.remove_items(message, self._caller(request), "http")
 
+    async def add_items(self, request: web.Request, route: Route) -> Message:
+        message = await self._message(request, pb.AddItemsRequest())
+        return await self.admin.add_items(message, self._caller(request), "http")
+
     async def versions(self, request: web.Request, route: Route) -> web.Response:
         live = self.service.engine.pair.version if self.service.engine.loaded else None
         return web.json_response({"versions": self.admin.versions(live)})

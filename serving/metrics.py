@@ -136,6 +136,9 @@ class ServiceMetrics:
         )
         self.reloads = Counter("simsearch_reloads", "Successful model/index loads", registry=r)
         self.items_removed = Counter("simsearch_items_removed", "Items taken down by RemoveItems", registry=r)
+        self.items_added = Counter(
+            "simsearch_items_added", "Items added by AddItems (with upsert, replaced ones too)", registry=r
+        )
         self.reload_failures = Counter("simsearch_reload_failures", "Failed model/index loads", registry=r)
         self.loaded = Gauge("simsearch_index_loaded", "1 when a model and index are loaded", registry=r)
         # Figures of the live version's build, read from its manifest: the "Index builds" dashboard.

@@ -14,7 +14,7 @@ from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescript
 from core.preprocess import MIN_REGION_SIDE
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.auth import Scope
-from serving.checks import DEFAULT_K, MIN_SCORE_RANGE
+from serving.checks import DEFAULT_K, MAX_ADD_ITEMS, MIN_SCORE_RANGE
 from serving.engine import Limits
 from serving.routes import IMAGE_TYPES, QUERY_BOUNDS, ROUTES, TIMEOUT_HEADER
 
@@ -114,6 +114,8 @@ def _rules(served: Served) -> dict[str, dict[str, dict[str, Any]]]:
         "EmbedRequest": {"image": {"minLength": 1}},
         "FeedbackRequest": {"requestId": {"minLength": 1}},
         "RemoveItemsRequest": {"ids": {"minItems": 1, "minLength": 1}},
+        "AddItemsRequest": {"items": {"minItems": 1, "maxItems": MAX_ADD_ITEMS}},
+        "NewItem": {"id": {"minLength": 1}, "image": {"minLength": 1}},
         "ValueSet": {"values": {"minItems": 1}},
     }  # fmt: skip
 
@@ -181,6 +183,10 @@ def _structure(descriptor: Descriptor, served: Served) -> dict[str, Any]:
         return {"required": ["requestId"]}
     if name == "RemoveItemsRequest":
         return {"required": ["ids"]}
+    if name == "AddItemsRequest":
+        return {"required": ["items"]}
+    if name == "NewItem":  # an id, and its image or its embedding
+        return {"required": ["id"], "oneOf": _one_of(descriptor, "content", {})}
     return {}
 
 

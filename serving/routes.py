@@ -11,7 +11,7 @@ from google.protobuf.message import Message
 
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.auth import Scope
-from serving.checks import DEFAULT_K
+from serving.checks import DEFAULT_K, MAX_ADD_ITEMS
 
 TIMEOUT_HEADER = "X-Request-Timeout"  # seconds, the HTTP form of a gRPC deadline
 IMAGE_TYPES = ("image/", "application/octet-stream")
@@ -80,6 +80,10 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/v1/admin/remove-items", "RemoveItems", "remove_items",
           "Take items down: a new version without them, swapped in", scope=Scope.ADMIN,
           request=pb.RemoveItemsRequest, response=pb.RemoveItemsResponse, tag="admin"),
+    Route("POST", "/v1/admin/add-items", "AddItems", "add_items",
+          f"Ingest items (images, embedded by the live model, or embeddings; up to {MAX_ADD_ITEMS:,} a call): a new "
+          "version with them, swapped in before the answer", scope=Scope.ADMIN,
+          request=pb.AddItemsRequest, response=pb.AddItemsResponse, tag="admin"),
     Route("GET", "/v1/admin/versions", "ListVersions", "versions", "Every version with its manifest figures",
           scope=Scope.ADMIN, produces="application/json", tag="admin"),
     Route("GET", "/v1/admin/versions/{version}/neighbours.png", "VersionSheet", "neighbours_sheet",

@@ -28,19 +28,25 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from core import artifacts
 from core.artifacts import ArtifactError
+from core.items import ItemTable
+from core.manifests import IndexManifest
+from index.add import add_vectors
 from index.lifecycle import RemovalReport, RollbackReport, remove_items, rollback
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
-from serving.admin import AdminService
+from serving.admin import AdminService, Ingested
 from serving.auth import Tokens
 from serving.batching import DynamicBatcher
 from serving.calls import CallRecorder
+from serving.checks import CheckedImage
 from serving.config import EVENT_LOOPS, ServerConfig
 from serving.engine import SearchEngine, ServingPair
+from serving.errors import FailedPrecondition
 from serving.history import TrafficHistory
 from serving.http import HttpApi, tls_context
 from serving.memory import reclaim, steady_heap
@@ -164,6 +170,8 @@ class SearchApp:
             config.index_root,
             rollback=self.rollback,
             live=lambda: self.engine.pair if self.engine.loaded else None,
+            add=self.add_items,
+            checks=self.service.checks,
         )
         self.http = HttpApi(
             self.service,
@@ -311,6 +319,51 @@ class SearchApp:
                     self.config.drain_timeout_s,
                 )
             return report
+
+    async def add_items(
+        self, pair: ServingPair, checked: list[CheckedImage | np.ndarray], rows: ItemTable, upsert: bool, who: str,
+        via: str,
+    ) -> Ingested:  # fmt: skip
+        """An ingest: the items' images embedded by `pair`'s model (in the batches queries share),
+        added to the version CURRENT names as one segment (`index.add.add_vectors`, which refuses
+        them unless that version was built with this model), published, and loaded before it
+        returns. One at a time with takedowns, off the loop."""
+        vectors = await self.service.item_vectors(pair, checked)
+        # Once published, the version is loaded even if the caller has gone: a server left behind
+        # CURRENT would answer without the items the root now holds.
+        return await asyncio.shield(self._publish_added(pair, vectors, rows, upsert, who, via))
+
+    async def _publish_added(
+        self, pair: ServingPair, vectors: np.ndarray, rows: ItemTable, upsert: bool, who: str, via: str
+    ) -> Ingested:
+        async with self._remove_lock:
+            config = self.config
+            add = functools.partial(
+                add_vectors, config.index_root, vectors, rows, upsert=upsert, keep=config.keep_versions,
+                max_segments=config.max_segments, model_id=pair.model_id,
+            )  # fmt: skip
+            loop = asyncio.get_running_loop()
+            report = await loop.run_in_executor(None, add)
+            published = await loop.run_in_executor(None, IndexManifest.read, report.version)
+            self.metrics.items_added.inc(len(rows))
+            log.info(
+                "%s added %d items via %s: version %s", who, len(rows), via, published.version,
+                extra={"index_version": published.version},
+            )  # fmt: skip
+            try:  # CURRENT's: a compaction that followed the add published a version after it
+                _, new = await self.reload()
+            except Exception as exc:
+                raise FailedPrecondition(
+                    f"the items were added as version {published.version}, but loading it failed and the server "
+                    f"still serves {self.engine.pair.version}: {exc}"
+                ) from None
+            # An upsert, as a takedown, answers once no request still answers with the rows it replaced.
+            if upsert and not await self.service.drained(new.serial, self.config.drain_timeout_s):
+                log.warning("ingest %s: requests still answering from an earlier version", published.version)
+            counts = published.rows
+            added = counts.added if counts is not None else len(rows)
+            replaced = (counts.replaced or 0) if counts is not None else 0
+            return Ingested(published.parent_version or "", new.version, added, replaced, new.index_version.size)
 
     async def rollback(
         self, version: str, model_dir: str | None, who: str, via: str, restore: bool, make_current: bool

@@ -38,6 +38,10 @@ from serving.logs import REQUEST_ID
 from serving.metrics import ServiceMetrics
 from serving.monitor import RecallMonitor
 
+# An AddItems call's images in the queue at once: one batch's worth (the default
+# --max-batch-size), where a thousand at once would fill the queue the queries need.
+INGEST_IN_FLIGHT = 32
+
 
 @asynccontextmanager
 async def _deadline(timeout: float | None) -> AsyncIterator[float | None]:
@@ -157,8 +161,7 @@ class SearchService:
             if part.image is None:
                 return part.vector
             try:
-                query = await self._image_query(pair, part.image, 0, frozenset(), deadline, time.perf_counter())
-                return (await self.batcher.run(query)).vector
+                return await self._image_vector(pair, part.image, deadline)
             except InvalidArgument as exc:
                 raise InvalidArgument(f"parts[{i}]: {exc}") from None
 
@@ -168,6 +171,32 @@ class SearchService:
         if not norm > 1e-6:
             raise InvalidArgument("query parts cancel out: the weighted sum of their embeddings is zero")
         return (combined / norm).astype(np.float32)
+
+    async def _image_vector(self, pair: ServingPair, image: CheckedImage, deadline: float | None) -> np.ndarray:
+        """An image's embedding: a query that searches for nothing, batched with the others."""
+        query = await self._image_query(pair, image, 0, frozenset(), deadline, time.perf_counter())
+        return (await self.batcher.run(query)).vector
+
+    async def item_vectors(self, pair: ServingPair, items: list[CheckedImage | np.ndarray]) -> np.ndarray:
+        """The vectors of an AddItems call's checked items (`RequestChecks.new_items`), row for
+        row: an embedding as it is, an image embedded by `pair`'s model in the batches and queue
+        the queries share — INGEST_IN_FLIGHT at a time, so a call of many images leaves the
+        queue to them. An image that does not decode names its item (`items[3]: …`)."""
+        vectors = np.empty((len(items), pair.dim), dtype=np.float32)
+        images = []
+        for i, item in enumerate(items):
+            if isinstance(item, CheckedImage):
+                images.append((i, item))
+            else:
+                vectors[i] = item
+
+        async def embedded(i: int, image: CheckedImage) -> None:
+            with at_place(i, "items"):
+                vectors[i] = await self._image_vector(pair, image, None)
+
+        for start in range(0, len(images), INGEST_IN_FLIGHT):
+            await asyncio.gather(*(embedded(i, image) for i, image in images[start : start + INGEST_IN_FLIGHT]))
+        return vectors
 
     # -- answers ----------------------------------------------------------------------------
 

@@ -92,6 +92,10 @@ class AdminServicer(pb_grpc.IndexAdminServicer):
         removal = self.admin.remove_items(request, caller_identity(context), "grpc")
         return await self.call("RemoveItems", context, removal)
 
+    async def AddItems(self, request, context):
+        ingest = self.admin.add_items(request, caller_identity(context), "grpc")
+        return await self.call("AddItems", context, ingest)
+
 
 def caller_identity(context: grpc.aio.ServicerContext) -> str:
     """Who made an authenticated call, for the audit log: its token's fingerprint and the peer."""

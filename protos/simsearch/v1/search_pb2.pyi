@@ -330,3 +330,48 @@ class RemoveItemsResponse(_message.Message):
     not_found: _containers.RepeatedScalarFieldContainer[str]
     index_size: int
     def __init__(self, index_version: _Optional[str] = ..., previous_index_version: _Optional[str] = ..., removed: _Optional[int] = ..., not_found: _Optional[_Iterable[str]] = ..., index_size: _Optional[int] = ...) -> None: ...
+
+class NewItem(_message.Message):
+    __slots__ = ("id", "image", "embedding", "label", "metadata", "path")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    image: bytes
+    embedding: Embedding
+    label: str
+    metadata: _containers.ScalarMap[str, str]
+    path: str
+    def __init__(self, id: _Optional[str] = ..., image: _Optional[bytes] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ..., label: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., path: _Optional[str] = ...) -> None: ...
+
+class AddItemsRequest(_message.Message):
+    __slots__ = ("items", "upsert")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    UPSERT_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[NewItem]
+    upsert: bool
+    def __init__(self, items: _Optional[_Iterable[_Union[NewItem, _Mapping]]] = ..., upsert: _Optional[bool] = ...) -> None: ...
+
+class AddItemsResponse(_message.Message):
+    __slots__ = ("index_version", "previous_index_version", "added", "replaced", "index_size")
+    INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_FIELD_NUMBER: _ClassVar[int]
+    INDEX_SIZE_FIELD_NUMBER: _ClassVar[int]
+    index_version: str
+    previous_index_version: str
+    added: int
+    replaced: int
+    index_size: int
+    def __init__(self, index_version: _Optional[str] = ..., previous_index_version: _Optional[str] = ..., added: _Optional[int] = ..., replaced: _Optional[int] = ..., index_size: _Optional[int] = ...) -> None: ...

@@ -290,6 +290,11 @@ class IndexAdminStub:
                 request_serializer=protos_dot_simsearch_dot_v1_dot_search__pb2.RemoveItemsRequest.SerializeToString,
                 response_deserializer=protos_dot_simsearch_dot_v1_dot_search__pb2.RemoveItemsResponse.FromString,
                 _registered_method=True)
+        self.AddItems = channel.unary_unary(
+                '/simsearch.v1.IndexAdmin/AddItems',
+                request_serializer=protos_dot_simsearch_dot_v1_dot_search__pb2.AddItemsRequest.SerializeToString,
+                response_deserializer=protos_dot_simsearch_dot_v1_dot_search__pb2.AddItemsResponse.FromString,
+                _registered_method=True)
 
 
 class IndexAdminServicer:
@@ -308,6 +313,12 @@ class IndexAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AddItems(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_IndexAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -320,6 +331,11 @@ def add_IndexAdminServicer_to_server(servicer, server):
                     servicer.RemoveItems,
                     request_deserializer=protos_dot_simsearch_dot_v1_dot_search__pb2.RemoveItemsRequest.FromString,
                     response_serializer=protos_dot_simsearch_dot_v1_dot_search__pb2.RemoveItemsResponse.SerializeToString,
+            ),
+            'AddItems': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddItems,
+                    request_deserializer=protos_dot_simsearch_dot_v1_dot_search__pb2.AddItemsRequest.FromString,
+                    response_serializer=protos_dot_simsearch_dot_v1_dot_search__pb2.AddItemsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -377,6 +393,33 @@ class IndexAdmin:
             '/simsearch.v1.IndexAdmin/RemoveItems',
             protos_dot_simsearch_dot_v1_dot_search__pb2.RemoveItemsRequest.SerializeToString,
             protos_dot_simsearch_dot_v1_dot_search__pb2.RemoveItemsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddItems(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/simsearch.v1.IndexAdmin/AddItems',
+            protos_dot_simsearch_dot_v1_dot_search__pb2.AddItemsRequest.SerializeToString,
+            protos_dot_simsearch_dot_v1_dot_search__pb2.AddItemsResponse.FromString,
             options,
             channel_credentials,
             insecure,
