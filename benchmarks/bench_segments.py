@@ -37,7 +37,7 @@ import psutil
 from core.items import ItemTable
 from core.manifests import RowCounts
 from index.add import add_vectors
-from index.faiss_index import l2_normalized, recall_with_ties, scores_of_rows, search_within
+from index.faiss_index import l2_normalized, recall_with_ties, scores_of_rows, search_live
 from index.gate import GateThresholds
 from index.lifecycle import compact_version, remove_items
 from index.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
@@ -78,14 +78,14 @@ def version_bytes(version: IndexVersion) -> int:
 
 
 def searches(version: IndexVersion, queries: np.ndarray, concurrency: int, k: int = 10) -> tuple[float, list, list]:
-    """q/s of one-query calls from `concurrency` threads, each call's seconds, and the answers."""
-    searched, stored, live = version.searchable(), version.vectors, version.live_mask
-    mask = live if live is not None else np.ones(len(version.items), dtype=bool)
-    rows = np.flatnonzero(mask)
+    """q/s of one-query calls from `concurrency` threads, each call's seconds, and the answers:
+    searched as the server's engine searches a plain query (`SearchEngine.search`: `search_live`,
+    the index asked deeper by the version's few tombstones)."""
+    searched, stored, live, deleted = version.searchable(), version.vectors, version.live_mask, len(version.deleted)
 
     def one(query: np.ndarray) -> tuple[float, np.ndarray]:
         started = time.perf_counter()
-        _, found, _ = search_within(searched, stored, query[None], k, mask, exact_below=0.0, rows=rows)
+        found = search_live(searched, stored, query[None], k, live, deleted)[1]
         return time.perf_counter() - started, found[0]
 
     started = time.perf_counter()

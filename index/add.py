@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from core import artifacts
+from core.artifacts import ArtifactError
 from core.catalog import Catalog, CatalogError, read_catalog
 from core.items import ItemTable
 from core.manifests import IndexManifest, RowCounts, check_model_index_pair
@@ -85,7 +86,7 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
         already_indexed=already,
         model_id=embedder.model_id,
     )
-    return report.version
+    return report.live_version
 
 
 def add_vectors(
@@ -123,7 +124,7 @@ def _add_vectors(
 ) -> ChangeReport:  # fmt: skip
     live = IndexVersion.open(index_root)
     if model_id is not None and live.manifest.model_id != model_id:
-        raise ValueError(
+        raise ArtifactError(
             f"the new rows were embedded by model {model_id}; the live version {live.name} was built with model "
             f"{live.manifest.model_id} (it changed meanwhile)"
         )
@@ -148,6 +149,9 @@ def _add_vectors(
             f"{len(held)} of the {len(ids)} new ids are already in version {live.name}, e.g. {held[0][0]!r}: "
             "pass upsert to replace them"
         )
+    if not items.labelled and any(label is not None for label in items.labels):
+        unlabelled = next(i for i, label in zip(items.ids, items.labels, strict=True) if label is None)
+        raise ValueError(f"some new rows have labels and {unlabelled!r} has none: label all of them or none")
     if items.labelled != live.items.labelled and len(live.items):
         raise ValueError(
             f"the new rows {'have' if items.labelled else 'lack'} labels and version {live.name}'s "
@@ -177,7 +181,9 @@ def _add_vectors(
         model_id=model_id,
         gate=verdict,
     )
-    compact_if_due(index_root, keep, max_segments, max_deleted_fraction)
+    compacted = compact_if_due(index_root, keep, max_segments, max_deleted_fraction)
+    if compacted is not None:
+        report.compacted_to = compacted.version
     return report
 
 

@@ -248,12 +248,13 @@ def _compact_once(
     return None
 
 
-def compact_if_due(index_root: str | Path, keep: int, max_segments: int, max_deleted_fraction: float) -> None:
-    """Compaction after a change, of the shards past `max_segments` or `max_deleted_fraction`."""
-    done = compact_version(index_root, keep, on_ray=True, only_due=True, max_segments=max_segments,
-                   max_deleted_fraction=max_deleted_fraction)  # fmt: skip
-    if done is not None:
-        log.info("compacted: %s", done.version.name)
+def compact_if_due(
+    index_root: str | Path, keep: int, max_segments: int, max_deleted_fraction: float
+) -> ChangeReport | None:
+    """Compaction after a change, of the shards past `max_segments` or `max_deleted_fraction`;
+    its report, or None when none is due."""
+    return compact_version(index_root, keep, on_ray=True, only_due=True, max_segments=max_segments,
+                           max_deleted_fraction=max_deleted_fraction)  # fmt: skip
 
 
 def audit(

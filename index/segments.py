@@ -241,6 +241,12 @@ class ChangeReport:
     units_touched: int
     compacted: int = 0
     peak_task_rss: int = 0  # the largest peak resident bytes of the Ray tasks that wrote the units
+    compacted_to: Path | None = None  # a compaction published right after it (what CURRENT then names)
+
+    @property
+    def live_version(self) -> Path:
+        """The version this change left live: its own, or the compaction's that followed it."""
+        return self.compacted_to or self.version
 
 
 def publish_change(

@@ -28,7 +28,7 @@ from core.items import ItemTable
 from core.manifests import IndexManifest, ModelManifest, check_model_index_pair
 from core.preprocess import DEFAULT_MAX_PIXELS, Region, decode
 from index import range_search
-from index.faiss_index import ExactRerank, search_within
+from index.faiss_index import OVERFETCH_DELETED, ExactRerank, search_live, search_within
 from index.filters import Filter
 from index.grouping import Groups, search_groups
 from index.version import IndexVersion
@@ -290,15 +290,17 @@ class SearchEngine:
             for i, answer in zip(members, found, strict=True):
                 answers[i] = answer
         plain = [i for i, s in enumerate(scopes) if s.plain]
-        live = pair.index_version.live_mask
-        if plain and live is not None:
+        live, deleted = pair.index_version.live_mask, len(pair.index_version.deleted)
+        if plain and live is not None and deleted > OVERFETCH_DELETED:
             found = self.search_filtered(pair, vectors[plain], k, [exclude[i] for i in plain], live)
             for i, answer in zip(plain, found, strict=True):
                 answers[i] = Answer(answer.hits)  # not a filtered query: no planner path counted
         elif plain:
+            # A few tombstones (a segmented version's takedowns and upserts) are dropped from an
+            # answer asked that much deeper: the index's own search, not the planner's.
             skips = [exclude[i] for i in plain]
             depth = min(k + max((len(e) for e in skips), default=0), pair.index.ntotal)
-            scores, rows = pair.index.search(vectors[plain], depth)
+            scores, rows = search_live(pair.index, pair.vectors, vectors[plain], depth, live, deleted)
             size = pair.index_version.size
             for i, s_row, r_row, skip in zip(plain, scores, rows, skips, strict=True):
                 hits = [Hit(int(r), float(s)) for s, r in zip(s_row, r_row, strict=True) if r >= 0 and r not in skip]
