@@ -226,3 +226,26 @@ def test_bad_rows_are_refused_precisely(tmp_path):
     bad[0, 0] = np.nan
     with pytest.raises(ValueError, match="NaN or infinity"):
         add_vectors(root, bad, items)
+
+
+@pytest.mark.parametrize("deleted", [10, 50])
+def test_tombstones_are_dropped_from_an_answer_asked_deeper(tmp_path, monkeypatch, deleted):
+    """A few tombstones: the index asked that much deeper and them dropped; many: the planner
+    over the live rows. Either way, for Flat, the exact top k of the live rows."""
+    from index import faiss_index
+
+    monkeypatch.setattr(faiss_index, "OVERFETCH_DELETED", 20)  # 10 deleted overfetch, 50 go to the planner
+    _grown(tmp_path, "Flat", {}, 1, adds=1)
+    root = tmp_path / "index"
+    before = IndexVersion.open(root).load()
+    queries = l2_normalized(np.asarray(before.vectors[:deleted]) + 0.01)  # each query's best row is deleted
+    remove_items(root, list(before.items.ids)[:deleted], "test", max_deleted_fraction=1.0)
+    version = IndexVersion.open(root).load()
+    scores, rows = faiss_index.search_live(
+        version.searchable(), version.vectors, queries, K, version.live_mask, len(version.deleted)
+    )
+    exact = np.asarray(version.vectors) @ queries.T
+    exact[version.deleted] = -np.inf
+    expected = np.argsort(-exact, axis=0, kind="stable")[:K].T
+    assert (rows == expected).mean() >= 0.99 and not np.isin(rows, version.deleted).any()
+    assert np.allclose(scores, np.take_along_axis(exact.T, expected, axis=1), atol=1e-5)
