@@ -12,8 +12,8 @@ unit vectors is built, then, each against its own baseline measured in the same 
   call (`search_within` with the version's tombstones masked, as the server's engine calls it),
   Flat answers compared to the id and ANN recall@10 against exact search;
 - the compaction itself (`index.lifecycle.compact_version`, on Ray, one task a shard): seconds,
-  and the p99 of a steady search load (BESIDE callers) beside it against the same load's p99
-  for `--beside-s` seconds before;
+  and the p99 of a paced search load (one caller, BESIDE_QPS) beside it against the same load's
+  p99 for `--beside-s` seconds before;
 - a reload after an add of `--reload-rows` rows: seconds to open and load the new version in a
   process holding the old one, and its RSS growth against the new rows' bytes.
 
@@ -44,7 +44,7 @@ from index.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_
 from index.version import IndexVersion
 
 FACTORIES = {"flat": ("Flat", {}), "ivf-pq": ("IVF{lists},PQ32", {"rerank": 10})}  # name → factory, parameters
-BESIDE = 4  # callers of the search load beside the compaction
+BESIDE_QPS = 5.0  # the paced search load beside the compaction (one caller)
 GATE = GateThresholds(
     ks=(1,), quality_sample=200, ann_k=10, min_ann_recall=0.0, min_probe_recall_at_1=0.0, max_recall_drop=None
 )
@@ -147,10 +147,16 @@ def measure(root: Path, args, factory: str, params: dict, shards: int, rng: np.r
 
     # Compaction, with a steady search load beside it: its p99 before and during.
     def steady(seconds: float | None, stop: threading.Event | None = None) -> list[float]:
+        """One caller at BESIDE_QPS: a paced load whose latency the compaction may move (a
+        saturating one starves the compaction's task on a small machine and measures that)."""
         calls: list[float] = []
         started = time.perf_counter()
-        while not (stop is not None and stop.is_set()) and (seconds is None or time.perf_counter() - started < seconds):
-            calls.extend(searches(segmented, queries[:64], BESIDE)[1])
+        for n in range(10**9):
+            stopped = stop is not None and stop.is_set()
+            if stopped or (seconds is not None and time.perf_counter() - started > seconds):
+                break
+            calls.extend(searches(segmented, queries[n % len(queries)][None], 1)[1])
+            time.sleep(max(0.0, started + (n + 1) / BESIDE_QPS - time.perf_counter()))
         return calls
 
     before = steady(args.beside_s)

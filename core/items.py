@@ -28,8 +28,10 @@ class StringColumn(Sequence[str]):
     a null reads as None (the labels of an unlabelled catalog)."""
 
     def __init__(self, array: pa.Array | pa.ChunkedArray) -> None:
-        if isinstance(array, pa.ChunkedArray):
-            array = array.combine_chunks() if array.num_chunks != 1 else array.chunk(0)
+        # Chunks are kept, not joined: a segmented version's table is its segments' tables side
+        # by side, so a server holding two versions that share segments holds their strings once.
+        if isinstance(array, pa.ChunkedArray) and array.num_chunks == 1:
+            array = array.chunk(0)
         self.array = array.cast(pa.large_string()) if array.type != pa.large_string() else array
 
     def __len__(self) -> int:
@@ -50,7 +52,7 @@ class StringColumn(Sequence[str]):
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, StringColumn):
-            return self.array.equals(other.array)
+            return _chunked(self.array).equals(_chunked(other.array))
         if isinstance(other, Sequence) and not isinstance(other, str):
             return len(other) == len(self) and list(self) == list(other)
         return NotImplemented
@@ -80,9 +82,16 @@ class MetadataColumn(Sequence[dict[str, str]]):
         return (json.loads(t) for t in self.text)
 
 
-def string_hashes(array: pa.Array) -> np.ndarray:
+def _chunked(array: pa.Array | pa.ChunkedArray) -> pa.ChunkedArray:
+    return array if isinstance(array, pa.ChunkedArray) else pa.chunked_array([array])
+
+
+def string_hashes(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """A 64-bit polynomial hash of every string in an Arrow (large_)string array, computed over
     its data buffer without making Python strings (collisions are possible; callers compare)."""
+    if isinstance(array, pa.ChunkedArray):
+        parts = [string_hashes(chunk) for chunk in array.chunks]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.uint64)
     array = array.cast(pa.large_string())
     n = len(array)
     if n == 0:

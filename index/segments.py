@@ -382,7 +382,8 @@ def _on_ray(tasks: list[tuple]) -> list[UnitWritten]:
     from core.cli import init_ray
 
     init_ray(log_to_driver=False)
-    task = ray.remote(num_cpus=1)(_write_unit_task)
+    # A fresh worker a task (max_calls=1): it gives its memory back, and its peak is its own.
+    task = ray.remote(num_cpus=1, max_calls=1)(_write_unit_task)
     return list(ray.get([task.remote(*arguments) for arguments in tasks]))
 
 

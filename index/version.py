@@ -242,8 +242,8 @@ class IndexVersion:
     def items(self) -> ItemTable:
         parts = self._parts()
         if parts is not None:
-            tables = [part.items.to_arrow() for part in parts[0]]
-            return ItemTable.from_arrow(pa.concat_tables(tables).combine_chunks())
+            # Chunked, not joined: the segments' strings are shared with every version keeping them.
+            return ItemTable.from_arrow(pa.concat_tables([part.items.to_arrow() for part in parts[0]]))
         return self._read(ItemTable.read, artifacts.ITEMS_FILE, "an items table")
 
     @functools.cached_property
