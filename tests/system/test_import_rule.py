@@ -282,9 +282,7 @@ def test_an_import_circle_is_found_however_it_is_written(tmp_path):
         "pkg.a imports pkg.sub.c (pkg/a.py:5) imports pkg.b (pkg/sub/c.py:1) imports pkg.a (pkg/b.py:1)"
     ]
     (package / "b.py").write_text("import pkg.sub.c\n")
-    assert import_cycles(tmp_path, "pkg") == [
-        "pkg.b imports pkg.sub.c (pkg/b.py:1) imports pkg.b (pkg/sub/c.py:1)"
-    ]
+    assert import_cycles(tmp_path, "pkg") == ["pkg.b imports pkg.sub.c (pkg/b.py:1) imports pkg.b (pkg/sub/c.py:1)"]
     # No circle: __init__ imports its submodules, which import each other by `from pkg import a`
     # (the submodule a, not the __init__ that imports them).
     (package / "a.py").write_text("import json\n")
