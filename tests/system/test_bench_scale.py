@@ -21,6 +21,7 @@ def test_bad_flags_are_one_clear_line(tmp_path):
         ("bench_scale.py", ["--stages", "train,index", "--out", str(tmp_path / "s")], "unknown stage(s) index"),
         ("bench_finetune.py", ["--variants", "defaults,fast", "--out", str(tmp_path / "f")], "unknown variant(s) fast"),
         ("bench_segments.py", ["--factories", "flat,lsh", "--size", "1000"], "unknown factory(ies) lsh"),
+        ("bench_ingest.py", ["--seconds", "1"], "--seconds at least 5"),
     ]
     with ThreadPoolExecutor(len(cases)) as pool:
         results = list(pool.map(lambda case: run(case[0], *case[1]), cases))
