@@ -94,10 +94,8 @@ class RowBlocks:
         rows = np.asarray(rows, dtype=np.int64)
         flat = rows.ravel()
         out = np.empty((len(flat), self.shape[1]), dtype=np.float32)
-        block, local = self.locate(flat)
-        for number in np.unique(block):
-            picked = np.flatnonzero(block == number)
-            out[picked] = self.blocks[number][local[picked]]
+        for block, places, local in self.split(flat):
+            out[places] = self.blocks[block][local]
         return out.reshape(*rows.shape, self.shape[1])
 
     def __getitem__(self, key):

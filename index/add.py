@@ -61,7 +61,7 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     catalog = read_catalog(cfg.catalog)
     cfg.check_catalog(catalog, trains_index=False)  # the live index is trained already
     _check_labelled_alike(catalog, live)
-    new_rows, replaced, already = _rows_to_embed(cfg, catalog, live)
+    new_rows, _, already = _rows_to_embed(cfg, catalog, live)
     fresh = catalog.subset(new_rows)
     vectors, kept, skipped = embed_catalog(
         fresh, embedder, cfg.batch_size, cfg.decode_threads, cfg.max_pixels, progress
@@ -112,17 +112,43 @@ def add_vectors(
     have been built with. Writers of the root take their turns (`artifacts.writer_lock`): the
     live version is read, changed and published by this writer alone."""
     with artifacts.writer_lock(index_root):
-        return _add_vectors(
-            index_root, vectors, items, upsert, gate, keep, max_segments, max_deleted_fraction, catalog_rows,
-            skipped, already_indexed, model_id,
-        )  # fmt: skip
+        live = IndexVersion.open(index_root)
+        vectors, replaced = _checked_rows(live, vectors, items, upsert, model_id)
+        rows = RowCounts(
+            catalog=catalog_rows if catalog_rows is not None else len(items),
+            indexed=0,  # publish_change counts it: the new version's live_size
+            skipped=skipped or {},
+            added=len(items) - len(replaced),
+            already_indexed=already_indexed,
+            replaced=int(len(replaced)) if upsert else None,
+        )
+        verdict = None
+        if gate is not None:
+            verdict = lambda staged, new_rows: gate_change(  # noqa: E731
+                staged, new_rows, gate.ann_k, gate.min_ann_recall, gate.force
+            )[1]
+        report = publish_change(
+            index_root,
+            live,
+            unit_changes(live, replaced, unit_rows(vectors), items),
+            keep,
+            f"added {len(items)} items" + (f", replacing {len(replaced)}" if len(replaced) else ""),
+            rows=rows,
+            model_id=model_id,
+            gate=verdict,
+        )
+        compacted = compact_if_due(index_root, keep, max_segments, max_deleted_fraction)
+        if compacted is not None:
+            report.compacted_to = compacted.version
+        return report
 
 
-def _add_vectors(
-    index_root, vectors, items, upsert, gate, keep, max_segments, max_deleted_fraction, catalog_rows, skipped,
-    already_indexed, model_id,
-) -> ChangeReport:  # fmt: skip
-    live = IndexVersion.open(index_root)
+def _checked_rows(
+    live: IndexVersion, vectors: np.ndarray, items: ItemTable, upsert: bool, model_id: str | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The new rows' vectors as float32, and the live rows their ids replace (sorted; an upsert's)
+    — or the precise error: another model, a wrong shape, NaN, an id twice or already there
+    without `upsert`, labels on some rows or unlike the version's."""
     if model_id is not None and live.manifest.model_id != model_id:
         raise ArtifactError(
             f"the new rows were embedded by model {model_id}; the live version {live.name} was built with model "
@@ -142,8 +168,7 @@ def _add_vectors(
     if len(set(ids)) != len(ids):
         twice = next(i for i in ids if ids.count(i) > 1)
         raise ValueError(f"item id {twice!r} comes twice among the new rows")
-    present = [(item_id, live.row_of(item_id)) for item_id in ids]
-    held = [(item_id, row) for item_id, row in present if row is not None]
+    held = [(item_id, row) for item_id in ids if (row := live.row_of(item_id)) is not None]
     if held and not upsert:
         raise ValueError(
             f"{len(held)} of the {len(ids)} new ids are already in version {live.name}, e.g. {held[0][0]!r}: "
@@ -157,34 +182,7 @@ def _add_vectors(
             f"the new rows {'have' if items.labelled else 'lack'} labels and version {live.name}'s "
             f"{'lack' if items.labelled else 'have'} them: a version's items are all labelled or none are"
         )
-    replaced = np.array(sorted(row for _, row in held), dtype=np.int64)
-    rows = RowCounts(
-        catalog=catalog_rows if catalog_rows is not None else len(items),
-        indexed=0,  # publish_change counts it: the new version's live_size
-        skipped=skipped or {},
-        added=len(items) - len(replaced),
-        already_indexed=already_indexed,
-        replaced=int(len(replaced)) if upsert else None,
-    )
-    verdict = None
-    if gate is not None:
-        verdict = lambda staged, new_rows: gate_change(  # noqa: E731
-            staged, new_rows, gate.ann_k, gate.min_ann_recall, gate.force
-        )[1]
-    report = publish_change(
-        index_root,
-        live,
-        unit_changes(live, replaced, unit_rows(vectors), items),
-        keep,
-        f"added {len(items)} items" + (f", replacing {len(replaced)}" if len(replaced) else ""),
-        rows=rows,
-        model_id=model_id,
-        gate=verdict,
-    )
-    compacted = compact_if_due(index_root, keep, max_segments, max_deleted_fraction)
-    if compacted is not None:
-        report.compacted_to = compacted.version
-    return report
+    return vectors, np.array(sorted(row for _, row in held), dtype=np.int64)
 
 
 def _as_live(cfg: BuildConfig, live: IndexVersion) -> BuildConfig:

@@ -688,10 +688,10 @@ def ann_recall(index, database: np.ndarray, queries: np.ndarray, k: int) -> floa
     data = unit_rows(database)
     q = unit_rows(queries, data.shape[1])
     _, exact_rows = exact_search(data, q, k)
-    return _recall_against(search(index, q, k)[1], exact_rows, data, q)
+    return recall_against(search(index, q, k)[1], exact_rows, data, q)
 
 
-def _recall_against(found_rows: np.ndarray, exact_rows: np.ndarray, data: np.ndarray, queries: np.ndarray) -> float:
+def recall_against(found_rows: np.ndarray, exact_rows: np.ndarray, data: np.ndarray, queries: np.ndarray) -> float:
     """Mean `recall_with_ties` of the index's rows against the exact ones, both scored exactly
     by the same kernel (so a vector and its copy score alike)."""
     found_scores, exact_scores = scores_of_rows(data, queries, found_rows), scores_of_rows(data, queries, exact_rows)
@@ -786,7 +786,7 @@ def tune_search_effort(
     tried: dict[int, float] = {}
     for value in ladder:
         apply_search_params(base, {parameter: value})
-        tried[value] = _recall_against(search(index, queries, k)[1], exact_rows, data, queries)
+        tried[value] = recall_against(search(index, queries, k)[1], exact_rows, data, queries)
         if tried[value] >= target:
             break
     best = max(tried.values())

@@ -24,9 +24,10 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -136,21 +137,29 @@ def remove_items(
     against the version it published."""
     if not ids:
         raise ValueError("no item id to remove")
-    attempt = 1
-    while True:
-        try:
-            with artifacts.writer_lock(index_root):
-                return _remove_once(
-                    index_root, ids, who, reason, via, max_deleted_fraction, compact, keep, source, action
-                )
-        except artifacts.StaleParentError as exc:
-            if attempt == ATTEMPTS:
-                raise
-            attempt += 1
-            log.warning("%s: removing again from the new live version", exc)
+
+    def removal() -> RemovalReport:
+        with artifacts.writer_lock(index_root):
+            return _remove_once(index_root, ids, who, reason, via, max_deleted_fraction, compact, keep, source, action)
+
+    return _again_if_stale(removal, "removing again from the new live version")
 
 
 ATTEMPTS = 3  # a takedown racing other publishers is made again from the version that won
+T = TypeVar("T")
+
+
+def _again_if_stale(step: Callable[[], T], again: str) -> T:
+    """`step()`, made again (up to ATTEMPTS times) when another publisher switched CURRENT while
+    it wrote: from the version that won, never over it."""
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return step()
+        except artifacts.StaleParentError as exc:
+            if attempt == ATTEMPTS:
+                raise
+            log.warning("%s: %s", exc, again)
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _remove_once(
@@ -220,14 +229,8 @@ def compact_version(
     is to compact (every shard one segment without deleted rows; with `only_due`, no shard past
     `max_segments` or `max_deleted_fraction`). Made again from the new live version when
     another writer publishes meanwhile."""
-    with artifacts.writer_lock(index_root):
-        return _compact_once(index_root, keep, on_ray, only_due, max_segments, max_deleted_fraction)
 
-
-def _compact_once(
-    index_root: str | Path, keep: int, on_ray: bool, only_due: bool, max_segments: int, max_deleted_fraction: float
-) -> ChangeReport | None:
-    for attempt in range(1, ATTEMPTS + 1):
+    def compaction() -> ChangeReport | None:
         live = IndexVersion.open(index_root)
         changes = []
         for unit, _ in _rows_by_unit(live, np.zeros(0, np.int64)):
@@ -236,16 +239,13 @@ def _compact_once(
             changes.append(UnitChange(compact=has_work and (due or not only_due)))
         if not any(change.compact for change in changes):
             return None
-        try:
-            return publish_change(
-                index_root, live, changes, keep, f"compacted {sum(c.compact for c in changes)} of {len(changes)} "
-                f"shard{'s' if len(changes) > 1 else ''}", on_ray=on_ray,
-            )  # fmt: skip
-        except artifacts.StaleParentError as exc:
-            if attempt == ATTEMPTS:
-                raise
-            log.warning("%s: compacting the new live version", exc)
-    return None
+        return publish_change(
+            index_root, live, changes, keep, f"compacted {sum(c.compact for c in changes)} of {len(changes)} "
+            f"shard{'s' if len(changes) > 1 else ''}", on_ray=on_ray,
+        )  # fmt: skip
+
+    with artifacts.writer_lock(index_root):
+        return _again_if_stale(compaction, "compacting the new live version")
 
 
 def compact_if_due(

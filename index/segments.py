@@ -46,8 +46,7 @@ from index.faiss_index import (
     index_family,
     l2_normalized,
     load_index,
-    recall_with_ties,
-    scores_of_rows,
+    recall_against,
     search,
 )
 from index.filters import FieldSpec, FilterIndex, specs_of
@@ -182,9 +181,11 @@ def write_unit(
 
 
 def _kept_segments(writer, unit: IndexVersion, unit_sums: dict[str, str] | None) -> list[SegmentEntry]:
-    if unit.segment_entries:
-        return [writer.link_segment(unit.directory, entry, entry.row_offset) for entry in unit.segment_entries]
-    return [writer.link_rows_as_segment(unit.directory, segment_name(0), len(unit.items), unit_sums)]
+    for entry in unit.segment_entries:
+        writer.link_segment(unit.directory, entry)
+    return unit.segment_entries or [
+        writer.link_rows_as_segment(unit.directory, segment_name(0), len(unit.items), unit_sums)
+    ]
 
 
 def _finish(writer, unit: IndexVersion, trained: faiss.Index | None, entries, deleted: np.ndarray) -> UnitWritten:
@@ -206,7 +207,7 @@ def _finish(writer, unit: IndexVersion, trained: faiss.Index | None, entries, de
 def _compacted(writer, unit: IndexVersion, specs: Sequence[FieldSpec], removed: np.ndarray) -> UnitWritten:
     """`unit`'s live rows, less `removed`, in one segment: deleted rows dropped, a graph rebuilt."""
     live = np.setdiff1d(np.arange(len(unit.items), dtype=np.int64), np.union1d(unit.deleted, removed))
-    vectors = unit.vectors.take(live) if isinstance(unit.vectors, RowBlocks) else np.asarray(unit.vectors[live])
+    vectors = np.asarray(unit.vectors[live])  # gathered segment by segment (RowBlocks)
     items = unit.items.take(live)
     last = int(unit.segment_entries[-1].name) if unit.segment_entries else 0
     segment = writer.segment(segment_name(last + 1))
@@ -238,8 +239,6 @@ class ChangeReport:
     version: Path
     bytes_written: int
     seconds: float
-    units_touched: int
-    compacted: int = 0
     peak_task_rss: int = 0  # the largest peak resident bytes of the Ray tasks that wrote the units
     compacted_to: Path | None = None  # a compaction published right after it (what CURRENT then names)
 
@@ -257,7 +256,6 @@ def publish_change(
     what: str,
     rows: RowCounts | None = None,
     model_id: str | None = None,
-    quality_gate: QualityGate | None = None,
     current: str | None = None,
     on_ray: bool = False,
     gate: Callable[[IndexVersion, np.ndarray], QualityGate] | None = None,
@@ -297,8 +295,7 @@ def publish_change(
             created=utc_now(),
             parent_version=live.name,
             model_id=model_id or parent.model_id,
-            quality_gate=quality_gate
-            or QualityGate(passed=True, reasons=[f"not gated: {what}; quality figures of {live.name}"]),
+            quality_gate=QualityGate(passed=True, reasons=[f"not gated: {what}; quality figures of {live.name}"]),
             **layout,
         )
         if gate is not None:
@@ -312,10 +309,7 @@ def publish_change(
         )
         written_bytes = _bytes_written(writer.staging)
         target = writer.publish(manifest, parent=current or live.name)
-    report = ChangeReport(
-        target, written_bytes, time.perf_counter() - started, sum(c.touches for c in changes),
-        sum(c.compact for c in changes), peak,
-    )  # fmt: skip
+    report = ChangeReport(target, written_bytes, time.perf_counter() - started, peak)
     log.info(
         "published index %s (%d items, %d segment%s%s): %s, wrote %s in %.2f s",
         manifest.version, manifest.live_size, _segment_count(manifest), "" if _segment_count(manifest) == 1 else "s",
@@ -368,7 +362,7 @@ def _write_shards(
             parent = live.shard(number).directory
             shard.link_shard(parent)  # its files: rows, or tombstones and trained index
             for segment in entry.segments or []:
-                shard.link_segment(parent, segment, segment.row_offset)
+                shard.link_segment(parent, segment)
             new = dataclasses.replace(entry, row_offset=offset)
         entries.append(new)
         offset += new.rows
@@ -466,15 +460,8 @@ def gate_change(
         picked_old = _sample_rows(unit, np.setdiff1d(np.arange(len(unit.items)), local), GATE_QUERIES // 2)
         queries = np.asarray(unit.vectors[np.sort(np.concatenate([picked_new, picked_old]))], dtype=np.float32)
         k = min(ann_k, len(unit.items))
-        exact_scores, exact_rows = _exact_by_segment(unit.vectors, queries, k, unit.live_mask)
-        found_rows = search(searched, queries, k)[1]
-        found_scores = scores_of_rows(unit.vectors, queries, found_rows)  # exact, as recall_with_ties counts
-        recalls.append(
-            float(np.mean([
-                recall_with_ties(f, fs, e, es, k)
-                for f, fs, e, es in zip(found_rows, found_scores, exact_rows, exact_scores, strict=True)
-            ]))
-        )  # fmt: skip
+        _, exact_rows = _exact_by_segment(unit.vectors, queries, k, unit.live_mask)
+        recalls.append(recall_against(search(searched, queries, k)[1], exact_rows, unit.vectors, queries))
     if not recalls:
         return None, QualityGate(passed=True, reasons=["gated on the new rows: exact search, recall 1 by construction"])
     recall = min(recalls)

@@ -16,7 +16,6 @@ shard (a Ray task: the writer is a path, and pickles), and summed up as the mani
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import shutil
@@ -75,15 +74,12 @@ class _FolderWriter:
         folder.mkdir(parents=True, exist_ok=False)
         return SegmentWriter(folder, name)
 
-    def link_segment(self, parent: Path, entry: SegmentEntry, row_offset: int, name: str | None = None) -> SegmentEntry:
-        """Segment `entry` of the version (or shard) folder `parent`, hard-linked unchanged,
-        its rows starting at `row_offset` here; `name` renames it (a kept segment's files are
-        the same whatever its name)."""
-        target = self.folder / artifacts.SEGMENTS / (name or entry.name)
+    def link_segment(self, parent: Path, entry: SegmentEntry) -> None:
+        """Segment `entry` of the version (or shard) folder `parent`, hard-linked unchanged."""
+        target = self.folder / artifacts.SEGMENTS / entry.name
         target.mkdir(parents=True, exist_ok=False)
         for file_name in entry.files:
             _link_or_copy(parent / artifacts.SEGMENTS / entry.name / file_name, target / file_name)
-        return dataclasses.replace(entry, name=name or entry.name, row_offset=row_offset)
 
     def link_rows_as_segment(self, parent: Path, name: str, rows: int, sums: dict[str, str] | None) -> SegmentEntry:
         """The row files of an unsegmented version (or shard) in `parent`, hard-linked as
@@ -104,6 +100,14 @@ class _FolderWriter:
 
     def link_file(self, parent: Path, name: str) -> None:
         _link_or_copy(parent / name, self.folder / name)
+
+    def file_sums(self, known: dict[str, str] | None = None) -> dict[str, str]:
+        """Each file of the folder (not its sub-folders) and its sha256 — `known`'s where it
+        lists the file (one linked from the parent, as its manifest lists it, is not read again)."""
+        known = known or {}
+        return {
+            p.name: known.get(p.name) or artifacts.file_sha256(p) for p in sorted(self.folder.iterdir()) if p.is_file()
+        }
 
 
 class ShardWriter(_FolderWriter):
@@ -127,10 +131,7 @@ class ShardWriter(_FolderWriter):
         """The manifest's account of the shard as written: its counts and each file's sha256
         (`linked`: those of files linked from the parent's shard, as its entry lists them — a
         takedown does not read every untouched shard again)."""
-        known = linked or {}
-        files = {
-            p.name: known.get(p.name) or artifacts.file_sha256(p) for p in sorted(self.folder.iterdir()) if p.is_file()
-        }
+        files = self.file_sums(linked)
         return ShardEntry(name=self.name, rows=rows, deleted_rows=deleted_rows, row_offset=row_offset, files=files)
 
 
@@ -145,8 +146,7 @@ class SegmentWriter(_FolderWriter):
         return self._segment_folder
 
     def entry(self, rows: int, row_offset: int) -> SegmentEntry:
-        files = {p.name: artifacts.file_sha256(p) for p in sorted(self.folder.iterdir()) if p.is_file()}
-        return SegmentEntry(name=self.name, rows=rows, row_offset=row_offset, files=files)
+        return SegmentEntry(name=self.name, rows=rows, row_offset=row_offset, files=self.file_sums())
 
 
 def segment_name(number: int) -> str:
@@ -215,14 +215,12 @@ class VersionWriter(_FolderWriter):
     def link_contact_sheet(self, parent: Path) -> None:
         _link_or_copy(parent / artifacts.NEIGHBOURS_FILE, self.staging / artifacts.NEIGHBOURS_FILE)
 
-    def name_version(
-        self, index_id: str | None = None, shards: list[ShardEntry] | list[SegmentEntry] | None = None
-    ) -> tuple[str, str]:
+    def name_version(self, index_id: str | None = None, shards: list[ShardEntry] | None = None) -> tuple[str, str]:
         """The version's index id — the written index file's hash (a sharded version's: the hash
         of its `shards`' index hashes, in order), unless given (an index linked from the parent
         keeps its id) — and its name (`<UTC timestamp>-<index id[:8]>`)."""
         if index_id is None and shards:
-            joined = "".join(_index_sums(entry) for entry in shards)
+            joined = "".join(entry.files.get(artifacts.INDEX_FILE, "") for entry in shards)
             index_id = hashlib.sha256(joined.encode()).hexdigest()[:16]
         elif index_id is None:
             index_id = artifacts.file_sha256(self.staging / artifacts.INDEX_FILE)[:16]
@@ -236,15 +234,6 @@ class VersionWriter(_FolderWriter):
         target = artifacts.publish_version(self.root, self.staging, manifest.version, parent=parent)
         artifacts.prune_versions(self.root, self.keep)
         return target
-
-
-def _index_sums(entry: ShardEntry | SegmentEntry) -> str:
-    """What names a shard's (or segment's) rows in a version's index id: its index file's hash,
-    or a segmented shard's segments' and tombstones' hashes."""
-    segments = getattr(entry, "segments", None)
-    if segments:
-        return "".join(_index_sums(segment) for segment in segments) + entry.files.get(artifacts.DELETED_FILE, "")
-    return entry.files.get(artifacts.INDEX_FILE, "")
 
 
 def _link_or_copy(source: Path, target: Path) -> None:
