@@ -197,6 +197,64 @@ class ModelManifest(_Manifest):
 
 
 @dataclass
+class TextModelManifest(_Manifest):
+    """`manifest.json` of a text model artifact (`training export --text`): a text tower whose
+    embeddings share the space of image model `image_model_id`, its ONNX graph reading the ids
+    its `tokenizer.json` makes (`core/text.py`)."""
+
+    text_model_id: str
+    image_model_id: str  # the image model whose space it embeds into: the only one it can search
+    embedding_dim: int
+    context_length: int  # ids a text may take, start and end tokens included
+    source: dict[str, Any]  # {"kind": "lit", "run": …} or {"kind": "open_clip", "config", "pretrained"}
+    tokenizer: dict[str, Any] = field(default_factory=dict)  # {"file", "sha256", "vocab_size", "kind"}
+    files: dict[str, str] = field(default_factory=dict)  # file name → sha256
+    opset: int | None = None
+    created: str | None = None
+    exporter: dict[str, Any] = field(default_factory=dict)
+    parity: dict[str, Any] | None = None  # ONNX Runtime vs PyTorch on real texts
+    evaluation: dict[str, Any] | None = None  # text → image Recall@K, where measured
+    schema_version: int = SCHEMA_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    _OPTIONAL: ClassVar[tuple[str, ...]] = ("parity", "evaluation", "opset", "created")
+
+    @classmethod
+    def _parse(cls, fields: _Fields, version: int) -> TextModelManifest:
+        source = fields.source
+        if "text_model_id" not in fields.data and "model_id" in fields.data:
+            raise ArtifactError(f"{source} is an image model's manifest, not a text model's (no 'text_model_id')")
+        dim = fields.get("embedding_dim", int)
+        if dim <= 0:
+            raise ArtifactError(f"{source}: field 'embedding_dim' must be positive, got {dim}")
+        context = fields.get("context_length", int)
+        if context < 3:
+            raise ArtifactError(f"{source}: field 'context_length' must be at least 3, got {context}")
+        for name in ("text_model_id", "image_model_id"):
+            if not fields.data.get(name):
+                raise ArtifactError(f"{source}: field {name!r} is missing or empty")
+        return cls(
+            text_model_id=fields.get("text_model_id", str),
+            image_model_id=fields.get("image_model_id", str),
+            embedding_dim=dim,
+            context_length=context,
+            source=fields.get("source", dict),
+            tokenizer=fields.get("tokenizer", dict, required=False, default={}),
+            files=fields.get("files", dict, required=False, default={}),
+            opset=fields.get("opset", int, required=False),
+            created=fields.get("created", str, required=False),
+            exporter=fields.get("exporter", dict, required=False, default={}),
+            parity=fields.get("parity", dict, required=False),
+            evaluation=fields.get("evaluation", dict, required=False),
+            schema_version=version,
+            extra=fields.rest(),
+        )
+
+    def _dict(self) -> dict[str, Any]:
+        return _without_none(self._values(), self._OPTIONAL)
+
+
+@dataclass
 class QualityReport:
     """The `quality` section of an index manifest: figures measured before publishing.
 
@@ -416,6 +474,10 @@ class IndexManifest(_Manifest):
     shard_key: str | None = None  # what placed a row: "id", or the item field
     # A segmented version of one index: its segments in row order (a sharded one's are its shards').
     segments: list[SegmentEntry] | None = None
+    # The text model sharing the image model's space (`index build --text-model`): what answers
+    # a query's text. None: this version answers images, vectors and ids only.
+    text_model_id: str | None = None
+    text_model_dir: str | None = None
     schema_version: int = SCHEMA_VERSION  # written as `_writes()` says: 2 when sharded, 3 when segmented
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -471,6 +533,8 @@ class IndexManifest(_Manifest):
             shards=_shard_entries(fields),
             shard_key=fields.get("shard_key", str, required=False),
             segments=_segment_entries(fields),
+            text_model_id=fields.get("text_model_id", str, required=False),
+            text_model_dir=fields.get("text_model_dir", str, required=False),
             schema_version=version,
         )
         if manifest.segments is not None and manifest.shards is not None:
@@ -545,4 +609,15 @@ def check_model_index_pair(model_manifest: ModelManifest, index_manifest: IndexM
         raise ArtifactError(
             f"index {index_manifest.version} was built with model {index_manifest.model_id}, "
             f"not with model {model_manifest.model_id}, which cannot search it"
+        )
+
+
+def check_text_model_pair(text_manifest: TextModelManifest, model_id: str, where: str) -> None:
+    """A text model answers only in the space of the image model it was made for: ArtifactError
+    naming both ids when `model_id` (the image model of `where`) is another."""
+    if text_manifest.image_model_id != model_id:
+        raise ArtifactError(
+            f"text model {text_manifest.text_model_id} embeds into the space of image model "
+            f"{text_manifest.image_model_id}, but {where} uses image model {model_id}: train or export a text "
+            f"model for {model_id} (`python -m training train-text`, `training export --text`)"
         )

@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from core.artifacts import MODEL_FILE, ArtifactError
+from core.artifacts import MANIFEST, MODEL_FILE, ArtifactError
 from core.config import DEVICES
-from core.manifests import ModelManifest
+from core.manifests import ModelManifest, TextModelManifest
 from core.preprocess import InputContract, rows_per_pass
+from core.text import TEXT_INPUT, TEXT_MODEL_FILE, TOKENIZER_FILE, TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -114,3 +115,53 @@ class OnnxEmbedder:
         out = np.asarray(runs[0] if len(runs) == 1 else np.concatenate(runs), dtype=np.float32)
         norms = np.linalg.norm(out, axis=1, keepdims=True)
         return out / np.maximum(norms, 1e-12)
+
+
+class OnnxTextEmbedder:
+    """Embeds texts with a text model artifact (`training export --text`): its tokenizer, then
+    one ONNX Runtime session of its `text.onnx`, L2-normalised like the image model's output."""
+
+    def __init__(
+        self,
+        text_dir: str | Path,
+        provider: str = "auto",
+        intra_op_threads: int | None = None,
+        spinning: bool = True,
+    ) -> None:
+        self.text_dir = Path(text_dir)
+        if not (self.text_dir / MANIFEST).is_file():
+            raise ArtifactError(f"text model directory {self.text_dir} has no {MANIFEST}")
+        self.manifest = TextModelManifest.read(self.text_dir)
+        self.text_model_id = self.manifest.text_model_id
+        self.image_model_id = self.manifest.image_model_id
+        self.dim = self.manifest.embedding_dim
+        self.model_path = self.text_dir / TEXT_MODEL_FILE
+        for name in (TEXT_MODEL_FILE, TOKENIZER_FILE):
+            if not (self.text_dir / name).is_file():
+                raise ArtifactError(f"{self.text_dir}: {name} is missing")
+        try:
+            self.tokenizer = TextTokenizer(self.text_dir / TOKENIZER_FILE, self.manifest.context_length)
+        except ValueError as exc:
+            raise ArtifactError(str(exc)) from exc
+        self.providers = select_providers(provider)
+        try:
+            self.session = ort.InferenceSession(
+                str(self.model_path), sess_options=session_options(intra_op_threads, spinning), providers=self.providers
+            )
+        except Exception as exc:  # ORT's own types for a file it cannot load
+            raise ArtifactError(f"{self.model_path} is damaged: ONNX Runtime cannot load it ({exc})") from exc
+        log.info("loaded text model %s with providers %s", self.text_model_id, self.session.get_providers())
+
+    def embed_ids(self, ids: np.ndarray) -> np.ndarray:
+        """L2-normalised float32 embeddings of token ids (N, context_length)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        if ids.ndim != 2 or ids.shape[1] != self.manifest.context_length:
+            raise ValueError(f"expected token ids of shape (N, {self.manifest.context_length}), got {ids.shape}")
+        if len(ids) == 0:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        out = np.asarray(self.session.run(None, {TEXT_INPUT: ids})[0], dtype=np.float32)
+        return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """L2-normalised float32 embeddings of `texts`; core.text.TextInputError for one it cannot embed."""
+        return self.embed_ids(self.tokenizer.encode(texts))
