@@ -8,9 +8,10 @@ from pathlib import Path
 
 import faiss
 
+from core.artifacts import MANIFEST, ArtifactError
 from core.catalog import ITEM_COLUMN, Catalog, CatalogError, read_probe_catalog
 from core.config import DEVICES, option, to_jsonable
-from core.manifests import ModelManifest
+from core.manifests import ModelManifest, TextModelManifest, check_text_model_pair
 from core.preprocess import DEFAULT_MAX_PIXELS
 from index.faiss_index import check_trainable, empty_index, select_device
 from index.filters import FieldSpec, check_catalog_fields, parse_filterable
@@ -87,6 +88,11 @@ class BuildConfig:
         "themes; label for a labelled set — a folder per class gives its images the field label, the folder's "
         "name): answers can be grouped by it and item Recall@K is measured "
         f"(default: {ITEM_COLUMN} when the catalog has that column); declared filterable",
+    )
+    text_model: str | None = option(
+        None,
+        help="a text model artifact (training export --text) made for this model: queries' text is answered "
+        "with it, and the version records it; index add keeps the live version's",
     )
     shards: int = option(
         1,
@@ -171,7 +177,29 @@ class BuildConfig:
     @property
     def publish_target(self) -> PublishTarget:
         """Where the version goes, how many are kept, and the configuration its manifest records."""
-        return PublishTarget(index_root=self.index_root, keep=self.keep, model_dir=self.model, config=to_jsonable(self))
+        text = self.text_model_manifest()
+        return PublishTarget(
+            index_root=self.index_root,
+            keep=self.keep,
+            model_dir=self.model,
+            config=to_jsonable(self),
+            text_model_dir=None if text is None else str(Path(self.text_model).resolve()),
+            text_model_id=None if text is None else text.text_model_id,
+        )
+
+    def text_model_manifest(self) -> TextModelManifest | None:
+        """--text-model's manifest, checked to embed into --model's space (ArtifactError naming
+        both models' ids when not); None without one."""
+        if self.text_model is None:
+            return None
+        if not (Path(self.text_model) / MANIFEST).is_file():
+            raise ArtifactError(
+                f"--text-model {self.text_model} has no {MANIFEST}: export one with `training export --text`"
+            )
+        text = TextModelManifest.read(self.text_model)
+        model = ModelManifest.read(self.model or DEFAULT_MODEL)
+        check_text_model_pair(text, model.model_id, f"--model {self.model or DEFAULT_MODEL}")
+        return text
 
     @property
     def probe(self) -> ProbeCatalog | None:
@@ -196,6 +224,7 @@ class BuildConfig:
         labelled, and the factory string makes an index of the model's dimension."""
         if self.probe_catalog is not None:
             read_probe_catalog(self.probe_catalog)
+        self.text_model_manifest()
         self.factory_index()
 
     def check_catalog(self, catalog: Catalog, trains_index: bool = True) -> None:

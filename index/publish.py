@@ -127,6 +127,8 @@ class PublishTarget:
     keep: int
     model_dir: str
     config: dict  # the command's resolved configuration, as the manifest records it
+    text_model_dir: str | None = None  # the text model sharing the model's space, checked
+    text_model_id: str | None = None
 
 
 def publish_index_version(
@@ -327,6 +329,8 @@ def _manifest(
         deleted_rows=deleted_rows,
         filterable=declared_json(filterable),
         item_field=item_field,
+        text_model_id=target.text_model_id,
+        text_model_dir=target.text_model_dir,
     )
     manifest.rows = dataclasses.replace(new.rows, indexed=manifest.live_size)
     return manifest

@@ -35,8 +35,9 @@ def _parser() -> argparse.ArgumentParser:
 
     query = sub.add_parser(
         "query",
-        help="search with image files or indexed item ids",
-        description="Search the server with each IMAGE (and each --item-id): a table of neighbours per query. "
+        help="search with image files, indexed item ids or phrases",
+        description="Search the server with each IMAGE (and each --item-id, each --text): a table of neighbours per "
+        "query. "
         "On an index with an item field answers are grouped by it (k counts items; a column names each row's "
         'group; --group-by "" for plain rows). '
         "A query that fails (an unreadable file, an image the server cannot decode) is named on standard "
@@ -50,6 +51,14 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="ID",
         help="search with an indexed item's own vector (repeatable; the item itself is left out)",
+    )
+    query.add_argument(
+        "--text",
+        dest="texts",
+        action="append",
+        default=[],
+        metavar="PHRASE",
+        help="search with a phrase, embedded by the index's text model (repeatable; index build --text-model)",
     )
     _add_target_flags(query)
     query.add_argument(
@@ -161,7 +170,7 @@ def _serve(args: argparse.Namespace) -> None:
     run(config)
 
 
-# Statuses that belong to one query (its image, its item id); any other ends the command.
+# Statuses that belong to one query (its image, its item id, its text); any other ends the command.
 _QUERY_STATUSES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
@@ -171,8 +180,11 @@ def _query_requests(args: argparse.Namespace) -> list[tuple[str, object]]:
 
     from protos.simsearch.v1 import search_pb2 as pb
 
-    if not args.images and not args.item_ids:
-        raise ValueError("nothing to search with: name image files, or --item-id ID")
+    if not args.images and not args.item_ids and not args.texts:
+        raise ValueError("nothing to search with: name image files, --item-id ID or --text PHRASE")
+    for text in args.texts:
+        if not text.strip():
+            raise ValueError("--text is empty: give the phrase to search for")
     if args.k == 0 and args.min_score is None:
         raise ValueError("--k must be at least 1 (0 is only allowed with --min-score: up to the server's max_k)")
     if args.per_group == 0:
@@ -207,6 +219,11 @@ def _query_requests(args: argparse.Namespace) -> list[tuple[str, object]]:
         request.CopyFrom(common)
         request.item_id = item_id
         queries.append((f"item {item_id}", request))
+    for text in args.texts:
+        request = pb.SearchRequest()
+        request.CopyFrom(common)
+        request.text = text
+        queries.append((f"text {text!r}", request))
     return queries
 
 

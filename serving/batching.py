@@ -72,7 +72,7 @@ class DecodePlacement(StrEnum):
 # Slots: built for every query on the loop, where a frozen dataclass without them costs twice as much.
 @dataclass(frozen=True, eq=False, slots=True)
 class Query:
-    """One query: an image to embed (`array`, or `image` still to decode) or a ready `vector`,
+    """One query: an image to embed (`array`, or `image` still to decode), a text (`text_ids`) or a ready `vector`,
     searched for k neighbours; with k = 0 (an Embed call) only embedded, its result's `vector`
     the answer."""
 
@@ -84,6 +84,7 @@ class Query:
     image: Image.Image | None = None  # opened, pixels not decoded: the inference thread decodes it
     region: Region | None = None  # only this part of `image` (checked against its size already)
     vector: np.ndarray | None = None
+    text_ids: np.ndarray | None = None  # a text to embed, as its token ids for the pair's text model
     deadline: float | None = None  # time.monotonic() value
     received: float = field(default_factory=time.perf_counter)
     decode_s: float = 0.0  # spent decoding before it was submitted
@@ -202,7 +203,8 @@ class Inference:
     def _embed_and_search(self, batch: list[_Work], arrays: dict[int, np.ndarray], side_by_side: bool) -> None:
         started = time.perf_counter()
         pair = batch[0].query.pair
-        to_embed = [w for w in batch if w.query.vector is None]
+        to_embed = [w for w in batch if w.query.vector is None and w.query.text_ids is None]
+        texts = [w for w in batch if w.query.text_ids is not None]
         for work in batch:
             if work.query.vector is not None:
                 work.result.vector = work.query.vector
@@ -210,6 +212,11 @@ class Inference:
             vectors = self.engine.embed(pair, [arrays[id(w)] for w in to_embed], side_by_side)
             for work, vector in zip(to_embed, vectors, strict=True):
                 work.result.vector = vector
+        if texts:  # the batch's texts in one run of the text model, beside its images' run
+            vectors = self.engine.embed_texts(pair, [w.query.text_ids for w in texts])
+            for work, vector in zip(texts, vectors, strict=True):
+                work.result.vector = vector
+            to_embed += texts
         embedded = time.perf_counter()
         to_search = [w for w in batch if w.query.k > 0]
         if to_search:

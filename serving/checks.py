@@ -13,10 +13,11 @@ import numpy as np
 from PIL import Image
 
 from core.preprocess import Region, RegionError, open_image, region_box, upright_size
+from core.text import TextInputError
 from index.grouping import Groups
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.engine import EVERY_ROW, Limits, Scope, ServingPair
-from serving.errors import InvalidArgument, at_place, image_errors
+from serving.errors import FailedPrecondition, InvalidArgument, at_place, image_errors
 from serving.filter_masks import FilterMasks, to_filter
 
 # A negative query part's weight when it names none (a positive's is 1). Rocchio weighs
@@ -51,6 +52,7 @@ class CheckedPart:
     vector: np.ndarray | None = None
     row: int | None = None
     image: CheckedImage | None = None
+    text_ids: np.ndarray | None = None  # a text part's token ids, for the pair's text model
 
 
 @dataclass(frozen=True)
@@ -62,9 +64,10 @@ class CheckedSearch:
     k: int
     scope: Scope  # the filter's rows, min_score, group_by and per_group
     exclude: frozenset[int]  # rows left out: the excluded ids', and the query's own items' (their groups', grouped)
-    kind: str  # "image", "embedding", "item_id" or "parts"
+    kind: str  # "image", "embedding", "item_id", "text" or "parts"
     vector: np.ndarray | None = None  # an embedding's (a unit vector) or an item's
     image: CheckedImage | None = None
+    text_ids: np.ndarray | None = None  # a text query's token ids, for the pair's text model
     parts: tuple[CheckedPart, ...] = ()
     label: str | None = None  # the query's true label, scored into the traffic Recall@K
     request_id: str = ""  # as the request gave it ("": one is made up for the answer)
@@ -134,7 +137,9 @@ class RequestChecks:
         if kind == "item_id":
             vector, row = self.item_vector(pair, request.item_id)
             return checked(exclude | left_out(scope, {row}), kind, vector=vector)
-        raise InvalidArgument("request has no query: set image, embedding, item_id or parts")
+        if kind == "text":
+            return checked(exclude, kind, text_ids=self.text_ids(pair, request.text))
+        raise InvalidArgument("request has no query: set image, embedding, item_id, text or parts")
 
     def scope(self, request: pb.SearchRequest, pair: ServingPair) -> Scope:
         """The rows a request may be answered with: its filter's matches, at or above its
@@ -203,6 +208,8 @@ class RequestChecks:
                     checked.append(CheckedPart(weight, self.check_embedding(pair, part.embedding.values)))
                 elif kind == "item_id":
                     checked.append(CheckedPart(weight, *self.item_vector(pair, part.item_id)))
+                elif kind == "text":
+                    checked.append(CheckedPart(weight, text_ids=self.text_ids(pair, part.text)))
                 else:
                     region = part.region if part.HasField("region") else None
                     checked.append(CheckedPart(weight, image=self.image(pair, part.image, region)))
@@ -250,6 +257,20 @@ class RequestChecks:
             raise InvalidArgument("embedding is the zero vector")
         return (vector.astype(np.float64) / norm).astype(np.float32)
 
+    def text_ids(self, pair: ServingPair, text: str) -> np.ndarray:
+        """A text query's token ids for the pair's text model: FAILED_PRECONDITION when the version
+        has none, INVALID_ARGUMENT for an empty text or one past the model's context."""
+        if pair.text is None:
+            raise FailedPrecondition(
+                f"index version {pair.version} has no text model, so it cannot answer text: train one for model "
+                f"{pair.model_id} (python -m training train-text), export it (training export --text) and build "
+                "the index with it (index build --text-model DIR)"
+            )
+        try:
+            return pair.text.tokenizer.encode([text])[0]
+        except TextInputError as exc:
+            raise InvalidArgument(str(exc), "text") from None
+
     def item_vector(self, pair: ServingPair, item_id: str) -> tuple[np.ndarray, int]:
         """An indexed item's stored vector and row: an unknown id is INVALID_ARGUMENT."""
         row = pair.index_version.row_of(item_id)
@@ -292,7 +313,7 @@ class RequestChecks:
         for i, part in enumerate(parts):
             kind = part.WhichOneof("query")
             if kind is None:
-                raise InvalidArgument(f"parts[{i}]: has no query: set image, embedding or item_id")
+                raise InvalidArgument(f"parts[{i}]: has no query: set image, embedding, item_id or text")
             if part.HasField("region") and kind != "image":
                 raise InvalidArgument(f"parts[{i}]: a region crops an image; this part is an {kind}")
             weight = part.weight if part.HasField("weight") else (NEGATIVE_WEIGHT if part.negative else 1.0)

@@ -149,6 +149,16 @@ class SearchClient:
     ) -> pb.SearchResponse:
         return self.search(pb.SearchRequest(item_id=item_id, k=k, min_score=min_score, filter=filter), timeout)
 
+    def search_text(
+        self,
+        text: str,
+        k: int = 10,
+        timeout: float | None = None,
+        min_score: float | None = None,
+        filter: pb.Filter | None = None,
+    ) -> pb.SearchResponse:
+        return self.search(pb.SearchRequest(text=text, k=k, min_score=min_score, filter=filter), timeout)
+
     def search_batch(
         self, requests: Sequence[pb.SearchRequest], timeout: float | None = None
     ) -> pb.SearchBatchResponse:

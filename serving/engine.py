@@ -15,7 +15,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import faiss
 import numpy as np
@@ -25,8 +25,9 @@ from core import artifacts
 from core.artifacts import ArtifactError
 from core.config import option
 from core.items import ItemTable
-from core.manifests import IndexManifest, ModelManifest, check_model_index_pair
+from core.manifests import IndexManifest, ModelManifest, check_model_index_pair, check_text_model_pair
 from core.preprocess import DEFAULT_MAX_PIXELS, Region, decode
+from core.text import TextTokenizer
 from index import range_search
 from index.faiss_index import OVERFETCH_DELETED, ExactRerank, search_live, search_within
 from index.filters import Filter
@@ -36,6 +37,17 @@ from serving.errors import Unavailable, image_errors
 
 if TYPE_CHECKING:  # ONNX Runtime loads where a model does, not in a shard replica (serving.replicas)
     from serving.query_embedder import Progress, QueryEmbedder
+
+
+class TextEncoder(Protocol):
+    """What embeds a query's text: `index.embedder.OnnxTextEmbedder` in the server's process, the
+    embedder deployment's on `serve --ray`."""
+
+    text_model_id: str
+    tokenizer: TextTokenizer
+
+    def embed_ids(self, ids: np.ndarray) -> np.ndarray: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +84,7 @@ class ServingPair:
     embedder: QueryEmbedder
     index: faiss.Index | ExactRerank  # as searched: re-ranked against the exact vectors when the manifest asks
     index_version: IndexVersion
+    text: TextEncoder | None = None  # the version's text model, when it records one: what embeds a query's text
     serial: int = field(default_factory=lambda: next(_load_serials))
 
     @property
@@ -138,6 +151,7 @@ def load_pair(
     # The index and items before the model's sessions, the costliest part: a damaged version
     # fails before any session is made.
     opened.load(dim=model_manifest.embedding_dim)
+    text = load_text_model(opened.manifest, model_manifest, provider, intra_op_threads, ort_spinning, previous)
     if (
         previous is not None
         and previous.model_id == model_manifest.model_id
@@ -145,7 +159,7 @@ def load_pair(
     ):
         # The same model from the same directory: a new index for it, as a takedown or an add
         # publishes, keeps the live sessions rather than building and tuning them again.
-        return ServingPair(previous.embedder, opened.searchable(), opened)
+        return ServingPair(previous.embedder, opened.searchable(), opened, text)
     from serving.query_embedder import MEASURE_BUDGET_S, QueryEmbedder
 
     embedder = QueryEmbedder(model_dir, provider, intra_op_threads, ort_spinning, runs_at_once=runs_at_once)
@@ -159,7 +173,45 @@ def load_pair(
             total_budget_s=MEASURE_BUDGET_S if measure_budget_s is None else measure_budget_s,
             progress=progress,
         )
-    return ServingPair(embedder, opened.searchable(), opened)
+    return ServingPair(embedder, opened.searchable(), opened, text)
+
+
+def load_text_model(
+    manifest: IndexManifest,
+    model_manifest: ModelManifest,
+    provider: str = "auto",
+    intra_op_threads: int | None = None,
+    ort_spinning: bool = False,
+    previous: ServingPair | None = None,
+) -> TextEncoder | None:
+    """The text model `manifest` records, checked to share `model_manifest`'s space (ArtifactError
+    naming both ids when it does not, or naming the directory when it is gone); the `previous`
+    pair's when it is the same one. None when the version records no text model."""
+    if manifest.text_model_dir is None:
+        return None
+    from index.embedder import OnnxTextEmbedder
+
+    text_dir = Path(manifest.text_model_dir)
+    if not (text_dir / artifacts.MANIFEST).is_file():
+        raise ArtifactError(
+            f"index {manifest.version} records text model {manifest.text_model_id} in {text_dir}, which has no "
+            f"{artifacts.MANIFEST}: restore it, or build the version again without --text-model"
+        )
+    if (
+        previous is not None
+        and isinstance(previous.text, OnnxTextEmbedder)
+        and previous.text.text_model_id == manifest.text_model_id
+        and previous.text.text_dir.resolve() == text_dir.resolve()
+    ):
+        return previous.text
+    text = OnnxTextEmbedder(text_dir, provider, intra_op_threads, spinning=ort_spinning)
+    if text.text_model_id != manifest.text_model_id:
+        raise ArtifactError(
+            f"index {manifest.version} records text model {manifest.text_model_id}, but {text_dir} holds text model "
+            f"{text.text_model_id}"
+        )
+    check_text_model_pair(text.manifest, model_manifest.model_id, f"index {manifest.version}")
+    return text
 
 
 @dataclass
@@ -257,6 +309,10 @@ class SearchEngine:
 
     def embed(self, pair: ServingPair, arrays: list[np.ndarray], side_by_side: bool = False) -> np.ndarray:
         return pair.embedder.embed(np.stack(arrays), side_by_side=side_by_side)
+
+    def embed_texts(self, pair: ServingPair, ids: list[np.ndarray]) -> np.ndarray:
+        """Texts' token ids (checked: `serving.checks`) embedded by the pair's text model, in one run."""
+        return pair.text.embed_ids(np.stack(ids))
 
     def search(
         self,

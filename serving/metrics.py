@@ -124,7 +124,7 @@ class ServiceMetrics:
         )
         self.recall_at_k = Gauge(
             "simsearch_recall_at_k",
-            "Online Recall@K by source (probe, traffic, feedback)",
+            "Online Recall@K by source (probe, traffic, text, feedback)",
             ["k", "source"],
             registry=r,
         )

@@ -168,6 +168,7 @@ class RecallMonitor:
         self.metrics = metrics
         self.traffic = SlidingRecall(config.ks, config.window)
         self.feedback = SlidingRecall(config.ks, config.window)
+        self.text = SlidingRecall(config.ks, config.window)  # labelled text queries, apart from images'
         self.ann = {k: deque(maxlen=config.window) for k in config.ks}
         self.probe: dict[int, float] | None = None
         self.probe_items: dict[int, float] | None = None  # item Recall@K of the probe round, where items exist
@@ -183,10 +184,11 @@ class RecallMonitor:
 
     # -- live traffic -----------------------------------------------------------------------
 
-    def record_labelled(self, serial: int, label: str, neighbor_labels: Sequence[str]) -> None:
-        """A labelled query's answer, given by the load `serial`."""
+    def record_labelled(self, serial: int, label: str, neighbor_labels: Sequence[str], source: str = "traffic") -> None:
+        """A labelled query's answer, given by the load `serial`: `source` "traffic" for images,
+        embeddings and ids, "text" for a text query (a text model's recall is its own figure)."""
         rank = next((i for i, lab in enumerate(neighbor_labels) if lab == label), None)
-        self._record(serial, "traffic", self.traffic, rank, len(neighbor_labels))
+        self._record(serial, source, self.text if source == "text" else self.traffic, rank, len(neighbor_labels))
 
     def record_feedback(
         self, serial: int, returned_ids: Sequence[str], relevant_ids: Sequence[str], request_id: str | None = None
@@ -240,6 +242,7 @@ class RecallMonitor:
             self._live = pair
             self.traffic.clear()
             self.feedback.clear()
+            self.text.clear()
             for window in self.ann.values():
                 window.clear()
             self.probe = None
@@ -412,6 +415,7 @@ class RecallMonitor:
             ("probe", self.probe),
             ("probe_items", self.probe_items),
             ("traffic", self.traffic.values()),
+            ("text", self.text.values()),
             ("feedback", self.feedback.values()),
         ):
             if values:

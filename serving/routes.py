@@ -51,7 +51,7 @@ _IMAGE_QUERY_PARAMS = (
 )
 
 ROUTES: tuple[Route, ...] = (
-    Route("POST", "/v1/search", "Search", "search", "Nearest neighbours of an image, embedding or item id",
+    Route("POST", "/v1/search", "Search", "search", "Nearest neighbours of an image, embedding, item id or text",
           request=pb.SearchRequest, response=pb.SearchResponse),
     Route("POST", "/v1/search/image", "Search", "search_image",
           "Nearest neighbours of an image sent as the raw body or a multipart upload (field `image`)",

@@ -151,6 +151,8 @@ class SearchService:
             return Query(pair, k, exclude, scope, vector=vector, deadline=deadline, received=received)
         if search.image is not None:
             return await self._image_query(pair, search.image, k, exclude, deadline, received, scope)
+        if search.text_ids is not None:
+            return Query(pair, k, exclude, scope, text_ids=search.text_ids, deadline=deadline, received=received)
         return Query(pair, k, exclude, scope, vector=search.vector, deadline=deadline, received=received)
 
     async def _combined(self, parts: tuple[CheckedPart, ...], pair: ServingPair, deadline: float | None) -> np.ndarray:
@@ -158,6 +160,9 @@ class SearchService:
         embedding, negatives subtracted). An image part's error names the part."""
 
         async def vector_of(i: int, part: CheckedPart) -> np.ndarray:
+            if part.text_ids is not None:
+                query = Query(pair, 0, text_ids=part.text_ids, deadline=deadline)
+                return (await self.batcher.run(query)).vector
             if part.image is None:
                 return part.vector
             try:
@@ -232,7 +237,8 @@ class SearchService:
         rows = [h.row for h in result.hits]
         self.feedback_log.remember(request_id, pair.serial, rows)
         if search.label is not None:
-            self.monitor.record_labelled(pair.serial, search.label, self._truths(pair, result.hits, neighbors))
+            source = "text" if search.kind == "text" else "traffic"  # text traffic's recall shown apart
+            self.monitor.record_labelled(pair.serial, search.label, self._truths(pair, result.hits, neighbors), source)
         if query.scope.min_score is None:  # the exact re-run compares against every row the filter allows
             self.monitor.maybe_sample_ann(
                 pair.serial, result.vector, rows, query.exclude, query.scope.allowed, query.scope.groups,
@@ -393,6 +399,8 @@ class SearchService:
                 max_per_group=limits.max_per_group,
             ),
             item_field=pair.manifest.item_field or "",
+            text_model_id=pair.text.text_model_id if pair.text is not None else "",
+            text_context_length=pair.text.tokenizer.context_length if pair.text is not None else 0,
             recall_at_k=recall,
             ann_recall_at_k=ann,
             filterable=[

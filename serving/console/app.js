@@ -187,7 +187,8 @@
   const state = {
     info: null,
     page: null,
-    query: null, // {kind: "image", blob, name} | {kind: "item", id, label}
+    query: null, // {kind: "image", blob, name} | {kind: "item", id, label} | {kind: "text", text}
+    words: null, // words added to an image query as a second part ("like this photo, but red")
     parts: [], // more parts of the query: {id, negative, weight} — "more like this" / "less like this"
     region: null, // {x, y, width, height} in pixels of the upright query image
     regionMode: false,
@@ -214,6 +215,9 @@
       if (maxK) $("k").max = String(maxK);
       buildFilters(info.filterable || []);
       buildGrouping(info);
+      // Words are answered only by a version with a text model (GetInfo's textModelId).
+      $("text-form").hidden = !info.textModelId;
+      if (info.textContextLength) $("text-query").title = `at most ${info.textContextLength} tokens`;
       return info;
     } catch (err) {
       $("live-dot").className = "live-dot down";
@@ -409,6 +413,8 @@
 
   /** A new query starts alone: no parts, no region (a region needs an image query). */
   function resetParts(imageQuery) {
+    state.words = null;
+    $("text-with-image-row").hidden = !imageQuery || $("text-form").hidden;
     state.parts = [];
     state.region = null;
     renderParts();
@@ -544,9 +550,12 @@
     const first =
       query.kind === "image"
         ? { image: await base64Of(query.blob), ...(state.region ? { region: state.region } : {}) }
-        : { itemId: query.id };
+        : query.kind === "text"
+          ? { text: query.text }
+          : { itemId: query.id };
     return [
       first,
+      ...(state.words ? [{ text: state.words }] : []),
       ...state.parts.map((p) => ({ itemId: p.id, weight: p.weight, ...(p.negative ? { negative: true } : {}) })),
     ];
   }
@@ -562,6 +571,26 @@
     $("item-id").value = "";
     showQueryPreview(URL.createObjectURL(blob), true);
     $("query-caption").textContent = `${state.query.name}${blob.size ? ` · ${(blob.size / 1024).toFixed(1)} kB` : ""}`;
+    runSearch();
+  }
+
+  function setQueryText(text) {
+    if (state.query && state.query.kind === "image" && $("text-with-image").checked) {
+      state.words = text; // the image stays the query; the words are its second part
+      $("query-caption").textContent = `${state.query.name} + “${text}”`;
+      runSearch();
+      return;
+    }
+    state.query = { kind: "text", text };
+    resetParts(false);
+    $("item-id").value = "";
+    if (state.previewUrl) URL.revokeObjectURL(state.previewUrl);
+    state.previewUrl = null;
+    $("query-preview").hidden = true;
+    $("query-preview").removeAttribute("src");
+    $("dropzone-empty").hidden = false;
+    $("dropzone").classList.remove("has-image");
+    $("query-caption").textContent = `“${text}”`;
     runSearch();
   }
 
@@ -597,6 +626,7 @@
     $("dropzone").classList.remove("has-image");
     $("query-caption").textContent = "";
     $("item-id").value = "";
+    $("text-query").value = "";
     $("file-input").value = "";
     clear($("results-grid"));
     $("timings").textContent = "";
@@ -620,8 +650,10 @@
     const started = performance.now();
     try {
       let response;
-      if (state.parts.length) {
+      if (state.parts.length || state.words) {
         response = await api("/v1/search", { json: { parts: await queryParts(query), ...options } });
+      } else if (query.kind === "text") {
+        response = await api("/v1/search", { json: { text: query.text, ...options } });
       } else if (query.kind === "image") {
         const params = new URLSearchParams({ k: String(options.k) });
         if (options.minScore !== undefined) params.set("minScore", String(options.minScore));
@@ -836,6 +868,11 @@
       e.preventDefault();
       const id = $("item-id").value.trim();
       if (id) setQueryItem(id, "");
+    });
+    $("text-form").addEventListener("submit", (e) => {
+      e.preventDefault();
+      const text = $("text-query").value.trim();
+      if (text) setQueryText(text);
     });
     $("search-form").addEventListener("submit", (e) => {
       e.preventDefault();

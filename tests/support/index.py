@@ -86,3 +86,46 @@ def write_catalog_index(tmp: Path, items: int = 12, per_item: int = 2) -> Path:
     )  # fmt: skip
     run_build(config, progress=False)
     return root
+
+
+def write_tiny_text_model(out: Path, model_dir: Path, context_length: int = 16, seed: int = 0) -> Path:
+    """A text model directory (text.onnx, CLIP's BPE tokenizer.json, manifest.json) for the image
+    model in `model_dir`: the sum of a fixed random vector per token (the padding id's is zero),
+    in the image model's dimension. No torch: an ONNX graph of one Gather and one ReduceSum."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from core.artifacts import file_sha256
+    from core.manifests import TextModelManifest
+    from core.text import TEXT_INPUT, TEXT_MODEL_FILE, TOKENIZER_FILE
+    from training.text_models import CLIP_VOCAB_SIZE
+    from training.text_tokenizer import write_clip_bpe
+
+    dim = ModelManifest.read(model_dir).embedding_dim
+    table = np.random.default_rng(seed).standard_normal((CLIP_VOCAB_SIZE, dim)).astype(np.float32)
+    table[0] = 0  # padding adds nothing
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["table", TEXT_INPUT], ["tokens"], axis=0),
+            helper.make_node("ReduceSum", ["tokens", "axis"], ["embeddings"], keepdims=0),
+        ],
+        "tiny_text",
+        [helper.make_tensor_value_info(TEXT_INPUT, TensorProto.INT64, ["batch", context_length])],
+        [helper.make_tensor_value_info("embeddings", TensorProto.FLOAT, ["batch", dim])],
+        [numpy_helper.from_array(table, "table"), numpy_helper.from_array(np.array([1], np.int64), "axis")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    out.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(out / TEXT_MODEL_FILE))
+    tokenizer = write_clip_bpe(out / TOKENIZER_FILE)
+    TextModelManifest(
+        text_model_id=f"tinytext{seed:08d}",
+        image_model_id=ModelManifest.read(model_dir).model_id,
+        embedding_dim=dim,
+        context_length=context_length,
+        source={"kind": "tiny", "seed": seed},
+        tokenizer={"file": TOKENIZER_FILE, **tokenizer},
+        files={name: file_sha256(out / name) for name in (TEXT_MODEL_FILE, TOKENIZER_FILE)},
+    ).write(out)
+    return out

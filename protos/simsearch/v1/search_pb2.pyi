@@ -65,26 +65,29 @@ class Region(_message.Message):
     def __init__(self, x: _Optional[float] = ..., y: _Optional[float] = ..., width: _Optional[float] = ..., height: _Optional[float] = ...) -> None: ...
 
 class QueryPart(_message.Message):
-    __slots__ = ("image", "embedding", "item_id", "weight", "negative", "region")
+    __slots__ = ("image", "embedding", "item_id", "text", "weight", "negative", "region")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     NEGATIVE_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     image: bytes
     embedding: Embedding
     item_id: str
+    text: str
     weight: float
     negative: bool
     region: Region
-    def __init__(self, image: _Optional[bytes] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ..., item_id: _Optional[str] = ..., weight: _Optional[float] = ..., negative: _Optional[bool] = ..., region: _Optional[_Union[Region, _Mapping]] = ...) -> None: ...
+    def __init__(self, image: _Optional[bytes] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ..., item_id: _Optional[str] = ..., text: _Optional[str] = ..., weight: _Optional[float] = ..., negative: _Optional[bool] = ..., region: _Optional[_Union[Region, _Mapping]] = ...) -> None: ...
 
 class SearchRequest(_message.Message):
-    __slots__ = ("image", "embedding", "item_id", "parts", "region", "group_by", "per_group", "k", "request_id", "label", "exclude_ids", "filter", "min_score", "allow_partial")
+    __slots__ = ("image", "embedding", "item_id", "text", "parts", "region", "group_by", "per_group", "k", "request_id", "label", "exclude_ids", "filter", "min_score", "allow_partial")
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     GROUP_BY_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +102,7 @@ class SearchRequest(_message.Message):
     image: bytes
     embedding: Embedding
     item_id: str
+    text: str
     parts: _containers.RepeatedCompositeFieldContainer[QueryPart]
     region: Region
     group_by: str
@@ -110,7 +114,7 @@ class SearchRequest(_message.Message):
     filter: Filter
     min_score: float
     allow_partial: bool
-    def __init__(self, image: _Optional[bytes] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ..., item_id: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[QueryPart, _Mapping]]] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., group_by: _Optional[str] = ..., per_group: _Optional[int] = ..., k: _Optional[int] = ..., request_id: _Optional[str] = ..., label: _Optional[str] = ..., exclude_ids: _Optional[_Iterable[str]] = ..., filter: _Optional[_Union[Filter, _Mapping]] = ..., min_score: _Optional[float] = ..., allow_partial: _Optional[bool] = ...) -> None: ...
+    def __init__(self, image: _Optional[bytes] = ..., embedding: _Optional[_Union[Embedding, _Mapping]] = ..., item_id: _Optional[str] = ..., text: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[QueryPart, _Mapping]]] = ..., region: _Optional[_Union[Region, _Mapping]] = ..., group_by: _Optional[str] = ..., per_group: _Optional[int] = ..., k: _Optional[int] = ..., request_id: _Optional[str] = ..., label: _Optional[str] = ..., exclude_ids: _Optional[_Iterable[str]] = ..., filter: _Optional[_Union[Filter, _Mapping]] = ..., min_score: _Optional[float] = ..., allow_partial: _Optional[bool] = ...) -> None: ...
 
 class Neighbor(_message.Message):
     __slots__ = ("id", "score", "label", "metadata", "group")
@@ -248,7 +252,7 @@ class RecallFigure(_message.Message):
     def __init__(self, source: _Optional[str] = ..., k: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("model_id", "index_version", "index_id", "index_size", "embedding_dim", "factory", "limits", "recall_at_k", "ann_recall_at_k", "providers", "deleted_rows", "filterable", "item_field")
+    __slots__ = ("model_id", "index_version", "index_id", "index_size", "embedding_dim", "factory", "limits", "recall_at_k", "ann_recall_at_k", "providers", "deleted_rows", "filterable", "item_field", "text_model_id", "text_context_length")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
     INDEX_ID_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +266,8 @@ class GetInfoResponse(_message.Message):
     DELETED_ROWS_FIELD_NUMBER: _ClassVar[int]
     FILTERABLE_FIELD_NUMBER: _ClassVar[int]
     ITEM_FIELD_FIELD_NUMBER: _ClassVar[int]
+    TEXT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     index_version: str
     index_id: str
@@ -275,7 +281,9 @@ class GetInfoResponse(_message.Message):
     deleted_rows: int
     filterable: _containers.RepeatedCompositeFieldContainer[FilterableField]
     item_field: str
-    def __init__(self, model_id: _Optional[str] = ..., index_version: _Optional[str] = ..., index_id: _Optional[str] = ..., index_size: _Optional[int] = ..., embedding_dim: _Optional[int] = ..., factory: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., recall_at_k: _Optional[_Iterable[_Union[RecallFigure, _Mapping]]] = ..., ann_recall_at_k: _Optional[_Iterable[_Union[RecallFigure, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., deleted_rows: _Optional[int] = ..., filterable: _Optional[_Iterable[_Union[FilterableField, _Mapping]]] = ..., item_field: _Optional[str] = ...) -> None: ...
+    text_model_id: str
+    text_context_length: int
+    def __init__(self, model_id: _Optional[str] = ..., index_version: _Optional[str] = ..., index_id: _Optional[str] = ..., index_size: _Optional[int] = ..., embedding_dim: _Optional[int] = ..., factory: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., recall_at_k: _Optional[_Iterable[_Union[RecallFigure, _Mapping]]] = ..., ann_recall_at_k: _Optional[_Iterable[_Union[RecallFigure, _Mapping]]] = ..., providers: _Optional[_Iterable[str]] = ..., deleted_rows: _Optional[int] = ..., filterable: _Optional[_Iterable[_Union[FilterableField, _Mapping]]] = ..., item_field: _Optional[str] = ..., text_model_id: _Optional[str] = ..., text_context_length: _Optional[int] = ...) -> None: ...
 
 class FilterableField(_message.Message):
     __slots__ = ("name", "type")
