@@ -25,7 +25,13 @@ from core import artifacts
 from core.artifacts import ArtifactError
 from core.config import option
 from core.items import ItemTable
-from core.manifests import IndexManifest, ModelManifest, check_model_index_pair, check_text_model_pair
+from core.manifests import (
+    IndexManifest,
+    ModelManifest,
+    TextModelManifest,
+    check_model_index_pair,
+    check_text_model_pair,
+)
 from core.preprocess import DEFAULT_MAX_PIXELS, Region, decode
 from core.text import TextTokenizer
 from index import range_search
@@ -176,6 +182,28 @@ def load_pair(
     return ServingPair(embedder, opened.searchable(), opened, text)
 
 
+def text_model_dir(manifest: IndexManifest, model_manifest: ModelManifest) -> Path | None:
+    """The directory of the text model `manifest` records, checked: it holds that text model, made
+    for `model_manifest`'s space (ArtifactError naming the ids, or the directory when it is gone).
+    None when the version records no text model."""
+    if manifest.text_model_dir is None:
+        return None
+    text_dir = Path(manifest.text_model_dir)
+    if not (text_dir / artifacts.MANIFEST).is_file():
+        raise ArtifactError(
+            f"index {manifest.version} records text model {manifest.text_model_id} in {text_dir}, which has no "
+            f"{artifacts.MANIFEST}: restore it, or build the version again without --text-model"
+        )
+    found = TextModelManifest.read(text_dir)
+    if found.text_model_id != manifest.text_model_id:
+        raise ArtifactError(
+            f"index {manifest.version} records text model {manifest.text_model_id}, but {text_dir} holds text model "
+            f"{found.text_model_id}"
+        )
+    check_text_model_pair(found, model_manifest.model_id, f"index {manifest.version}")
+    return text_dir
+
+
 def load_text_model(
     manifest: IndexManifest,
     model_manifest: ModelManifest,
@@ -184,19 +212,13 @@ def load_text_model(
     ort_spinning: bool = False,
     previous: ServingPair | None = None,
 ) -> TextEncoder | None:
-    """The text model `manifest` records, checked to share `model_manifest`'s space (ArtifactError
-    naming both ids when it does not, or naming the directory when it is gone); the `previous`
-    pair's when it is the same one. None when the version records no text model."""
-    if manifest.text_model_dir is None:
+    """The text model `manifest` records (`text_model_dir`, checked) with its ONNX Runtime
+    session; the `previous` pair's when it is the same one. None when there is none."""
+    text_dir = text_model_dir(manifest, model_manifest)
+    if text_dir is None:
         return None
     from index.embedder import OnnxTextEmbedder
 
-    text_dir = Path(manifest.text_model_dir)
-    if not (text_dir / artifacts.MANIFEST).is_file():
-        raise ArtifactError(
-            f"index {manifest.version} records text model {manifest.text_model_id} in {text_dir}, which has no "
-            f"{artifacts.MANIFEST}: restore it, or build the version again without --text-model"
-        )
     if (
         previous is not None
         and isinstance(previous.text, OnnxTextEmbedder)
@@ -204,14 +226,7 @@ def load_text_model(
         and previous.text.text_dir.resolve() == text_dir.resolve()
     ):
         return previous.text
-    text = OnnxTextEmbedder(text_dir, provider, intra_op_threads, spinning=ort_spinning)
-    if text.text_model_id != manifest.text_model_id:
-        raise ArtifactError(
-            f"index {manifest.version} records text model {manifest.text_model_id}, but {text_dir} holds text model "
-            f"{text.text_model_id}"
-        )
-    check_text_model_pair(text.manifest, model_manifest.model_id, f"index {manifest.version}")
-    return text
+    return OnnxTextEmbedder(text_dir, provider, intra_op_threads, spinning=ort_spinning)
 
 
 @dataclass

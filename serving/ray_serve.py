@@ -44,11 +44,12 @@ import numpy as np
 
 from core import artifacts
 from core.artifacts import ArtifactError
-from core.manifests import ModelManifest, check_model_index_pair
+from core.manifests import ModelManifest, TextModelManifest, check_model_index_pair
 from core.preprocess import pixels_of
+from core.text import TOKENIZER_FILE, TextTokenizer
 from index.version import IndexVersion
 from serving.config import ServerConfig
-from serving.engine import SearchEngine, ServingPair
+from serving.engine import SearchEngine, ServingPair, text_model_dir
 from serving.errors import Unavailable
 from serving.logs import Sink, relay, shard_label, ship_records
 from serving.metrics import ServiceMetrics
@@ -143,6 +144,23 @@ class RemoteEmbedder:
         deadline = time.monotonic() + self.timeout_s
         pending = [send.remote(str(self.model_dir), part, side_by_side) for part in parts]
         return np.concatenate([p.result(timeout_s=max(0.0, deadline - time.monotonic())) for p in pending])
+
+
+class RemoteTextEncoder:
+    """The text model as the ingress sees it: its tokenizer here (a query's text is checked where
+    it arrives), its embeddings from the embedder deployment's session of it (token ids cross,
+    a few hundred bytes a text)."""
+
+    def __init__(self, handle: Any, text_dir: str | Path, timeout_s: float) -> None:
+        self.text_dir = Path(text_dir)
+        manifest = TextModelManifest.read(self.text_dir)
+        self.text_model_id = manifest.text_model_id
+        self.tokenizer = TextTokenizer(self.text_dir / TOKENIZER_FILE, manifest.context_length)
+        self._embed = _direct(handle, "embed_text")
+        self.timeout_s = timeout_s
+
+    def embed_ids(self, ids: np.ndarray) -> np.ndarray:
+        return self._embed.remote(str(self.text_dir), ids).result(timeout_s=self.timeout_s)
 
 
 def call_bytes() -> int:
@@ -397,7 +415,18 @@ class IngressReplica:
                 progress("loading the model on the embedder")
             providers = _broadcast(self.embedder, "warm", str(model))[0]
             embedder = RemoteEmbedder(self.embedder, model, max(60.0, config.sharding.shard_timeout_s), providers)
-        return ServingPair(embedder, None, opened)  # type: ignore[arg-type]  # the shards hold the index
+        text = None
+        text_dir = text_model_dir(opened.manifest, model_manifest)
+        if text_dir is not None:
+            kept = previous.text if previous is not None else None
+            if isinstance(kept, RemoteTextEncoder) and kept.text_dir == text_dir:
+                text = kept
+            else:
+                if progress is not None:
+                    progress("loading the text model on the embedder")
+                _broadcast(self.embedder, "warm_text", str(text_dir))
+                text = RemoteTextEncoder(self.embedder, text_dir, max(60.0, config.sharding.shard_timeout_s))
+        return ServingPair(embedder, None, opened, text)  # type: ignore[arg-type]  # the shards hold the index
 
     async def ports(self) -> dict:
         """The ports it serves on, once its first load is done (or failed: it then waits, unhealthy)."""

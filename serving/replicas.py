@@ -17,6 +17,7 @@ from core.memory import pin_mmap_threshold
 from serving.logs import Sink, shard_label, ship_records
 
 if TYPE_CHECKING:
+    from index.embedder import OnnxTextEmbedder
     from serving.config import ServerConfig
     from serving.query_embedder import QueryEmbedder
     from serving.sharded import ShardAnswer, ShardRequest
@@ -95,6 +96,7 @@ class EmbedderReplica:
         pin_mmap_threshold()
         self.settings = settings
         self._models: OrderedDict[str, QueryEmbedder] = OrderedDict()
+        self._texts: OrderedDict[str, OnnxTextEmbedder] = OrderedDict()
         self._lock = threading.Lock()
 
     def _embedder(self, model_dir: str) -> QueryEmbedder:
@@ -120,6 +122,28 @@ class EmbedderReplica:
 
     def warm(self, model_dir: str) -> list[str]:
         return list(self._embedder(model_dir).session.get_providers())
+
+    def _text(self, text_dir: str) -> OnnxTextEmbedder:
+        from index.embedder import OnnxTextEmbedder
+
+        with self._lock:
+            found = self._texts.get(text_dir)
+            if found is None:
+                settings = self.settings
+                found = OnnxTextEmbedder(
+                    text_dir, settings.provider, settings.intra_op_threads, spinning=settings.ort_spinning
+                )
+                self._texts[text_dir] = found
+                while len(self._texts) > 2:
+                    self._texts.popitem(last=False)
+            return found
+
+    def warm_text(self, text_dir: str) -> str:
+        return self._text(text_dir).text_model_id
+
+    def embed_text(self, text_dir: str, ids: np.ndarray) -> np.ndarray:
+        """Embeddings of texts' token ids (tokenized and checked by the ingress) by a text model."""
+        return self._text(text_dir).embed_ids(ids)
 
     def embed(self, model_dir: str, batch: np.ndarray, side_by_side: bool = False) -> np.ndarray:
         """Embeddings of a batch of model inputs, or of the uint8 pixels they are made of."""

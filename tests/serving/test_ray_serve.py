@@ -47,6 +47,7 @@ from serving.client import SearchClient
 from tests.support import server as support_server
 from tests.support import shards as support
 from tests.support.images import encode
+from tests.support.index import write_tiny_text_model
 
 ROOT = Path(__file__).resolve().parents[2]
 N, DIM, ITEMS = 2000, 16, 500
@@ -66,9 +67,10 @@ def cluster(local_ray):
 def roots(cluster, tmp_path_factory):
     folder = tmp_path_factory.mktemp("ray-serve")
     model = support.model(folder / "model", DIM, side=SIDE)
+    text = write_tiny_text_model(folder / "text", model)
     data = support.catalog(N, DIM, ITEMS)
-    support.publish(folder / "one", data, model, 1)
-    support.publish(folder / "four", data, model, 4)
+    support.publish(folder / "one", data, model, 1, text_model=text)
+    support.publish(folder / "four", data, model, 4, text_model=text)
     return folder / "one", folder / "four", model
 
 
@@ -715,6 +717,36 @@ def test_images_through_the_embedder_deployment_and_http_answer_as_one_process(s
         with urllib.request.urlopen(call, timeout=60) as response:
             over_http = json.loads(response.read())
         assert [n["id"] for n in over_http["neighbors"]] == [n.id for n in client.search(request).neighbors]
+
+
+def test_text_embeds_on_the_embedder_deployment_as_the_offline_text_model(sharded, roots):
+    """Issue 49 on `serve --ray`: a text query is tokenized at the ingress and embedded on the
+    embedder deployment; it answers as the offline text model's vector does, alone and as a part
+    beside an image; bad text is refused at the ingress as by one process."""
+    from PIL import Image
+
+    from index.embedder import OnnxTextEmbedder
+
+    client, _, _ = sharded
+    offline = OnnxTextEmbedder(roots[2].parent / "text")
+    assert client.get_info().text_model_id == offline.text_model_id
+    for phrase in ("a red square", "LATIN SMALL LETTER B", "blue"):
+        vector = offline.embed([phrase])[0]
+        by_text = client.search(pb.SearchRequest(text=phrase, k=10, group_by=""))
+        by_vector = client.search(pb.SearchRequest(embedding=pb.Embedding(values=vector), k=10, group_by=""))
+        assert [n.id for n in by_text.neighbors] == [n.id for n in by_vector.neighbors], phrase
+        assert [n.score for n in by_text.neighbors] == pytest.approx([n.score for n in by_vector.neighbors], abs=1e-5)
+    image = encode(Image.fromarray(np.random.default_rng(5).integers(0, 256, (40, 48, 3), dtype=np.uint8)))
+    mixed = client.search(
+        pb.SearchRequest(k=5, group_by="", parts=[pb.QueryPart(image=image), pb.QueryPart(text="red")])
+    )
+    combined = np.asarray(client.embed(image).embedding, np.float64) + offline.embed(["red"])[0]
+    combined /= np.linalg.norm(combined)
+    alike = client.search(pb.SearchRequest(embedding=pb.Embedding(values=combined), k=5, group_by=""))
+    assert [n.id for n in mixed.neighbors] == [n.id for n in alike.neighbors]
+    with pytest.raises(grpc.RpcError) as caught:
+        client.search(pb.SearchRequest(text=" "))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text is empty" in caught.value.details()
 
 
 def test_image_traffic_at_concurrency_32_over_grpc_and_http(sharded, single):

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from core.items import ItemTable
-from core.manifests import ModelManifest, RowCounts
+from core.manifests import ModelManifest, RowCounts, TextModelManifest
 from index.faiss_index import build_index, l2_normalized, merged_index
 from index.filters import parse_filterable
 from index.gate import GateThresholds
@@ -44,9 +44,11 @@ def publish(
     shards: int,
     factory: str = "Flat",
     params: dict | None = None,
+    text_model: Path | None = None,
 ) -> Path:
-    """A version of `data` in `root` (live), of `shards` shards, for the model at `model`; `params`
-    its search effort (nprobe, efSearch), tuned to the recall target where not given."""
+    """A version of `data` in `root` (live), of `shards` shards, for the model at `model` (and the
+    text model at `text_model`, when given); `params` its search effort (nprobe, efSearch), tuned
+    to the recall target where not given."""
     vectors, items = data
     new = NewVersion(
         model_id=ModelManifest.read(model).model_id,
@@ -62,7 +64,8 @@ def publish(
         force=False,
     )  # fmt: skip
     recipe = IndexRecipe(factory, params or {}, None, "cpu", 0.95, shards)
-    target = PublishTarget(root, 5, str(model), {})
+    text_id = TextModelManifest.read(text_model).text_model_id if text_model is not None else None
+    target = PublishTarget(root, 5, str(model), {}, str(text_model) if text_model else None, text_id)
     return publish_index_version(new, recipe, gate, None, FILTERABLE, "item", target)
 
 
