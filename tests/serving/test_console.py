@@ -35,6 +35,7 @@ from index.lifecycle import audit_entries
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient, condition
 from serving.config import ServerConfig
+from tests.support.index import write_tiny_text_model
 from tests.support.server import SearchServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,10 +120,14 @@ def console(demo_run, tmp_path_factory):
     shutil.copytree(demo_run / "index", root)
     old = artifacts.current_version(root)
     path, _, _ = catalog_with_html_label(demo_run, work)
+    text = write_tiny_text_model(work / "text", demo_run / "model")  # words answered by the newer version
     run_build(
-        BuildConfig(model=str(demo_run / "model"), index_root=str(root), catalog=str(path), filterable=["label"]),
+        BuildConfig(
+            model=str(demo_run / "model"), index_root=str(root), catalog=str(path), filterable=["label"],
+            text_model=str(text),
+        ),
         progress=False,
-    )
+    )  # fmt: skip
     new = artifacts.current_version(root)
     assert new != old
     run_duplicates(DuplicatesConfig(index_root=str(root), min_score=0.99), progress=False)
@@ -312,6 +317,39 @@ def test_an_upload_shows_the_grpc_answer_and_search_by_this_its_neighbours(page,
     assert [c["id"] for c in by_item] == [n.id for n in console.client.search_item(third, k=K).neighbors]
     assert third not in [c["id"] for c in by_item]  # an item query leaves the item itself out
     assert third in page.find_element(By.ID, "query-caption").text
+
+
+def test_words_show_the_grpc_answer_and_add_to_an_image_query(page, console):
+    """Issue 49: the words box (shown because the live version has a text model) answers what
+    gRPC answers the text; with "the words add to the image" ticked, an image query and the words
+    are one query of two parts, as gRPC answers them."""
+    assert console.client.get_info().text_model_id
+    open_page(page, console, "search")
+    wait(page, lambda d: d.find_element(By.ID, "text-form").is_displayed(), "the words box")
+    before = grid_request(page)
+    page.find_element(By.ID, "text-query").send_keys("latin capital letter a")
+    page.find_element(By.CSS_SELECTOR, "#text-form button").click()
+    shown = results(page, before)
+    expected = console.client.search(pb.SearchRequest(text="latin capital letter a", k=K))
+    assert [c["id"] for c in shown] == [n.id for n in expected.neighbors]
+    assert "latin capital letter a" in page.find_element(By.ID, "query-caption").text
+    screenshot(page, "search-text")
+
+    query = console.catalog.ids[3]
+    before = grid_request(page)
+    page.find_element(By.ID, "file-input").send_keys(str(console.paths[query]))
+    results(page, before)
+    page.find_element(By.ID, "text-with-image").click()
+    field = page.find_element(By.ID, "text-query")
+    field.clear()
+    field.send_keys("bold")
+    before = grid_request(page)
+    page.find_element(By.CSS_SELECTOR, "#text-form button").click()
+    mixed = results(page, before)
+    parts = [pb.QueryPart(image=Path(console.paths[query]).read_bytes()), pb.QueryPart(text="bold")]
+    expected = console.client.search(pb.SearchRequest(parts=parts, k=K))
+    assert [c["id"] for c in mixed] == [n.id for n in expected.neighbors]
+    assert "+ “bold”" in page.find_element(By.ID, "query-caption").text
 
 
 # In the page: fetch an item's thumbnail, wrap it as a File and hand it over as a drop on the drop
