@@ -749,6 +749,34 @@ def test_text_embeds_on_the_embedder_deployment_as_the_offline_text_model(sharde
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text is empty" in caught.value.details()
 
 
+def test_items_added_through_the_ingress_answer_from_their_shards_at_once(sharded, roots):
+    """Issue 48 on `serve --ray`: AddItems at the ingress writes a segment into each shard its
+    items hash to, publishes, and returns once every shard replica serves the new version; the
+    items answer as their own nearest neighbours and by id, and an id already indexed is refused."""
+    client, _, _ = sharded
+    before = client.get_info()
+    rng = np.random.default_rng(41)
+    vectors = l2_normalized(rng.standard_normal((6, DIM)).astype(np.float32))
+    items = [
+        pb.NewItem(id=f"added{i}", embedding=pb.Embedding(values=v), metadata={"item": f"added-item{i}", "shade": "1"})
+        for i, v in enumerate(vectors)
+    ]
+    done = client.add_items(items)
+    assert done.added == 6 and done.previous_index_version == before.index_version
+    after = client.get_info()
+    assert after.index_version == done.index_version and after.index_size == before.index_size + 6
+    manifest = IndexVersion.open(roots[1], done.index_version).manifest
+    assert manifest.parent_version == before.index_version and manifest.text_model_id  # the text model kept
+    for i, v in enumerate(vectors):
+        answer = client.search(pb.SearchRequest(embedding=pb.Embedding(values=v), k=1, group_by=""))
+        assert answer.neighbors[0].id == f"added{i}" and answer.neighbors[0].score == pytest.approx(1.0, abs=1e-5)
+        by_id = client.search(pb.SearchRequest(item_id=f"added{i}", k=3, group_by=""))
+        assert f"added{i}" not in [n.id for n in by_id.neighbors] and len(by_id.neighbors) == 3
+    with pytest.raises(grpc.RpcError) as caught:
+        client.add_items(items[:1])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "added0" in caught.value.details()
+
+
 def test_image_traffic_at_concurrency_32_over_grpc_and_http(sharded, single):
     """224-px image queries as users send them (issue 47: at concurrency 8 most failed — a batch
     crossed to the embedder as floats, 18 MB for 32 images, over a 4 MB message limit): 32
