@@ -13,6 +13,7 @@ from core.config import add_options, from_cli
 # builds its options, so `training data` and `--help` start at once.
 HELP = {
     "train": "train an embedding model with Ray Train",
+    "train-text": "train a text tower into a locked image model's space (LiT) with Ray Train",
     "benchmark": "train several losses × seeds under one protocol and tabulate test Recall@K",
     "export": "export a training run, or a pretrained network as it is, to a verified ONNX model artifact",
 }
@@ -23,9 +24,11 @@ def commands() -> dict[str, tuple[str, type, tuple[str, ...]]]:
     from training.benchmark import BenchmarkConfig
     from training.export import ExportConfig
     from training.train import TrainConfig
+    from training.train_text import TrainTextConfig
 
     return {
         "train": (HELP["train"], TrainConfig, ()),
+        "train-text": (HELP["train-text"], TrainTextConfig, ()),
         "benchmark": (HELP["benchmark"], BenchmarkConfig, ("protocol",)),
         "export": (HELP["export"], ExportConfig, ()),
     }
@@ -76,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
 
             out = run_training(from_cli(TrainConfig, args))
             print(json.dumps({"run": str(out), **_summary(out)}, indent=2))
+        elif args.command == "train-text":
+            from training.train_text import TrainTextConfig, run_text_training
+
+            out = run_text_training(from_cli(TrainTextConfig, args))
+            results = json.loads((out / "results.json").read_text())
+            print(json.dumps({"run": str(out), "text_to_image": results["evaluation"]}, indent=2))
         elif args.command == "benchmark":
             from core.config import explicit_args, flag_spellings, load_config_file
             from training.benchmark import BenchmarkConfig, run_benchmark

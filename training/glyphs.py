@@ -14,6 +14,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import unicodedata
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +49,19 @@ FONT_PACKAGES = (
 IMAGE_SIZE = 28
 DEFAULT_MAX_FACES = 170
 DEFAULT_DATA_DIR = Path(os.environ.get("SIMSEARCH_DATA", "data")) / "glyphs"
+CODE_POINT_LABEL = re.compile(r"U\+([0-9A-F]{4,6})")  # a class's label: its character's code point
+
+
+def character_name(label: str) -> str:
+    """A glyph class's name in words, its caption for a text tower: the Unicode name of the
+    character its label's code point names ("U+0041" → "LATIN CAPITAL LETTER A")."""
+    match = CODE_POINT_LABEL.fullmatch(label)
+    if match is None:
+        raise ValueError(f"{label!r} is not a glyph label (a code point such as U+0041)")
+    name = unicodedata.name(chr(int(match[1], 16)), "")
+    if not name:
+        raise ValueError(f"{label}: the character has no Unicode name to caption it with")
+    return name
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,14 @@ MIN_SOURCE_SIZE = 48
 MIN_THEMES = 4
 IMAGE_SIZE = 128
 DEFAULT_DATA_DIR = Path(os.environ.get("SIMSEARCH_DATA", "data")) / "icons"
+
+
+def icon_caption(label: str) -> str:
+    """An icon class's name in words, its caption for a text tower: the freedesktop name with
+    its separators as spaces ("document-open" → "document open")."""
+    return label.replace("-", " ").replace("_", " ")
+
+
 _SIZE_IN_PATH = re.compile(r"(?:^|/)(\d+)(?:x\d+)?(?:@\d+x)?(?:/|$)")
 
 

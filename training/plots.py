@@ -59,6 +59,33 @@ def plot_similarity_histograms(
     return _save(fig, path)
 
 
+def plot_loss_and_recall(history: Sequence[Mapping], path: str | Path) -> Path:
+    """A text tower's run: its loss per epoch, and text → image Recall@K per epoch of each
+    gallery (seen classes solid, unseen dashed), the row before training at epoch 0."""
+    plt = _pyplot()
+    fig, (loss_ax, recall_ax) = plt.subplots(1, 2, figsize=(11, 4), dpi=100)
+    trained = [row for row in history if "loss" in row]
+    loss_ax.plot([row["epoch"] + 1 for row in trained], [row["loss"] for row in trained], marker="o")
+    loss_ax.set(xlabel="epoch", ylabel="InfoNCE loss", title="Training loss")
+    keys = sorted(
+        {k for row in history for k in row if "_recall_at_" in k},
+        key=lambda k: (k.split("_")[0] != "seen", int(k.rsplit("_", 1)[1])),
+    )
+    for key in keys:
+        name, k = key.split("_recall_at_")
+        ax_style = "-" if name == "seen" else "--"
+        recall_ax.plot(
+            [row["epoch"] + 1 for row in history], [100 * row.get(key, np.nan) for row in history],
+            ax_style, marker="o", label=f"{name} R@{k}",
+        )  # fmt: skip
+    recall_ax.set(xlabel="epoch", ylabel="text → image Recall@K (%)", title="Captions → held-out images")
+    for ax in (loss_ax, recall_ax):
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3)
+    recall_ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def _save(fig, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

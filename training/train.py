@@ -286,6 +286,20 @@ def load_checkpoint(path: Path, trainable: Trainable, device: torch.device) -> t
     return start_epoch, Record(state["best"], state["history"], resumed)
 
 
+def resume_point(trainable: Trainable, device: torch.device) -> tuple[int, Record]:
+    """Where a Ray Train worker starts: epoch 0 with an empty record, or after the checkpoint Ray
+    Train restored (a resumed run, or a worker restarted after a failure), `trainable` loaded."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return 0, Record()
+    with checkpoint.as_directory() as d:
+        start_epoch, record = load_checkpoint(Path(d) / CHECKPOINT_FILE, trainable, device)
+    log.info("resuming at epoch %d from the last checkpoint", start_epoch)
+    return start_epoch, record
+
+
 def report(
     metrics: dict[str, Any],
     rates: dict[str, float],
@@ -359,12 +373,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         collate_fn=collate_skipping_unreadable,
         worker_init_fn=decoding_worker_init,
     )
-    start_epoch, record = 0, Record()
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            start_epoch, record = load_checkpoint(Path(d) / CHECKPOINT_FILE, trainable, device)
-        log.info("resuming at epoch %d from the last checkpoint", start_epoch)
+    start_epoch, record = resume_point(trainable, device)
 
     telemetry = TrainingMetrics(Path(cfg.out).name) if rank == 0 else None
     clock = EpochClock(cfg.epochs, start_epoch)
