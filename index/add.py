@@ -103,13 +103,15 @@ def add_vectors(
     skipped: dict[str, int] | None = None,
     already_indexed: int | None = None,
     model_id: str | None = None,
+    compact: bool = True,
 ) -> ChangeReport:
     """Publish the live version of `index_root` + these rows (embedded already: `vectors`, row
     for row with `items`) as one new segment a shard they touch, and compact the shards then
     past `max_segments` or `max_deleted_fraction`. An id the live version holds is refused
     unless `upsert`, which tombstones its old row. `gate`: the add's gate on its new rows
     (none: not gated). `model_id`: the model that embedded them, which the live version must
-    have been built with. Writers of the root take their turns (`artifacts.writer_lock`): the
+    have been built with. `compact=False`: the caller compacts (a server, after the call's answer).
+    Writers of the root take their turns (`artifacts.writer_lock`): the
     live version is read, changed and published by this writer alone."""
     with artifacts.writer_lock(index_root):
         live = IndexVersion.open(index_root)
@@ -137,7 +139,7 @@ def add_vectors(
             model_id=model_id,
             gate=verdict,
         )
-        compacted = compact_if_due(index_root, keep, max_segments, max_deleted_fraction)
+        compacted = compact_if_due(index_root, keep, max_segments, max_deleted_fraction) if compact else None
         if compacted is not None:
             report.compacted_to = compacted.version
         return report

@@ -421,8 +421,12 @@ class CompactConfig:
 def run_compact(cfg: CompactConfig) -> ChangeReport | None:
     """`index compact`: the new version's report, or None when no shard has anything to merge."""
     artifacts.check_index_root(cfg.index_root)
+    # A task a shard on Ray where there are shards or a cluster to spread them on; one index on
+    # one machine is merged by this command's own process, which ends with it, without
+    # starting a local Ray for it (seconds, where an ingest's compaction takes fractions).
+    on_ray = bool(IndexManifest.read(artifacts.version_dir(cfg.index_root)).shards) or "RAY_ADDRESS" in os.environ
     done = compact_version(
-        cfg.index_root, cfg.keep, on_ray=True, only_due=cfg.max_segments > 0,
+        cfg.index_root, cfg.keep, on_ray=on_ray, only_due=cfg.max_segments > 0,
         max_segments=cfg.max_segments or MAX_SEGMENTS, max_deleted_fraction=cfg.max_deleted_fraction,
     )  # fmt: skip
     if done is None:

@@ -21,6 +21,7 @@ import json
 import logging
 import signal
 import socket
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -187,6 +188,8 @@ class SearchApp:
         self.http_port: int | None = None
         self._reload_lock = asyncio.Lock()
         self._remove_lock = asyncio.Lock()
+        self._compaction: asyncio.Task | None = None  # `index compact` after an ingest, in its own process
+        self._compact_again = False  # an ingest came while it ran: it runs once more
         self._stopping = threading.Event()  # ends the reclaim threads' waits
         self._watcher: asyncio.Task | None = None
         self._watched_failure: str | None = None
@@ -340,7 +343,7 @@ class SearchApp:
             config = self.config
             add = functools.partial(
                 add_vectors, config.index_root, vectors, rows, upsert=upsert, keep=config.keep_versions,
-                max_segments=config.max_segments, model_id=pair.model_id,
+                max_segments=config.max_segments, model_id=pair.model_id, compact=False,
             )  # fmt: skip
             loop = asyncio.get_running_loop()
             report = await loop.run_in_executor(None, add)
@@ -350,8 +353,8 @@ class SearchApp:
                 "%s added %d items via %s: version %s", who, len(rows), via, published.version,
                 extra={"index_version": published.version},
             )  # fmt: skip
-            try:  # CURRENT's: a compaction that followed the add published a version after it
-                _, new = await self.reload()
+            try:
+                _, new = await self.reload(published.version)
             except Exception as exc:
                 raise FailedPrecondition(
                     f"the items were added as version {published.version}, but loading it failed and the server "
@@ -363,7 +366,47 @@ class SearchApp:
             counts = published.rows
             added = counts.added if counts is not None else len(rows)
             replaced = (counts.replaced or 0) if counts is not None else 0
+            self._compact_soon()
             return Ingested(published.parent_version or "", new.version, added, replaced, new.index_version.size)
+
+    def _compact_soon(self) -> None:
+        """Compaction of the shards an ingest took past --max-segments, after the call has its answer:
+        `index compact` in a process of its own (the merge holds about three times a shard's rows,
+        which a server must not keep; on a Ray cluster, RAY_ADDRESS set, a task a shard), then the
+        version it published loaded. One at a time: an ingest meanwhile has it run once more after."""
+        self._compact_again = True
+        if self._compaction is None or self._compaction.done():
+            self._compaction = asyncio.get_running_loop().create_task(self._compactions(), name="compaction")
+
+    async def _compactions(self) -> None:
+        while self._compact_again and not self._stopping.is_set():
+            self._compact_again = False
+            await self._compacted()
+
+    async def _compacted(self) -> None:
+        config = self.config
+        command = [
+            sys.executable, "-m", "index", "compact", "--index-root", str(config.index_root),
+            "--max-segments", str(config.max_segments), "--keep", str(config.keep_versions), "--no-progress",
+        ]  # fmt: skip
+        before = artifacts.current_version(config.index_root)
+        process = await asyncio.create_subprocess_exec(
+            *command, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+        )
+        _, stderr = await process.communicate()
+        if process.returncode != 0:
+            said = stderr.decode(errors="replace").strip().splitlines()
+            log.warning("compaction after an ingest failed (exit %d): %s", process.returncode, said[-1] if said else "")
+            return
+        after = artifacts.current_version(config.index_root)
+        if after == before or self._stopping.is_set():
+            return
+        async with self._remove_lock:
+            if self.engine.loaded and self.engine.pair.version != after:
+                try:
+                    await self.reload(after)
+                except Exception as exc:  # noqa: BLE001 — the live version keeps serving; say why
+                    log.warning("compacted version %s was published but not loaded: %s", after, exc)
 
     async def rollback(
         self, version: str, model_dir: str | None, who: str, via: str, restore: bool, make_current: bool
@@ -453,6 +496,8 @@ class SearchApp:
         self._stopping.set()
         if self._watcher is not None:
             self._watcher.cancel()
+        if self._compaction is not None:
+            self._compaction.cancel()
         await self.health.enter_graceful_shutdown()
         await asyncio.gather(self.grpc_server.stop(grace), self.http.stop(grace))
         await self.batcher.stop()

@@ -121,3 +121,80 @@ def test_a_second_writer_waits_its_turn(tmp_path):
         with artifacts.writer_lock(root, wait_s=0.5):
             pass
     holder.wait()
+
+
+def _serve(root: Path) -> tuple[subprocess.Popen, int]:
+    """`python -m serving serve` over `root` with an admin token, and its gRPC port once serving."""
+    import json
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serving", "serve", "--index-root", str(root), "--port", "0", "--metrics-port", "none",
+         "--admin-token", "crash", "--probe-interval-s", "0", "--max-segments", "4"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    line = proc.stdout.readline()
+    assert line, "the server exited before it served"
+    return proc, json.loads(line)["port"]
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_server_mid_ingest_leaves_the_live_version_whole(tmp_path):
+    """AddItems while the server is killed: whatever moment the kill lands on (embedding, writing
+    the segment, publishing, compacting, swapping), the live version loads whole and holds every
+    row it held before and every item an AddItems call said it added."""
+    import threading
+
+    from protos.simsearch.v1 import search_pb2 as pb
+    from serving.client import SearchClient
+
+    data = support.catalog(N, DIM, 100)
+    model = support.model(tmp_path / "model", DIM)
+    root = tmp_path / "index"
+    support.publish(root, data, model, 1)
+    original = set(IndexVersion.open(root).items.ids)
+    confirmed: set[str] = set()
+    rng = random.Random(13)
+    vectors = np.random.default_rng(13)
+    kills = 0
+    for round_number in range(20):
+        proc, port = _serve(root)
+        client = SearchClient(f"127.0.0.1:{port}", timeout=30, admin_token="crash")
+        stop = threading.Event()
+
+        def ingest(first: int, client: SearchClient, stop: threading.Event) -> None:
+            for call in range(10**6):
+                if stop.is_set():
+                    return
+                ids = [f"ingest-{first}-{call}-{i}" for i in range(3)]
+                rows = vectors.standard_normal((3, DIM))
+                rows /= np.linalg.norm(rows, axis=1, keepdims=True)
+                items = [
+                    pb.NewItem(id=i, embedding=pb.Embedding(values=v), metadata={"item": i, "shade": "0"})
+                    for i, v in zip(ids, rows, strict=True)
+                ]
+                try:
+                    client.add_items(items, timeout=30)
+                except Exception:  # noqa: BLE001 — the kill ends the calls
+                    return
+                confirmed.update(ids)
+
+        caller = threading.Thread(target=ingest, args=(round_number, client, stop))
+        caller.start()
+        time.sleep(rng.uniform(0.2, 2.5))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.wait()
+        stop.set()
+        caller.join(60)
+        client.close()
+        live = IndexVersion.open(root).load(dim=DIM)  # whole: its files agree with its manifest
+        held = (
+            set(live.items.ids)
+            if live.live_mask is None
+            else {live.items.ids[r] for r in np.flatnonzero(live.live_mask)}
+        )
+        assert original <= held and confirmed <= held, sorted(confirmed - held)[:5]
+    assert kills >= 20 and len(confirmed) >= 3 * 20  # the kills landed on servers that were ingesting
+    add_vectors(root, *_new_rows(3, seed=6))  # the next writer clears what the killed ones left
+    assert not list((root / artifacts.VERSIONS).glob(".staging-*"))

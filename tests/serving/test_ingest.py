@@ -16,10 +16,11 @@ import requests
 from PIL import Image
 
 from core import artifacts
+from index.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.checks import MAX_ADD_ITEMS
 from tests.support.index import SIDE, write_catalog_index
-from tests.support.server import connect, start
+from tests.support.server import connect, start, wait_for
 
 ADMIN = "ingest-s3cret"
 DIM = 16  # the tiny model's
@@ -214,3 +215,36 @@ def test_a_call_without_the_admin_token_is_refused(served):
     assert post(base, "/v1/admin/add-items", body, token=None).status_code == 401
     assert post(base, "/v1/admin/add-items", body, token="wrong").status_code == 403
     assert nearest(client, embedding=pb.Embedding(values=unit(6))).neighbors[0].id != "sneaky"
+
+
+def test_ingests_past_max_segments_are_compacted_after_their_answer_and_the_result_served(tmp_path):
+    """An ingest answers once its own segment is served; the compaction it makes due (more than
+    --max-segments) runs after, as `index compact` in a process of its own, and the server then
+    serves the merged version: at most --max-segments segments, every ingested item found."""
+    root = write_catalog_index(tmp_path, items=12)
+    server, client = start(root, admin_token=ADMIN, max_segments=2)
+    try:
+        answered = []
+        for call in range(4):
+            item = pb.NewItem(
+                id=f"seg-{call}", embedding=pb.Embedding(values=unit(200 + call)), metadata={"shade": "1"}
+            )
+            answered.append(client.add_items([item]).index_version)
+        # Each call was answered from a version holding its own item (an ingest after a compaction
+        # adds to the compacted version).
+        for call, version in enumerate(answered):
+            assert IndexVersion(artifacts.version_dir(root, version)).row_of(f"seg-{call}") is not None
+
+        def compacted() -> bool:  # what the last ingest left is merged once due, and served
+            live = IndexVersion.open(root)
+            return len(live.manifest.segments or []) <= 2 and client.get_info().index_version == live.name
+
+        wait_for(compacted)
+        made = [IndexVersion(path).manifest for path in (root / artifacts.VERSIONS).iterdir() if path.is_dir()]
+        assert any("compacted" in " ".join(m.quality_gate.reasons) for m in made if m.quality_gate)
+        for call in range(4):
+            found = nearest(client, embedding=pb.Embedding(values=unit(200 + call)))
+            assert found.neighbors[0].id == f"seg-{call}"
+    finally:
+        client.close()
+        server.stop(grace=1)
