@@ -107,6 +107,10 @@ class AdminService:
                     "probeQueries": quality.probe_queries if quality else None,
                     "created": m.created,
                     "parentVersion": m.parent_version,
+                    "shards": len(m.shards) if m.shards else 1,
+                    # Segments: the version's, or its shards' together (0: a version from before segments).
+                    "segments": len(m.segments) if m.segments else sum(len(e.segments or []) for e in m.shards or []),
+                    "textModelId": m.text_model_id,
                 }
             )
         return listed

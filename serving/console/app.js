@@ -1176,8 +1176,20 @@
             fmtInt(v.size),
             v.deletedRows ? el("div", { class: "muted small" }, `−${fmtInt(v.deletedRows)} removed`) : null,
           ),
-          el("td", null, v.factory || "—"),
-          el("td", null, el("code", null, v.modelId || "—")),
+          el(
+            "td",
+            null,
+            v.factory || "—",
+            layout(v) ? el("div", { class: "muted small version-layout" }, layout(v)) : null,
+          ),
+          el(
+            "td",
+            null,
+            el("code", null, v.modelId || "—"),
+            v.textModelId
+              ? el("div", { class: "muted small text-model" }, "words: ", el("code", null, v.textModelId))
+              : null,
+          ),
           el("td", { class: "num" }, fmtPct(v.annRecall)),
           sortedK.map((k) => probeCell(v, k)),
           actions,
@@ -1187,6 +1199,14 @@
     table.append(body);
     const live = ordered.find((v) => v.live);
     if (live && $("neighbours-figure").hidden) showNeighbours(live.version);
+  }
+
+  // How a version's rows lie: its shards and segments (a change writes a segment, compaction merges them).
+  function layout(v) {
+    const parts = [];
+    if (v.shards > 1) parts.push(`${v.shards} shards`);
+    if (v.segments) parts.push(`${v.segments} segment${v.segments === 1 ? "" : "s"}`);
+    return parts.join(" · ");
   }
 
   // A version's probe Recall@K, with its 95% interval below it where the build measured one

@@ -520,6 +520,12 @@ def test_versions_show_the_probe_interval_and_never_round_a_lesser_recall_up_to_
             for v in (console.old, console.new)
         }
         assert cells[console.old][4].text == "99.95%"
+        # The newer version answers words (issue 49): its text model under its model.
+        assert cells[console.new][3].text.splitlines() == [
+            console.client.get_info().model_id,
+            "words: tinytext00000000",
+        ]
+        assert not cells[console.old][3].find_elements(By.CLASS_NAME, "text-model")
         probe = cells[console.new][5]  # Probe R@1
         interval = probe.find_element(By.CSS_SELECTOR, ".probe-interval").text
         low, high = (float(p.rstrip("%")) for p in interval.split("–"))
@@ -845,3 +851,28 @@ def test_relevance_buttons_fit_and_the_region_box_follows_the_picture(catalog_pa
     finally:
         page.set_window_size(original["width"], original["height"])
     screenshot(page, "search-region")
+
+
+def test_versions_show_how_their_rows_lie_in_segments(page, console):
+    """Issue 48: a takedown writes tombstones and an ingest a segment; the Versions page says how
+    many segments (and shards) each version's rows lie in, as its manifest does."""
+    from core.manifests import IndexManifest
+
+    dim = console.client.get_info().embedding_dim
+    vector = pb.Embedding(values=[1.0] + [0.0] * (dim - 1))
+    added = console.client.add_items([pb.NewItem(id="console-added", embedding=vector, label="console")])
+    open_page(page, console, "versions")
+    use_admin_token(page)
+    wait(page, lambda d: d.find_elements(By.CSS_SELECTOR, f'#versions-table tr[data-version="{added.index_version}"]'),
+         "the ingested version")  # fmt: skip
+    for version in artifacts.list_versions(console.root):
+        manifest = IndexManifest.read(artifacts.version_dir(console.root, version))
+        cell = page.find_elements(By.CSS_SELECTOR, f'#versions-table tr[data-version="{version}"] td')[2]
+        layout = cell.find_elements(By.CLASS_NAME, "version-layout")
+        if manifest.segments:
+            count = len(manifest.segments)
+            assert layout and layout[0].text == f"{count} segment{'s' if count > 1 else ''}", version
+        else:
+            assert not layout, version
+    assert len(IndexManifest.read(artifacts.version_dir(console.root, added.index_version)).segments) >= 2
+    screenshot(page, "versions-segments")
