@@ -4,37 +4,17 @@ miniature replicas of the benchmark datasets in their published layouts."""
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.support.datasets import write_replica
-from tests.support.training import output_of, output_of_run, start_training
+from tests.support.training import finish, kill_run, output_of_run, start_training, wait_for_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_for_checkpoint(out: Path, process: subprocess.Popen, timeout: float = 240) -> None:
-    """Until the first epoch's checkpoint is registered (the one before it is the start's, the
-    untrained network: resuming from it would look like starting over)."""
-    storage = out.with_name(f".{out.name}.work") / "ray" / "train"
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        # Ray has registered a checkpoint (not just written it) once its snapshot names one.
-        snapshot = storage / "checkpoint_manager_snapshot.json"
-        try:
-            if len(set(re.findall(r"checkpoint_[0-9T:.\-_]+", snapshot.read_text()))) >= 2:
-                return
-        except OSError:
-            pass
-        assert process.poll() is None, output_of(process)
-        time.sleep(0.2)
-    raise AssertionError("no checkpoint appeared")
 
 
 def train_workers(driver: subprocess.Popen) -> list[psutil.Process]:
@@ -43,11 +23,6 @@ def train_workers(driver: subprocess.Popen) -> list[psutil.Process]:
         for p in psutil.Process(driver.pid).children(recursive=True)
         if "RayTrainWorker" in " ".join(p.cmdline() or [p.name()])
     ]
-
-
-def finish(process: subprocess.Popen, timeout: float = 400) -> None:
-    process.wait(timeout=timeout)
-    assert process.returncode == 0, output_of(process)
 
 
 @pytest.mark.slow
@@ -71,13 +46,7 @@ def test_stopped_run_continues_with_resume(tmp_path):
     out = tmp_path / "run"
     process = start_training(out)
     wait_for_checkpoint(out, process)
-    family = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
-    for p in family:  # the driver and its local Ray cluster die at once, as on a lost machine
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    process.wait(timeout=30)
+    kill_run(process)
     assert not (out / "results.json").exists()
     finish(start_training(out, "--resume"))
     results = json.loads((out / "results.json").read_text())
