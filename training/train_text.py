@@ -70,6 +70,8 @@ from core.config import DEVICES, option, to_jsonable
 from core.manifests import ModelManifest
 from core.metrics import query_gallery_recall_at_k, stable_order
 from core.text import TOKENIZER_FILE, TextTokenizer
+from index.embed import check_bad_rows, embed_catalog
+from index.embedder import OnnxEmbedder
 from training.losses.image_text import ImageTextContrastiveLoss
 from training.telemetry import EpochClock, epoch_logger
 from training.text_models import LitTowerSpec, TextEmbeddingNet, build_lit_tower
@@ -120,7 +122,9 @@ class TrainTextConfig:
         0.2, help="fraction of each seen class's images held out of text training, to measure on"
     )
     split_seed: int = option(0, help="seed of the held-out images")
-    context_length: int = option(LitTowerSpec.context_length, help="token ids a caption may take, start and end included")
+    context_length: int = option(
+        LitTowerSpec.context_length, help="token ids a caption may take, start and end included"
+    )
     tower_width: int = option(LitTowerSpec.width, help="the text transformer's width")
     tower_heads: int = option(LitTowerSpec.heads, help="its attention heads")
     tower_layers: int = option(LitTowerSpec.layers, help="its layers")
@@ -339,12 +343,8 @@ def tokenize(texts: Sequence[str], tokenizer: TextTokenizer) -> np.ndarray:
     return tokenizer.encode(list(texts))
 
 
-def embed(catalog: Catalog, cfg: TrainTextConfig) -> tuple[Catalog, np.ndarray]:
+def embed(catalog: Catalog, embedder: OnnxEmbedder, cfg: TrainTextConfig) -> tuple[Catalog, np.ndarray]:
     """The locked image model's embeddings of a catalog's readable images, and those rows."""
-    from index.embed import check_bad_rows, embed_catalog
-    from index.embedder import OnnxEmbedder
-
-    embedder = OnnxEmbedder(cfg.model, provider=cfg.device)
     embeddings, kept, skipped = embed_catalog(catalog, embedder, progress=cfg.progress)
     check_bad_rows(len(catalog), len(kept), skipped, cfg.max_bad_fraction)
     return catalog.subset(kept), embeddings
@@ -372,7 +372,8 @@ def prepare_data(
     text_index = {t: i for i, t in enumerate(texts)}
 
     catalogs: dict[str, Catalog] = {}
-    seen_kept, seen_embeddings = embed(with_captions(seen, captions["seen"]), cfg)
+    embedder = OnnxEmbedder(cfg.model, provider=cfg.device)
+    seen_kept, seen_embeddings = embed(with_captions(seen, captions["seen"]), embedder, cfg)
     held = heldout_rows(seen_kept, cfg.heldout_fraction, cfg.split_seed)
     if not held.any():
         raise ValueError(f"{seen.source}: no seen class has two images, so none can be held out to measure on")
@@ -382,7 +383,7 @@ def prepare_data(
     )
     parts = {"heldout": (catalogs["heldout"], seen_embeddings[held])}
     if unseen is not None:
-        catalogs["unseen"], unseen_embeddings = embed(with_captions(unseen, captions["unseen"]), cfg)
+        catalogs["unseen"], unseen_embeddings = embed(with_captions(unseen, captions["unseen"]), embedder, cfg)
         parts["unseen"] = (catalogs["unseen"], unseen_embeddings)
 
     def texts_of(catalog: Catalog) -> np.ndarray:
