@@ -10,6 +10,7 @@ and an id is found through a sorted array of 64-bit hashes of the ids.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -150,7 +151,7 @@ class ItemTable:
             )
         )
 
-    def _set(self, table: pa.Table) -> None:
+    def _set(self, table: pa.Table, parts: Sequence[tuple[ItemTable, int]] = ()) -> None:
         missing = [c for c in COLUMNS if c not in table.column_names]
         if missing:
             raise ValueError(f"items table has no {', '.join(missing)} column")
@@ -161,9 +162,24 @@ class ItemTable:
         if self.ids.array.null_count:
             raise ValueError("items table has rows without an id")
         self.labelled = self.labels.array.null_count == 0
+        self._parts = list(parts)
+
+    @functools.cached_property
+    def _lookup(self) -> tuple[np.ndarray, np.ndarray]:
+        """id → rows: the rows in the order of their ids' hashes, and those hashes (16 bytes a row,
+        made on the first lookup: a table that is only read row by row never pays for it)."""
         hashes = string_hashes(self.ids.array)
-        self._order = np.argsort(hashes, kind="stable")
-        self._sorted_hashes = hashes[self._order]
+        order = np.argsort(hashes, kind="stable")
+        return order, hashes[order]
+
+    @classmethod
+    def joined(cls, parts: Sequence[ItemTable]) -> ItemTable:
+        """The rows of `parts`, one after another, sharing their strings and their id lookups: a
+        segmented version's items, whose reload builds nothing for the segments it keeps."""
+        items = cls.__new__(cls)
+        offsets = np.cumsum([0] + [len(part) for part in parts[:-1]]).tolist()
+        items._set(pa.concat_tables([part.to_arrow() for part in parts]), list(zip(parts, offsets, strict=True)))
+        return items
 
     @classmethod
     def from_arrow(cls, table: pa.Table) -> ItemTable:
@@ -180,10 +196,15 @@ class ItemTable:
     def rows_of(self, item_id: str) -> Iterator[int]:
         """Every row holding `item_id`, in row order: one, except in a version whose removed rows
         are still in its index (deleted.npy) when the id came back."""
+        if self._parts:
+            for part, offset in self._parts:
+                yield from (offset + row for row in part.rows_of(item_id))
+            return
+        order, hashes = self._lookup
         key = _string_hash(item_id)
-        lo = int(np.searchsorted(self._sorted_hashes, key, side="left"))
-        while lo < len(self._sorted_hashes) and self._sorted_hashes[lo] == key:
-            row = int(self._order[lo])
+        lo = int(np.searchsorted(hashes, key, side="left"))
+        while lo < len(hashes) and hashes[lo] == key:  # a stable sort: equal hashes in row order
+            row = int(order[lo])
             if self.ids[row] == item_id:
                 yield row
             lo += 1

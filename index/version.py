@@ -37,7 +37,6 @@ from typing import TypeVar
 
 import faiss
 import numpy as np
-import pyarrow as pa
 
 from core import artifacts
 from core.artifacts import ArtifactError
@@ -242,8 +241,8 @@ class IndexVersion:
     def items(self) -> ItemTable:
         parts = self._parts()
         if parts is not None:
-            # Chunked, not joined: the segments' strings are shared with every version keeping them.
-            return ItemTable.from_arrow(pa.concat_tables([part.items.to_arrow() for part in parts[0]]))
+            # Chunked, not copied: the segments' strings and id lookups are shared with every version keeping them.
+            return ItemTable.joined([part.items for part in parts[0]])
         return self._read(ItemTable.read, artifacts.ITEMS_FILE, "an items table")
 
     @functools.cached_property

@@ -211,6 +211,12 @@ def test_a_version_opened_beside_its_parent_shares_the_segments_it_keeps(tmp_pat
         assert child.segment(number).index is parent.segment(number).index
     assert isinstance(child.vectors, RowBlocks) and len(child.vectors.blocks) == 3
     assert child.vectors.blocks[0].ctypes.data == parent.vectors.blocks[0].ctypes.data  # one map
+    # Ids are looked up in each segment's own table, built once for every version keeping it: the
+    # version's table holds no lookup of its own (16 bytes a row, a sort of every id, per reload).
+    assert parent.row_of("id00005") == child.row_of("id00005") == 5
+    assert child.row_of(items.ids[2]) == len(child.items) - 1 and parent.row_of(items.ids[2]) is None
+    assert "_lookup" not in vars(child.items) and "_lookup" in vars(child.segment(0).items)
+    assert list(child.items.rows_of("no-such-id")) == []
 
 
 def test_bad_rows_are_refused_precisely(tmp_path):
