@@ -15,7 +15,8 @@ HELP = {
     "train": "train an embedding model with Ray Train",
     "train-text": "train a text tower into a locked image model's space (LiT) with Ray Train",
     "benchmark": "train several losses × seeds under one protocol and tabulate test Recall@K",
-    "export": "export a training run, or a pretrained network as it is, to a verified ONNX model artifact",
+    "export": "export a training run, or a pretrained network as it is, to a verified ONNX model artifact; "
+    "a train-text run to a text model artifact (--text); open_clip weights to both (--backbone open_clip:<config>)",
 }
 
 
@@ -99,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "export":
             from training.export import ExportConfig, run_export
 
-            print(run_export(from_cli(ExportConfig, args)))
+            cfg = from_cli(ExportConfig, args)
+            print(run_export(cfg))
+            if cfg.text_out is not None:  # open_clip's text tower, published beside the image model
+                print(cfg.text_out)
 
     return run_cli(command, verbose=bool(args.verbose))
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import torch
+from torch import nn
 
 from core.artifacts import MODEL_FILE, ArtifactError, file_sha256, staging_directory, utc_now
 from core.catalog import Catalog, read_catalog
@@ -30,13 +31,17 @@ from training.backbone_specs import ALL_POOLINGS
 from training.data import load_images
 from training.evaluate import embed_images
 from training.models import EmbeddingNet, check_backbone, input_contract
+from training.open_clip_models import OpenClipTowers, config_name, is_open_clip, load_open_clip, open_clip_contract
+from training.parity import DEFAULT_OPSET, MIN_PARITY_COSINE, ExportError, cosine_parity
 from training.train import CHECKPOINT_FILE, RESULTS_FILE
+from training.train_text import RUN_CHECKPOINT
 from training.weight_files import WEIGHTS_HELP, resolve_weights
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OPSET = 18
-MIN_PARITY_COSINE = 0.9999
+DEFAULT_TEXT_RUN = "runs/text"  # where `training train-text` publishes by default
+DEFAULT_TEXT_NAME = "text-model"
+DEFAULT_TEXT_OUT = f"runs/{DEFAULT_TEXT_NAME}"
 
 
 def _fp16(source: Path, target: Path) -> None:
@@ -55,18 +60,25 @@ def _int8(source: Path, target: Path) -> None:
 VARIANTS = {"fp16": _fp16, "int8": _int8}
 
 
-class ExportError(RuntimeError):
-    """The exported model is invalid or does not match PyTorch."""
-
-
 @dataclass
 class ExportConfig:
     """`training export`: a training run, or a pretrained network as it is (day one, no labels:
-    the trunk and its pooling, L2-normalised, no head), to a verified ONNX model artifact."""
+    the trunk and its pooling, L2-normalised, no head), to a verified ONNX model artifact; with
+    `--text`, a train-text run's tower to a text model artifact; with `--backbone open_clip:<config>`,
+    both towers of the user's open_clip weights, an image model and a text model."""
 
-    run: str | None = option(None, help="training run directory (default: runs/train unless --pretrained is given)")
+    run: str | None = option(
+        None,
+        help="training run directory (default: runs/train unless --pretrained is given; with --text: a train-text "
+        "run, default runs/text)",
+    )
+    text: bool = option(
+        False, help="export a train-text run's text tower (--run) to a text model artifact instead of an image model"
+    )
     backbone: str | None = option(
-        None, help="with --pretrained: export this network with no training run (a name, or timm:<architecture>)"
+        None,
+        help="with --pretrained: export this network with no training run (a name, timm:<architecture>, or "
+        "open_clip:<config> — both towers, the text one to --text-out)",
     )
     pretrained: str | None = option(
         None,
@@ -79,12 +91,24 @@ class ExportConfig:
         "map of a transformer's tokens); default: the backbone's own",
     )
     image_size: int | None = option(None, help="with --pretrained: input side in px (default: the backbone's)")
+    open_clip_tag: str | None = option(
+        None,
+        help="with --backbone open_clip:<config>: the pretrained tag the weights are (e.g. laion2b_s34b_b79k), "
+        "whose image preprocessing — mean/std, filter — open_clip's own table gives (nothing downloaded); default: "
+        "the config's (OpenAI's mean/std, bicubic)",
+    )
     parity_catalog: str | None = option(
         None,
         help="images to check ONNX against PyTorch on (default: the run's test split; with --pretrained, "
         "which has no run, random pixels)",
     )
-    out: str = option("runs/model", help="model artifact directory to publish")
+    out: str | None = option(
+        None, help="artifact directory to publish (default: runs/model; with --text: runs/text-model)"
+    )
+    text_out: str | None = option(
+        None,
+        help="with --backbone open_clip:<config>: the text model artifact directory (default: text-model beside --out)",
+    )
     opset: int = option(DEFAULT_OPSET, help="ONNX opset")
     parity_images: int = option(256, help="images the parity check embeds with both runtimes")
     min_cosine: float = option(MIN_PARITY_COSINE, help="least cosine between ONNX and PyTorch embeddings")
@@ -100,12 +124,23 @@ class ExportConfig:
             raise ValueError(f"unknown variant(s) {', '.join(unknown)}; available: {', '.join(VARIANTS)}")
         if self.parity_images <= 0:
             raise ValueError("parity_images must be positive")
+        if self.text:
+            self._check_text()
+            return
+        open_clip = is_open_clip(self.backbone)
+        for name, value in (("--text-out", self.text_out), ("--open-clip-tag", self.open_clip_tag)):
+            if value is not None and not open_clip:
+                raise ValueError(f"{name} goes with --backbone open_clip:<config> (its text tower's artifact)")
+        self.out = self.out or "runs/model"
         if self.pretrained is not None or self.backbone is not None:
             if self.run is not None:
                 raise ValueError("export takes --run (a training run) or --backbone with --pretrained, not both")
             if self.pretrained is None or self.backbone is None:
                 raise ValueError("exporting a pretrained network needs both --backbone and --pretrained")
-            self.pooling = check_backbone(self.backbone, self.pooling, self.image_size)
+            if open_clip:
+                self._check_open_clip()
+            else:
+                self.pooling = check_backbone(self.backbone, self.pooling, self.image_size)
             if self.variants and self.parity_catalog is None:
                 raise ValueError(
                     "--variants measure their recall on labelled images: a training run's test split, or with "
@@ -114,15 +149,57 @@ class ExportConfig:
             return
         self.run = self.run or "runs/train"
 
+    def _check_text(self) -> None:
+        """`--text`: a train-text run, and none of the image export's options."""
+        image_only = {
+            "--backbone": self.backbone,
+            "--pretrained": self.pretrained,
+            "--pooling": self.pooling,
+            "--image-size": self.image_size,
+            "--open-clip-tag": self.open_clip_tag,
+            "--parity-catalog": self.parity_catalog,
+            "--text-out": self.text_out,
+            "--variants": self.variants or None,
+        }
+        given = [flag for flag, value in image_only.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"--text exports a train-text run (--run) to --out; {', '.join(given)} "
+                f"{'is' if len(given) == 1 else 'are'} for an image model's export"
+            )
+        self.run = self.run or DEFAULT_TEXT_RUN
+        self.out = self.out or DEFAULT_TEXT_OUT
+
+    def _check_open_clip(self) -> None:
+        """`--backbone open_clip:<config>`: a config open_clip ships whose text tower reads CLIP
+        BPE ids; it pools and sizes itself; its text model goes beside the image model."""
+        for flag, value in (("--pooling", self.pooling), ("--image-size", self.image_size)):
+            if value is not None:
+                raise ValueError(
+                    f"{flag}: an open_clip image tower pools and sizes its input as its config says ({self.backbone})"
+                )
+        open_clip_contract(self.backbone, self.open_clip_tag)  # the config, its tokenizer, the tag
+        self.text_out = self.text_out or str(Path(self.out).with_name(DEFAULT_TEXT_NAME))
+        if Path(self.text_out).resolve() == Path(self.out).resolve():
+            raise ValueError(f"--text-out {self.text_out} is --out: the image and text models are two artifacts")
+
     def check_inputs(self) -> None:
         """What reads files, before anything is built: the run, the weights, the parity images."""
+        if self.text:
+            if not (Path(self.run) / RUN_CHECKPOINT).is_file():
+                raise ValueError(
+                    f"--run {self.run}: no {RUN_CHECKPOINT}, not a train-text run; pass --run a directory "
+                    "`python -m training train-text` published (its --out)"
+                )
+            return
         if self.parity_catalog is not None and not Path(self.parity_catalog).exists():
             raise ValueError(f"--parity-catalog {self.parity_catalog} does not exist")
         if self.variants and self.pretrained is not None:
             read_catalog(self.parity_catalog).require_labels("measuring --variants' recall")
         if self.pretrained is not None:
             resolve_weights(self.pretrained)
-            input_contract(self.backbone, self.image_size, self.pretrained)  # a folder's config.json
+            if not is_open_clip(self.backbone):
+                input_contract(self.backbone, self.image_size, self.pretrained)  # a folder's config.json
         elif not (Path(self.run) / CHECKPOINT_FILE).is_file():
             raise ValueError(f"{self.run}: no {CHECKPOINT_FILE}; pass a training run directory")
 
@@ -155,24 +232,10 @@ def export_onnx(model: EmbeddingNet, contract: InputContract, path: Path, opset:
     onnx.checker.check_model(str(path), full_check=True)
 
 
-def parity_check(model: EmbeddingNet, model_dir: Path, images: np.ndarray, min_cosine: float) -> dict[str, float]:
+def parity_check(model: nn.Module, model_dir: Path, images: np.ndarray, min_cosine: float) -> dict[str, float]:
     """Cosine between ONNX Runtime and PyTorch embeddings for every image."""
     reference = embed_images(model, images)
-    onnx_out = OnnxEmbedder(model_dir, provider="cpu").embed(images)
-    cosine = np.sum(reference * onnx_out, axis=1) / (
-        np.linalg.norm(reference, axis=1) * np.linalg.norm(onnx_out, axis=1)
-    )
-    result = {
-        "images": int(len(images)),
-        "min_cosine": float(cosine.min()),
-        "max_abs_diff": float(np.abs(reference - onnx_out).max()),
-    }
-    if result["min_cosine"] < min_cosine:
-        raise ExportError(
-            f"ONNX Runtime and PyTorch disagree: min cosine {result['min_cosine']:.6f} < "
-            f"{min_cosine} over {len(images)} images"
-        )
-    return result
+    return cosine_parity(reference, OnnxEmbedder(model_dir, provider="cpu").embed(images), min_cosine, "images")
 
 
 def _trained_source(cfg: ExportConfig) -> tuple[EmbeddingNet, InputContract, dict, Path | None]:
@@ -233,10 +296,36 @@ def parity_images(catalog: Catalog, contract: InputContract, count: int) -> np.n
     return np.stack(arrays) if arrays else None
 
 
+def _open_clip_source(cfg: ExportConfig, towers: OpenClipTowers) -> tuple[nn.Module, InputContract, dict, None]:
+    """open_clip's image tower with the user's weights, as it is: its own pooling and projection
+    into the space its text tower shares, L2-normalised."""
+    fields = {
+        "backbone": cfg.backbone,
+        "embedding_dim": towers.embedding_dim,
+        "pooling": None,  # the tower's own (a class token, attention pooling, a ResNet's attention pool)
+        "loss": None,
+        "pretrained": {"source": cfg.pretrained, "sha256": file_sha256(towers.weights), "tag": cfg.open_clip_tag},
+        "training_data": None,
+        "evaluation": None,
+        "config": {"train": None, "open_clip": towers.config},
+    }
+    return towers.image, towers.contract, fields, None
+
+
 def run_export(cfg: ExportConfig) -> Path:
+    """Export what `cfg` names and return the artifact published: the image model's (with
+    `--backbone open_clip:<config>`, its text model too, at `cfg.text_out`), or with `--text` the
+    text model's."""
     cfg.check_inputs()
-    source = _pretrained_source if cfg.pretrained else _trained_source
-    model, contract, fields, test_split = source(cfg)
+    if cfg.text:
+        return run_text_export(cfg)
+    towers = None
+    if is_open_clip(cfg.backbone):
+        towers = load_open_clip(cfg.backbone, cfg.pretrained, cfg.open_clip_tag)
+        model, contract, fields, test_split = _open_clip_source(cfg, towers)
+    else:
+        source = _pretrained_source if cfg.pretrained else _trained_source
+        model, contract, fields, test_split = source(cfg)
     parity_catalog = Path(cfg.parity_catalog) if cfg.parity_catalog else test_split
     out = Path(cfg.out)
     with staging_directory(out) as staging:
@@ -270,12 +359,45 @@ def run_export(cfg: ExportConfig) -> Path:
         # What the check ran on, in the manifest and the log: random pixels are not real images.
         manifest.parity = {**parity_check(model, staging, images, cfg.min_cosine), "source": source}
         manifest.write(staging)
+        if towers is not None:
+            # Inside the image model's staging: a text tower that fails its parity publishes
+            # neither, and the text model names an image model that exists.
+            _export_open_clip_text(cfg, towers, model_id, manifest.pretrained or {})
     log.info("exported model %s to %s (parity %s)", model_id, out, manifest.parity)
     # A day-one export has no test split: its variants are measured on its labelled parity images.
     ks = (config["train"] or {}).get("ks", [1, 2, 4, 8])
     for name in cfg.variants:
         export_variant(out, name, Path(cfg.parity_catalog) if cfg.pretrained else test_split, ks)
     return out
+
+
+def _export_open_clip_text(cfg: ExportConfig, towers: OpenClipTowers, model_id: str, pretrained: dict) -> Path:
+    from training.text_export import DEFAULT_PARITY_TEXTS, export_text_model
+
+    assert cfg.backbone is not None and cfg.text_out is not None
+    source = {"kind": "open_clip", "config": config_name(cfg.backbone), **pretrained}
+    return export_text_model(
+        towers.text, cfg.text_out, model_id, source, DEFAULT_PARITY_TEXTS, opset=cfg.opset, min_cosine=cfg.min_cosine
+    )
+
+
+def run_text_export(cfg: ExportConfig) -> Path:
+    """`export --text`: a train-text run's tower (`training.train_text.load_text_run`) to the text
+    model artifact `cfg.out`, checked on the captions the run measured on."""
+    from training.text_export import export_text_model
+    from training.train_text import load_text_run
+
+    run = load_text_run(cfg.run)
+    return export_text_model(
+        run.net,
+        cfg.out,
+        run.image_model_id,
+        run.source,
+        run.parity_texts,
+        run.evaluation or None,
+        opset=cfg.opset,
+        min_cosine=cfg.min_cosine,
+    )
 
 
 def export_variant(base: Path, name: str, test_catalog: Path, ks: list[int]) -> Path:

@@ -15,7 +15,6 @@ Imported only when a timm backbone is named: timm takes seconds to import.
 from __future__ import annotations
 
 import difflib
-import os
 import sys
 from dataclasses import dataclass
 from functools import lru_cache
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 
 from training.backbone_specs import POOLINGS, TOKEN_POOLINGS, BackboneSpec, TrunkOptions
-from training.weight_files import folder_config, key_mismatch
+from training.weight_files import check_weights_fit, folder_config, hub_offline
 
 # Our pooling names → timm's global_pool for feature-map (CNN) heads. timm's avgmax is the
 # mean of the two, ours (`Pooling`) their sum: the same direction, which is all an L2-normalised
@@ -39,14 +38,9 @@ TOKEN_DEFAULTS = {"token": "cls", "avg": "mean", "map": "map"}
 def _timm():
     """timm, imported with the hub switched off: nothing here may reach a network, and timm
     only ever creates architectures (pretrained=False)."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
-    os.environ["HF_HUB_DISABLE_IMPLICIT_TOKEN"] = "1"
+    hub_offline()
     import timm
 
-    hub = sys.modules.get("huggingface_hub.constants")
-    if hub is not None:  # imported before the switch was set: its constants were read already
-        hub.HF_HUB_OFFLINE = True
     return timm
 
 
@@ -278,25 +272,18 @@ def load_timm_weights(trunk: nn.Module, state: dict[str, torch.Tensor], arch: st
     heads = (classifier,) if isinstance(classifier, str) else tuple(classifier)
     # The checkpoint's classifier (ImageNet logits, CLIP's text projection) is not part of a trunk.
     state = {k: v for k, v in state.items() if k in expected or not k.startswith(tuple(f"{h}." for h in heads))}
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    parts = key_mismatch(
-        missing,
-        unexpected,
-        lambda keys: f"first missing key {keys[0]!r} ({len(keys)} missing)",
-        lambda keys: f"first unexpected key {keys[0]!r} ({len(keys)} unexpected)",
+    check_weights_fit(
+        state,
+        expected,
+        name,
+        "architecture",
+        "weights of another architecture?",
+        lambda key: (
+            "; timm cannot resample this architecture's position embeddings: use its --image-size"
+            if "pos_embed" in key
+            else ""
+        ),
     )
-    if parts:
-        raise ValueError(f"weights do not fit {name}: {', '.join(parts)} — weights of another architecture?")
-    for key, value in state.items():
-        if tuple(value.shape) != tuple(expected[key].shape):
-            why = ""
-            if "pos_embed" in key:
-                why = "; timm cannot resample this architecture's position embeddings: use its --image-size"
-            raise ValueError(
-                f"weights do not fit {name}: {key!r} is {list(value.shape)} in the file, "
-                f"{list(expected[key].shape)} in the architecture{why}"
-            )
     model.load_state_dict(state, strict=True)
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,6 +32,17 @@ WEIGHTS_ACCEPTED = (
 )
 WEIGHTS_HELP = f"weights: {WEIGHTS_ACCEPTED} (never downloaded)"
 WEIGHTS_DOC = "docs/architecture.md, 'Weights for timm trunks'"
+
+
+def hub_offline() -> None:
+    """Switch the Hugging Face hub off before timm or open_clip is imported: they only ever
+    create architectures here, and nothing may reach a network."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+    os.environ["HF_HUB_DISABLE_IMPLICIT_TOKEN"] = "1"
+    hub = sys.modules.get("huggingface_hub.constants")
+    if hub is not None:  # imported before the switch was set: its constants were read already
+        hub.HF_HUB_OFFLINE = True
 
 
 def resolve_weights(source: str | Path) -> Path:
@@ -164,3 +177,31 @@ def key_mismatch(
     if unexpected:
         parts.append(say_unexpected(unexpected))
     return parts
+
+
+def check_weights_fit(
+    state: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    name: str,
+    built_from: str,
+    other: str,
+    shape_hint: Callable[[str], str] = lambda key: "",
+) -> None:
+    """ValueError "weights do not fit `name`" unless `state` has exactly the keys of `expected`
+    (the first missing and unexpected ones named, then `other`: what the file may be instead),
+    each of its shape (the key named, both shapes, the `built_from` — "architecture", "config" —
+    and `shape_hint(key)`)."""
+    parts = key_mismatch(
+        [k for k in expected if k not in state],
+        [k for k in state if k not in expected],
+        lambda keys: f"first missing key {keys[0]!r} ({len(keys)} missing)",
+        lambda keys: f"first unexpected key {keys[0]!r} ({len(keys)} unexpected)",
+    )
+    if parts:
+        raise ValueError(f"weights do not fit {name}: {', '.join(parts)} — {other}")
+    for key, value in state.items():
+        if tuple(value.shape) != tuple(expected[key].shape):
+            raise ValueError(
+                f"weights do not fit {name}: {key!r} is {list(value.shape)} in the file, "
+                f"{list(expected[key].shape)} in the {built_from}{shape_hint(key)}"
+            )
