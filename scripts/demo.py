@@ -1,7 +1,8 @@
 """The whole chain on the embedded glyph set: train → export → index → serve → query → report,
 and search by words: a text tower trained against the locked image model (LiT, `train-text`) on
-the training classes' names, measured text → image on held-out fonts of those classes and,
-apart, on the unseen classes.
+the training classes' names, exported and indexed beside the image model, measured text → image
+on held-out fonts of those classes and, apart, on the unseen classes — those also by words over
+gRPC, each class's name one query.
 
 Each stage runs as its own command (`python -m training …`, `python -m index …`,
 `python -m serving …`), exactly as an operator would run them; the queries go through the
@@ -79,6 +80,18 @@ def query_server(target: str, catalog_path: Path, ks=KS, threads: int = 8) -> di
     return recall_from_neighbor_labels(labels, np.array(catalog.labels, dtype=object), ks)
 
 
+def query_server_text(target: str, captions_path: Path, ks=TEXT_KS) -> dict[int, float]:
+    """Each class's caption queries the server once, by words (its text model); Recall@K from
+    the answers: a hit is an image of the caption's class among the K nearest."""
+    catalog = read_catalog(captions_path)
+    captions = {label: meta["caption"] for label, meta in zip(catalog.labels, catalog.metadata, strict=True)}
+    with SearchClient(target, timeout=30.0) as client:
+        answers = [[n.label for n in client.search_text(text, k=max(ks)).neighbors] for text in captions.values()]
+    width = max(ks)
+    labels = np.array([a + [None] * (width - len(a)) for a in answers], dtype=object)
+    return recall_from_neighbor_labels(labels, np.array(list(captions), dtype=object), ks)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="runs/demo", help="where model/, index/ and report.json go")
@@ -130,6 +143,17 @@ def main(argv: list[str] | None = None) -> int:
         str(args.text_epochs),
         *TEXT_TOWER,
     )
+    times["export-text"] = stage(
+        "export text (ONNX)",
+        "-m",
+        "training",
+        "export",
+        "--text",
+        "--run",
+        str(out / "text"),
+        "--out",
+        str(out / "text-model"),
+    )
     times["index"] = stage(
         "index (faiss)",
         "-m",
@@ -137,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         "build",
         "--model",
         str(out / "model"),
+        "--text-model",
+        str(out / "text-model"),
         "--index-root",
         str(out / "index"),
         "--no-progress",
@@ -165,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t = time.perf_counter()
         served = query_server(f"127.0.0.1:{port}", out / "train" / "splits" / "test.csv")
+        served_text = query_server_text(f"127.0.0.1:{port}", out / "text" / "captions" / "unseen.csv")
         times["query"] = time.perf_counter() - t
     finally:
         server.send_signal(signal.SIGTERM)
@@ -180,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": {**times, "total": time.perf_counter() - started},
         "machine": {"cpus": os.cpu_count()},
         "neighbours": str(artifacts.version_dir(out / "index") / artifacts.NEIGHBOURS_FILE),
-        "text_to_image": text_figures(out / "text"),
+        "text_to_image": {
+            **text_figures(out / "text"),
+            "served_unseen": {"recall_at_k": {str(k): served_text[k] for k in TEXT_KS}},
+        },
     }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nRecall@K on {report['test_classes']} unseen classes ({report['test_images']} images):")
@@ -213,13 +243,17 @@ def text_figures(run: Path) -> dict[str, dict]:
 
 
 def print_text_figures(figures: dict[str, dict]) -> None:
-    print('\nText → image Recall@K: each class\'s Unicode name ("LATIN SMALL LETTER A") finds its glyphs')
-    print(f"{'':<56}" + "".join(f"{'R@' + str(k):>8}" for k in TEXT_KS) + f"{'chance R@1':>12}")
+    # A class's Unicode name ("LATIN SMALL LETTER A") queries its glyphs.
+    title = "Text → image: a class's Unicode name as query"
+    print(f"{title:<56}" + "".join(f"{'R@' + str(k):>8}" for k in TEXT_KS) + f"{'chance R@1':>12}")
     titles = {"seen": "seen classes, held-out fonts", "unseen": "unseen classes, names never read"}
     for name, row in figures.items():
-        title = f"{titles.get(name, name)} ({row['captions']} names, {row['images']} img)"
         recall = "".join(f"{100 * row['recall_at_k'][str(k)]:8.2f}" for k in TEXT_KS)
-        print(f"{title:<56}{recall}{100 * row['chance_recall_at_k']['1']:12.2f}")
+        if name in titles:
+            title = f"{titles[name]} ({row['captions']} names, {row['images']} img)"
+            print(f"{title:<56}{recall}{100 * row['chance_recall_at_k']['1']:12.2f}")
+        else:
+            print(f"{'  served (gRPC, text.onnx + faiss)':<56}{recall}")
 
 
 if __name__ == "__main__":

@@ -531,10 +531,11 @@ def recall_columns(recalls: dict[str, dict[int, float]]) -> dict[str, float]:
 
 def epoch_text(metrics: dict[str, Any], epochs: int, eta_s: float) -> str:
     """One log line per epoch."""
-    where = "start (before training)" if metrics["epoch"] == START_EPOCH else f"epoch {metrics['epoch'] + 1}/{epochs}"
-    loss = f" loss={metrics['loss']:.4f} T={metrics['temperature']:.4f}" if "loss" in metrics else ""
     recall = " ".join(f"{k.replace('_recall_at_', ' R@')}={v:.3f}" for k, v in metrics.items() if "_recall_at_" in k)
-    return f"text {where}{loss} {recall}" + (f" eta {eta_s:.0f}s" if "loss" in metrics else "")
+    return (
+        f"text epoch {metrics['epoch'] + 1}/{epochs} loss={metrics['loss']:.4f} T={metrics['temperature']:.4f} "
+        f"{recall} eta {eta_s:.0f}s"
+    )
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -561,7 +562,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
         metrics.update(recall_columns(text_to_image_recall(trainable.model, data, cfg.ks, device)))
         record.history.append(metrics)
-        epoch_logger().info(epoch_text(metrics, cfg.epochs, clock.eta_seconds(metrics["epoch"])))
+        if metrics["epoch"] != START_EPOCH:  # the untrained tower's row is chance: the history keeps it
+            epoch_logger().info(epoch_text(metrics, cfg.epochs, clock.eta_seconds(metrics["epoch"])))
         with tempfile.TemporaryDirectory() as tmp:
             save_checkpoint(Path(tmp) / CHECKPOINT_FILE, trainable, record, metrics["epoch"])
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp))

@@ -38,6 +38,22 @@ def test_demo_output_fits_a_screen_without_third_party_noise(demo_run):
     assert len(seen.splitlines()) <= 60, seen
 
 
+def test_demo_finds_glyphs_by_their_names(demo_run):
+    """The text tower (train-text, LiT) finds held-out fonts of the classes whose names it learnt,
+    and the served text model answers the unseen classes' names as PyTorch did."""
+    text = json.loads((demo_run / "report.json").read_text())["text_to_image"]
+    seen, unseen = text["seen"], text["unseen"]
+    assert seen["recall_at_k"]["1"] >= 0.5 > 5 * seen["chance_recall_at_k"]["1"], seen
+    assert seen["recall_at_k"]["5"] >= seen["recall_at_k"]["1"]
+    for k in ("1", "5"):  # each name one query: ties aside, the same answers
+        assert text["served_unseen"]["recall_at_k"][k] == pytest.approx(
+            unseen["recall_at_k"][k], abs=1.01 / unseen["captions"]
+        )
+    text_model = read_manifest(demo_run / "text-model")
+    assert text_model["image_model_id"] == read_manifest(demo_run / "model")["model_id"]
+    assert read_manifest(version_dir(demo_run / "index"))["text_model_id"] == text_model["text_model_id"]
+
+
 def test_artifacts_are_published_with_manifests(demo_run):
     model = read_manifest(demo_run / "model")
     assert model["parity"]["min_cosine"] >= 0.9999
