@@ -375,7 +375,13 @@ def _export_open_clip_text(cfg: ExportConfig, towers: OpenClipTowers, model_id: 
     from training.text_export import DEFAULT_PARITY_TEXTS, export_text_model
 
     assert cfg.backbone is not None and cfg.text_out is not None
-    source = {"kind": "open_clip", "config": config_name(cfg.backbone), **pretrained}
+    source = {
+        "kind": "open_clip",
+        "config": config_name(cfg.backbone),
+        "pretrained": pretrained.get("source"),
+        "sha256": pretrained.get("sha256"),
+        "tag": pretrained.get("tag"),
+    }
     return export_text_model(
         towers.text, cfg.text_out, model_id, source, DEFAULT_PARITY_TEXTS, opset=cfg.opset, min_cosine=cfg.min_cosine
     )

@@ -77,7 +77,7 @@ def export_text_model(
     - `image_model_id`: the `model_id` of the image model whose space the tower embeds into (what
       `index build --text-model` and the server check it against).
     - `source`: what the tower is, into the manifest as it is: `{"kind": "lit", "run": ...}`,
-      `{"kind": "open_clip", "config": ..., "pretrained": ..., "sha256": ...}`.
+      `{"kind": "open_clip", "config": ..., "pretrained": <weights>, "sha256": ..., "tag": ...}`.
     - `parity_texts`: texts (at least one) both runtimes embed; every cosine must be at least
       `min_cosine`, else ExportError and nothing is published. A text longer than the context is
       a ValueError (core.text.TextInputError) before anything is written.

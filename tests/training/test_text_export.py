@@ -246,7 +246,7 @@ def test_open_clip_towers_exported_equal_open_clip(tiny_clip, no_network, tmp_pa
     assert text.source == {
         "kind": "open_clip",
         "config": TINY_CLIP,
-        "source": str(weights),
+        "pretrained": str(weights),
         "sha256": image.pretrained["sha256"],
         "tag": None,
     }
