@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
             out = run_text_training(from_cli(TrainTextConfig, args))
             results = json.loads((out / "results.json").read_text())
-            print(json.dumps({"run": str(out), "text_to_image": results["evaluation"]}, indent=2))
+            trained_on = {k: results[k] for k in ("train_images", "train_captions")}
+            print(json.dumps({"run": str(out), **trained_on, "text_to_image": results["evaluation"]}, indent=2))
         elif args.command == "benchmark":
             from core.config import explicit_args, flag_spellings, load_config_file
             from training.benchmark import BenchmarkConfig, run_benchmark

@@ -41,7 +41,8 @@ as a `TextRun` (the tower built and loaded, and what its manifest needs):
   export's parity check; `temperature` — the learned one; `config` — the resolved `TrainTextConfig`.
 - `results.json`: `evaluation` (`{"seen": …, "unseen": …}`, each `recall_at_k`, `chance_recall_at_k`,
   `captions`, `images`, `classes`; `unseen` absent without unseen classes), `history` (a row per
-  epoch, the first before training), `image_model`, `train_seconds`, `use_gpu`, `resumed`.
+  epoch, the first before training), `image_model`, `train_images`, `train_captions`,
+  `train_seconds`, `use_gpu`, `resumed`.
 - `config.json`: the resolved options.
 - `captions/{train,heldout,unseen}.csv`: the catalogs trained and measured on, with a `caption` column.
 - `text_training.png` (unless `--no-plots`): loss and Recall@K per epoch.
@@ -607,7 +608,7 @@ def run_text_training(cfg: TrainTextConfig) -> Path:
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)  # nothing to resume: a refused input leaves nothing behind
             raise
-    log.info(
+    log.debug(  # the demo's screen is full; results.json and the command's summary carry these counts
         "text tower for %s: %d training images, %d distinct texts; galleries %s",
         manifest.model_id,
         len(data.train_texts),
@@ -683,6 +684,8 @@ def run_text_training(cfg: TrainTextConfig) -> Path:
                 "created": utc_now(),
                 "image_model": {"model_id": manifest.model_id, "dir": cfg.model, "embedding_dim": data.embedding_dim},
                 "evaluation": evaluation,
+                "train_images": len(data.train_texts),
+                "train_captions": len(np.unique(data.train_texts)),
                 "temperature": temperature,
                 "history": last["history"],
                 "resumed": last.get("resumed", []),

@@ -223,6 +223,7 @@ def test_train_text_publishes_a_tower_that_finds_its_captions_images(model, text
     assert (seen["classes"], seen["images"], seen["captions"]) == (12, 12 * 2, 12)  # 2 of 12 faces held out
     assert (unseen["classes"], unseen["images"]) == (12, 12 * FACES)
     assert seen["chance_recall_at_k"]["1"] == pytest.approx(1 / 12)
+    assert (results["train_images"], results["train_captions"]) == (12 * FACES - seen["images"], 12)
     assert seen["recall_at_k"]["1"] >= 0.5, seen  # chance: 0.083
     assert [row["epoch"] for row in results["history"]] == [-1, 0, 1, 2, 3]  # -1: the untrained tower
     assert results["history"][-1]["seen_recall_at_1"] == seen["recall_at_k"]["1"]
