@@ -235,12 +235,20 @@ def formed_batch(level: dict) -> int:
 
 
 def python_loadgen(
-    port: int, catalog: Path, concurrency: int, seconds: float, protocol: str = "grpc", query: str = "image"
+    port: int,
+    catalog: Path,
+    concurrency: int,
+    seconds: float,
+    protocol: str = "grpc",
+    query: str = "image",
+    texts: Path | None = None,
 ) -> dict:
-    """One closed-loop run of `benchmarks/loadgen.py` in its own process: its JSON figures."""
+    """One closed-loop run of `benchmarks/loadgen.py` in its own process: its JSON figures.
+    `texts`: with query "text", the file of phrases it sends."""
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.loadgen", "--target", f"127.0.0.1:{port}", "--protocol", protocol]
-        + ["--query", query, "--catalog", str(catalog), "--concurrency", str(concurrency), "--seconds", str(seconds)],
+        + ["--query", query, "--catalog", str(catalog), "--concurrency", str(concurrency), "--seconds", str(seconds)]
+        + (["--texts", str(texts)] if texts else []),
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,

@@ -1,12 +1,13 @@
 """Closed-loop load generator (its own process, asyncio): C concurrent callers for T seconds,
-over gRPC or HTTP/JSON, searching by image or by item id.
+over gRPC or HTTP/JSON, searching by image, by item id or by text.
 
     python -m benchmarks.loadgen --target 127.0.0.1:50051 --catalog test.csv --concurrency 8
     python -m benchmarks.loadgen --protocol http --target 127.0.0.1:8080 --catalog test.csv --query item
+    python -m benchmarks.loadgen --target 127.0.0.1:50051 --catalog test.csv --query text --texts phrases.txt
 
 Prints one JSON line: queries/s, p50/p99 latency in ms, error count. HTTP image queries send the
-raw image as the body of `POST /v1/search/image`; item queries `POST /v1/search` with
-`{"itemId": …, "k": …}` — what a client of each transport sends.
+raw image as the body of `POST /v1/search/image`; item and text queries `POST /v1/search` with
+`{"itemId": …, "k": …}` or `{"text": …, "k": …}` — what a client of each transport sends.
 """
 
 from __future__ import annotations
@@ -67,13 +68,16 @@ async def run(
     k: int,
     protocol: str = "grpc",
     ids: list[str] | None = None,
+    texts: list[str] | None = None,
 ) -> dict:
-    """`ids`: search by these item ids instead of `images`."""
+    """`ids`, `texts`: search by these item ids or phrases instead of `images`."""
     if protocol == "grpc":
         async with grpc.aio.insecure_channel(target) as channel:
             stub = pb_grpc.SimilaritySearchStub(channel)
             if ids:
                 requests = [pb.SearchRequest(item_id=i, k=k) for i in ids]
+            elif texts:
+                requests = [pb.SearchRequest(text=t, k=k) for t in texts]
             else:
                 requests = [pb.SearchRequest(image=image, k=k) for image in images]
 
@@ -91,6 +95,8 @@ async def run(
         async def call(i: int) -> None:
             if ids:
                 answer = session.post("/v1/search", json={"itemId": ids[i % len(ids)], "k": k}, timeout=timeout)
+            elif texts:
+                answer = session.post("/v1/search", json={"text": texts[i % len(texts)], "k": k}, timeout=timeout)
             else:
                 answer = session.post(
                     f"/v1/search/image?k={k}",
@@ -111,7 +117,10 @@ def main() -> None:
     parser.add_argument("--target", required=True, help="HOST:PORT of the gRPC or HTTP port")
     parser.add_argument("--catalog", required=True)
     parser.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
-    parser.add_argument("--query", choices=("image", "item"), default="image", help="search by image or by item id")
+    parser.add_argument(
+        "--query", choices=("image", "item", "text"), default="image", help="search by image, item id or text"
+    )
+    parser.add_argument("--texts", help="--query text: a file of phrases, one a line")
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--k", type=int, default=10)
@@ -120,7 +129,12 @@ def main() -> None:
     catalog = read_catalog(args.catalog)
     images = [p.read_bytes() for p in catalog.paths[: args.images]] if args.query == "image" else []
     ids = list(catalog.ids[: args.images]) if args.query == "item" else None
-    result = asyncio.run(run(args.target, images, args.concurrency, args.seconds, args.k, args.protocol, ids))
+    texts = None
+    if args.query == "text":
+        if not args.texts:
+            parser.error("--query text needs --texts FILE")
+        texts = [line.strip() for line in open(args.texts, encoding="utf-8") if line.strip()]
+    result = asyncio.run(run(args.target, images, args.concurrency, args.seconds, args.k, args.protocol, ids, texts))
     print(json.dumps(result))
 
 
