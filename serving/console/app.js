@@ -15,6 +15,7 @@
   const SOURCES = [
     ["probe", "Probe", "labelled catalog items, queried on a schedule"],
     ["traffic", "Traffic", "queries that carried their label"],
+    ["text", "Words", "text queries that carried their label"],
     ["feedback", "Feedback", "relevant / not relevant marks"],
     ["ann", "ANN fidelity", "the index's answer against exact search"],
   ];

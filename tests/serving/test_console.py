@@ -28,6 +28,7 @@ import pytest
 
 from core import artifacts
 from core.catalog import read_catalog
+from core.manifests import IndexManifest
 from index.build import run_build
 from index.config import BuildConfig
 from index.duplicates import DuplicatesConfig, run_duplicates
@@ -37,6 +38,7 @@ from serving.client import SearchClient, condition
 from serving.config import ServerConfig
 from tests.support.index import write_tiny_text_model
 from tests.support.server import SearchServer
+from training.glyphs import character_name
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / os.environ.get("SIMSEARCH_SCREENSHOTS", "runs/console-screenshots")
@@ -520,12 +522,12 @@ def test_versions_show_the_probe_interval_and_never_round_a_lesser_recall_up_to_
             for v in (console.old, console.new)
         }
         assert cells[console.old][4].text == "99.95%"
-        # The newer version answers words (issue 49): its text model under its model.
-        assert cells[console.new][3].text.splitlines() == [
-            console.client.get_info().model_id,
-            "words: tinytext00000000",
-        ]
-        assert not cells[console.old][3].find_elements(By.CLASS_NAME, "text-model")
+        # The text model answering each version's words (issue 49), under its model: the demo's
+        # LiT tower for the demo's version, the tiny one for the newer.
+        demo_text = IndexManifest.read(artifacts.version_dir(console.root, console.old)).text_model_id
+        model_id = console.client.get_info().model_id
+        assert cells[console.new][3].text.splitlines() == [model_id, "words: tinytext00000000"]
+        assert cells[console.old][3].text.splitlines() == [model_id, f"words: {demo_text}"]
         probe = cells[console.new][5]  # Probe R@1
         interval = probe.find_element(By.CSS_SELECTOR, ".probe-interval").text
         low, high = (float(p.rstrip("%")) for p in interval.split("–"))
@@ -648,8 +650,12 @@ def test_health_shows_the_live_figures_and_the_last_hour(page, console):
     server.monitor.run_probe(server.run_probe)  # one probe round: the probe row
     for item_id in console.catalog.ids[::40][:20]:  # labelled traffic: the traffic row
         client.search_image(console.paths[item_id], k=8, label=console.labels[item_id])
+    glyphs = [i for i in console.catalog.ids if console.labels[i].startswith("U+")]  # not the HTML label
+    for item_id in glyphs[::80][:10]:  # labelled words: the text row, apart
+        name = character_name(console.labels[item_id])  # what the demo's text tower was trained on
+        client.search(pb.SearchRequest(text=name, k=8, label=console.labels[item_id]))
     open_page(page, console, "health")
-    for source in ("probe", "traffic", "ann"):
+    for source in ("probe", "traffic", "text", "ann"):
         cell = f'#recall-table tr[data-source="{source}"] td[data-k="1"][data-value]'
         wait(page, lambda d, cell=cell: d.find_elements(By.CSS_SELECTOR, cell), f"{source} Recall@1 on Health")
         shown = float(page.find_element(By.CSS_SELECTOR, cell).get_attribute("data-value"))
@@ -856,8 +862,6 @@ def test_relevance_buttons_fit_and_the_region_box_follows_the_picture(catalog_pa
 def test_versions_show_how_their_rows_lie_in_segments(page, console):
     """Issue 48: a takedown writes tombstones and an ingest a segment; the Versions page says how
     many segments (and shards) each version's rows lie in, as its manifest does."""
-    from core.manifests import IndexManifest
-
     dim = console.client.get_info().embedding_dim
     vector = pb.Embedding(values=[1.0] + [0.0] * (dim - 1))
     added = console.client.add_items([pb.NewItem(id="console-added", embedding=vector, label="console")])
