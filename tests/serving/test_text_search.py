@@ -161,6 +161,9 @@ def test_an_index_without_a_text_model_refuses_text_naming_what_to_build(roots):
         over_http = requests.post(f"http://127.0.0.1:{server.http_port}/v1/search", json={"text": "blue"}, timeout=60)
         assert over_http.status_code == 400 and "has no text model" in over_http.json()["error"]["message"]
         assert client.get_info().text_model_id == ""
+        cli = _query_cli(server.port, "--text", "blue")
+        assert cli.returncode != 0 and "Traceback" not in cli.stderr
+        assert "has no text model" in cli.stderr.strip().splitlines()[-1]
     finally:
         client.close()
         server.stop(grace=1)
@@ -180,15 +183,18 @@ def test_a_text_model_of_another_image_model_is_refused_naming_both(roots, tmp_p
     assert not (tmp_path / "root" / "CURRENT").exists()
 
 
+def _query_cli(port: int, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "serving", "query", "--target", f"127.0.0.1:{port}", "--timeout", "60", *args],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
 def test_cli_queries_by_text(served):
     server, client = served
 
     def query(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "serving", "query", "--target", f"127.0.0.1:{server.port}", "--timeout", "60",
-             *args],
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+        return _query_cli(server.port, *args)
 
     proc = query("--text", "blue", "--k", "3", "--json")
     assert proc.returncode == 0, proc.stderr
