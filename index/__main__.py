@@ -90,9 +90,10 @@ def describe_version(m: IndexManifest) -> str:
     if m.segmented:  # how many segments: what compaction would merge
         counts = [len(e.segments or [None]) for e in m.shards] if m.shards else [len(m.segments or [])]
         shards += f"  segments={'/'.join(map(str, counts))}"
+    text = f"  text_model={m.text_model_id}" if m.text_model_id else ""  # it answers words
     return (
-        f"{m.version}  size={m.live_size}{removed}{shards}  factory={m.factory}  search={params}  model={m.model_id}  "
-        f"{ann}  probe_R@1={'-' if probe is None else f'{probe:.4f}'}"
+        f"{m.version}  size={m.live_size}{removed}{shards}  factory={m.factory}  search={params}  model={m.model_id}"
+        f"{text}  {ann}  probe_R@1={'-' if probe is None else f'{probe:.4f}'}"
     )
 
 

@@ -17,6 +17,7 @@ import requests
 
 from core.artifacts import ArtifactError
 from core.vectors import exact_search
+from index.__main__ import describe_version
 from index.build import run_build
 from index.config import BuildConfig
 from index.embedder import OnnxTextEmbedder
@@ -75,6 +76,8 @@ def test_the_version_records_its_text_model(roots):
     assert manifest.text_model_id == "tinytext00000000"
     assert Path(manifest.text_model_dir) == (roots / "text").resolve()
     assert IndexVersion.open(roots / "without").manifest.text_model_id is None
+    assert "  text_model=tinytext00000000  " in describe_version(manifest)  # `index list`
+    assert "text_model=" not in describe_version(IndexVersion.open(roots / "without").manifest)
 
 
 def test_a_served_text_query_equals_the_offline_search(roots, served):
