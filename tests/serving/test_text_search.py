@@ -104,6 +104,9 @@ def test_text_queries_take_filters_exclusions_and_min_score(roots, served):
     class2 = pb.Filter(must=[pb.Condition(field="label", value="class2")])
     only = client.search(pb.SearchRequest(text="blue", k=5, filter=class2))
     assert only.neighbors and {n.label for n in only.neighbors} == {"class2"}
+    grouped = client.search(pb.SearchRequest(text="blue", k=3, group_by="label", per_group=2))
+    assert grouped.group_by == "label" and len({n.group for n in grouped.neighbors}) == 3
+    assert [n.id for n in grouped.neighbors][:1] == [first]  # the best row leads the best group
 
 
 def test_an_image_and_a_phrase_mix_as_parts(roots, served):
