@@ -12,6 +12,7 @@ from apispec import APISpec
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
 
 from core.preprocess import MIN_REGION_SIDE
+from core.text import MAX_TEXT_CHARS
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.auth import Scope
 from serving.checks import DEFAULT_K, MAX_ADD_ITEMS, MIN_SCORE_RANGE
@@ -101,12 +102,13 @@ def _rules(served: Served) -> dict[str, dict[str, dict[str, Any]]]:
         "minScore": {"minimum": low, "maximum": high},
         "parts": {"minItems": 1, "maxItems": limits.max_query_parts},
         "image": {"minLength": 1},
+        "text": TEXT_RULES,
     }
     if served.filterable:
         search_request["groupBy"] = {"enum": ["", *(name for name, _ in served.filterable)]}
     return {
         "SearchRequest": search_request,
-        "QueryPart": {"weight": positive, "image": {"minLength": 1}},
+        "QueryPart": {"weight": positive, "image": {"minLength": 1}, "text": TEXT_RULES},
         "Embedding": {"values": values},
         "Region": {"x": {"minimum": 0}, "y": {"minimum": 0}, "width": {"minimum": MIN_REGION_SIDE},
                    "height": {"minimum": MIN_REGION_SIDE}},
@@ -118,6 +120,16 @@ def _rules(served: Served) -> dict[str, dict[str, dict[str, Any]]]:
         "NewItem": {"id": {"minLength": 1}, "image": {"minLength": 1}},
         "ValueSet": {"values": {"minItems": 1}},
     }  # fmt: skip
+
+
+# A query's text: what `core.text.check_text` checks; its tokens against the text model's context
+# (GetInfo's textContextLength) are the one rule a schema cannot count.
+TEXT_RULES: dict[str, Any] = {
+    "minLength": 1,
+    "maxLength": MAX_TEXT_CHARS,
+    "pattern": r"\S",
+    "description": "a phrase for the version's text model (GetInfo's textModelId); at most textContextLength tokens",
+}
 
 
 def _one_of(descriptor: Descriptor, name: str, alone_with: dict[str, tuple[str, ...]]) -> list[dict[str, Any]]:

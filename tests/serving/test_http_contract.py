@@ -120,7 +120,7 @@ def test_the_openapi_document_states_the_rules_the_service_layer_checks(served):
     assert search["properties"]["perGroup"]["minimum"] == 1
     assert search["properties"]["perGroup"]["maximum"] == limits.max_per_group
     assert (search["properties"]["minScore"]["minimum"], search["properties"]["minScore"]["maximum"]) == MIN_SCORE_RANGE
-    assert [alt["required"] for alt in search["oneOf"]] == [["image"], ["embedding"], ["itemId"], ["parts"]]
+    assert [alt["required"] for alt in search["oneOf"]] == [["image"], ["embedding"], ["itemId"], ["text"], ["parts"]]
     assert schemas["Embedding"]["properties"]["values"]["minItems"] == client.get_info().embedding_dim
     assert search["properties"]["groupBy"]["enum"] == ["", "item", "shade"]
     image = document["paths"]["/v1/search/image"]["post"]

@@ -4,9 +4,10 @@ every request drawn from it is answered without a 5xx (but a 504 for the deadlin
 set), schema-valid requests are accepted and invalid ones refused.
 
 What a schema cannot say is supplied here, as a client would: an image field holds an image,
-an item id names an indexed item, a Feedback request id one the server answered, a region
-lies inside its image, and an item added is one the index does not hold yet, unlabelled as the
-index's are. Everything else the rules of the service layer allow is in the document."""
+an item id names an indexed item, a text fits the text model's context in tokens, a Feedback
+request id one the server answered, a region lies inside its image, and an item added is one the
+index does not hold yet, unlabelled as the index's are. Everything else the rules of the service
+layer allow is in the document."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ EXAMPLES = int(os.environ.get("SIMSEARCH_FUZZ_EXAMPLES", "25"))
 # The default suite draws the same examples every run; a run with SIMSEARCH_FUZZ_EXAMPLES set draws new ones.
 DERANDOMIZE = "SIMSEARCH_FUZZ_EXAMPLES" not in os.environ
 SIDE = 48  # the query images' side: room for any region the hooks make
+PHRASES = ["blue", "a red square", "LATIN SMALL LETTER A"]  # a few tokens: within any text model's context
 
 
 def png() -> bytes:
@@ -45,7 +47,7 @@ def png() -> bytes:
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    root = write_catalog_index(tmp_path_factory.mktemp("fuzz"), items=16)
+    root = write_catalog_index(tmp_path_factory.mktemp("fuzz"), items=16, text=True)
     # Every AddItems case accepted publishes a segment: compaction (on Ray) is not what is fuzzed here.
     server, client = start(root, http_port=0, admin_token=ADMIN, max_k=50, max_segments=1000)
     base = f"http://127.0.0.1:{server.http_port}"
@@ -89,6 +91,8 @@ def api_schema(live):
                 value["image"] = image
             if isinstance(value.get("itemId"), str):
                 value["itemId"] = ids[len(value["itemId"]) % len(ids)]
+            if isinstance(value.get("text"), str):  # within the text model's context, in tokens
+                value["text"] = PHRASES[len(value["text"]) % len(PHRASES)]
             if isinstance(value.get("region"), dict):
                 value["region"] = {"x": 0, "y": 0, "width": SIDE // 2, "height": SIDE // 2}
             parts = value.get("parts")

@@ -728,7 +728,11 @@ def test_text_embeds_on_the_embedder_deployment_as_the_offline_text_model(sharde
     from index.embedder import OnnxTextEmbedder
 
     client, _, _ = sharded
-    offline = OnnxTextEmbedder(roots[2].parent / "text")
+    # A version of the module's rows with its text model, live: earlier tests made others live.
+    four, model, text = roots[1], roots[2], roots[2].parent / "text"
+    with_text = support.publish(four, support.catalog(N, DIM, ITEMS), model, 4, text_model=text).name
+    live_again(client, four, with_text)
+    offline = OnnxTextEmbedder(text)
     assert client.get_info().text_model_id == offline.text_model_id
     for phrase in ("a red square", "LATIN SMALL LETTER B", "blue"):
         vector = offline.embed([phrase])[0]
@@ -766,7 +770,8 @@ def test_items_added_through_the_ingress_answer_from_their_shards_at_once(sharde
     after = client.get_info()
     assert after.index_version == done.index_version and after.index_size == before.index_size + 6
     manifest = IndexVersion.open(roots[1], done.index_version).manifest
-    assert manifest.parent_version == before.index_version and manifest.text_model_id  # the text model kept
+    parent = IndexVersion.open(roots[1], before.index_version).manifest
+    assert manifest.parent_version == before.index_version and manifest.text_model_id == parent.text_model_id
     for i, v in enumerate(vectors):
         answer = client.search(pb.SearchRequest(embedding=pb.Embedding(values=v), k=1, group_by=""))
         assert answer.neighbors[0].id == f"added{i}" and answer.neighbors[0].score == pytest.approx(1.0, abs=1e-5)

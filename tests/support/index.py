@@ -64,9 +64,10 @@ def write_images(folder: Path, count: int, seed: int = 0, prefix: str = "img") -
     return paths
 
 
-def write_catalog_index(tmp: Path, items: int = 12, per_item: int = 2) -> Path:
+def write_catalog_index(tmp: Path, items: int = 12, per_item: int = 2, text: bool = False) -> Path:
     """An index root over a catalog of `items` items with `per_item` images each (an `item`
-    column, so answers are grouped, and a filterable `shade`), embedded by the tiny model."""
+    column, so answers are grouped, and a filterable `shade`), embedded by the tiny model (and,
+    with `text`, answering words with the tiny text model)."""
     import csv
 
     from index.build import run_build
@@ -80,9 +81,10 @@ def write_catalog_index(tmp: Path, items: int = 12, per_item: int = 2) -> Path:
         writer.writerows([p.stem, p.name, f"item{n // per_item}", n % 2] for n, p in enumerate(paths))
     root = tmp / "index"
     model = write_tiny_model(tmp / "model")
+    text_model = str(write_tiny_text_model(tmp / "text", model)) if text else None
     config = BuildConfig(
         model=str(model), index_root=str(root), catalog=str(catalog), filterable=["shade"],
-        min_ann_recall=0,
+        min_ann_recall=0, text_model=text_model,
     )  # fmt: skip
     run_build(config, progress=False)
     return root
