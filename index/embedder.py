@@ -58,6 +58,15 @@ def measures_run_rows(providers: Sequence[str]) -> bool:
     return providers[0] == CPU
 
 
+def load_session(path: Path, options: ort.SessionOptions, providers: list[str]) -> ort.InferenceSession:
+    """An ONNX Runtime session of a model artifact's graph; ArtifactError naming the file when ONNX
+    Runtime cannot load it."""
+    try:
+        return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+    except Exception as exc:  # ORT's own types (InvalidProtobuf, Fail, …) for a file it cannot load
+        raise ArtifactError(f"{path} is damaged: ONNX Runtime cannot load it ({exc})") from exc
+
+
 class OnnxEmbedder:
     """Embeds preprocessed NCHW batches with a published model artifact: one ONNX Runtime
     session, what embedding a catalog needs. Serving's pool of sessions and its measured run
@@ -81,12 +90,7 @@ class OnnxEmbedder:
         self.providers = select_providers(provider)
         self.spinning = spinning  # kept for any further session of the same model
         self.options = session_options(intra_op_threads, spinning)
-        try:
-            self.session = ort.InferenceSession(
-                str(self.model_path), sess_options=self.options, providers=self.providers
-            )
-        except Exception as exc:  # ORT's own types (InvalidProtobuf, Fail, …) for a file it cannot load
-            raise ArtifactError(f"{self.model_path} is damaged: ONNX Runtime cannot load it ({exc})") from exc
+        self.session = load_session(self.model_path, self.options, self.providers)
         self.input_name = self.session.get_inputs()[0].name
         # Rows one run may hold at most: activation memory (on CUDA a whole batch is what makes
         # a run fast, and device memory is the session's own concern).
@@ -144,12 +148,8 @@ class OnnxTextEmbedder:
         except ValueError as exc:
             raise ArtifactError(str(exc)) from exc
         self.providers = select_providers(provider)
-        try:
-            self.session = ort.InferenceSession(
-                str(self.model_path), sess_options=session_options(intra_op_threads, spinning), providers=self.providers
-            )
-        except Exception as exc:  # ORT's own types for a file it cannot load
-            raise ArtifactError(f"{self.model_path} is damaged: ONNX Runtime cannot load it ({exc})") from exc
+        options = session_options(intra_op_threads, spinning)
+        self.session = load_session(self.model_path, options, self.providers)
         log.info("loaded text model %s with providers %s", self.text_model_id, self.session.get_providers())
 
     def embed_ids(self, ids: np.ndarray) -> np.ndarray:

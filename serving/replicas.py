@@ -8,13 +8,16 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from core.memory import pin_mmap_threshold
 from serving.logs import Sink, shard_label, ship_records
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from index.embedder import OnnxTextEmbedder
@@ -99,26 +102,33 @@ class EmbedderReplica:
         self._texts: OrderedDict[str, OnnxTextEmbedder] = OrderedDict()
         self._lock = threading.Lock()
 
+    def _kept(self, cache: OrderedDict[str, T], key: str, make: Callable[[], T]) -> T:
+        """`cache`'s entry for `key`, made by `make` the first time; the two last asked for kept."""
+        with self._lock:
+            found = cache.get(key)
+            if found is None:
+                found = cache[key] = make()
+                while len(cache) > 2:
+                    cache.popitem(last=False)
+            return found
+
     def _embedder(self, model_dir: str) -> QueryEmbedder:
         from serving.query_embedder import QueryEmbedder
 
-        with self._lock:
-            found = self._models.get(model_dir)
-            if found is None:
-                settings = self.settings
-                found = QueryEmbedder(
-                    model_dir, settings.provider, settings.intra_op_threads, settings.ort_spinning,
-                    runs_at_once=settings.runs_at_once,
-                )  # fmt: skip
-                if settings.run_rows is not None:
-                    found.set_run_rows(settings.run_rows or None, settings.run_rows or None)
-                else:
-                    side = -(-settings.largest_run // settings.runs_at_once)
-                    found.tune_run_rows(settings.largest_run, side, total_budget_s=settings.run_rows_budget_s)
-                self._models[model_dir] = found
-                while len(self._models) > 2:
-                    self._models.popitem(last=False)
-            return found
+        def make() -> QueryEmbedder:
+            settings = self.settings
+            made = QueryEmbedder(
+                model_dir, settings.provider, settings.intra_op_threads, settings.ort_spinning,
+                runs_at_once=settings.runs_at_once,
+            )  # fmt: skip
+            if settings.run_rows is not None:
+                made.set_run_rows(settings.run_rows or None, settings.run_rows or None)
+            else:
+                side = -(-settings.largest_run // settings.runs_at_once)
+                made.tune_run_rows(settings.largest_run, side, total_budget_s=settings.run_rows_budget_s)
+            return made
+
+        return self._kept(self._models, model_dir, make)
 
     def warm(self, model_dir: str) -> list[str]:
         return list(self._embedder(model_dir).session.get_providers())
@@ -126,17 +136,12 @@ class EmbedderReplica:
     def _text(self, text_dir: str) -> OnnxTextEmbedder:
         from index.embedder import OnnxTextEmbedder
 
-        with self._lock:
-            found = self._texts.get(text_dir)
-            if found is None:
-                settings = self.settings
-                found = OnnxTextEmbedder(
-                    text_dir, settings.provider, settings.intra_op_threads, spinning=settings.ort_spinning
-                )
-                self._texts[text_dir] = found
-                while len(self._texts) > 2:
-                    self._texts.popitem(last=False)
-            return found
+        settings = self.settings
+        return self._kept(
+            self._texts,
+            text_dir,
+            lambda: OnnxTextEmbedder(text_dir, settings.provider, settings.intra_op_threads, settings.ort_spinning),
+        )
 
     def warm_text(self, text_dir: str) -> str:
         return self._text(text_dir).text_model_id
