@@ -39,6 +39,7 @@ from core.items import ItemTable
 from core.manifests import IndexManifest
 from index.add import add_vectors
 from index.lifecycle import RemovalReport, RollbackReport, remove_items, rollback
+from index.segments import MAX_DELETED_FRACTION, UnitChange, wants_compaction
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from serving.admin import AdminService, Ingested
 from serving.auth import Tokens
@@ -366,8 +367,20 @@ class SearchApp:
             counts = published.rows
             added = counts.added if counts is not None else len(rows)
             replaced = (counts.replaced or 0) if counts is not None else 0
-            self._compact_soon()
+            if self._compaction_due(new):
+                self._compact_soon()
             return Ingested(published.parent_version or "", new.version, added, replaced, new.index_version.size)
+
+    def _compaction_due(self, pair: ServingPair) -> bool:
+        """Whether a shard of the version just loaded is past --max-segments or the share of
+        deleted rows `index compact` merges at: read from what the server holds, so that the
+        ingests that compact nothing start no process (a second of CPU each, beside the
+        searches)."""
+        version = pair.index_version
+        units = [version.shard(n) for n in range(len(version.shard_names))] if version.manifest.shards else [version]
+        return any(
+            wants_compaction(unit, UnitChange(), self.config.max_segments, MAX_DELETED_FRACTION) for unit in units
+        )
 
     def _compact_soon(self) -> None:
         """Compaction of the shards an ingest took past --max-segments, after the call has its answer:
@@ -398,10 +411,12 @@ class SearchApp:
             said = stderr.decode(errors="replace").strip().splitlines()
             log.warning("compaction after an ingest failed (exit %d): %s", process.returncode, said[-1] if said else "")
             return
-        after = artifacts.current_version(config.index_root)
-        if after == before or self._stopping.is_set():
+        if artifacts.current_version(config.index_root) == before or self._stopping.is_set():
             return
         async with self._remove_lock:
+            # Read under the lock: an ingest that waited for it has published (and loaded) a
+            # version made from the compacted one, which the compaction's must not replace.
+            after = artifacts.current_version(config.index_root)
             if self.engine.loaded and self.engine.pair.version != after:
                 try:
                     await self.reload(after)

@@ -248,3 +248,25 @@ def test_ingests_past_max_segments_are_compacted_after_their_answer_and_the_resu
     finally:
         client.close()
         server.stop(grace=1)
+
+
+def test_every_ingest_is_found_by_the_search_right_after_it_while_compactions_publish_between(tmp_path):
+    """Back-to-back ingests past --max-segments: compactions run in their own process and publish
+    while the next ingest waits its turn, then adds to the compacted version. The server must
+    never go back to a compacted version older than the one an ingest has made live: each
+    item answers the search sent the moment its call returned."""
+    root = write_catalog_index(tmp_path, items=12)
+    server, client = start(root, admin_token=ADMIN, max_segments=2)
+    try:
+        missed = []
+        for call in range(12):
+            vector = pb.Embedding(values=unit(300 + call))
+            client.add_items([pb.NewItem(id=f"burst-{call}", embedding=vector, metadata={"shade": "1"})])
+            for earlier in range(call + 1):
+                found = nearest(client, embedding=pb.Embedding(values=unit(300 + earlier)))
+                if found.neighbors[0].id != f"burst-{earlier}":
+                    missed.append((call, earlier, found.index_version))
+        assert missed == []
+    finally:
+        client.close()
+        server.stop(grace=1)
