@@ -126,7 +126,9 @@ def search_groups(
         for i, s_row, r_row in zip(pending, scores, rows, strict=True):
             found, complete = _first_groups(s_row, r_row, groups.codes, k, exclude[i], min_score)
             if len(found) >= k or complete or exhaustive:
-                answers[i] = _filled(found, queries[i], stored, groups, per_group, eligible, exclude[i], min_score, k)
+                answers[i] = filled_groups(
+                    found, queries[i], stored, groups, per_group, eligible, exclude[i], min_score, k
+                )
                 answers[i].candidates = depth
             else:
                 still.append(i)
@@ -139,8 +141,8 @@ def search_groups(
         widen = max(2.0, min(GROWTH_CAP, 1.5 * (k + 1) / max(fewest, 1)))
         depth, effort = int(np.ceil(depth * widen)), effort * widen
     for i in pending:
-        found = _exact_groups(queries[i], stored, groups, k, eligible, exclude[i], min_score)
-        answers[i] = _filled(found, queries[i], stored, groups, per_group, eligible, exclude[i], min_score, k)
+        found = exact_groups(queries[i], stored, groups, k, eligible, exclude[i], min_score)
+        answers[i] = filled_groups(found, queries[i], stored, groups, per_group, eligible, exclude[i], min_score, k)
         answers[i].candidates = EXACT_PASS
     return answers  # type: ignore[return-value]
 
@@ -210,7 +212,7 @@ def _first_groups(
     return found, False
 
 
-def _exact_groups(
+def exact_groups(
     query: np.ndarray,
     stored: np.ndarray,
     groups: Groups,
@@ -219,7 +221,10 @@ def _exact_groups(
     exclude: frozenset[int],
     min_score: float | None,
 ) -> list[int]:
-    """Every eligible row scored: the k groups with the best rows, best first."""
+    """Every eligible row scored (`eligible`: None, every row), less `exclude` and rows below
+    `min_score`: the k groups with the best rows, best first, and one past k when there is
+    one (is there more?). What any exact grouped answer is made of: the last index round's,
+    a shard's (`serving.sharded.ShardSearcher.exact`), the monitor's reference."""
     best = _group_scores(query, stored, groups, eligible, exclude, min_score)
     reachable = np.flatnonzero(np.isfinite(best))
     top = reachable[np.argsort(-best[reachable], kind="stable")[: k + 1]]  # one past k: is there more?
@@ -247,7 +252,7 @@ def _group_scores(
     return np.maximum.reduceat(scores[groups.rows], groups.offsets[:-1])
 
 
-def _filled(
+def filled_groups(
     found: list[int],
     query: np.ndarray,
     stored: np.ndarray,
@@ -258,8 +263,10 @@ def _filled(
     min_score: float | None,
     k: int,
 ) -> GroupedAnswer:
-    """Each group's best `per_group` eligible rows, scored exactly; groups ranked by their best.
-    All the groups' rows are gathered and scored in one product."""
+    """Each of the groups `found`, filled with its best `per_group` eligible rows scored exactly;
+    groups ranked by their best, the first k kept. All the groups' rows are gathered and scored
+    in one product. What fills every grouped answer, a shard's part of one included
+    (`serving.sharded.ShardSearcher.fill`)."""
     spans = [(int(groups.offsets[g]), int(groups.offsets[g + 1])) for g in found]
     rows = np.concatenate([groups.rows[a:b] for a, b in spans]) if spans else groups.rows[:0]
     scores = inner_products(stored, query, rows)

@@ -37,9 +37,9 @@ import numpy as np
 
 from core import artifacts
 from core.artifacts import ArtifactError
-from index.faiss_index import inner_products
+from index.faiss_index import exact_within
 from index.filters import Filter
-from index.grouping import EXACT_PASS, Groups
+from index.grouping import EXACT_PASS, Groups, exact_groups, filled_groups
 from index.version import IndexVersion
 from serving.engine import EVERY_ROW, Answer, Hit, Scope, SearchEngine, ServingPair
 from serving.logs import shard_label
@@ -287,45 +287,36 @@ class ShardSearcher:
 
     def exact(self, version: str, request: ShardRequest) -> ShardAnswer:
         """Exact search over this shard's rows (every eligible row scored): each query's top k
-        rows — grouped, its top k groups, each as its best row."""
+        rows — grouped, its top k groups, each as its best row — made as the one-index search
+        makes its exact answers (`exact_within`, `exact_groups`, `filled_groups`)."""
         started = time.perf_counter()
         shard = self.open(version)
+        stored = shard.version.vectors
         answers = []
         for vector, scope, skip in zip(request.vectors, shard.scopes(request), request.exclude, strict=True):
-            if shard.size == 0:
-                answers.append(Answer([]))
-                continue
-            scores = inner_products(shard.version.vectors, vector)
-            eligible = shard.eligible(scope, scope.groups)
-            if eligible is not None:
-                scores[~eligible] = -np.inf
-            local = shard.local(skip)
-            if local:
-                scores[list(local)] = -np.inf
-            if scope.groups is None:
-                top = np.argsort(-scores, kind="stable")[: request.k]
-                answers.append(Answer([Hit(int(r), float(scores[r])) for r in top if np.isfinite(scores[r])]))
-                continue
             groups = scope.groups
-            if not len(groups):
+            if shard.size == 0 or (groups is not None and not len(groups)):
                 answers.append(Answer([]))
                 continue
-            grouped = scores[groups.rows]
-            best = np.maximum.reduceat(grouped, groups.offsets[:-1])
-            reachable = np.flatnonzero(np.isfinite(best))
-            top = reachable[np.argsort(-best[reachable], kind="stable")[: request.k]]
-            hits = []
-            for g in top.tolist():
-                its = groups.rows_of(g)
-                row = int(its[int(np.argmax(scores[its]))])
-                hits.append(Hit(row, float(scores[row])))
-            answers.append(Answer(hits))
+            eligible, local = shard.eligible(scope, groups), shard.local(skip)
+            if groups is None:
+                rows = np.flatnonzero(eligible) if eligible is not None else np.arange(shard.size)
+                if local:
+                    rows = rows[~np.isin(rows, np.fromiter(local, dtype=np.int64, count=len(local)))]
+                scores, found = exact_within(stored, vector[None], request.k, rows)
+                answers.append(
+                    Answer([Hit(int(r), float(c)) for r, c in zip(found[0], scores[0], strict=True) if r >= 0])
+                )
+                continue
+            best = exact_groups(vector, stored, groups, request.k, eligible, local, None)[: request.k]
+            filled = filled_groups(best, vector, stored, groups, 1, eligible, local, None, request.k)
+            answers.append(Answer([Hit(row, score) for _, hits in filled.groups for row, score in hits]))
         return ShardAnswer.of(self.name, answers, shard.offset, time.perf_counter() - started, shard.size)
 
     def fill(self, version: str, request: ShardRequest) -> ShardAnswer:
         """Each query's chosen groups (`request.chosen`, by value) filled from this shard: the
-        best `per_group` of each one's eligible rows here, scored exactly, group by group in
-        the order chosen."""
+        best `per_group` of each one's eligible rows here, scored exactly (`filled_groups`, as
+        the one-index search fills its groups)."""
         started = time.perf_counter()
         shard = self.open(version)
         answers = []
@@ -334,25 +325,13 @@ class ShardSearcher:
             if groups is None or shard.size == 0:
                 answers.append(Answer([]))
                 continue
-            eligible = shard.eligible(scope, groups)
-            skip = shard.local(request.exclude[i])
-            hits = []
-            for value in (request.chosen or [[]] * len(request.vectors))[i]:
-                code = shard.code_of(groups, value)
-                if code is None:
-                    continue
-                rows = groups.rows_of(code)
-                if eligible is not None:
-                    rows = rows[eligible[rows]]
-                if skip:
-                    rows = rows[~np.isin(rows, np.fromiter(skip, dtype=np.int64, count=len(skip)))]
-                scores = inner_products(shard.version.vectors, vector, rows)
-                if scope.min_score is not None:
-                    keep = scores >= scope.min_score
-                    rows, scores = rows[keep], scores[keep]
-                top = np.argsort(-scores, kind="stable")[: scope.per_group]
-                hits += [Hit(int(rows[j]), float(scores[j])) for j in top]
-            answers.append(Answer(hits))
+            chosen = [shard.code_of(groups, value) for value in (request.chosen or [[]] * len(request.vectors))[i]]
+            codes = [code for code in chosen if code is not None]
+            filled = filled_groups(
+                codes, vector, shard.version.vectors, groups, scope.per_group, shard.eligible(scope, groups),
+                shard.local(request.exclude[i]), scope.min_score, len(codes),
+            )  # fmt: skip
+            answers.append(Answer([Hit(row, score) for _, hits in filled.groups for row, score in hits]))
         return ShardAnswer.of(self.name, answers, shard.offset, time.perf_counter() - started, shard.size)
 
 
