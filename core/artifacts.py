@@ -238,7 +238,7 @@ def current_lock(root: str | Path) -> Iterator[None]:
 
 WRITER_LOCK = ".writer.lock"  # in the index root: flock'd by the one process writing a version
 WRITER_WAIT_S = 120.0  # how long a second writer waits its turn before it is refused
-_held_writer_locks: dict[str, int] = {}  # root → depth: a writer's nested steps hold the lock once
+_held_writer_locks: dict[tuple[str, int], int] = {}  # (root, thread) → depth: nested steps hold the lock once
 _held_writer_guard = threading.Lock()
 
 
@@ -252,8 +252,9 @@ def writer_lock(root: str | Path, wait_s: float = WRITER_WAIT_S) -> Iterator[Non
     while no other process does (flock, released by the kernel when its holder dies, kill -9
     included). A second writer waits its turn, up to `wait_s` (`WriterBusyError` naming the
     holder after), rather than publishing from a parent that is no longer live; once it holds
-    the lock, staging folders left by writers that died are removed. Re-entrant in a process."""
-    key = str(Path(root).resolve())
+    the lock, staging folders left by writers that died are removed. Re-entrant in a thread (two
+    threads of a process take turns, as two processes do)."""
+    key = (str(Path(root).resolve()), threading.get_ident())
     with _held_writer_guard:
         depth = _held_writer_locks.get(key, 0)
         if depth:
@@ -297,12 +298,97 @@ def writer_lock(root: str | Path, wait_s: float = WRITER_WAIT_S) -> Iterator[Non
 
 
 def _remove_dead_staging(root: str | Path) -> None:
-    """Staging folders under versions/: left by writers that died (the lock is held, so no
-    writer is at work)."""
+    """Staging folders under versions/ that no process holds (`held_staging_dir`): left by
+    writers that died. A compaction stages without the root's lock, and keeps its folder."""
     versions = Path(root) / VERSIONS
     if versions.is_dir():
         for stale in versions.glob(".staging-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+            _remove_unless_held(stale)
+
+
+def _remove_unless_held(folder: Path) -> bool:
+    """Remove `folder` unless a process holds a flock on it (its writer, or a reader that pinned
+    it): True when removed. The exclusive flock is held while it goes, so a process that takes
+    its own after finds it gone."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        shutil.rmtree(folder, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)
+
+
+def _held(folder: Path, operation: int) -> int | None:
+    """A descriptor of `folder` holding flock `operation` on it, or None when the folder went (or
+    was removed while this waited for the lock: `_remove_unless_held` holds it while it removes)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    fcntl.flock(fd, operation)
+    try:
+        if os.path.samestat(os.fstat(fd), os.stat(folder)) and not _emptied(folder):
+            return fd
+    except FileNotFoundError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _emptied(folder: Path) -> bool:
+    """A version folder whose manifest is gone: pruned (its removal may have stopped short)."""
+    return folder.parent.name == VERSIONS and not folder.name.startswith(".") and not (folder / MANIFEST).is_file()
+
+
+@contextlib.contextmanager
+def held_staging_dir(root: str | Path) -> Iterator[Path]:
+    """A fresh staging directory inside the index root, flock'd by this process until the block
+    ends and removed then (once published it is renamed away). A writer taking the root's lock
+    removes only staging folders no process holds: a compaction writes its segments here
+    without the root's lock, and one killed (kill -9 too) leaves nothing behind the next writer."""
+    for _ in range(PIN_ATTEMPTS):
+        staging = index_staging_dir(root)
+        fd = _held(staging, fcntl.LOCK_EX)
+        if fd is not None:
+            break
+    else:
+        raise ArtifactError(f"{root}: staging folders were removed as fast as they were made")
+    try:
+        yield staging
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.close(fd)
+
+
+PIN_ATTEMPTS = 5  # a version pinned (or a staging folder held) as it is removed is sought again
+
+
+@contextlib.contextmanager
+def pinned_version(root: str | Path) -> Iterator[str]:
+    """The live version's name, which `prune_versions` leaves in place until the block ends (a
+    shared flock on its folder): a compaction reads it without the root's lock while other
+    writers publish and prune. CURRENT is read again if it moved on and its version was pruned
+    before the pin took."""
+    for _ in range(PIN_ATTEMPTS):
+        name = current_version(root)
+        if name is None:
+            raise ArtifactError(f"{root}: no {CURRENT} pointer; no index has been published here")
+        fd = _held(Path(root) / VERSIONS / name, fcntl.LOCK_SH)
+        if fd is not None:
+            break
+    else:
+        raise ArtifactError(f"{root}: the live version was pruned {PIN_ATTEMPTS} times before it could be read")
+    try:
+        yield name
+    finally:
+        os.close(fd)
 
 
 def publish_version(
@@ -336,12 +422,11 @@ def index_staging_dir(root: str | Path) -> Path:
 
 
 def prune_versions(root: str | Path, keep: int) -> list[str]:
-    """Delete all but the newest `keep` versions; the live one is always kept."""
+    """Delete all but the newest `keep` versions; the live one is always kept, and so is one a
+    compaction is reading (`pinned_version`) until it is done."""
     if keep < 1:
         raise ValueError("keep must be at least 1")
     live = current_version(root)
     versions = list_versions(root)
     doomed = [v for v in versions[:-keep] if v != live]
-    for v in doomed:
-        shutil.rmtree(Path(root) / VERSIONS / v, ignore_errors=True)
-    return doomed
+    return [v for v in doomed if _remove_unless_held(Path(root) / VERSIONS / v)]

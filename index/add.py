@@ -139,10 +139,11 @@ def add_vectors(
             model_id=model_id,
             gate=verdict,
         )
-        compacted = compact_if_due(index_root, keep, max_segments, max_deleted_fraction) if compact else None
-        if compacted is not None:
-            report.compacted_to = compacted.version
-        return report
+    # After the lock is let go: a compaction takes the root only to publish.
+    compacted = compact_if_due(index_root, keep, max_segments, max_deleted_fraction) if compact else None
+    if compacted is not None:
+        report.compacted_to = compacted.version
+    return report
 
 
 def _checked_rows(

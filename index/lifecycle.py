@@ -39,6 +39,7 @@ from index.segments import (
     MAX_DELETED_FRACTION,
     MAX_SEGMENTS,
     ChangeReport,
+    Superseded,
     UnitChange,
     publish_change,
     wants_compaction,
@@ -223,29 +224,39 @@ def compact_version(
     only_due: bool = False,
     max_segments: int = MAX_SEGMENTS,
     max_deleted_fraction: float = MAX_DELETED_FRACTION,
+    staged: Callable[[], None] | None = None,
 ) -> ChangeReport | None:
     """Merge each shard's segments of the live version into one, its deleted rows dropped and an
     HNSW graph rebuilt — on Ray, one task a shard — and publish the result; None when nothing
     is to compact (every shard one segment without deleted rows; with `only_due`, no shard past
-    `max_segments` or `max_deleted_fraction`). Made again from the new live version when
-    another writer publishes meanwhile."""
+    `max_segments` or `max_deleted_fraction`), or when the compaction was superseded.
 
-    def compaction() -> ChangeReport | None:
-        live = IndexVersion.open(index_root)
+    Other writers are not kept waiting for it, as Lucene's and Milvus's merges do not: the live
+    version is read as a snapshot (pinned, so no writer prunes it meanwhile) and the merged
+    segments written without the root's writer lock, which is taken only to publish. What was
+    published meanwhile is kept — the segments adds appended linked after the merged one, rows
+    removed still deleted (`segments._rebased`) — unless the live version no longer grew from
+    the snapshot (a rollback, another compaction, a rebuild): then the compaction is superseded,
+    says so in one line and publishes nothing (the next add or removal past the thresholds
+    compacts what is live then). `staged`: called between the two (tests pause here)."""
+    with artifacts.pinned_version(index_root) as name:
+        live = IndexVersion.open(index_root, name)
         changes = []
         for unit, _ in _rows_by_unit(live, np.zeros(0, np.int64)):
             due = wants_compaction(unit, UnitChange(), max_segments, max_deleted_fraction)
             has_work = len(unit.segment_entries) > 1 or len(unit.deleted) > 0
             changes.append(UnitChange(compact=has_work and (due or not only_due)))
         if not any(change.compact for change in changes):
+            log.info("nothing to compact: every shard of %s is one segment without deleted rows%s", name,
+                     " or below the thresholds" if only_due else "")  # fmt: skip
             return None
-        return publish_change(
-            index_root, live, changes, keep, f"compacted {sum(c.compact for c in changes)} of {len(changes)} "
-            f"shard{'s' if len(changes) > 1 else ''}", on_ray=on_ray,
-        )  # fmt: skip
-
-    with artifacts.writer_lock(index_root):
-        return _again_if_stale(compaction, "compacting the new live version")
+        what = f"compacted {sum(c.compact for c in changes)} of {len(changes)} shard{'s' if len(changes) > 1 else ''}"
+        try:
+            return publish_change(index_root, live, changes, keep, what, on_ray=on_ray, rebase=True, staged=staged)
+        except (Superseded, artifacts.StaleParentError) as exc:
+            log.warning("compaction of %s superseded by %s: %s; nothing published", name,
+                        artifacts.current_version(index_root), exc)  # fmt: skip
+            return None
 
 
 def compact_if_due(
@@ -419,7 +430,8 @@ class CompactConfig:
 
 
 def run_compact(cfg: CompactConfig) -> ChangeReport | None:
-    """`index compact`: the new version's report, or None when no shard has anything to merge."""
+    """`index compact`: the new version's report, or None when no shard has anything to merge
+    or the compaction was superseded (each said in one line: not an error, the exit is 0)."""
     artifacts.check_index_root(cfg.index_root)
     # A task a shard on Ray where there are shards or a cluster to spread them on; one index on
     # one machine is merged by this command's own process, which ends with it, without
@@ -429,9 +441,6 @@ def run_compact(cfg: CompactConfig) -> ChangeReport | None:
         cfg.index_root, cfg.keep, on_ray=on_ray, only_due=cfg.max_segments > 0,
         max_segments=cfg.max_segments or MAX_SEGMENTS, max_deleted_fraction=cfg.max_deleted_fraction,
     )  # fmt: skip
-    if done is None:
-        log.info("nothing to compact: every shard of %s is one segment without deleted rows",
-                 artifacts.current_version(cfg.index_root))  # fmt: skip
     return done
 
 

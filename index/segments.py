@@ -51,7 +51,7 @@ from index.faiss_index import (
 )
 from index.filters import FieldSpec, FilterIndex, specs_of
 from index.version import IndexVersion
-from index.version_writer import ShardWriter, VersionWriter, segment_name, shard_name
+from index.version_writer import ShardWriter, VersionWriter, rows_as_segment, segment_name, shard_name
 
 log = logging.getLogger(__name__)
 
@@ -196,12 +196,16 @@ def _finish(writer, unit: IndexVersion, trained: faiss.Index | None, entries, de
         writer.link_file(unit.directory, artifacts.TRAINED_FILE)
     elif trained is not None:
         writer.write_trained(trained)
-    files = {
+    return UnitWritten(entries, len(deleted), _unit_files(writer))
+
+
+def _unit_files(writer) -> dict[str, str]:
+    """The sha256 of the unit's own files as written: its tombstones and trained index."""
+    return {
         name: artifacts.file_sha256(writer.folder / name)
         for name in (artifacts.DELETED_FILE, artifacts.TRAINED_FILE)
         if (writer.folder / name).is_file()
     }
-    return UnitWritten(entries, len(deleted), files)
 
 
 def _compacted(writer, unit: IndexVersion, specs: Sequence[FieldSpec], removed: np.ndarray) -> UnitWritten:
@@ -248,6 +252,11 @@ class ChangeReport:
         return self.compacted_to or self.version
 
 
+class Superseded(artifacts.ArtifactError):
+    """A compaction's snapshot is no longer what the live version grew from (a rollback, another
+    compaction, a rebuild): its work does not apply, and nothing is published."""
+
+
 def publish_change(
     index_root: str | Path,
     live: IndexVersion,
@@ -259,33 +268,45 @@ def publish_change(
     current: str | None = None,
     on_ray: bool = False,
     gate: Callable[[IndexVersion, np.ndarray], QualityGate] | None = None,
+    rebase: bool = False,
+    staged: Callable[[], None] | None = None,
 ) -> ChangeReport:
     """Publish `live` with `changes` (one per unit: the version itself, or each shard) as a
     new segmented version: untouched shards linked whole, touched ones written by `write_unit`
     — on Ray, one task a shard, when `on_ray` (compaction) — and the whole published by one
     rename, CURRENT still naming `current` (default `live`). `gate`: given the version as staged
-    and its new rows (global), the verdict the manifest records (it raises to refuse)."""
+    and its new rows (global), the verdict the manifest records (it raises to refuse).
+
+    `rebase` (a compaction of `live`, a snapshot the caller pinned): the units are written
+    without the root's writer lock, which is taken only to publish — onto the version live by
+    then, rebased (`_rebased`) when it is `live` with segments appended or rows deleted, else
+    `Superseded` and nothing is published. `staged`: called once the units are written, before
+    the lock is taken (where tests pause a compaction)."""
     started = time.perf_counter()
     specs = specs_of(live.manifest.filterable)
-    with VersionWriter(index_root, keep) as writer:
-        if live.manifest.shards:
-            entries, peak = _write_shards(writer, live, changes, specs, on_ray)
-            size, deleted = sum(e.rows for e in entries), sum(e.deleted_rows for e in entries)
-            index_id = _index_id([_shard_sums(entry) for entry in entries])
-            layout: dict = {"shards": entries}
-        else:
-            if on_ray and changes[0].touches:  # one task, so the driver never holds the rows
-                written = _on_ray([(ShardWriter(writer.staging, ""), str(live.directory), None, changes[0], specs,
-                                    None)])[0]  # fmt: skip
-            else:
-                written = write_unit(writer, live, changes[0], specs)
-            peak = written.peak_rss
-            size, deleted = written.rows, written.deleted
-            index_id = _index_id([_sums(written.segments, written.files)])
-            layout = {"segments": written.segments}
-        writer.link_contact_sheet(live.directory)
+    with VersionWriter(index_root, keep, hold_root=not rebase) as writer:
+        written = _write_touched(writer, live, changes, specs, on_ray)
+        base = live
+        if rebase:
+            grown_from = {number: _segments_of(live, number) for number in written}
+            if staged is not None:
+                staged()
+            writer.hold_root()
+            base = IndexVersion.open(index_root)
+            if base.name != live.name:
+                _check_rebase(live, base)
+                for number, unit in written.items():
+                    written[number] = _rebased(
+                        _unit_writer(writer, base, number),
+                        _unit(live, number),
+                        _unit(base, number),
+                        grown_from[number],
+                        unit,
+                    )
+        layout, size, deleted, index_id = _layout(writer, base, written)
+        writer.link_contact_sheet(base.directory)
         index_id, version = writer.name_version(index_id)
-        parent = live.manifest
+        parent = base.manifest
         manifest = dataclasses.replace(
             parent,
             index_id=index_id,
@@ -293,14 +314,14 @@ def publish_change(
             size=size,
             deleted_rows=deleted,
             created=utc_now(),
-            parent_version=live.name,
+            parent_version=base.name,
             model_id=model_id or parent.model_id,
-            quality_gate=QualityGate(passed=True, reasons=[f"not gated: {what}; quality figures of {live.name}"]),
+            quality_gate=QualityGate(passed=True, reasons=[f"not gated: {what}; quality figures of {base.name}"]),
             **layout,
         )
         if gate is not None:
-            staged = IndexVersion(writer.staging, manifest)
-            manifest.quality_gate = gate(staged, _new_rows(live, manifest))
+            staged_version = IndexVersion(writer.staging, manifest)
+            manifest.quality_gate = gate(staged_version, _new_rows(base, manifest))
         catalog_rows = rows.catalog if rows else parent.rows.catalog if parent.rows else manifest.live_size
         manifest.rows = (
             dataclasses.replace(rows, indexed=manifest.live_size)
@@ -308,15 +329,136 @@ def publish_change(
             else RowCounts(catalog=catalog_rows, indexed=manifest.live_size)
         )
         written_bytes = _bytes_written(writer.staging)
-        target = writer.publish(manifest, parent=current or live.name)
+        target = writer.publish(manifest, parent=current or base.name)
+    peak = max((unit.peak_rss for unit in written.values()), default=0)
     report = ChangeReport(target, written_bytes, time.perf_counter() - started, peak)
     log.info(
-        "published index %s (%d items, %d segment%s%s): %s, wrote %s in %.2f s",
+        "published index %s (%d items, %d segment%s%s): %s%s, wrote %s in %.2f s",
         manifest.version, manifest.live_size, _segment_count(manifest), "" if _segment_count(manifest) == 1 else "s",
-        f", {manifest.deleted_rows} deleted" if manifest.deleted_rows else "", what, _megabytes(written_bytes),
+        f", {manifest.deleted_rows} deleted" if manifest.deleted_rows else "", what,
+        f" (rebased from {live.name} onto {base.name})" if base is not live else "", _megabytes(written_bytes),
         report.seconds,
     )  # fmt: skip
     return report
+
+
+def _unit(version: IndexVersion, number: int) -> IndexVersion:
+    """Unit `number` of `version`: its shard, or the version itself (0) when it is not sharded."""
+    return version.shard(number) if version.manifest.shards else version
+
+
+def _unit_writer(writer: VersionWriter, version: IndexVersion, number: int) -> VersionWriter | ShardWriter:
+    return writer.shard(number) if version.manifest.shards else writer
+
+
+def _write_touched(
+    writer: VersionWriter, live: IndexVersion, changes: list[UnitChange], specs: Sequence[FieldSpec], on_ray: bool
+) -> dict[int, UnitWritten]:
+    """The units `changes` touch, written (a version of one index: always written, unit 0) —
+    on Ray, one task a unit, when `on_ray`."""
+    entries_in = live.manifest.shards
+    if not entries_in:
+        if on_ray and changes[0].touches:  # one task, so the driver never holds the rows
+            task = (ShardWriter(writer.staging, ""), str(live.directory), None, changes[0], specs, None)
+            return {0: _on_ray([task])[0]}
+        return {0: write_unit(writer, live, changes[0], specs)}
+    touched = [number for number, change in enumerate(changes) if change.touches]
+    if on_ray and touched:
+        tasks = [
+            (writer.shard(number), str(live.directory), number, changes[number], specs, entries_in[number].files)
+            for number in touched
+        ]
+        return dict(zip(touched, _on_ray(tasks), strict=True))
+    return {
+        number: write_unit(writer.shard(number), live.shard(number), changes[number], specs, entries_in[number].files)
+        for number in touched
+    }
+
+
+def _layout(writer: VersionWriter, base: IndexVersion, written: dict[int, UnitWritten]) -> tuple[dict, int, int, str]:
+    """The manifest's account of the version as written — `{"shards": ...}` (untouched shards
+    linked whole from `base`) or `{"segments": ...}` — its rows, deleted rows and index id."""
+    if not base.manifest.shards:
+        unit = written[0]
+        return {"segments": unit.segments}, unit.rows, unit.deleted, _index_id([_sums(unit.segments, unit.files)])
+    entries: list[ShardEntry] = []
+    offset = 0
+    for number, entry in enumerate(base.manifest.shards):
+        shard = writer.shard(number)
+        if number in written:
+            unit = written[number]
+            new = ShardEntry(shard_name(number), unit.rows, unit.deleted, offset, unit.files, unit.segments)
+        else:
+            parent = base.shard(number).directory
+            shard.link_shard(parent)  # its files: rows, or tombstones and trained index
+            for segment in entry.segments or []:
+                shard.link_segment(parent, segment)
+            new = dataclasses.replace(entry, row_offset=offset)
+        entries.append(new)
+        offset += new.rows
+    size, deleted = sum(e.rows for e in entries), sum(e.deleted_rows for e in entries)
+    return {"shards": entries}, size, deleted, _index_id([_shard_sums(entry) for entry in entries])
+
+
+# -- a compaction rebased onto what was published while it ran ---------------------------------
+
+
+def _segments_of(version: IndexVersion, number: int) -> list[SegmentEntry]:
+    """Unit `number`'s segments — an unsegmented unit's row files as the segment 000000 its
+    first change lists them as — which a version grown from it by adds and removals begins with."""
+    unit = _unit(version, number)
+    if unit.segment_entries:
+        return unit.segment_entries
+    sums = version.manifest.shards[number].files if version.manifest.shards else None
+    return [rows_as_segment(unit.directory, segment_name(0), unit.manifest.size, sums)]
+
+
+# What a rebase keeps of the live version's manifest: it must be what the snapshot's was.
+_REBASE_KEPT = ("model_id", "factory", "dimension", "metric", "filterable", "item_field", "shard_key")
+
+
+def _check_rebase(snapshot: IndexVersion, live: IndexVersion) -> None:
+    """`Superseded` unless `live` has the snapshot's shards, model, factory and fields."""
+    same_shards = [e.name for e in snapshot.manifest.shards or []] == [e.name for e in live.manifest.shards or []]
+    differ = [name for name in _REBASE_KEPT if getattr(snapshot.manifest, name) != getattr(live.manifest, name)]
+    if differ or not same_shards:
+        raise Superseded(f"its {', '.join(differ) or 'shards'} differ (a rebuild)")
+
+
+def _rebased(
+    writer: VersionWriter | ShardWriter,
+    snapshot: IndexVersion,
+    live: IndexVersion,
+    grown_from: list[SegmentEntry],
+    compacted: UnitWritten,
+) -> UnitWritten:
+    """A unit's `compacted` segment — the live rows of `snapshot` (whose segments were
+    `grown_from`), in order — rebased onto `live`, the unit as published meanwhile, which must
+    be the snapshot's segments with segments appended and rows deleted (what adds, removals and
+    takedowns make; `Superseded` otherwise): the compacted segment, then `live`'s appended
+    segments hard-linked and numbered after every segment `live` has (a segment's number is
+    never reused), and `live`'s deletions mapped onto those rows — a row removed while the
+    compaction ran stays removed."""
+    rows = sum(entry.rows for entry in grown_from)
+    was_deleted, now_deleted = snapshot.deleted, live.deleted
+    appended = live.segment_entries[len(grown_from) :]
+    if live.segment_entries[: len(grown_from)] != grown_from or len(np.setdiff1d(was_deleted, now_deleted)):
+        raise Superseded("its segments were replaced or deleted rows restored (a rollback, a compaction, a rebuild)")
+    [segment] = compacted.segments
+    number = int(live.segment_entries[-1].name) + 1
+    entries = [writer.rename_segment(segment, segment_name(number))]
+    for entry in appended:
+        number += 1
+        writer.link_segment(live.directory, entry, segment_name(number))
+        moved = dataclasses.replace(entry, name=segment_name(number), row_offset=entry.row_offset - rows + segment.rows)
+        entries.append(moved)
+    kept = np.setdiff1d(np.arange(rows, dtype=np.int64), was_deleted)  # the compacted segment's rows, in order
+    removed_meanwhile = np.setdiff1d(now_deleted[now_deleted < rows], was_deleted)
+    deleted = np.concatenate(
+        [np.searchsorted(kept, removed_meanwhile), now_deleted[now_deleted >= rows] - rows + segment.rows]
+    ).astype(np.int64)
+    writer.write_deleted(deleted)
+    return UnitWritten(entries, len(deleted), _unit_files(writer), compacted.peak_rss)
 
 
 def _new_rows(live: IndexVersion, manifest: IndexManifest) -> np.ndarray:
@@ -333,40 +475,6 @@ def _new_rows(live: IndexVersion, manifest: IndexManifest) -> np.ndarray:
             if segment.name not in known:
                 found.append(np.arange(segment.rows, dtype=np.int64) + offset + segment.row_offset)
     return np.concatenate(found) if found else np.zeros(0, np.int64)
-
-
-def _write_shards(
-    writer: VersionWriter, live: IndexVersion, changes: list[UnitChange], specs: Sequence[FieldSpec], on_ray: bool
-) -> tuple[list[ShardEntry], int]:
-    entries_in = live.manifest.shards or []
-    written: dict[int, UnitWritten] = {}
-    touched = [number for number, change in enumerate(changes) if change.touches]
-    if on_ray and touched:
-        tasks = [
-            (writer.shard(number), str(live.directory), number, changes[number], specs, entries_in[number].files)
-            for number in touched
-        ]
-        written = dict(zip(touched, _on_ray(tasks), strict=True))
-    else:
-        for number in touched:
-            unit = live.shard(number)
-            written[number] = write_unit(writer.shard(number), unit, changes[number], specs, entries_in[number].files)
-    entries: list[ShardEntry] = []
-    offset = 0
-    for number, entry in enumerate(entries_in):
-        shard = writer.shard(number)
-        if number in written:
-            unit = written[number]
-            new = ShardEntry(shard_name(number), unit.rows, unit.deleted, offset, unit.files, unit.segments)
-        else:
-            parent = live.shard(number).directory
-            shard.link_shard(parent)  # its files: rows, or tombstones and trained index
-            for segment in entry.segments or []:
-                shard.link_segment(parent, segment)
-            new = dataclasses.replace(entry, row_offset=offset)
-        entries.append(new)
-        offset += new.rows
-    return entries, max((unit.peak_rss for unit in written.values()), default=0)
 
 
 def _on_ray(tasks: list[tuple]) -> list[UnitWritten]:

@@ -16,6 +16,8 @@ shard (a Ray task: the writer is a path, and pickles), and summed up as the mani
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import os
 import shutil
@@ -74,12 +76,20 @@ class _FolderWriter:
         folder.mkdir(parents=True, exist_ok=False)
         return SegmentWriter(folder, name)
 
-    def link_segment(self, parent: Path, entry: SegmentEntry) -> None:
-        """Segment `entry` of the version (or shard) folder `parent`, hard-linked unchanged."""
-        target = self.folder / artifacts.SEGMENTS / entry.name
+    def link_segment(self, parent: Path, entry: SegmentEntry, name: str | None = None) -> None:
+        """Segment `entry` of the version (or shard) folder `parent`, hard-linked unchanged — as
+        segment `name` when given (a compaction's rebase numbers the segments it keeps after
+        the compacted one)."""
+        target = self.folder / artifacts.SEGMENTS / (name or entry.name)
         target.mkdir(parents=True, exist_ok=False)
         for file_name in entry.files:
             _link_or_copy(parent / artifacts.SEGMENTS / entry.name / file_name, target / file_name)
+
+    def rename_segment(self, entry: SegmentEntry, name: str) -> SegmentEntry:
+        """Segment `entry`, written here, renamed `name` (its files unchanged)."""
+        segments = self.folder / artifacts.SEGMENTS
+        os.rename(segments / entry.name, segments / name)
+        return dataclasses.replace(entry, name=name)
 
     def link_rows_as_segment(self, parent: Path, name: str, rows: int, sums: dict[str, str] | None) -> SegmentEntry:
         """The row files of an unsegmented version (or shard) in `parent`, hard-linked as
@@ -87,12 +97,9 @@ class _FolderWriter:
         `sums`: their sha256 when the parent's manifest lists them (a shard's), else computed."""
         target = self.folder / artifacts.SEGMENTS / name
         target.mkdir(parents=True, exist_ok=False)
-        files = {}
         for file_name in ROW_FILES:
-            if (parent / file_name).is_file():
-                _link_or_copy(parent / file_name, target / file_name)
-                files[file_name] = (sums or {}).get(file_name) or artifacts.file_sha256(target / file_name)
-        return SegmentEntry(name=name, rows=rows, row_offset=0, files=files)
+            _link_or_copy(parent / file_name, target / file_name)
+        return rows_as_segment(parent, name, rows, sums)
 
     def write_trained(self, index: faiss.Index) -> None:
         """The trained empty index new segments copy (IVF/PQ/SQ: quantizer and code books)."""
@@ -149,6 +156,18 @@ class SegmentWriter(_FolderWriter):
         return SegmentEntry(name=self.name, rows=rows, row_offset=row_offset, files=self.file_sums())
 
 
+def rows_as_segment(folder: Path, name: str, rows: int, sums: dict[str, str] | None) -> SegmentEntry:
+    """The entry of the row files of an unsegmented version (or shard) in `folder` as segment
+    `name`: what its first change lists them as (`link_rows_as_segment`). `sums`: their sha256
+    when its manifest lists them (a shard's), else computed."""
+    files = {
+        file_name: (sums or {}).get(file_name) or artifacts.file_sha256(folder / file_name)
+        for file_name in ROW_FILES
+        if (folder / file_name).is_file()
+    }
+    return SegmentEntry(name=name, rows=rows, row_offset=0, files=files)
+
+
 def segment_name(number: int) -> str:
     """Segment `number`'s folder name under segments/: 000000, 000001, ... (never reused in a
     line of versions: a new segment takes the number after the last one)."""
@@ -163,33 +182,39 @@ def shard_name(number: int) -> str:
 class VersionWriter(_FolderWriter):
     """A new version of `root` being written: `with VersionWriter(root, keep) as writer:`, the
     files written or linked, `name_version()`, then `publish(manifest)`. Leaving the block by
-    an exception (or without publishing) removes the staging folder."""
+    an exception (or without publishing) removes the staging folder.
 
-    def __init__(self, root: str | Path, keep: int) -> None:
+    The writer holds the root (`artifacts.writer_lock`) from the start, so that a second one
+    waits its turn rather than publishing from a parent no longer live — or, `hold_root=False`
+    (a compaction), only from `hold_root()` on: its staging folder is held by this process
+    alone (`artifacts.held_staging_dir`), which other writers leave in place while it lives."""
+
+    def __init__(self, root: str | Path, keep: int, hold_root: bool = True) -> None:
         self.root = Path(root)
         self.keep = keep
+        self._hold_at_start = hold_root
         self._folder: Path | None = None
 
     def __enter__(self) -> VersionWriter:
-        # The root's one writer from here to the publish (`artifacts.writer_lock`): a second one
-        # waits its turn rather than publishing from a parent no longer live.
-        self._lock = artifacts.writer_lock(self.root)
-        self._lock.__enter__()
+        self._held = contextlib.ExitStack()
         try:
-            self._folder = artifacts.index_staging_dir(self.root)
+            if self._hold_at_start:
+                self.hold_root()
+            self._folder = self._held.enter_context(artifacts.held_staging_dir(self.root))
         except BaseException:
-            self._lock.__exit__(None, None, None)
+            self._held.close()
             raise
         return self
+
+    def hold_root(self) -> None:
+        """The root's one writer from here to the end of the block (waits its turn)."""
+        self._held.enter_context(artifacts.writer_lock(self.root))
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        # Once published the folder is renamed away and this removes nothing.
-        try:
-            shutil.rmtree(self.staging, ignore_errors=True)
-        finally:
-            self._lock.__exit__(kind, exc, traceback)
+        # The staging folder goes (once published it is renamed away and nothing goes), and the root's lock.
+        self._held.__exit__(kind, exc, traceback)
 
     @property
     def staging(self) -> Path:

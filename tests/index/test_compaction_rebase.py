@@ -1,0 +1,201 @@
+"""Compaction beside other writers (index/lifecycle.py: compact_version; index/segments.py:
+_rebased): it merges a pinned snapshot of the live version without the root's writer lock, and
+takes the lock only to publish — rebased onto what adds and removals published meanwhile (their
+segments kept after the merged one, their removals still removed), or not at all when a
+rollback superseded the snapshot. Real faiss, real files; the compaction runs in a thread paused
+between its merge and its publish, or in a process of its own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from core import artifacts
+from core.items import ItemTable
+from core.vectors import l2_normalized
+from index.add import add_vectors
+from index.faiss_index import search_within
+from index.lifecycle import compact_version, remove_items, rollback
+from index.version import IndexVersion
+from tests.support import shards as support
+
+ROOT = Path(__file__).resolve().parents[2]
+N, DIM, ITEMS, K = 600, 16, 150, 10
+
+
+def _rows(count: int, seed: int, prefix: str) -> tuple[np.ndarray, ItemTable]:
+    vectors, table = support.catalog(count, DIM, ITEMS, seed=seed)
+    return vectors, ItemTable([f"{prefix}-{i}" for i in range(count)], None, list(table.paths), list(table.metadata))
+
+
+def _segmented(root: Path, shards: int) -> dict[str, np.ndarray]:
+    """A version of N rows, two adds and a removal: segments to merge and rows to drop. Its live
+    rows, id → vector."""
+    data = support.catalog(N, DIM, ITEMS)
+    support.publish(root, data, support.model(root.parent / "model", DIM), shards)
+    rows = dict(zip(data[1].ids, data[0], strict=True))
+    for number in range(2):
+        vectors, items = _rows(30, seed=number + 1, prefix=f"add{number}")
+        add_vectors(root, vectors, items, max_segments=100)
+        rows.update(zip(items.ids, vectors, strict=True))
+    gone = [f"id{i:05d}" for i in range(0, 60, 3)]
+    remove_items(root, gone, "test", max_deleted_fraction=1.0)
+    return {item_id: vector for item_id, vector in rows.items() if item_id not in gone}
+
+
+class _Paused:
+    """`compact_version` in a thread, paused once its merged segments are staged (before it takes
+    the root's lock) until `go()`."""
+
+    def __init__(self, root: Path) -> None:
+        self.staged, self._go = threading.Event(), threading.Event()
+        self.report, self.error = None, None
+
+        def hold() -> None:
+            self.staged.set()
+            assert self._go.wait(60), "the test never let the compaction go on"
+
+        def run() -> None:
+            try:
+                self.report = compact_version(root, keep=1, on_ray=False, staged=hold)
+            except BaseException as exc:  # noqa: BLE001 — raised again in the test's thread
+                self.error = exc
+
+        self._thread = threading.Thread(target=run)
+        self._thread.start()
+        assert self.staged.wait(120), "the compaction never staged its segments"
+
+    def go(self):
+        self._go.set()
+        self._thread.join(120)
+        if self.error is not None:
+            raise self.error
+        return self.report
+
+
+def _live_ids(version: IndexVersion) -> set[str]:
+    mask = version.live_mask
+    return {item_id for row, item_id in enumerate(version.items.ids) if mask is None or mask[row]}
+
+
+def _segment_counts(version: IndexVersion) -> list[int]:
+    if version.manifest.shards:
+        return [len(entry.segments or [None]) for entry in version.manifest.shards]
+    return [len(version.manifest.segments or [None])]
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_compaction_is_rebased_onto_what_was_published_while_it_ran(tmp_path, shards):
+    root = tmp_path / "index"
+    expected = _segmented(root, shards)
+    snapshot = IndexVersion.open(root)
+    paused = _Paused(root)
+    # While the merge waits to publish, another writer adds rows and takes ids down — old rows,
+    # and one of its own new rows — and publishes at once (keep=1: the snapshot stays pinned).
+    vectors, items = _rows(25, seed=9, prefix="meanwhile")
+    started = time.perf_counter()
+    add_vectors(root, vectors, items, keep=1, max_segments=100)
+    added_in = time.perf_counter() - started
+    expected.update(zip(items.ids, vectors, strict=True))
+    taken_down = ["id00001", "id00100", "id00599", "add1-4", "meanwhile-7"]
+    remove_items(root, taken_down, "test", keep=1, max_deleted_fraction=1.0)
+    for item_id in taken_down:
+        del expected[item_id]
+    meanwhile = IndexVersion.open(root)
+    assert (root / artifacts.VERSIONS / snapshot.name).is_dir()  # pinned: not pruned under the merge
+
+    report = paused.go()
+    assert report is not None and artifacts.current_version(root) == report.version.name
+    compacted = IndexVersion(report.version).load(dim=DIM)
+    assert compacted.manifest.parent_version == meanwhile.name
+    assert _live_ids(compacted) == set(expected) and compacted.size == len(expected)
+    # Each shard: the merged segment, then the segments the add appended while it ran.
+    counts = zip(_segment_counts(snapshot), _segment_counts(meanwhile), strict=True)
+    appended = [after - before for before, after in counts]
+    assert _segment_counts(compacted) == [1 + count for count in appended] and sum(appended) >= 1
+    assert len(compacted.deleted) == len(taken_down)  # mapped onto the merged rows and the appended ones
+    # Search answers what exact search over the expected live rows answers (Flat: to the id).
+    ids = sorted(expected)
+    matrix = np.stack([expected[i] for i in ids])
+    queries = l2_normalized(matrix[::17] + 0.05)
+    brute = [[ids[r] for r in np.argsort(-(matrix @ q), kind="stable")[:K]] for q in queries]
+    _, rows, _ = search_within(
+        compacted.searchable(), compacted.vectors, queries, K, compacted.live_mask, exact_below=0.0
+    )
+    assert [[compacted.items.ids[int(r)] for r in line] for line in rows] == brute
+    for item_id in ("meanwhile-3", "add0-2", "id00002"):
+        np.testing.assert_array_equal(compacted.vector(compacted.row_of(item_id)), expected[item_id])
+    assert added_in < 30 and not list((root / artifacts.VERSIONS).glob(".staging-*"))
+    # The next add numbers its segment after every segment the rebase kept.
+    add_vectors(root, *_rows(3, seed=11, prefix="after"), max_segments=100)
+    assert IndexVersion.open(root).load(dim=DIM).size == len(expected) + 3
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_a_compaction_superseded_by_a_rollback_publishes_nothing(tmp_path, restore):
+    """Rolled back to the version before the removal, its takedowns restored (that version made
+    live as it is), or to the one before the last add, its takedowns re-applied (a version made
+    from it): the live version did not grow from the compaction's snapshot."""
+    root = tmp_path / "index"
+    _segmented(root, 1)
+    versions = artifacts.list_versions(root)
+    paused = _Paused(root)
+    done = rollback(root, versions[-2] if restore else versions[-3], "test", restore_taken_down=restore)
+    assert paused.go() is None
+    assert artifacts.current_version(root) == done.version
+    assert len(artifacts.list_versions(root)) == len(versions) + (0 if restore else 1)  # the rollback's alone
+    assert not list((root / artifacts.VERSIONS).glob(".staging-*"))
+
+
+def test_a_compaction_superseded_by_another_compaction_publishes_nothing(tmp_path):
+    root = tmp_path / "index"
+    expected = _segmented(root, 1)
+    paused = _Paused(root)
+    other = compact_version(root, on_ray=False)
+    assert paused.go() is None and artifacts.current_version(root) == other.version.name
+    assert _live_ids(IndexVersion.open(root)) == set(expected)
+
+
+COMPACT = """
+import sys, time
+from index.lifecycle import compact_version
+started = time.perf_counter()
+compact_version(sys.argv[1], on_ray=False)
+print(f"{time.perf_counter() - started:.2f}", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_writer_publishes_while_a_compaction_merges(tmp_path):
+    """An HNSW graph over every row is the slow part of a compaction: an add published meanwhile,
+    in another process, waits for none of it — and the compaction, published after, keeps it."""
+    root = tmp_path / "index"
+    rows = 40_000
+    data = support.catalog(rows, DIM, 2_000)
+    support.publish(root, data, support.model(tmp_path / "model", DIM), 1, "HNSW32", {"efSearch": 64})
+    add_vectors(root, *_rows(200, seed=3, prefix="first"), max_segments=100)
+    compaction = subprocess.Popen(
+        [sys.executable, "-c", COMPACT, str(root)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    versions = root / artifacts.VERSIONS
+    deadline = time.monotonic() + 120
+    while not list(versions.glob(".staging-*")) and time.monotonic() < deadline:  # it has started
+        time.sleep(0.02)
+    vectors, items = _rows(20, seed=4, prefix="meanwhile")
+    started = time.perf_counter()
+    added = add_vectors(root, vectors, items, max_segments=100)
+    waited = time.perf_counter() - started
+    still_merging = compaction.poll() is None
+    assert compaction.wait(300) == 0
+    merged_in = float(compaction.stdout.read().strip())
+    assert still_merging, f"the add ({waited:.2f} s) published after the compaction ({merged_in:.2f} s)"
+    live = IndexVersion.open(root).load(dim=DIM)
+    assert live.manifest.parent_version == added.version.name and len(live.manifest.segments) == 2
+    assert live.size == rows + 220 and live.row_of("meanwhile-5") is not None
+    print(f"add {waited:.2f} s beside a compaction of {merged_in:.2f} s")
