@@ -12,7 +12,8 @@ segments it keeps and writes only what changed:
   segments once a segment has copied it);
 - a removal writes only the tombstones of the shards it touches; an upsert both;
 - compaction (`compact`) merges a shard's segments into one, its deleted rows dropped and an
-  HNSW graph rebuilt, one Ray task a shard.
+  HNSW graph rebuilt, one Ray task a shard — beside other writers: it merges a snapshot and is
+  rebased onto what they published meanwhile (`_rebased`), taking the root only to publish.
 
 A version of the older formats becomes segmented on its first change without copying a row:
 its row files are hard-linked as segment 000000. Opened whole, a segmented version is the

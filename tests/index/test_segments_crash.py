@@ -1,7 +1,9 @@
-"""kill -9 at random moments of adds, removals and compactions of a segmented version: the live
-version stays whole (it loads, its files agree with its manifest, every id it held before a
-round is there or was removed by a round that published), a second writer waits its turn, and
-the next writer removes what a killed one left in staging."""
+"""kill -9 at random moments of adds, removals and compactions of a segmented version — a
+compaction in a process of its own too, merging without the root's lock beside the writer and
+rebasing onto what it published: the live version stays whole (it loads, its files agree with
+its manifest, every id it held before a round is there or was removed by a round that
+published), a second writer waits its turn, and the next writer removes what a killed one left
+in staging."""
 
 from __future__ import annotations
 
@@ -51,6 +53,21 @@ WRITER = textwrap.dedent(
 )
 
 
+# A compaction that never stops, beside the writer: each merges what is live as it starts and is
+# rebased onto what the writer published meanwhile (or superseded by the writer's own compaction).
+COMPACTOR = textwrap.dedent(
+    """
+    import sys, time
+    from index.lifecycle import compact_version
+
+    print("ready", flush=True)
+    while True:
+        compact_version(sys.argv[1], on_ray=False)
+        time.sleep(0.02)
+    """
+)
+
+
 def _new_rows(count: int, seed: int) -> tuple[np.ndarray, ItemTable]:
     vectors, table = support.catalog(count, DIM, count, seed=seed)
     return vectors, ItemTable(
@@ -75,12 +92,18 @@ def test_kill_9_mid_change_leaves_the_live_version_whole(tmp_path):
             stderr=subprocess.DEVNULL,
             text=True,
         )
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0.05, 1.5))
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            kills += 1
-        proc.wait()
+        compactor = subprocess.Popen(
+            [sys.executable, "-c", COMPACTOR, str(root)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True,
+        )  # fmt: skip
+        assert proc.stdout.readline().strip() == "ready" and compactor.stdout.readline().strip() == "ready"
+        # Each killed at a moment of its own: the compactor mid-merge, mid-rebase or mid-publish.
+        for victim in sorted((proc, compactor), key=lambda _: rng.random()):
+            time.sleep(rng.uniform(0.05, 0.8))
+            if victim.poll() is None:
+                victim.send_signal(signal.SIGKILL)
+                kills += victim is proc
+            victim.wait()
         live = IndexVersion.open(root).load(dim=DIM)  # whole: its files agree with its manifest
         held = set(live.items.ids[r] for r in np.flatnonzero(live.live_mask)) if live.live_mask is not None else set(
             live.items.ids)  # fmt: skip
