@@ -39,7 +39,7 @@ from core.artifacts import utc_now
 from core.items import ItemTable, string_hashes
 from core.manifests import IndexManifest, QualityGate, RowCounts, SegmentEntry, ShardEntry
 from core.metrics import stable_sample
-from core.vectors import RowBlocks
+from core.vectors import exact_search
 from index.faiss_index import (
     build_index,
     emptied_index,
@@ -574,7 +574,7 @@ def gate_change(
         picked_old = _sample_rows(unit, np.setdiff1d(np.arange(len(unit.items)), local), GATE_QUERIES // 2)
         queries = np.asarray(unit.vectors[np.sort(np.concatenate([picked_new, picked_old]))], dtype=np.float32)
         k = min(ann_k, len(unit.items))
-        _, exact_rows = _exact_by_segment(unit.vectors, queries, k, unit.live_mask)
+        _, exact_rows = exact_search(unit.vectors, queries, k, unit.live_mask)  # segment by segment, where they lie
         recalls.append(recall_against(search(searched, queries, k)[1], exact_rows, unit.vectors, queries))
     if not recalls:
         why = "the new rows are searched exactly (Flat segments until compaction), the kept segments as gated before"
@@ -604,28 +604,3 @@ def _sample_rows(unit: IndexVersion, rows: np.ndarray, count: int) -> np.ndarray
         rows = np.sort(rows[np.argpartition(hashes, 4 * count)[: 4 * count]])
     ids = unit.items.ids
     return rows[stable_sample([ids[int(r)] for r in rows], count, seed=2)]
-
-
-def _exact_by_segment(
-    stored: np.ndarray | RowBlocks, queries: np.ndarray, k: int, live: np.ndarray | None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Exact top-k over `stored`, one block (segment) at a time, deleted rows left out."""
-    blocks = stored.blocks if isinstance(stored, RowBlocks) else [np.asarray(stored)]
-    starts = stored.starts if isinstance(stored, RowBlocks) else np.zeros(1, np.int64)
-    best_scores = np.full((len(queries), k), -np.inf, np.float32)
-    best_rows = np.full((len(queries), k), -1, np.int64)
-    for block, start in zip(blocks, starts, strict=False):
-        if not len(block):
-            continue
-        depth = min(k + (int((~live).sum()) if live is not None else 0), len(block))
-        scores, rows = faiss.knn(queries, np.ascontiguousarray(block), depth, metric=faiss.METRIC_INNER_PRODUCT)
-        rows = np.where(rows >= 0, rows + start, -1)
-        if live is not None:
-            dead = (rows >= 0) & ~live[np.maximum(rows, 0)]
-            scores = np.where(dead, -np.inf, scores)
-        scores = np.concatenate([best_scores, scores], axis=1)
-        rows = np.concatenate([best_rows, rows], axis=1)
-        top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-        best_scores = np.take_along_axis(scores, top, axis=1)
-        best_rows = np.take_along_axis(rows, top, axis=1)
-    return best_scores, best_rows

@@ -19,11 +19,12 @@ from core import artifacts
 from core.artifacts import ArtifactError
 from core.items import ItemTable
 from core.manifests import IndexManifest, RowCounts
-from core.vectors import exact_search
+from core.metrics import stable_sample
+from core.vectors import RowBlocks, exact_search
 from index.__main__ import main as index_main
 from index.build import run_build
 from index.config import BuildConfig
-from index.faiss_index import l2_normalized, search, search_within
+from index.faiss_index import ann_recall, l2_normalized, search, search_within
 from index.filters import parse_filterable
 from index.gate import GateThresholds
 from index.grouping import search_groups
@@ -361,3 +362,36 @@ def test_a_sharded_manifest_is_schema_2_which_a_reader_from_before_shards_refuse
         IndexManifest.from_dict({k: v for k, v in written.items() if k != "shards"})
     with pytest.raises(ArtifactError, match=r"'schema_version' is 1, but the manifest describes shards"):
         IndexManifest.from_dict({**written, "schema_version": 1})
+
+
+def test_a_sharded_builds_tuning_and_gate_read_each_shard_where_it_lies(catalog, tmp_path, monkeypatch):
+    """Issue 48, gates: a sharded build tunes its search effort and measures its gate (ANN
+    recall against exact search, the leave-one-out probe, item recall) over its shards' vector
+    maps block by block — never one array of every shard's rows in the driver — and measures
+    what the joined array would."""
+
+    def joined(self, dtype=None, copy=None):
+        raise AssertionError("the build joined every shard's vectors into one array")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(RowBlocks, "__array__", joined)
+        version = publish(tmp_path, catalog, "IVF16,Flat", 4)  # no nprobe given: the build tunes it
+    quality = version.manifest.quality
+    sample = stable_sample(version.items.ids, 200, seed=0)
+    stored = np.asarray(version.vectors)
+    expected = ann_recall(version.searchable(), stored, stored[sample], 10)
+    assert quality.ann_recall_at_k == pytest.approx(expected)
+    assert "nprobe" in version.manifest.search_params
+
+
+def test_exact_search_over_row_blocks_equals_the_joined_array_with_deleted_rows_left_out():
+    rng = np.random.default_rng(3)
+    blocks = [l2_normalized(rng.standard_normal((n, DIM)).astype(np.float32)) for n in (500, 0, 7, 300)]
+    q = l2_normalized(rng.standard_normal((40, DIM)).astype(np.float32))
+    joined = np.concatenate(blocks)
+    live = rng.random(len(joined)) > 0.3
+    scores, rows = exact_search(RowBlocks(blocks), q, 10, live)
+    expected_scores, expected_rows = exact_search(joined[live], q, 10)
+    np.testing.assert_array_equal(rows, np.flatnonzero(live)[expected_rows])
+    np.testing.assert_allclose(scores, expected_scores, atol=1e-6)
+    assert exact_search(RowBlocks(blocks), q, 10)[1].tolist() == exact_search(joined, q, 10)[1].tolist()
