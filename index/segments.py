@@ -287,23 +287,7 @@ def publish_change(
     specs = specs_of(live.manifest.filterable)
     with VersionWriter(index_root, keep, hold_root=not rebase) as writer:
         written = _write_touched(writer, live, changes, specs, on_ray)
-        base = live
-        if rebase:
-            grown_from = {number: _segments_of(live, number) for number in written}
-            if staged is not None:
-                staged()
-            writer.hold_root()
-            base = IndexVersion.open(index_root)
-            if base.name != live.name:
-                _check_rebase(live, base)
-                for number, unit in written.items():
-                    written[number] = _rebased(
-                        _unit_writer(writer, base, number),
-                        _unit(live, number),
-                        _unit(base, number),
-                        grown_from[number],
-                        unit,
-                    )
+        base = _onto_live(index_root, writer, live, written, staged) if rebase else live
         layout, size, deleted, index_id = _layout(writer, base, written)
         writer.link_contact_sheet(base.directory)
         index_id, version = writer.name_version(index_id)
@@ -402,6 +386,30 @@ def _layout(writer: VersionWriter, base: IndexVersion, written: dict[int, UnitWr
 
 
 # -- a compaction rebased onto what was published while it ran ---------------------------------
+
+
+def _onto_live(
+    index_root: str | Path,
+    writer: VersionWriter,
+    snapshot: IndexVersion,
+    written: dict[int, UnitWritten],
+    staged: Callable[[], None] | None,
+) -> IndexVersion:
+    """The root taken (its writer lock, held to the publish) once the units of `snapshot` are
+    `written`, and the version live then, onto which they are rebased in place when it is not
+    `snapshot` (`Superseded` when it did not grow from it)."""
+    grown_from = {number: _segments_of(snapshot, number) for number in written}  # read before the lock
+    if staged is not None:
+        staged()
+    writer.hold_root()
+    live = IndexVersion.open(index_root)
+    if live.name != snapshot.name:
+        _check_rebase(snapshot, live)
+        for number, unit in written.items():
+            unit_writer = _unit_writer(writer, live, number)
+            before, after = _unit(snapshot, number), _unit(live, number)
+            written[number] = _rebased(unit_writer, before, after, grown_from[number], unit)
+    return live
 
 
 def _segments_of(version: IndexVersion, number: int) -> list[SegmentEntry]:

@@ -256,6 +256,21 @@ def test_prune_keeps_newest_and_the_live_one(tmp_path):
     assert list_versions(tmp_path) == ["v5"]
 
 
+def test_a_held_staging_folder_and_a_pinned_version_outlive_other_writers_turns(tmp_path):
+    """A compaction stages and reads without the root's lock: while its process holds them, the
+    next writer's turn removes neither its staging folder nor the version it reads; a staging
+    folder no process holds is a dead writer's, and goes."""
+    for name in ("v1", "v2"):
+        add_version(tmp_path, name, make_current=name == "v1")
+    dead = index_staging_dir(tmp_path)
+    with artifacts.pinned_version(tmp_path) as pinned, artifacts.held_staging_dir(tmp_path) as staging:
+        set_current(tmp_path, "v2")
+        with artifacts.writer_lock(tmp_path):
+            assert staging.is_dir() and not dead.exists()
+        assert pinned == "v1" and prune_versions(tmp_path, 1) == []
+    assert not staging.exists() and prune_versions(tmp_path, 1) == ["v1"]
+
+
 # --- real SIGKILL mid-write ---------------------------------------------------------------------
 
 WRITER_PRELUDE = """
