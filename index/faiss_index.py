@@ -612,11 +612,17 @@ def save_index(index: faiss.Index, path: str | Path) -> None:
     faiss.write_index(index, str(path))
 
 
-def load_index(path: str | Path) -> faiss.Index:
+def load_index(path: str | Path, mapped: bool = False) -> faiss.Index:
+    """The index in `path`. `mapped`: its codes (a Flat, PQ or SQ index's, an IVF index's lists,
+    an HNSW index's storage) memory-mapped from the file rather than copied into the heap, so
+    they stay in the page cache, shared by every process and version that maps the same file
+    (a shard's replicas, the versions keeping a segment) and given back under memory pressure.
+    A mapped index is read-only: faiss aborts the process on any change to it or to its clone
+    (add, reset), so only indexes that are searched, never extended, are mapped."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"faiss index not found: {path}")
-    return faiss.read_index(str(path))
+    return faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC if mapped else 0)
 
 
 def stores_exact_vectors(index: faiss.Index) -> bool:

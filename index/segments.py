@@ -113,12 +113,12 @@ def _trained(unit: IndexVersion) -> faiss.Index | None:
     if path.is_file():
         return load_index(path)
     for number in range(len(unit.segment_entries)):  # the first segment of the factory's own kind
-        index = unit.segment(number).read_index()
+        index = unit.segment(number).read_index(mapped=False)  # emptied below: a copy of its own
         if not isinstance(faiss.downcast_index(index), faiss.IndexFlat):
             return emptied_index(index)
     if unit.segment_entries:
         raise ValueError(f"{unit.name}: no segment holds the trained {unit.manifest.factory} index to copy")
-    return emptied_index(unit.read_index())
+    return emptied_index(unit.read_index(mapped=False))
 
 
 def flat_until_compaction(manifest: IndexManifest, rows: int) -> bool:

@@ -210,19 +210,21 @@ class IndexVersion:
     def name(self) -> str:
         return self.directory.name
 
-    def read_index(self) -> faiss.Index:
-        """A fresh copy of the faiss index, its search parameters applied (`index add` extends
-        it); a sharded version's: the shards' merged (`merged_index`); a segmented one's: its
-        segments' merged, over their shared indexes (never extended: an add makes a segment)."""
+    def read_index(self, mapped: bool = True) -> faiss.Index:
+        """The faiss index, its search parameters applied: its codes memory-mapped from the file
+        (`load_index`; read-only — versions are never extended, an add makes a segment), or with
+        `mapped=False` a copy of its own that may be changed (emptied of its rows, to copy its
+        training); a sharded version's: the shards' merged (`merged_index`); a segmented one's:
+        its segments' merged, over their shared indexes."""
         if self.manifest.shards:
-            return merged_index([shard.read_index() for shard in self._shard_versions()], self.shard_offsets)
+            return merged_index([shard.read_index(mapped) for shard in self._shard_versions()], self.shard_offsets)
         parts = self._parts()
         if parts is not None:
             segments, offsets = parts
             if len(segments) == 1:
                 return segments[0].index
             return merged_index([segment.index for segment in segments], offsets)
-        index = self._read(load_index, artifacts.INDEX_FILE, "a faiss index")
+        index = self._read(functools.partial(load_index, mapped=mapped), artifacts.INDEX_FILE, "a faiss index")
         if self.manifest.search_params:
             # A segment holds its version's factory, or Flat rows waiting for compaction (HNSW):
             # those take only the parameters that apply to them.

@@ -55,3 +55,21 @@ def test_a_missing_or_damaged_file_is_named(tmp_path):
         opened.load()
     with pytest.raises(ArtifactError, match="embeddings.npy is damaged"):
         _ = opened.vectors
+
+
+@pytest.mark.parametrize("factory", ["Flat", "IVF4,PQ4", "HNSW8"])
+def test_a_served_index_is_mapped_from_its_file_and_a_copy_of_its_own_can_be_emptied(tmp_path, factory):
+    """The index a version searches is memory-mapped (its codes in the page cache, shared by every
+    process and version mapping the file), answering as the index read whole does; a copy of its
+    own (`mapped=False`) is what may be changed — emptied to copy its training — since faiss
+    aborts the process on any change to a mapped index."""
+    vectors = l2_normalized(np.random.default_rng(1).standard_normal((400, 8)))
+    publish(tmp_path, vectors, factory)
+    opened = IndexVersion.live(tmp_path).load(dim=8)
+    index_file = str((opened.directory / artifacts.INDEX_FILE).resolve())
+    with open("/proc/self/maps") as maps:
+        assert index_file in maps.read()
+    own = opened.read_index(mapped=False)
+    np.testing.assert_array_equal(opened.index.search(vectors[:20], 5)[1], own.search(vectors[:20], 5)[1])
+    own.reset()  # a copy of its own: changing it is safe
+    assert own.ntotal == 0 and opened.index.ntotal == 400
