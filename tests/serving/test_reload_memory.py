@@ -19,8 +19,10 @@ import pytest
 from core import artifacts
 from core.items import ItemTable
 from protos.simsearch.v1 import search_pb2 as pb
+from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from serving.memory import reclaim, return_free_heap
-from tests.support.server import derived_version, image_requests, start, wait_for
+from tests.support.index import write_catalog_index
+from tests.support.server import SearchServer, config, derived_version, image_requests, start, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -202,6 +204,29 @@ def test_a_swapped_out_pair_is_freed_once_the_requests_that_took_it_finish(index
         assert client.feedback(fresh.request_id, [fresh.neighbors[0].id]).accepted is True
     finally:
         client.close()
+        server.stop(0)
+
+
+def test_an_aborted_call_keeps_no_pair_alive(tmp_path):
+    """Issue 47: grpc.aio keeps the AbortError of a call it aborted past the call (its latest until
+    its next call; the first of a server whose call found no registered method, for as long as the
+    server runs). Raised while the call's failure was being handled, it carried that failure as its
+    context — the request's frames, the pair that answered it — so `serve --ray`'s ingress warned
+    `ServingPair(…, serial=1) is still referenced 60 s after it was released` after a reload. The
+    abort is raised apart from the failure: the pair swapped out is freed by the server's own
+    reclaim thread, no call after the failed one needed."""
+    server = SearchServer(config(write_catalog_index(tmp_path)))
+    server.start()
+    try:
+        nan = pb.SearchRequest(embedding=pb.Embedding(values=[float("nan")] * server.engine.pair.dim), k=3)
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel, pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.SimilaritySearchStub(channel).Search(nan, timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        old = weakref.ref(server.engine.pair)
+        server.reload_now()  # not a call: grpc still holds the failed one's AbortError
+        assert old() is not server.engine.pair
+        wait_for(lambda: old() is None, timeout=10)
+    finally:
         server.stop(0)
 
 

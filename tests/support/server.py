@@ -60,6 +60,10 @@ class SearchServer(SearchApp):
     def stop(self, grace: float | None = 5.0) -> None:  # type: ignore[override]
         self._call(super().stop(grace))
 
+    def reload_now(self, version: str | None = None) -> None:
+        """A reload as the server makes one by itself (CURRENT watched), with no call to it."""
+        self._call(self.reload(version))
+
 
 # -- loopback servers over an index root, as the serving tests start them ---------------------
 
