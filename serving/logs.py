@@ -31,6 +31,11 @@ def shard_label(number: int) -> str:
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
 
+def one_line(text: str) -> str:
+    """A paragraph (Ray's: a dead actor's or worker's ids, its likely causes) as one line."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
 def fields_of(record: logging.LogRecord) -> dict[str, object]:
     """The structured fields a record carries (an access-log line's method, code, protocol, ms)."""
     return {name: value for name in FIELDS if (value := getattr(record, name, None)) is not None}
@@ -127,7 +132,7 @@ class RecordShipper(logging.Handler):
             exc_text = logging.Formatter().formatException(record.exc_info)
         message = record.getMessage()
         if record.name.split(".", 1)[0] not in OWN_LOGGERS:  # Ray's paragraphs (a dead actor's ids): one line
-            message = " ".join(line.strip() for line in message.splitlines() if line.strip())
+            message = one_line(message)
         entry = {
             "name": record.name, "levelno": record.levelno, "levelname": record.levelname, "msg": message,
             "created": record.created, "msecs": record.msecs, "exc_text": exc_text,

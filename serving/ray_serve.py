@@ -51,7 +51,7 @@ from index.version import IndexVersion
 from serving.config import ServerConfig
 from serving.engine import SearchEngine, ServingPair, text_model_dir
 from serving.errors import Unavailable
-from serving.logs import Sink, relay, shard_label, ship_records
+from serving.logs import Sink, one_line, relay, shard_label, ship_records
 from serving.metrics import ServiceMetrics
 from serving.replicas import EMBEDDER, EmbedderReplica, EmbedderSettings, ShardReplica, shard_deployment
 from serving.sharded import ShardAnswer, ShardedSearch, ShardRequest, failure_reason, shard_count
@@ -556,6 +556,7 @@ def connect_ray() -> None:
                 pass
         except OSError as exc:
             raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {exc}") from None
+    _cluster_errors_as_records()
     if not address:
         # Ray starts its workers at nice 15, for batch work beside interactive use; here the
         # workers are the server (its shards, embedder and ingress), so they run as one would.
@@ -590,6 +591,34 @@ def _ray_lines_as_ours() -> None:
         logger.propagate = True
         if not verbose():  # Serve's logger has a level of its own, not the "ray" logger's
             logger.setLevel(logging.WARNING)
+
+
+def _cluster_errors_as_records() -> None:
+    """The errors the cluster publishes to its drivers (a worker that died or was killed, with its
+    ids and likely causes; a task that failed and is retried) as records of the `ray.raylet`
+    logger, one line each in this command's format. Ray's driver prints them to stdout, a
+    coloured paragraph each, whatever `log_to_driver` says: its error listener
+    (`ray._private.worker.listen_error_messages`) calls the module's `print_to_stdstream`, which
+    Ray 2.60 has no option for, so that function is replaced here — this command's stdout is its
+    ports line alone. Other output (workers' own lines, which `log_to_driver=False` keeps off)
+    goes to Ray's function as before."""
+    from ray._private import worker
+
+    printed = worker.print_to_stdstream
+    if getattr(printed, "as_records", False):
+        return
+
+    def as_records(data: dict, ignore_prefix: bool) -> None:
+        source = data.get("pid")
+        if source not in ("raylet", "autoscaler"):
+            printed(data, ignore_prefix)
+            return
+        for message in data.get("lines") or ():
+            if text := one_line(str(message)):
+                logging.getLogger(f"ray.{source}").warning("%s", text)
+
+    as_records.as_records = True  # type: ignore[attr-defined]
+    worker.print_to_stdstream = as_records
 
 
 class _core_warnings_held:

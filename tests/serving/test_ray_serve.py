@@ -55,6 +55,8 @@ SIDE = 224  # the model's input: what users send (a float image of it is 600 kB)
 TOKEN = "s3cret"
 SERVER_LOG: list[str] = []  # the module's serve --ray's own log stream (stderr), line by line
 SERVER_OUT: list[str] = []  # and its stdout after the ports line: nothing
+# A record's head in the text format: its time, level and logger.
+LOG_LINE = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) \S+: "
 
 
 @pytest.fixture(scope="module")
@@ -371,6 +373,17 @@ def test_a_killed_shard_replica(sharded, roots):
     assert got and not failed  # two replicas a shard: the other answers, and Serve replaces the killed one
     assert all(len(r.shards_answered) == 4 for r in got)
 
+    # A replica's worker process killed (SIGKILL, as the OOM killer does): the same, and what Ray
+    # says of it — a paragraph its driver printed to stdout — is one line of the command's log.
+    pid = _replica_pids("000")[0]
+    got, failed = _under_load(client, requests, 4.0, lambda: os.kill(pid, signal.SIGKILL))
+    assert got and not failed and all(len(r.shards_answered) == 4 for r in got)
+    said = support_server.wait_for(lambda: [line for line in SERVER_LOG if f"Worker PID: {pid} " in line], timeout=30)
+    assert len(said) == 1 and re.match(LOG_LINE + "A worker died or was killed", said[0]), said
+    assert " WARNING ray.raylet: " in said[0], said
+    assert said[0].count("\n") == 1 and "\x1b[" not in said[0], said  # one line, uncoloured
+    assert not SERVER_OUT, SERVER_OUT[:20]  # stdout is the ports line alone
+
     # No replica of shard 002 left, and none that Serve starts can open it (its folder moved
     # away): every answer is whole or UNAVAILABLE naming the shard; partial where allowed.
     folder = artifacts.version_dir(roots[1], client.get_info().index_version) / "shards" / "002"
@@ -516,7 +529,7 @@ def test_every_deployments_records_reach_the_commands_log_in_its_format(sharded)
     assert "method=Search" in access[0] and "deployment=ingress" in access[0] and "replica=" in access[0], access
     assert any("deployment=ingress" in line and "serving index" in line for line in SERVER_LOG)
     assert not SERVER_OUT, SERVER_OUT[:20]  # stdout is the ports line alone (Ray printed dead workers there)
-    head = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) \S+: ")
+    head = re.compile(LOG_LINE)
     in_traceback = False
     for line in SERVER_LOG:  # the text format throughout: records, some with a traceback after them
         if head.match(line):
