@@ -329,13 +329,57 @@ def test_a_takedown_never_answers_again(sharded):
 
 
 def _replicas(shard: str) -> list:
+    return _actors(f"shard-{shard}")
+
+
+def _actors(deployment: str) -> list:
+    """The Ray actors of a deployment's replicas."""
     import ray
 
     names = [
         a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("SERVE_REPLICA::") and f"#shard-{shard}#" in a["name"]
+        if a["name"].startswith("SERVE_REPLICA::") and f"#{deployment}#" in a["name"]
     ]  # fmt: skip
     return [ray.get_actor(name, namespace="serve") for name in names]
+
+
+def _ingress_pairs() -> list[str]:
+    """The versions of the model+index pairs the ingress process holds, after a collection: the
+    live one, and any a reload let go of that something still references."""
+    import ray
+
+    def held(_: object) -> list[str]:
+        import gc
+
+        from serving.engine import ServingPair
+
+        gc.collect()
+        return sorted(o.version for o in gc.get_objects() if isinstance(o, ServingPair))
+
+    (ingress,) = _actors("ingress")
+    return ray.get(ingress.__ray_call__.remote(held), timeout=30)
+
+
+def test_a_reload_frees_the_pair_a_failed_call_answered(sharded, roots):
+    """Issue 47: after a reload the ingress logged `ServingPair(…) is still referenced 60 s after
+    it was released`. grpc.aio keeps an aborted call's AbortError past the call, and raised while
+    the call's failure was being handled it carried that failure — the request's frames, the pair
+    that answered — as its context. A call fails on the live pair, then a version published into
+    the root is made live by --watch-current, no call in between: within seconds the ingress holds
+    the new pair alone."""
+    client, _, _ = sharded
+    four, model = roots[1], roots[2]
+    old = client.get_info().index_version
+    nan = pb.SearchRequest(embedding=pb.Embedding(values=[float("nan")] * DIM), k=3)
+    with pytest.raises(grpc.RpcError) as refused:
+        client.search(nan)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    new = support.publish(four, support.catalog(N, DIM, ITEMS, seed=5), model, 4).name  # CURRENT names it
+    try:
+        support_server.wait_for(lambda: _ingress_pairs() == [new], timeout=60)
+    finally:
+        live_again(client, four, old)
+        shutil.rmtree(artifacts.version_dir(four, new))
 
 
 def _under_load(client, requests, seconds, during) -> tuple[list, list]:
@@ -529,6 +573,7 @@ def test_every_deployments_records_reach_the_commands_log_in_its_format(sharded)
     assert "method=Search" in access[0] and "deployment=ingress" in access[0] and "replica=" in access[0], access
     assert any("deployment=ingress" in line and "serving index" in line for line in SERVER_LOG)
     assert not SERVER_OUT, SERVER_OUT[:20]  # stdout is the ports line alone (Ray printed dead workers there)
+    assert not [line for line in SERVER_LOG if "is still referenced" in line]  # every pair let go was freed
     head = re.compile(LOG_LINE)
     in_traceback = False
     for line in SERVER_LOG:  # the text format throughout: records, some with a traceback after them
