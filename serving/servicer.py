@@ -55,10 +55,10 @@ class RpcCall:
             code, message = self.recorder.failed(method, exc)
         finally:
             self.recorder.finished(method, "grpc", code, time.perf_counter() - started)
-        # Out of the except block: grpc keeps an aborted call's AbortError past the call (one
-        # ingress held its first for good), and one raised while the failure was being handled
-        # carries it as its context — its traceback, the request's frames, the pair that
-        # answered — so a pair swapped out stayed referenced (issue 47).
+        # Out of the except block: grpc keeps an aborted call's AbortError past the call (under
+        # traffic an ingress kept its first pair's over 60 s), and one raised while the failure
+        # was being handled carries it as its context — its traceback, the request's frames, the
+        # pair that answered — so a pair swapped out stayed referenced (issue 47).
         await context.abort(code, message)
 
 
