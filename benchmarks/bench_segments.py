@@ -36,6 +36,7 @@ import psutil
 
 from core.items import ItemTable
 from core.manifests import RowCounts
+from core.vectors import exact_search
 from index.add import add_vectors
 from index.faiss_index import l2_normalized, recall_with_ties, scores_of_rows, search_live
 from index.gate import GateThresholds
@@ -101,12 +102,10 @@ def p99(values: list[float]) -> float:
 
 def recall(version: IndexVersion, queries: np.ndarray, found: list[np.ndarray], k: int = 10) -> float:
     """ANN recall@k of `found` against exact search over the version's live rows."""
-    stored = np.asarray(version.vectors)
-    scores = queries @ stored.T
-    if version.live_mask is not None:
-        scores[:, ~version.live_mask] = -np.inf
-    exact = np.argsort(-scores, axis=1)[:, :k]
-    exact_scores = np.take_along_axis(scores, exact, axis=1)
+    stored = version.vectors
+    # Segment by segment where the maps lie: a joined product of 2,000 queries with 1M rows and
+    # its argsort were 24 GB (the VM's memory) before the first row was ranked.
+    exact_scores, exact = exact_search(stored, queries, k, version.live_mask)
     found_rows = np.stack(found)
     found_scores = scores_of_rows(stored, queries, found_rows)
     lines = zip(found_rows, found_scores, exact, exact_scores, strict=True)
