@@ -42,6 +42,7 @@ from index.segments import (
     Superseded,
     UnitChange,
     publish_change,
+    units_of,
     wants_compaction,
 )
 from index.version import IndexVersion
@@ -242,7 +243,7 @@ def compact_version(
     with artifacts.pinned_version(index_root) as name:
         live = IndexVersion.open(index_root, name)
         changes = []
-        for unit, _ in _rows_by_unit(live, np.zeros(0, np.int64)):
+        for unit in units_of(live):
             due = wants_compaction(unit, UnitChange(), max_segments, max_deleted_fraction)
             has_work = len(unit.segment_entries) > 1 or len(unit.deleted) > 0
             changes.append(UnitChange(compact=has_work and (due or not only_due)))

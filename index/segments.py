@@ -332,6 +332,16 @@ def _unit(version: IndexVersion, number: int) -> IndexVersion:
     return version.shard(number) if version.manifest.shards else version
 
 
+def units_of(version: IndexVersion) -> list[IndexVersion]:
+    """The units a change writes apart: each shard, or the version itself when it is not sharded."""
+    return [_unit(version, number) for number in range(len(version.shard_names) or 1)]
+
+
+def compaction_due(version: IndexVersion, max_segments: int, max_deleted_fraction: float) -> bool:
+    """Whether some unit of `version` is past `max_segments` or `max_deleted_fraction` as it stands."""
+    return any(wants_compaction(unit, UnitChange(), max_segments, max_deleted_fraction) for unit in units_of(version))
+
+
 def _unit_writer(writer: VersionWriter, version: IndexVersion, number: int) -> VersionWriter | ShardWriter:
     return writer.shard(number) if version.manifest.shards else writer
 
@@ -564,10 +574,9 @@ def gate_change(
     its exact search read segment by segment where the vectors lie, never gathered whole.
     None (and passed) when what changed searches exactly: a Flat index, or new rows that all
     lie in Flat segments (`flat_until_compaction`)."""
-    units = [version.shard(n) for n in range(len(version.shard_names))] if version.manifest.shards else [version]
     offsets = version.shard_offsets if version.manifest.shards else np.zeros(1, np.int64)
     recalls = []
-    for unit, offset in zip(units, offsets, strict=True):
+    for unit, offset in zip(units_of(version), offsets, strict=True):
         local = new_rows[(new_rows >= offset) & (new_rows < offset + len(unit.items))] - offset
         if not len(local):
             continue

@@ -221,9 +221,8 @@ class IndexVersion:
         parts = self._parts()
         if parts is not None:
             segments, offsets = parts
-            if len(segments) == 1:
-                return segments[0].index
-            return merged_index([segment.index for segment in segments], offsets)
+            indexes = [segment.index if mapped else segment.read_index(mapped=False) for segment in segments]
+            return indexes[0] if len(indexes) == 1 else merged_index(indexes, offsets)
         index = self._read(functools.partial(load_index, mapped=mapped), artifacts.INDEX_FILE, "a faiss index")
         if self.manifest.search_params:
             # A segment holds its version's factory, or Flat rows waiting for compaction (HNSW):

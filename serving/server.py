@@ -39,7 +39,7 @@ from core.items import ItemTable
 from core.manifests import IndexManifest
 from index.add import add_vectors
 from index.lifecycle import RemovalReport, RollbackReport, remove_items, rollback
-from index.segments import MAX_DELETED_FRACTION, UnitChange, wants_compaction
+from index.segments import MAX_DELETED_FRACTION, compaction_due
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from serving.admin import AdminService, Ingested
 from serving.auth import Tokens
@@ -367,20 +367,11 @@ class SearchApp:
             counts = published.rows
             added = counts.added if counts is not None else len(rows)
             replaced = (counts.replaced or 0) if counts is not None else 0
-            if self._compaction_due(new):
+            # Decided from what the server holds: an ingest that makes nothing due starts no
+            # `index compact` process (a second of CPU each, beside the searches).
+            if compaction_due(new.index_version, self.config.max_segments, MAX_DELETED_FRACTION):
                 self._compact_soon()
             return Ingested(published.parent_version or "", new.version, added, replaced, new.index_version.size)
-
-    def _compaction_due(self, pair: ServingPair) -> bool:
-        """Whether a shard of the version just loaded is past --max-segments or the share of
-        deleted rows `index compact` merges at: read from what the server holds, so that the
-        ingests that compact nothing start no process (a second of CPU each, beside the
-        searches)."""
-        version = pair.index_version
-        units = [version.shard(n) for n in range(len(version.shard_names))] if version.manifest.shards else [version]
-        return any(
-            wants_compaction(unit, UnitChange(), self.config.max_segments, MAX_DELETED_FRACTION) for unit in units
-        )
 
     def _compact_soon(self) -> None:
         """Compaction of the shards an ingest took past --max-segments, after the call has its answer:
