@@ -145,6 +145,16 @@ class InputContract:
         return cls(**known)
 
 
+@dataclass(frozen=True, slots=True)
+class EncodedImage:
+    """An image as its request sent it, to be decoded where it is embedded: what `serve --ray`'s
+    ingress sends its embedder deployment (a 224-px JPEG is ~11 kB, its pixels 150 kB), so the
+    ingress, one process for every caller, does not spend its core decoding."""
+
+    data: bytes
+    region: Region | None = None  # checked against the image's size already
+
+
 def open_image(source: bytes | str | Path, max_pixels: int = DEFAULT_MAX_PIXELS, load: bool = True) -> Image.Image:
     """Open an image from bytes or a path, checking its size from the header first.
 

@@ -53,8 +53,8 @@ from enum import StrEnum
 import numpy as np
 from PIL import Image
 
-from core.preprocess import Region
-from serving.engine import EVERY_ROW, Hit, Scope, SearchEngine, ServingPair
+from core.preprocess import EncodedImage, Region
+from serving.engine import EVERY_ROW, Hit, Scope, SearchEngine, ServingPair, UndecodedImages
 from serving.errors import DeadlineExceeded, ResourceExhausted, ServiceError, Unavailable
 from serving.metrics import ServiceMetrics
 
@@ -67,6 +67,7 @@ class DecodePlacement(StrEnum):
     ON_LOOP = "loop"  # on the event loop, before the query is submitted
     IN_BATCHER = "inference"  # by the inference thread that embeds it
     IN_POOL = "pool"  # in a decode thread, while the query waits for its batch
+    AT_EMBEDDER = "embedder"  # where it is embedded: its bytes cross to the embedder deployment
 
 
 # Slots: built for every query on the loop, where a frozen dataclass without them costs twice as much.
@@ -80,7 +81,7 @@ class Query:
     k: int
     exclude: frozenset[int] = frozenset()
     scope: Scope = EVERY_ROW
-    array: np.ndarray | None = None
+    array: np.ndarray | EncodedImage | None = None  # the model input, or the image for the embedder to decode
     image: Image.Image | None = None  # opened, pixels not decoded: the inference thread decodes it
     region: Region | None = None  # only this part of `image` (checked against its size already)
     vector: np.ndarray | None = None
@@ -209,16 +210,22 @@ class Inference:
             if work.query.vector is not None:
                 work.result.vector = work.query.vector
         if to_embed:
-            vectors = self.engine.embed(pair, [arrays[id(w)] for w in to_embed], side_by_side)
+            try:
+                vectors = self.engine.embed(pair, [arrays[id(w)] for w in to_embed], side_by_side)
+            except UndecodedImages as undecoded:  # the others of the batch go on
+                vectors = undecoded.vectors
+                for i, error in undecoded.errors.items():
+                    to_embed[i].error = error
             for work, vector in zip(to_embed, vectors, strict=True):
                 work.result.vector = vector
+            to_embed = [w for w in to_embed if w.error is None]
         if texts:  # the batch's texts in one run of the text model, beside its images' run
             vectors = self.engine.embed_texts(pair, [w.query.text_ids for w in texts])
             for work, vector in zip(texts, vectors, strict=True):
                 work.result.vector = vector
             to_embed += texts
         embedded = time.perf_counter()
-        to_search = [w for w in batch if w.query.k > 0]
+        to_search = [w for w in batch if w.query.k > 0 and w.error is None]
         if to_search:
             k = max(w.query.k for w in to_search)
             vectors = np.stack([w.result.vector for w in to_search])

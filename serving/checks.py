@@ -41,6 +41,7 @@ class CheckedImage:
 
     image: Image.Image
     crop: Region | None = None
+    data: bytes = b""  # as the request sent it: what an embedder that decodes images is sent
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ class RequestChecks:
         crop = None
         if region is not None:
             crop = self.check_region(region, image, pair.embedder.contract.exif_orientation)
-        return CheckedImage(image, crop)
+        return CheckedImage(image, crop, data)
 
     def new_items(self, pair: ServingPair, items: list[pb.NewItem]) -> list[CheckedImage | np.ndarray]:
         """An AddItems call's items checked, each error naming its item (`items[3]: …`): at most

@@ -32,14 +32,14 @@ from core.manifests import (
     check_model_index_pair,
     check_text_model_pair,
 )
-from core.preprocess import DEFAULT_MAX_PIXELS, Region, decode
+from core.preprocess import DEFAULT_MAX_PIXELS, EncodedImage, Region, decode
 from core.text import TextTokenizer
 from index import range_search
 from index.faiss_index import OVERFETCH_DELETED, ExactRerank, search_live, search_within
 from index.filters import Filter
 from index.grouping import Groups, search_groups
 from index.version import IndexVersion
-from serving.errors import Unavailable, image_errors
+from serving.errors import ServiceError, Unavailable, image_errors
 
 if TYPE_CHECKING:  # ONNX Runtime loads where a model does, not in a shard replica (serving.replicas)
     from serving.query_embedder import Progress, QueryEmbedder
@@ -75,6 +75,16 @@ class Limits:
         ):  # fmt: skip
             if not 0 < getattr(self, name) < 2**31:  # GetInfo carries them as int32
                 raise ValueError(f"{name} must be within 1..{2**31 - 1}, got {getattr(self, name)}")
+
+
+class UndecodedImages(Exception):
+    """Images of a batch that did not decode where they were embedded: each one's service error
+    by its place in the batch; `vectors` holds every row, the failed ones zero."""
+
+    def __init__(self, vectors: np.ndarray, errors: dict[int, ServiceError]) -> None:
+        super().__init__(f"{len(errors)} of {len(vectors)} images did not decode")
+        self.vectors = vectors
+        self.errors = errors
 
 
 _load_serials = itertools.count(1)
@@ -322,8 +332,14 @@ class SearchEngine:
         with image_errors():
             return decode(image, pair.embedder.contract, region)
 
-    def embed(self, pair: ServingPair, arrays: list[np.ndarray], side_by_side: bool = False) -> np.ndarray:
-        return pair.embedder.embed(np.stack(arrays), side_by_side=side_by_side)
+    def embed(
+        self, pair: ServingPair, inputs: list[np.ndarray] | list[EncodedImage], side_by_side: bool = False
+    ) -> np.ndarray:
+        """The embeddings of model inputs, or of encoded images for an embedder that decodes them
+        (`takes_encoded_images`; UndecodedImages for those that do not decode)."""
+        if inputs and isinstance(inputs[0], EncodedImage):
+            return pair.embedder.embed_encoded(inputs, side_by_side=side_by_side)
+        return pair.embedder.embed(np.stack(inputs), side_by_side=side_by_side)
 
     def embed_texts(self, pair: ServingPair, ids: list[np.ndarray]) -> np.ndarray:
         """Texts' token ids (checked: `serving.checks`) embedded by the pair's text model, in one run."""

@@ -97,15 +97,20 @@ def status_of(exc: Exception, json_names: bool = False) -> tuple[grpc.StatusCode
     return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
 
 
+def image_error(exc: ImageDecodeError) -> ServiceError:
+    """An image error as a service error: past the pixel limit, PayloadTooLarge; the rest INVALID_ARGUMENT."""
+    if isinstance(exc, ImageTooLarge):
+        return PayloadTooLarge(str(exc))
+    return InvalidArgument(f"cannot decode image: {exc}")
+
+
 @contextmanager
 def image_errors() -> Iterator[None]:
-    """Image errors as service errors: past the pixel limit, PayloadTooLarge; the rest INVALID_ARGUMENT."""
+    """Image errors raised as service errors (`image_error`)."""
     try:
         yield
-    except ImageTooLarge as exc:
-        raise PayloadTooLarge(str(exc)) from exc
     except ImageDecodeError as exc:
-        raise InvalidArgument(f"cannot decode image: {exc}") from exc
+        raise image_error(exc) from exc
 
 
 @contextmanager

@@ -100,6 +100,8 @@ class QueryEmbedder(OnnxEmbedder):
     still gets every thread. Only kept where the two sessions differ: CPU, and more intra-op
     threads than a share."""
 
+    takes_encoded_images = False  # the server decodes, in its own threads, what this embeds
+
     def __init__(self, model_dir: str | Path, *args: Any, runs_at_once: int = 1, **kwargs: Any) -> None:
         # The session's options are OnnxEmbedder's own (provider, intra_op_threads, spinning).
         super().__init__(model_dir, *args, **kwargs)

@@ -45,12 +45,12 @@ import numpy as np
 from core import artifacts
 from core.artifacts import ArtifactError
 from core.manifests import ModelManifest, TextModelManifest, check_model_index_pair
-from core.preprocess import pixels_of
+from core.preprocess import DEFAULT_MAX_PIXELS, EncodedImage, pixels_of
 from core.text import TOKENIZER_FILE, TextTokenizer
 from index.version import IndexVersion
 from serving.config import ServerConfig
-from serving.engine import SearchEngine, ServingPair, text_model_dir
-from serving.errors import Unavailable
+from serving.engine import SearchEngine, ServingPair, UndecodedImages, text_model_dir
+from serving.errors import Unavailable, image_error
 from serving.logs import Sink, one_line, relay, shard_label, ship_records
 from serving.metrics import ServiceMetrics
 from serving.replicas import EMBEDDER, EmbedderReplica, EmbedderSettings, ShardReplica, shard_deployment
@@ -107,10 +107,15 @@ class RemoteEmbedder:
     """The model as the ingress sees it: its input contract and ids from its manifest, its
     embeddings from the embedder deployment (`QueryEmbedder.embed`'s contract).
 
-    A batch crosses to the embedder as the uint8 pixels it was made from (a quarter of its float
-    bytes), in calls of at most `message_bytes` sent at once: Serve's inter-deployment gRPC
-    refuses a message over its limit (4 MiB by default; 32 float images of 224 px are 18 MB). A
-    row larger than a message alone goes through the object store."""
+    A query's image crosses as its request sent it (`EncodedImage`), decoded on the embedder:
+    the ingress, one process for every caller, spent most of an image query's cost decoding
+    it and sending its pixels (docs/benchmarks.md, "Sharded versions"). A batch of model inputs
+    (the probe's, a catalog's) crosses as the uint8 pixels it was made from (a quarter of its
+    float bytes). Either goes in calls of at most `message_bytes` sent at once: Serve's
+    inter-deployment gRPC refuses a message over its limit (4 MiB by default; 32 float images
+    of 224 px are 18 MB). A row larger than a message alone goes through the object store."""
+
+    takes_encoded_images = True
 
     def __init__(
         self,
@@ -119,10 +124,14 @@ class RemoteEmbedder:
         timeout_s: float,
         providers: list[str],
         message_bytes: int | None = None,
+        max_image_pixels: int = DEFAULT_MAX_PIXELS,
     ) -> None:
         self.handle = handle
         self._embed = _direct(handle, "embed")
         self._by_reference = handle.options(method_name="embed")
+        self._embed_images = _direct(handle, "embed_images")
+        self._images_by_reference = handle.options(method_name="embed_images")
+        self.max_image_pixels = max_image_pixels
         self.model_dir = Path(model_dir)
         manifest = ModelManifest.read(self.model_dir)
         self.contract = manifest.input
@@ -144,6 +153,39 @@ class RemoteEmbedder:
         deadline = time.monotonic() + self.timeout_s
         pending = [send.remote(str(self.model_dir), part, side_by_side) for part in parts]
         return np.concatenate([p.result(timeout_s=max(0.0, deadline - time.monotonic())) for p in pending])
+
+    def embed_encoded(self, images: Sequence[EncodedImage], side_by_side: bool = False) -> np.ndarray:
+        """Embeddings of encoded images, decoded on the embedder; UndecodedImages names those
+        that did not decode there, with the error `serve` gives each."""
+        deadline = time.monotonic() + self.timeout_s
+        pending = []
+        for part in _parts_within(images, self.message_bytes):
+            fits = sum(len(image.data) for image in part) <= self.message_bytes
+            send = self._embed_images if fits else self._images_by_reference
+            pending.append(send.remote(str(self.model_dir), part, self.max_image_pixels, side_by_side))
+        answers = [p.result(timeout_s=max(0.0, deadline - time.monotonic())) for p in pending]
+        vectors = np.concatenate([vectors for vectors, _ in answers])
+        failed, start = {}, 0
+        for part_vectors, errors in answers:
+            failed.update({start + i: image_error(error) for i, error in errors.items()})
+            start += len(part_vectors)
+        if failed:
+            raise UndecodedImages(vectors, failed)
+        return vectors
+
+
+def _parts_within(images: Sequence[EncodedImage], most_bytes: int) -> list[list[EncodedImage]]:
+    """`images` in order, in runs of at most `most_bytes` of image data (an image larger alone is
+    a run of its own)."""
+    parts: list[list[EncodedImage]] = []
+    size = most_bytes
+    for image in images:
+        if size + len(image.data) > most_bytes:
+            parts.append([])
+            size = 0
+        parts[-1].append(image)
+        size += len(image.data)
+    return parts
 
 
 class RemoteTextEncoder:
@@ -414,7 +456,10 @@ class IngressReplica:
             if progress is not None:
                 progress("loading the model on the embedder")
             providers = _broadcast(self.embedder, "warm", str(model))[0]
-            embedder = RemoteEmbedder(self.embedder, model, max(60.0, config.sharding.shard_timeout_s), providers)
+            embedder = RemoteEmbedder(
+                self.embedder, model, max(60.0, config.sharding.shard_timeout_s), providers,
+                max_image_pixels=config.limits.max_image_pixels,
+            )  # fmt: skip
         text = None
         text_dir = text_model_dir(opened.manifest, model_manifest)
         if text_dir is not None:

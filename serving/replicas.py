@@ -9,6 +9,7 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -20,6 +21,7 @@ from serving.logs import Sink, shard_label, ship_records
 T = TypeVar("T")
 
 if TYPE_CHECKING:
+    from core.preprocess import EncodedImage, ImageDecodeError
     from index.embedder import OnnxTextEmbedder
     from serving.config import ServerConfig
     from serving.query_embedder import QueryEmbedder
@@ -101,6 +103,7 @@ class EmbedderReplica:
         self._models: OrderedDict[str, QueryEmbedder] = OrderedDict()
         self._texts: OrderedDict[str, OnnxTextEmbedder] = OrderedDict()
         self._lock = threading.Lock()
+        self._decoders = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="decode")
 
     def _kept(self, cache: OrderedDict[str, T], key: str, make: Callable[[], T]) -> T:
         """`cache`'s entry for `key`, made by `make` the first time; the two last asked for kept."""
@@ -149,6 +152,30 @@ class EmbedderReplica:
     def embed_text(self, text_dir: str, ids: np.ndarray) -> np.ndarray:
         """Embeddings of texts' token ids (tokenized and checked by the ingress) by a text model."""
         return self._text(text_dir).embed_ids(ids)
+
+    def embed_images(
+        self, model_dir: str, images: list[EncodedImage], max_pixels: int, side_by_side: bool = False
+    ) -> tuple[np.ndarray, dict[int, ImageDecodeError]]:
+        """Embeddings of encoded images, decoded here beside each other (Pillow decodes and
+        resizes without the GIL), and the error of each that did not decode, by its place (its
+        row zeros)."""
+        from core.preprocess import ImageDecodeError, decode, open_image
+
+        embedder = self._embedder(model_dir)
+
+        def model_input(image: EncodedImage) -> np.ndarray | ImageDecodeError:
+            try:
+                return decode(open_image(image.data, max_pixels, load=False), embedder.contract, image.region)
+            except ImageDecodeError as exc:
+                return exc
+
+        inputs = list(self._decoders.map(model_input, images))
+        errors = {i: x for i, x in enumerate(inputs) if isinstance(x, ImageDecodeError)}
+        vectors = np.zeros((len(images), embedder.dim), dtype=np.float32)
+        decoded = [i for i in range(len(images)) if i not in errors]
+        if decoded:
+            vectors[decoded] = embedder.embed(np.stack([inputs[i] for i in decoded]), side_by_side=side_by_side)
+        return vectors, errors
 
     def embed(self, model_dir: str, batch: np.ndarray, side_by_side: bool = False) -> np.ndarray:
         """Embeddings of a batch of model inputs, or of the uint8 pixels they are made of."""

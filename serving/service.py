@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from core.preprocess import ImageNotFound, load_pixels, open_image
+from core.preprocess import EncodedImage, ImageNotFound, load_pixels, open_image
 from index import filters
 from index.grouping import EXACT_PASS
 from protos.simsearch.v1 import search_pb2 as pb
@@ -97,12 +97,15 @@ class SearchService:
     # -- query preparation ------------------------------------------------------------------
 
     def placement(self, pair: ServingPair, image: Image.Image) -> DecodePlacement:
-        """Where an opened image's pixels are decoded: on the loop when image and model input are
+        """Where an opened image's pixels are decoded: where it is embedded when the pair's
+        embedder takes encoded images (`serve --ray`'s embedder deployment); on the loop when image and model input are
         both tiny (a thread hop costs more than decoding them); by the inference thread that
         embeds it when the image is small (the hop to a decode thread costs about what decoding
         it does, e.g. a 28×28 glyph PNG for a 224×224 model) or the batcher would take the
         query at once; else in a decode thread, in parallel with the others, while the query
         waits for its batch."""
+        if pair.embedder.takes_encoded_images:
+            return DecodePlacement.AT_EMBEDDER
         contract = pair.embedder.contract
         pixels = image.width * image.height
         if max(pixels, contract.height * contract.width) <= self.inline_decode_pixels:
@@ -126,7 +129,9 @@ class SearchService:
         started = time.perf_counter()
         placement = self.placement(pair, image.image)
         array = None
-        if placement == DecodePlacement.ON_LOOP:
+        if placement == DecodePlacement.AT_EMBEDDER:
+            array = EncodedImage(image.data, image.crop)
+        elif placement == DecodePlacement.ON_LOOP:
             array = self.engine.model_input(pair, image.image, image.crop)
         elif placement == DecodePlacement.IN_POOL:
             loop = asyncio.get_running_loop()

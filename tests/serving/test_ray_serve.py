@@ -878,6 +878,53 @@ def test_image_traffic_at_concurrency_32_over_grpc_and_http(sharded, single):
     assert [[n["id"] for n in r["neighbors"]] for r in answered] == expected[32:]
 
 
+def test_images_decode_on_the_embedder_and_a_bad_one_fails_alone_as_serve_says(sharded, single):
+    """The ingress sends an image query's bytes, decoded on the embedder deployment: a cropped
+    region embeds as `serve` embeds it; a truncated image (its header sound, so only decoding
+    finds it) answers INVALID_ARGUMENT with `serve`'s message while the 31 good queries beside
+    it, batched with it, answer; in a SearchBatch it names its place, as `serve` does."""
+    from PIL import Image
+
+    client, _, _ = sharded
+    rng = np.random.default_rng(41)
+    images = [encode(Image.fromarray(rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8))) for _ in range(31)]
+    truncated = images[0][: len(images[0]) // 2]
+    region = pb.Region(x=20, y=30, width=120, height=100)
+    local = single.search(pb.SearchRequest(image=images[1], region=region, k=10, group_by=""))
+    remote = client.search(pb.SearchRequest(image=images[1], region=region, k=10, group_by=""))
+    whole = client.search(pb.SearchRequest(image=images[1], k=10, group_by=""))
+    assert [n.id for n in remote.neighbors] == [n.id for n in local.neighbors] != [n.id for n in whole.neighbors]
+    # The ingress only wraps the bytes (microseconds); `serve` decodes and resizes the JPEG itself.
+    assert remote.timings.decode_ms < local.timings.decode_ms
+
+    def refusal(server) -> grpc.RpcError:
+        with pytest.raises(grpc.RpcError) as refused:
+            server.search(pb.SearchRequest(image=truncated, k=10, group_by=""))
+        return refused.value
+
+    said = refusal(single)
+    assert said.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot decode image" in said.details()
+
+    def one(i: int) -> list[str] | grpc.RpcError:
+        if i == len(images):
+            return refusal(client)
+        return [n.id for n in client.search(pb.SearchRequest(image=images[i], k=10, group_by="")).neighbors]
+
+    with ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(one, range(len(images) + 1)))
+    failed = got.pop()
+    assert (failed.code(), failed.details()) == (said.code(), said.details())
+    assert all(isinstance(ids, list) and len(ids) == 10 for ids in got)
+    batch = [pb.SearchRequest(image=image, k=10, group_by="") for image in images[:3]]
+    batch.insert(2, pb.SearchRequest(image=truncated, k=10, group_by=""))
+    with pytest.raises(grpc.RpcError) as remote_batch:
+        client.search_batch(batch)
+    with pytest.raises(grpc.RpcError) as local_batch:
+        single.search_batch(batch)
+    assert remote_batch.value.details() == local_batch.value.details()
+    assert remote_batch.value.details().startswith("requests[2]: cannot decode image")
+
+
 def test_a_second_serve_on_the_same_cluster_is_refused_and_the_first_keeps_serving(cluster, sharded, roots):
     """Serve redeploys an application by name: a second `serve --ray` on the cluster would have
     replaced the first's under it. It is one error line, and the first still answers."""
