@@ -166,6 +166,9 @@ class Sharding:
         "one deployment per index shard",
     )
     shard_replicas: int = option(1, help="replicas of each shard deployment (with --ray; 2: a replica may fail)")
+    embedder_replicas: int = option(
+        1, help="replicas of the embedder deployment (with --ray): it decodes and embeds every query's image"
+    )
     shard_timeout_s: float = option(
         5.0,
         help="a shard call's deadline (with --ray): past it, or failed, the call is tried again; then the shard "
@@ -176,6 +179,8 @@ class Sharding:
     def __post_init__(self) -> None:
         if self.shard_replicas < 1:
             raise ValueError(f"shard_replicas must be at least 1, got {self.shard_replicas}")
+        if self.embedder_replicas < 1:
+            raise ValueError(f"embedder_replicas must be at least 1, got {self.embedder_replicas}")
         if not 0 < self.shard_timeout_s < float("inf"):
             raise ValueError(f"shard_timeout_s must be > 0 seconds, got {self.shard_timeout_s}")
         if self.shard_retries < 0:

@@ -516,7 +516,7 @@ def build(config: ServerConfig, version: IndexVersion, log_sink: Sink | None = N
     ]
     embedder = (
         serve.deployment(EmbedderReplica)
-        .options(name=EMBEDDER, ray_actor_options=cpus)
+        .options(name=EMBEDDER, num_replicas=config.sharding.embedder_replicas, ray_actor_options=cpus)
         .bind(EmbedderSettings.of(config), log_sink)
     )
     ingress = serve.deployment(IngressReplica).options(name=INGRESS, num_replicas=1, ray_actor_options=cpus)

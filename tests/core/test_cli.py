@@ -51,6 +51,7 @@ BAD_INPUT = [
     (("serving", "serve", "--event-loop", "trio"), "invalid choice"),
     # a check's error names the option as the user gave it: the flag typed here, the key of a file below
     (("serving", "serve", "--shard-replicas", "0"), "--shard-replicas must be at least 1, got 0"),
+    (("serving", "serve", "--embedder-replicas", "0"), "--embedder-replicas must be at least 1, got 0"),
     (("serving", "serve", "--max-connection-age-s", "-1"), "--max-connection-age-s must be ≥ 0 seconds"),
     (("serving", "serve", "--probe-interval-s", "-1"), "--probe-interval-s must be ≥ 0 seconds"),
     (("serving", "query", "/no/such.png", "--k", "0"), "--k must be at least 1"),

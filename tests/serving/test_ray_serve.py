@@ -95,8 +95,8 @@ def sharded(cluster, roots):
     command = [
         sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(four), "--port", "0",
         "--metrics-port", str(metrics_port), "--shard-replicas", "2", "--shard-timeout-s", "3", "--shard-retries", "1",
-        "--admin-token", TOKEN, "--probe-interval-s", "0", "--max-k", "50", "--log-format", "text",
-        "--http-port", "0", "--watch-current", "--watch-interval-s", "0.5", "--access-log",
+        "--embedder-replicas", "2", "--admin-token", TOKEN, "--probe-interval-s", "0", "--max-k", "50",
+        "--log-format", "text", "--http-port", "0", "--watch-current", "--watch-interval-s", "0.5", "--access-log",
     ]  # fmt: skip
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     threading.Thread(target=lambda: SERVER_LOG.extend(process.stderr), daemon=True).start()
@@ -882,10 +882,12 @@ def test_images_decode_on_the_embedder_and_a_bad_one_fails_alone_as_serve_says(s
     """The ingress sends an image query's bytes, decoded on the embedder deployment: a cropped
     region embeds as `serve` embeds it; a truncated image (its header sound, so only decoding
     finds it) answers INVALID_ARGUMENT with `serve`'s message while the 31 good queries beside
-    it, batched with it, answer; in a SearchBatch it names its place, as `serve` does."""
+    it, batched with it, answer; in a SearchBatch it names its place, as `serve` does. Images
+    are the embedder's work, so it has replicas of its own (`--embedder-replicas 2`)."""
     from PIL import Image
 
     client, _, _ = sharded
+    assert len(_actors("embedder")) == 2
     rng = np.random.default_rng(41)
     images = [encode(Image.fromarray(rng.integers(0, 256, (SIDE, SIDE, 3), dtype=np.uint8))) for _ in range(31)]
     truncated = images[0][: len(images[0]) // 2]
