@@ -6,7 +6,9 @@ new `deleted.npy` (`index.segments`), masked inside every search — a takedown 
 whatever the catalog's size, and a version of the older formats becomes segmented on its first
 removal without copying a row. Past `max_deleted_fraction` of a shard's rows deleted, or with
 `compact`, the shards it touches are compacted: their live rows in one segment, an HNSW graph
-rebuilt (`compact_version`, also `index compact`).
+rebuilt (`compact_version`, also `index compact`) — after the removal is published and the
+root's writer lock let go, so the takedown is in force at once and other writers do not wait
+for the merge.
 
 An upsert (`index add --upsert`) is a removal of the rows whose ids come again, then an add.
 Every removal is appended to the index root's audit log with who asked and what left.
@@ -24,7 +26,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -112,13 +114,17 @@ class RemovalReport:
     deleted_rows: int = 0
     seconds: float = 0.0
     bytes_written: int = 0
+    compacted_to: str | None = None  # the compaction published after the removal (size and deleted rows: its)
+    touched: list[int] = field(default_factory=list, repr=False)  # the units (shards) the removal changed
 
     def __str__(self) -> str:
         head = f"removed {self.removed} of {self.requested} requested ids"
         missing = f"; {len(self.not_found)} not in version {self.parent_version}" if self.not_found else ""
-        if self.version is None:
+        compacted = f", compacted to {self.compacted_to}" if self.compacted_to else ""
+        if self.version is None and not compacted:
             return f"{head}{missing}; nothing changed, {self.parent_version} stays live"
-        return f"{head}{missing}; published {self.version} ({self.size} items) in {self.seconds:.2f} s"
+        published = f"published {self.version}" if self.version else f"{self.parent_version} stays"
+        return f"{head}{missing}; {published}{compacted} ({self.size} items) in {self.seconds:.2f} s"
 
 
 def remove_items(
@@ -132,19 +138,39 @@ def remove_items(
     keep: int = 5,
     source: str | None = None,
     action: str = REMOVE,
+    compact_when_due: bool = True,
 ) -> RemovalReport:
     """Publish the live version (or `source`, a rollback's target) less `ids`; ids not in it are
     reported, and when none is, nothing is published. Logged to the root's audit log either way,
     as `action`. When another publisher switches CURRENT meanwhile, the removal is made again
-    against the version it published."""
+    against the version it published.
+
+    The removal writes tombstones alone, under the root's writer lock. Compaction follows once
+    the lock is let go (`compact_version`: other writers wait only for its publish) — of the
+    shards the removal touched with `compact`, else of those past `max_deleted_fraction` or
+    MAX_SEGMENTS, unless `compact_when_due` is off (a server starts its own, after the call)."""
     if not ids:
         raise ValueError("no item id to remove")
+    started = time.perf_counter()
 
     def removal() -> RemovalReport:
         with artifacts.writer_lock(index_root):
-            return _remove_once(index_root, ids, who, reason, via, max_deleted_fraction, compact, keep, source, action)
+            return _remove_once(index_root, ids, who, reason, via, compact, keep, source, action)
 
-    return _again_if_stale(removal, "removing again from the new live version")
+    report = _again_if_stale(removal, "removing again from the new live version")
+    if compact or (compact_when_due and report.version is not None):
+        done = compact_version(
+            index_root, keep, only_due=not compact, max_deleted_fraction=max_deleted_fraction,
+            units=set(report.touched) if compact else None,
+        )  # fmt: skip
+        if done is not None:
+            published = IndexManifest.read(done.version)
+            report.compacted_to, report.size = done.version.name, published.live_size
+            report.deleted_rows = published.deleted_rows
+            report.bytes_written += done.bytes_written
+    report.seconds = time.perf_counter() - started
+    log.info("%s", report)
+    return report
 
 
 ATTEMPTS = 3  # a takedown racing other publishers is made again from the version that won
@@ -170,13 +196,11 @@ def _remove_once(
     who: str,
     reason: str,
     via: str,
-    max_deleted_fraction: float,
     compact: bool,
     keep: int,
     source: str | None = None,
     action: str = REMOVE,
 ) -> RemovalReport:
-    started = time.perf_counter()
     # A rollback derives from an older version, yet must still find CURRENT where it was.
     current = artifacts.current_version(index_root) if source is not None else None
     live = IndexVersion.open(index_root, source)
@@ -184,26 +208,20 @@ def _remove_once(
     not_found = [item_id for item_id, row in found.items() if row is None]
     rows = np.unique(np.fromiter((r for r in found.values() if r is not None), dtype=np.int64))
     report = RemovalReport(live.name, None, len(found), len(rows), not_found, live.size, len(live.deleted))
-    if len(rows) or (compact and len(live.deleted)):
-        changes = []
-        for unit, local in _rows_by_unit(live, rows):
-            change = UnitChange(removed=local)
-            touched = bool(len(local)) or (compact and len(unit.deleted) > 0)
-            change.compact = touched and (compact or wants_compaction(unit, change, MAX_SEGMENTS, max_deleted_fraction))
-            changes.append(change)
-        compacting = any(change.compact for change in changes)
-        done = publish_change(
-            index_root, live, changes, keep, f"removed {len(rows)} items", current=current, on_ray=compacting
-        )
+    by_unit = _rows_by_unit(live, rows)
+    report.touched = [
+        number for number, (unit, local) in enumerate(by_unit) if len(local) or (compact and len(unit.deleted))
+    ]
+    if len(rows):
+        changes = [UnitChange(removed=local) for _, local in by_unit]
+        done = publish_change(index_root, live, changes, keep, f"removed {len(rows)} items", current=current)
         published = IndexManifest.read(done.version)
         report.version, report.size = done.version.name, published.live_size
         report.deleted_rows, report.bytes_written = published.deleted_rows, done.bytes_written
-    report.seconds = time.perf_counter() - started
     removed_ids = [item_id for item_id, row in found.items() if row is not None]
     if action == ROLLBACK:
         reason = f"rollback to {live.name} re-applied {report.removed} takedowns → version {report.version}"
     audit(index_root, action, who, via, reason, report, removed_ids)
-    log.info("%s", report)
     return report
 
 
@@ -226,6 +244,7 @@ def compact_version(
     max_segments: int = MAX_SEGMENTS,
     max_deleted_fraction: float = MAX_DELETED_FRACTION,
     staged: Callable[[], None] | None = None,
+    units: Collection[int] | None = None,
 ) -> ChangeReport | None:
     """Merge each shard's segments of the live version into one, its deleted rows dropped and an
     HNSW graph rebuilt — on Ray, one task a shard — and publish the result; None when nothing
@@ -239,14 +258,18 @@ def compact_version(
     removed still deleted (`segments._rebased`) — unless the live version no longer grew from
     the snapshot (a rollback, another compaction, a rebuild): then the compaction is superseded,
     says so in one line and publishes nothing (the next add or removal past the thresholds
-    compacts what is live then). `staged`: called between the two (tests pause here)."""
+    compacts what is live then). `staged`: called between the two (tests pause here). `units`:
+    only these shards (by number), due or not."""
     with artifacts.pinned_version(index_root) as name:
         live = IndexVersion.open(index_root, name)
         changes = []
-        for unit in units_of(live):
-            due = wants_compaction(unit, UnitChange(), max_segments, max_deleted_fraction)
+        for number, unit in enumerate(units_of(live)):
+            if units is not None:
+                wanted = number in units
+            else:
+                wanted = not only_due or wants_compaction(unit, UnitChange(), max_segments, max_deleted_fraction)
             has_work = len(unit.segment_entries) > 1 or len(unit.deleted) > 0
-            changes.append(UnitChange(compact=has_work and (due or not only_due)))
+            changes.append(UnitChange(compact=has_work and wanted))
         if not any(change.compact for change in changes):
             log.info("nothing to compact: every shard of %s is one segment without deleted rows%s", name,
                      " or below the thresholds" if only_due else "")  # fmt: skip
@@ -370,7 +393,7 @@ def rollback(
     back = returning_takedowns(index_root, version)
     if back and not restore_taken_down:
         removal = remove_items(index_root, back, who, via=via, keep=keep, source=version, action=ROLLBACK)
-        report = RollbackReport(version, previous, removal.version or version, reapplied=back)
+        report = RollbackReport(version, previous, removal.compacted_to or removal.version or version, reapplied=back)
     else:
         if make_current:
             with artifacts.current_lock(index_root):

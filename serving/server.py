@@ -306,11 +306,13 @@ class SearchApp:
     async def remove_items(self, ids: list[str], who: str, reason: str, via: str) -> RemovalReport:
         """A takedown: the version CURRENT names less `ids`, published (the previous one stays for
         rollback), swapped in, and returned once no request still answers from the old pair. Off
-        the loop; takedowns run one at a time. `via`: the transport that asked, for the audit log."""
+        the loop; takedowns run one at a time. `via`: the transport that asked, for the audit log.
+        A compaction it makes due runs after the answer, as an ingest's does (`_compact_soon`)."""
         async with self._remove_lock:
             remove = functools.partial(
-                remove_items, self.config.index_root, ids, who, reason, via=via, keep=self.config.keep_versions
-            )
+                remove_items, self.config.index_root, ids, who, reason, via=via, keep=self.config.keep_versions,
+                compact_when_due=False,
+            )  # fmt: skip
             report = await asyncio.get_running_loop().run_in_executor(None, remove)
             self.metrics.items_removed.inc(report.removed)
             if report.version is None:
@@ -322,6 +324,8 @@ class SearchApp:
                     report.version,
                     self.config.drain_timeout_s,
                 )
+            if compaction_due(new.index_version, self.config.max_segments, MAX_DELETED_FRACTION):
+                self._compact_soon()
             return report
 
     async def add_items(

@@ -22,6 +22,7 @@ from core.vectors import l2_normalized
 from index.add import add_vectors
 from index.faiss_index import search_within
 from index.lifecycle import compact_version, remove_items, rollback
+from index.segments import units_of
 from index.version import IndexVersion
 from tests.support import shards as support
 
@@ -160,6 +161,62 @@ def test_a_compaction_superseded_by_another_compaction_publishes_nothing(tmp_pat
     other = compact_version(root, on_ray=False)
     assert paused.go() is None and artifacts.current_version(root) == other.version.name
     assert _live_ids(IndexVersion.open(root)) == set(expected)
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_removal_publishes_its_takedown_then_compacts_without_the_writer_lock(tmp_path, monkeypatch, shards):
+    """`index remove --compact` (and a removal past --max-deleted-fraction) publishes its
+    tombstones under the root's writer lock — the takedown in force before any merge — and
+    merges after letting the lock go: an add made while it merges is published at once, and the
+    compaction, rebased, keeps it. It merges the shards holding deleted rows, as `--compact` says."""
+    from index import lifecycle
+
+    root = tmp_path / "index"
+    expected = _segmented(root, shards)
+    before = IndexVersion.open(root)
+    staged, go = threading.Event(), threading.Event()
+    compact = lifecycle.compact_version
+
+    def paused(*args, **kwargs):  # the removal's compaction (of the shards it names) waits for the test
+        def hold() -> None:
+            staged.set()
+            assert go.wait(60), "the test never let the compaction go on"
+
+        if kwargs.get("units") is None:  # an add's compaction, when one is due
+            return compact(*args, **kwargs)
+        return compact(*args, **{**kwargs, "on_ray": False}, staged=hold)
+
+    monkeypatch.setattr(lifecycle, "compact_version", paused)
+    gone = ["id00005"]  # one shard's row
+    done: dict = {}
+    removal = threading.Thread(target=lambda: done.update(report=remove_items(root, gone, "test", compact=True)))
+    removal.start()
+    assert staged.wait(120), "the removal never started its compaction"
+    removed = IndexVersion.open(root)
+    assert removed.manifest.parent_version == before.name and not _live_ids(removed) & set(gone)
+    assert _segment_counts(removed) == _segment_counts(before)  # tombstones alone, nothing merged yet
+    vectors, items = _rows(10, seed=21, prefix="meanwhile")
+    added = threading.Thread(target=add_vectors, args=(root, vectors, items), kwargs={"max_segments": 100})
+    added.start()
+    added.join(60)
+    assert not added.is_alive(), "the add waited for the removal's compaction"
+    go.set()
+    removal.join(120)
+    report = done["report"]
+    assert report.version == removed.name and report.compacted_to == artifacts.current_version(root)
+    compacted = IndexVersion.open(root)
+    expected.update(zip(items.ids, vectors, strict=True))
+    assert _live_ids(compacted) == set(expected) - set(gone) and report.size == compacted.size
+    # A shard holding deleted rows: its merged segment, then what the add appended; the others
+    # as the add left them.
+    touched = {number for number, unit in enumerate(units_of(removed)) if len(unit.deleted)}
+    assert 0 < len(touched) <= shards
+    with_add = IndexVersion.open(root, compacted.manifest.parent_version)
+    appended = [after - was for was, after in zip(_segment_counts(removed), _segment_counts(with_add), strict=True)]
+    assert with_add.row_of("meanwhile-3") is not None and sum(appended) >= 1
+    assert _segment_counts(compacted) == [
+        1 + appended[n] if n in touched else count for n, count in enumerate(_segment_counts(with_add))
+    ]
 
 
 COMPACT = """
