@@ -898,6 +898,11 @@ def test_images_decode_on_the_embedder_and_a_bad_one_fails_alone_as_serve_says(s
     assert [n.id for n in remote.neighbors] == [n.id for n in local.neighbors] != [n.id for n in whole.neighbors]
     # The ingress only wraps the bytes (microseconds); `serve` decodes and resizes the JPEG itself.
     assert remote.timings.decode_ms < local.timings.decode_ms
+    # A photo as phones send them, over the inter-deployment message limit (3 MB of 4 MiB for one
+    # call's images): it goes to the embedder through the object store, and embeds as `serve` does.
+    photo = encode(Image.fromarray(rng.integers(0, 256, (1100, 1100, 3), dtype=np.uint8)), "PNG")
+    assert len(photo) > 3.2e6
+    assert list(client.embed(photo).embedding) == pytest.approx(list(single.embed(photo).embedding), abs=1e-5)
 
     def refusal(server) -> grpc.RpcError:
         with pytest.raises(grpc.RpcError) as refused:
