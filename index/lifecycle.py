@@ -158,16 +158,16 @@ def remove_items(
             return _remove_once(index_root, ids, who, reason, via, compact, keep, source, action)
 
     report = _again_if_stale(removal, "removing again from the new live version")
-    if compact or (compact_when_due and report.version is not None):
-        done = compact_version(
-            index_root, keep, only_due=not compact, max_deleted_fraction=max_deleted_fraction,
-            units=set(report.touched) if compact else None,
-        )  # fmt: skip
-        if done is not None:
-            published = IndexManifest.read(done.version)
-            report.compacted_to, report.size = done.version.name, published.live_size
-            report.deleted_rows = published.deleted_rows
-            report.bytes_written += done.bytes_written
+    done = None
+    if compact:
+        done = compact_version(index_root, keep, units=set(report.touched))
+    elif compact_when_due and report.version is not None:
+        done = compact_if_due(index_root, keep, MAX_SEGMENTS, max_deleted_fraction)
+    if done is not None:
+        published = IndexManifest.read(done.version)
+        report.compacted_to, report.size = done.version.name, published.live_size
+        report.deleted_rows = published.deleted_rows
+        report.bytes_written += done.bytes_written
     report.seconds = time.perf_counter() - started
     log.info("%s", report)
     return report

@@ -98,12 +98,12 @@ class SearchService:
 
     def placement(self, pair: ServingPair, image: Image.Image) -> DecodePlacement:
         """Where an opened image's pixels are decoded: where it is embedded when the pair's
-        embedder takes encoded images (`serve --ray`'s embedder deployment); on the loop when image and model input are
-        both tiny (a thread hop costs more than decoding them); by the inference thread that
-        embeds it when the image is small (the hop to a decode thread costs about what decoding
-        it does, e.g. a 28×28 glyph PNG for a 224×224 model) or the batcher would take the
-        query at once; else in a decode thread, in parallel with the others, while the query
-        waits for its batch."""
+        embedder takes encoded images (`serve --ray`'s embedder deployment); on the loop when
+        image and model input are both tiny (a thread hop costs more than decoding them); by the
+        inference thread that embeds it when the image is small (the hop to a decode thread costs
+        about what decoding it does, e.g. a 28×28 glyph PNG for a 224×224 model) or the batcher
+        would take the query at once; else in a decode thread, in parallel with the others, while
+        the query waits for its batch."""
         if pair.embedder.takes_encoded_images:
             return DecodePlacement.AT_EMBEDDER
         contract = pair.embedder.contract
