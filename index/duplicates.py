@@ -36,6 +36,7 @@ from core.artifacts import utc_now
 from core.config import option, to_jsonable
 from core.progress import Progress
 from index.contact_sheet import contact_sheet
+from index.merge import ranked
 from index.range_search import by_range_search, reaching
 from index.version import IndexVersion
 
@@ -237,7 +238,7 @@ def groups_sheet(version: IndexVersion, groups: Groups, count: int):
     scores = np.zeros((len(shown), depth), dtype=np.float32)
     for g, members in enumerate(shown):
         cosine, others = lead_cosines(version, members)
-        best = np.lexsort((others, -cosine))[:depth]
+        best = ranked(others, cosine)[:depth]
         rows[g, : len(best)], scores[g, : len(best)] = others[best], cosine[best]
     items = version.items
     labels = list(items.labels) if items.labelled else None

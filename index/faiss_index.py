@@ -15,6 +15,7 @@ import faiss
 import numpy as np
 
 from core.vectors import RowBlocks, as_float32_rows, exact_search, l2_normalized, unit_rows
+from index.merge import MergedIndex
 
 log = logging.getLogger(__name__)
 
@@ -72,37 +73,16 @@ def emptied_index(index: faiss.Index) -> faiss.Index:
     return empty
 
 
-def inner_index(index: faiss.Index) -> faiss.Index:
-    """`index` downcast, or for a sharded version's merged index (`merged_index`) its first
-    shard's own index: every shard has the same structure and search parameters."""
+def inner_index(index: faiss.Index | MergedIndex) -> faiss.Index:
+    """`index` downcast, or for a version's merged parts (`MergedIndex`) its first part's own
+    index: every shard has the same structure and search parameters, and a segmented version's
+    first segment is of its factory (later ones may be Flat until compaction)."""
+    if isinstance(index, MergedIndex):
+        return inner_index(index.inner[0])
     index = faiss.downcast_index(index)
-    if isinstance(index, faiss.IndexShards) and index.count():
-        return inner_index(index.at(0))
     if isinstance(index, (faiss.IndexIDMap, faiss.IndexIDMap2)):
         return inner_index(index.index)
     return index
-
-
-def merged_index(shards: list[faiss.Index], offsets: np.ndarray) -> faiss.IndexShards:
-    """One faiss index over a sharded version's shard indexes, answering global rows (shard i's
-    row r is `offsets[i] + r`) with faiss's own merge of their top k.
-
-    Each shard sits in an IndexIDMap of its global rows rather than behind IndexShards'
-    `successive_ids`: a search's parameters go to every shard as they are, so an id selector (a
-    filter's rows) must see global rows, which IndexIDMap translates to. Not threaded:
-    IndexIDMap swaps its translating selector into the caller's parameters for the length of its
-    search, and shards searching those shared parameters at once read each other's (a filtered
-    search answered a row outside its filter); faiss parallelises each shard over the queries."""
-    merged = faiss.IndexShards(shards[0].d, False, False)
-    for shard, offset in zip(shards, offsets, strict=True):
-        # IndexIDMap refuses a non-empty index: made over an empty one, then pointed at the shard.
-        mapped = faiss.IndexIDMap(faiss.IndexFlatIP(shard.d))
-        mapped.own_fields = False
-        mapped.index, mapped.ntotal, mapped.is_trained = shard, shard.ntotal, shard.is_trained
-        faiss.copy_array_to_vector(np.arange(offset, offset + shard.ntotal, dtype=np.int64), mapped.id_map)
-        mapped.referenced_objects = [shard]  # the shard lives as long as its map
-        merged.add_shard(mapped)
-    return merged
 
 
 def ivf_of(index: faiss.Index) -> faiss.IndexIVF | None:
@@ -261,10 +241,15 @@ def trained_index(
     return index
 
 
-def apply_search_params(index: faiss.Index, params: dict[str, float], strict: bool = True) -> None:
+def apply_search_params(index: faiss.Index | MergedIndex, params: dict[str, float], strict: bool = True) -> None:
     """Set search-time parameters such as nprobe or efSearch by name (`rerank` is checked
     here and applied by `ExactRerank`). `strict=False`: a parameter the index has no use for is
-    passed over (a segment of Flat rows in an HNSW version has no efSearch)."""
+    passed over (a segment of Flat rows in an HNSW version has no efSearch). On merged parts:
+    on each, a Flat part (rows waiting for compaction) taking none of them."""
+    if isinstance(index, MergedIndex):
+        for part in index.inner:
+            apply_search_params(part, params, strict=strict and not isinstance(part, faiss.IndexFlat))
+        return
     space = faiss.ParameterSpace()
     for name, value in params.items():
         if name == RERANK:

@@ -27,6 +27,7 @@ import faiss
 import numpy as np
 
 from index.faiss_index import ExactRerank, inner_index
+from index.merge import MergedIndex, ranked
 
 # The widened k-NN's first depth; it doubles from there. Near-duplicates are few: most queries
 # stop at the first call, and a deep first call (k = max_k = 1000) costs HNSW a long walk.
@@ -47,10 +48,11 @@ def by_range_search(index: faiss.Index | ExactRerank) -> bool:
     range search finds every row their k-NN search would."""
     if isinstance(index, ExactRerank):
         return by_range_search(index.index)
+    if isinstance(index, MergedIndex):  # a version's segments or shards: when each part has one
+        return all(by_range_search(part) for part in index.inner)
     index = faiss.downcast_index(index)
     if isinstance(index, (faiss.IndexPreTransform, faiss.IndexIDMap)):
         return by_range_search(index.index)
-    # faiss's IndexShards (a sharded version's merged index) has no range search of its own.
     return isinstance(index, (faiss.IndexFlat, faiss.IndexIVF))
 
 
@@ -96,7 +98,7 @@ def _answering(rows: np.ndarray, live: np.ndarray | None, exclude: frozenset[int
 
 
 def _best_first(rows: np.ndarray, scores: np.ndarray, limit: int, truncated: bool) -> Reaching:
-    order = np.lexsort((rows, -scores))[:limit]
+    order = ranked(rows, scores)[:limit]
     return Reaching(rows[order].astype(np.int64), scores[order].astype(np.float32), bool(truncated))
 
 

@@ -43,9 +43,10 @@ from core.artifacts import ArtifactError
 from core.items import ItemTable
 from core.manifests import IndexManifest, SegmentEntry
 from core.vectors import RowBlocks
-from index.faiss_index import ExactRerank, apply_search_params, load_index, merged_index, searchable
+from index.faiss_index import ExactRerank, apply_search_params, load_index, searchable
 from index.filters import FilterIndex
 from index.grouping import Groups
+from index.merge import MergedIndex
 
 T = TypeVar("T")
 
@@ -214,15 +215,15 @@ class IndexVersion:
         """The faiss index, its search parameters applied: its codes memory-mapped from the file
         (`load_index`; read-only — versions are never extended, an add makes a segment), or with
         `mapped=False` a copy of its own that may be changed (emptied of its rows, to copy its
-        training); a sharded version's: the shards' merged (`merged_index`); a segmented one's:
+        training); a sharded version's: the shards' merged (`MergedIndex`); a segmented one's:
         its segments' merged, over their shared indexes."""
         if self.manifest.shards:
-            return merged_index([shard.read_index(mapped) for shard in self._shard_versions()], self.shard_offsets)
+            return MergedIndex([shard.read_index(mapped) for shard in self._shard_versions()], self.shard_offsets)
         parts = self._parts()
         if parts is not None:
             segments, offsets = parts
             indexes = [segment.index if mapped else segment.read_index(mapped=False) for segment in segments]
-            return indexes[0] if len(indexes) == 1 else merged_index(indexes, offsets)
+            return indexes[0] if len(indexes) == 1 else MergedIndex(indexes, offsets)
         index = self._read(functools.partial(load_index, mapped=mapped), artifacts.INDEX_FILE, "a faiss index")
         if self.manifest.search_params:
             # A segment holds its version's factory, or Flat rows waiting for compaction (HNSW):

@@ -8,7 +8,8 @@ group-by field, its own deleted rows, the excluded rows that fall in its range â
 global rows and scores only (`ShardAnswer`): no vectors leave a shard.
 
 The ingress's `ShardedSearch` has the contract of `SearchEngine.search` (a list of `Answer`)
-and merges the shards' answers exactly: the best k of their rows (score descending, then row);
+and merges the shards' answers exactly, in the order a version's segments are merged in one
+process (`index.merge.ranked`): the best k of their rows (score descending, then row);
 grouped, each shard's best k groups, of which the best k (a group's score is its best row's).
 Rows are placed by their item, so grouped by the item field (the shard key) a group lives in
 one shard and its rows come whole from it; grouped by another field a group spans shards, its
@@ -40,6 +41,7 @@ from core.artifacts import ArtifactError
 from index.faiss_index import exact_within
 from index.filters import Filter
 from index.grouping import EXACT_PASS, Groups, exact_groups, filled_groups
+from index.merge import ranked
 from index.version import IndexVersion
 from serving.engine import EVERY_ROW, Answer, Hit, Scope, SearchEngine, ServingPair
 from serving.logs import shard_label
@@ -498,18 +500,18 @@ class ShardedSearch:
         split = self._call("exact", pair.version, request)
         if split.missing:
             raise RuntimeError("; ".join(f"shard {n}: {why}" for n, why in split.missing.items()))
-        ranked = []
+        tops = []
         for i, query in enumerate(queries):
             rows = np.concatenate([a.hits(i)[0] for a in split.answers])
             scores = np.concatenate([a.hits(i)[1] for a in split.answers])
-            order = np.lexsort((rows, -scores))
+            order = ranked(rows, scores)
             rows, scores = rows[order], scores[order]
             if query.groups is not None:  # each group once, at its best row's place
                 codes = query.groups.codes[rows]
                 first = np.sort(np.unique(codes, return_index=True)[1])
                 rows, scores = codes[first], scores[first]
-            ranked.append((rows[:k].tolist(), scores[:k].tolist()))
-        return ranked
+            tops.append((rows[:k].tolist(), scores[:k].tolist()))
+        return tops
 
 
 def _spans_shards(pair: ServingPair, field_name: str, shards: int) -> bool:
@@ -537,7 +539,7 @@ def _merged_rows(answers: list[ShardAnswer], i: int, k: int, scoped: bool) -> An
         return Answer([])
     rows = np.concatenate([a.hits(i)[0] for a in answers])
     scores = np.concatenate([a.hits(i)[1] for a in answers])
-    order = np.lexsort((rows, -scores))[:k]
+    order = ranked(rows, scores)[:k]
     hits = [Hit(int(r), float(s)) for r, s in zip(rows[order], scores[order], strict=True)]
     short = any(bool(a.truncated[i]) for a in answers)
     truncated = (short or len(rows) > k) if scoped else (short and len(hits) < k)
@@ -555,7 +557,7 @@ def _best_per_group(answers: list[ShardAnswer], i: int, scope: Scope) -> dict[in
     scores = np.concatenate([a.hits(i)[1] for a in answers])
     codes = scope.groups.codes[rows]
     by_group: dict[int, list[Hit]] = {}
-    for o in np.lexsort((rows, -scores)).tolist():
+    for o in ranked(rows, scores).tolist():
         its = by_group.setdefault(int(codes[o]), [])
         if len(its) < scope.per_group:
             its.append(Hit(int(rows[o]), float(scores[o]), int(codes[o])))

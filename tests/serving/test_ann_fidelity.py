@@ -49,7 +49,7 @@ def by_identity(pair: ServingPair, queries: np.ndarray, rows: list[list[int]], k
 
 
 def test_an_exact_index_reads_fidelity_one_whatever_order_it_lists_copies_in(version):
-    pair = ServingPair(None, support.two_flat_shards(np.asarray(version.vectors)), version)  # type: ignore[arg-type]
+    pair = ServingPair(None, support.two_flat_shards(np.asarray(version.vectors), highest_row_first=True), version)  # type: ignore[arg-type]
     queries = np.asarray(version.vectors[:COPIES])  # a row and its copy tie for the first place
     rows = answers(pair, queries)
     assert by_identity(pair, queries, rows, 1) < 0.1  # what the monitor read before ties counted

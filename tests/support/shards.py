@@ -11,9 +11,10 @@ import numpy as np
 
 from core.items import ItemTable
 from core.manifests import ModelManifest, RowCounts, TextModelManifest
-from index.faiss_index import build_index, l2_normalized, merged_index
+from index.faiss_index import build_index, l2_normalized
 from index.filters import parse_filterable
 from index.gate import GateThresholds
+from index.merge import MergedIndex
 from index.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
 from index.version import IndexVersion
 from tests.support.index import write_tiny_model
@@ -77,10 +78,24 @@ def opened(root: Path) -> IndexVersion:
     return IndexVersion.open(root)
 
 
-def two_flat_shards(vectors: np.ndarray):
-    """`vectors` as two Flat shards, merged (faiss's IndexShards, as a sharded version is measured
-    and searched whole): exact, but where two equal rows lie in different shards the merge lists
-    them in another order than exact search does."""
+class _TiesInOrder(MergedIndex):
+    """Merged parts listing rows that tie (to 1e-6: two kernels' products of one pair of vectors
+    differ in the last bits) lowest or highest row first, whatever their last bits say."""
+
+    def __init__(self, parts, offsets, highest_row_first: bool) -> None:
+        super().__init__(parts, offsets)
+        self.sign = -1 if highest_row_first else 1
+
+    def search(self, queries, k, params=None):
+        scores, rows = super().search(queries, k * len(self.parts), params)  # every part's top k
+        order = np.lexsort((self.sign * rows, -np.where(rows < 0, -np.inf, np.round(scores, 6))), axis=-1)[:, :k]
+        return np.take_along_axis(scores, order, axis=1), np.take_along_axis(rows, order, axis=1)
+
+
+def two_flat_shards(vectors: np.ndarray, highest_row_first: bool):
+    """`vectors` as two Flat shards, merged as a sharded version is measured and searched whole,
+    listing rows that tie in the order asked: an exact index whose tie order alone may differ
+    from an exact ranking's."""
     half = len(vectors) // 2
     shards = [build_index(vectors[:half], "Flat", device="cpu"), build_index(vectors[half:], "Flat", device="cpu")]
-    return merged_index(shards, np.array([0, half]))
+    return _TiesInOrder(shards, np.array([0, half]), highest_row_first)
