@@ -33,17 +33,15 @@ def ranked(rows: np.ndarray, scores: np.ndarray) -> np.ndarray:
 def best_rows(rows: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Each query's best k of its candidates (row i of `rows` and `scores`, nq × m), as faiss
     answers: (scores, rows), nq × k, best first; places past the candidates hold NO_ROW and -inf."""
-    rows = np.asarray(rows, dtype=np.int64).reshape(len(rows), -1)
-    scores = np.asarray(scores, dtype=np.float32).reshape(len(rows), -1)
+    rows, scores = np.asarray(rows, dtype=np.int64), np.asarray(scores, dtype=np.float32)
     top = ranked(rows, scores)[:, :k]
-    best_rows_ = np.take_along_axis(rows, top, axis=1)
-    best_scores = np.take_along_axis(scores, top, axis=1)
-    best_scores = np.where(best_rows_ == NO_ROW, -np.inf, best_scores).astype(np.float32)
+    top_rows = np.take_along_axis(rows, top, axis=1)
+    top_scores = np.where(top_rows == NO_ROW, -np.inf, np.take_along_axis(scores, top, axis=1)).astype(np.float32)
     if top.shape[1] < k:  # fewer candidates than places
-        pad = k - top.shape[1]
-        best_rows_ = np.pad(best_rows_, ((0, 0), (0, pad)), constant_values=NO_ROW)
-        best_scores = np.pad(best_scores, ((0, 0), (0, pad)), constant_values=-np.inf)
-    return best_scores, best_rows_
+        pad = ((0, 0), (0, k - top.shape[1]))
+        top_rows = np.pad(top_rows, pad, constant_values=NO_ROW)
+        top_scores = np.pad(top_scores, pad, constant_values=-np.inf)
+    return top_scores, top_rows
 
 
 def _global_rows(part: faiss.Index, offset: int) -> faiss.IndexIDMap:

@@ -418,7 +418,10 @@ def _onto_live(
         for number, unit in written.items():
             unit_writer = _unit_writer(writer, live, number)
             before, after = _unit(snapshot, number), _unit(live, number)
-            written[number] = _rebased(unit_writer, before, after, grown_from[number], unit)
+            # A shard the meanwhile change left alone may still be unsegmented, linked whole:
+            # its row files read as the segment they become, as the snapshot's are.
+            live_segments = _segments_of(live, number)
+            written[number] = _rebased(unit_writer, before, after, live_segments, grown_from[number], unit)
     return live
 
 
@@ -448,23 +451,25 @@ def _rebased(
     writer: VersionWriter | ShardWriter,
     snapshot: IndexVersion,
     live: IndexVersion,
+    live_segments: list[SegmentEntry],
     grown_from: list[SegmentEntry],
     compacted: UnitWritten,
 ) -> UnitWritten:
     """A unit's `compacted` segment — the live rows of `snapshot` (whose segments were
-    `grown_from`), in order — rebased onto `live`, the unit as published meanwhile, which must
-    be the snapshot's segments with segments appended and rows deleted (what adds, removals and
-    takedowns make; `Superseded` otherwise): the compacted segment, then `live`'s appended
+    `grown_from`), in order — rebased onto `live`, the unit as published meanwhile (its
+    segments `live_segments`, as `_segments_of` reads them), which must be the snapshot's
+    segments with segments appended and rows deleted (what adds, removals and takedowns make;
+    `Superseded` otherwise): the compacted segment, then `live`'s appended
     segments hard-linked and numbered after every segment `live` has (a segment's number is
     never reused), and `live`'s deletions mapped onto those rows — a row removed while the
     compaction ran stays removed."""
     rows = sum(entry.rows for entry in grown_from)
     was_deleted, now_deleted = snapshot.deleted, live.deleted
-    appended = live.segment_entries[len(grown_from) :]
-    if live.segment_entries[: len(grown_from)] != grown_from or len(np.setdiff1d(was_deleted, now_deleted)):
+    appended = live_segments[len(grown_from) :]
+    if live_segments[: len(grown_from)] != grown_from or len(np.setdiff1d(was_deleted, now_deleted)):
         raise Superseded("its segments were replaced or deleted rows restored (a rollback, a compaction, a rebuild)")
     [segment] = compacted.segments
-    number = int(live.segment_entries[-1].name) + 1
+    number = int(live_segments[-1].name) + 1
     entries = [writer.rename_segment(segment, segment_name(number))]
     for entry in appended:
         number += 1

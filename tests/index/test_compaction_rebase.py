@@ -7,6 +7,7 @@ between its merge and its publish, or in a process of its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import threading
@@ -91,6 +92,44 @@ def _segment_counts(version: IndexVersion) -> list[int]:
     return [len(version.manifest.segments or [None])]
 
 
+def _answers_as_exact_search(version: IndexVersion, expected: dict[str, np.ndarray]) -> None:
+    """Search of `version` answers what exact search over the `expected` live rows answers
+    (Flat: to the id)."""
+    ids = sorted(expected)
+    matrix = np.stack([expected[i] for i in ids])
+    queries = l2_normalized(matrix[::17] + 0.05)
+    brute = [[ids[r] for r in np.argsort(-(matrix @ q), kind="stable")[:K]] for q in queries]
+    _, rows, _ = search_within(version.searchable(), version.vectors, queries, K, version.live_mask, exact_below=0.0)
+    assert [[version.items.ids[int(r)] for r in line] for line in rows] == brute
+
+
+def _unsegmented(root: Path, shards: int) -> tuple[dict[str, np.ndarray], list[str]]:
+    """A version of N rows in the format from before segments (schema 1, or 2 sharded: its row
+    files at the version's — or each shard's — top level, no segments listed) holding
+    tombstones as that format's takedowns wrote them (`NewVersion.deleted`, `ShardPart.deleted`):
+    `deleted.npy` beside the row files, counted in the manifest (and in each shard's entry,
+    with its sha256). Every 15th row of each unit is deleted. Its live rows, id → vector, and
+    the deleted ids."""
+    data = support.catalog(N, DIM, ITEMS)
+    version = IndexVersion(support.publish(root, data, support.model(root.parent / "model", DIM), shards))
+    manifest, gone = version.manifest, []
+    entries = []
+    for number, unit in enumerate(units_of(version)):
+        rows = np.arange(0, len(unit.items), 15, dtype=np.int64)
+        np.save(unit.directory / artifacts.DELETED_FILE, rows)
+        gone += [unit.items.ids[int(r)] for r in rows]
+        if manifest.shards:
+            entry = manifest.shards[number]
+            files = {
+                **entry.files,
+                artifacts.DELETED_FILE: artifacts.file_sha256(unit.directory / artifacts.DELETED_FILE),
+            }
+            entries.append(dataclasses.replace(entry, deleted_rows=len(rows), files=files))
+    dataclasses.replace(manifest, deleted_rows=len(gone), shards=entries or None).write(version.directory)
+    rows = dict(zip(data[1].ids, data[0], strict=True))
+    return {item_id: vector for item_id, vector in rows.items() if item_id not in gone}, gone
+
+
 @pytest.mark.parametrize("shards", [1, 2])
 def test_a_compaction_is_rebased_onto_what_was_published_while_it_ran(tmp_path, shards):
     root = tmp_path / "index"
@@ -121,21 +160,99 @@ def test_a_compaction_is_rebased_onto_what_was_published_while_it_ran(tmp_path, 
     appended = [after - before for before, after in counts]
     assert _segment_counts(compacted) == [1 + count for count in appended] and sum(appended) >= 1
     assert len(compacted.deleted) == len(taken_down)  # mapped onto the merged rows and the appended ones
-    # Search answers what exact search over the expected live rows answers (Flat: to the id).
-    ids = sorted(expected)
-    matrix = np.stack([expected[i] for i in ids])
-    queries = l2_normalized(matrix[::17] + 0.05)
-    brute = [[ids[r] for r in np.argsort(-(matrix @ q), kind="stable")[:K]] for q in queries]
-    _, rows, _ = search_within(
-        compacted.searchable(), compacted.vectors, queries, K, compacted.live_mask, exact_below=0.0
-    )
-    assert [[compacted.items.ids[int(r)] for r in line] for line in rows] == brute
+    _answers_as_exact_search(compacted, expected)
     for item_id in ("meanwhile-3", "add0-2", "id00002"):
         np.testing.assert_array_equal(compacted.vector(compacted.row_of(item_id)), expected[item_id])
     assert added_in < 30 and not list((root / artifacts.VERSIONS).glob(".staging-*"))
     # The next add numbers its segment after every segment the rebase kept.
     add_vectors(root, *_rows(3, seed=11, prefix="after"), max_segments=100)
     assert IndexVersion.open(root).load(dim=DIM).size == len(expected) + 3
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_compaction_of_an_unsegmented_version_is_rebased_onto_the_add_that_segmented_it(tmp_path, shards):
+    """The pinned snapshot is a version of the format from before segments, with tombstones:
+    the compaction merges its row files (segment 000000 to be) into segment 000001, while an
+    add — the version's first change, which links those row files as segment 000000 and
+    appends its own as 000001 — publishes. The rebase keeps the add's segment after the merged
+    one, renumbered past both, and the add's (and a later removal's) tombstones mapped."""
+    root = tmp_path / "index"
+    expected, gone = _unsegmented(root, shards)
+    snapshot = IndexVersion.open(root).load(dim=DIM)
+    assert snapshot.manifest.schema_version == (2 if shards > 1 else 1) and snapshot.size == len(expected)
+    assert not any(unit.segment_entries for unit in units_of(snapshot))
+    assert all(len(unit.deleted) for unit in units_of(snapshot))  # every unit has something to compact
+    paused = _Paused(root)
+    vectors, items = _rows(25, seed=9, prefix="meanwhile")
+    add_vectors(root, vectors, items, keep=1, max_segments=100)
+    added = IndexVersion.open(root)
+    # The add segmented every unit: its rows linked as segment 000000, the new rows 000001 (a
+    # change that leaves a shard unsegmented: the test after this one).
+    assert added.manifest.schema_version == 3
+    assert [[s.name for s in unit.segment_entries] for unit in units_of(added)] == [["000000", "000001"]] * shards
+    assert len(added.deleted) == len(gone)  # the old tombstones carried over
+    expected.update(zip(items.ids, vectors, strict=True))
+    taken_down = ["id00001", "id00599", "meanwhile-7"]  # old rows and one of the add's, after it
+    remove_items(root, taken_down, "test", keep=1, max_deleted_fraction=1.0)
+    for item_id in taken_down:
+        del expected[item_id]
+    meanwhile = IndexVersion.open(root)
+    assert (root / artifacts.VERSIONS / snapshot.name).is_dir()  # pinned: not pruned under the merge
+
+    report = paused.go()
+    assert report is not None and artifacts.current_version(root) == report.version.name
+    compacted = IndexVersion(report.version).load(dim=DIM)
+    assert compacted.manifest.parent_version == meanwhile.name and compacted.manifest.schema_version == 3
+    assert _live_ids(compacted) == set(expected) and compacted.size == len(expected)
+    # Each unit: the merged segment (the snapshot's live rows), then the add's, numbered after both.
+    for unit, was in zip(units_of(compacted), units_of(snapshot), strict=True):
+        merged, appended = unit.segment_entries
+        assert (merged.name, appended.name) == ("000002", "000003")
+        assert merged.rows == len(was.items) - len(was.deleted) and appended.row_offset == merged.rows
+    assert compacted.manifest.size == N - len(gone) + len(items)  # the old tombstones' rows dropped
+    assert len(compacted.deleted) == len(taken_down)  # the meanwhile removal's, mapped
+    for item_id in gone + taken_down:
+        assert compacted.row_of(item_id) is None
+    assert not set(gone) & set(compacted.items.ids)  # not masked: gone from the rows
+    # Each added row that is live is found by its own vector, with the vector it was added with.
+    live_added = [item_id for item_id in items.ids if item_id in expected]
+    queries = np.stack([expected[item_id] for item_id in live_added])
+    _, rows, _ = search_within(compacted.searchable(), compacted.vectors, queries, 1, compacted.live_mask)
+    assert [compacted.items.ids[int(line[0])] for line in rows] == live_added
+    ids = sorted(expected)  # every live row keeps the vector it was indexed or added with
+    live_rows = np.array([compacted.row_of(item_id) for item_id in ids])
+    np.testing.assert_array_equal(compacted.vectors[live_rows], np.stack([expected[i] for i in ids]))
+    _answers_as_exact_search(compacted, expected)
+    assert not list((root / artifacts.VERSIONS).glob(".staging-*"))
+    # The next add numbers its segment after every segment the rebase kept.
+    add_vectors(root, *_rows(3, seed=11, prefix="after"), max_segments=100)
+    after = IndexVersion.open(root).load(dim=DIM)
+    assert after.size == len(expected) + 3 and "000004" in [s.name for u in units_of(after) for s in u.segment_entries]
+
+
+def test_a_compaction_is_rebased_onto_a_removal_that_left_a_shard_unsegmented(tmp_path):
+    """Two unsegmented shards, both compacted; meanwhile a removal of one id touches one shard and
+    links the other whole, still unsegmented. The rebase reads that shard's row files as the
+    segment they are, as it read the snapshot's — it had called the compaction superseded and
+    published nothing, every old tombstone left in place."""
+    root = tmp_path / "index"
+    expected, gone = _unsegmented(root, 2)
+    paused = _Paused(root)
+    remove_items(root, ["id00001"], "test", keep=1, max_deleted_fraction=1.0)
+    del expected["id00001"]
+    meanwhile = IndexVersion.open(root)
+    touched = [bool(unit.segment_entries) for unit in units_of(meanwhile)]
+    assert sorted(touched) == [False, True]  # one shard changed, the other linked as it was
+
+    report = paused.go()
+    assert report is not None and artifacts.current_version(root) == report.version.name
+    compacted = IndexVersion(report.version).load(dim=DIM)
+    assert compacted.manifest.parent_version == meanwhile.name
+    assert _live_ids(compacted) == set(expected) and compacted.size == len(expected)
+    assert not set(gone) & set(compacted.items.ids)  # every shard's old tombstones dropped
+    assert [[s.name for s in unit.segment_entries] for unit in units_of(compacted)] == [["000001"]] * 2
+    assert len(compacted.deleted) == 1 and compacted.row_of("id00001") is None  # the removal, mapped
+    _answers_as_exact_search(compacted, expected)
 
 
 @pytest.mark.parametrize("restore", [True, False])
