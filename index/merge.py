@@ -100,13 +100,10 @@ class MergedIndex:
         faiss gives them): (lims, scores, rows)."""
         queries = np.ascontiguousarray(queries, dtype=np.float32)
         found = [part.range_search(queries, radius) for part in self.parts]
-        scores, rows, counts = [], [], np.zeros(len(queries), dtype=np.int64)
-        for i in range(len(queries)):
-            for lims, part_scores, part_rows in found:
-                scores.append(part_scores[lims[i] : lims[i + 1]])
-                rows.append(part_rows[lims[i] : lims[i + 1]])
-                counts[i] += lims[i + 1] - lims[i]
-        lims = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        if not scores:
-            return lims, np.zeros(0, np.float32), np.zeros(0, np.int64)
-        return lims, np.concatenate(scores).astype(np.float32), np.concatenate(rows).astype(np.int64)
+        every = np.arange(len(queries))
+        query_of = np.concatenate([np.repeat(every, np.diff(lims).astype(np.int64)) for lims, _, _ in found])
+        order = np.argsort(query_of, kind="stable")  # query by query, each part's rows in turn
+        lims = np.concatenate([[0], np.cumsum(np.bincount(query_of, minlength=len(queries)))]).astype(np.int64)
+        scores = np.concatenate([part_scores for _, part_scores, _ in found]).astype(np.float32)
+        rows = np.concatenate([part_rows for _, _, part_rows in found]).astype(np.int64)
+        return lims, scores[order], rows[order]
