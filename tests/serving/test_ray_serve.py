@@ -711,6 +711,20 @@ def _replica_pids(shard: str) -> list[int]:
     return [ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30) for actor in _replicas(shard)]
 
 
+def test_every_replica_process_starts_with_two_malloc_arenas(sharded):
+    """Each deployment's replicas are processes started with MALLOC_ARENA_MAX=2 (their exec-time
+    environment, which glibc reads; serving.ray_serve.replica_environment says why)."""
+    import ray
+
+    for deployment in ("ingress", "embedder", "shard-000", "shard-003"):
+        actors = _actors(deployment)
+        assert actors, deployment
+        for actor in actors:
+            pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert b"MALLOC_ARENA_MAX=2" in environ, (deployment, pid)
+
+
 def test_a_stalled_shard_keeps_the_calls_one_deadline(sharded):
     """Issue 47: shard calls overran their budget (21 s against 15 s). With every replica of a
     shard stalled (SIGSTOP), a call ends by its one deadline: the shard budget (3 s × 2 tries
