@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 import weakref
 
 from core.memory import arrow_on_c_heap, pin_mmap_threshold, return_free_heap
 
-__all__ = ["pin_mmap_threshold", "reclaim", "return_free_heap", "steady_heap"]
+__all__ = ["arena_environment", "pin_mmap_threshold", "reclaim", "return_free_heap", "steady_heap"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,16 @@ def steady_heap() -> None:
     Process-wide."""
     pin_mmap_threshold()
     arrow_on_c_heap()
+
+
+def arena_environment() -> dict[str, str]:
+    """The environment a `serve --ray` replica process starts with: two malloc arenas, unless
+    the operator sets another count. glibc gives threads arenas of their own (up to 8 a core),
+    read once at process start, and a replica's gRPC, decoding and search threads fragment them:
+    the ingress's RSS crept 0.8 MB a minute under `make soak` while its heap in use stayed flat
+    (mallinfo2 over 4 minutes of load and reloads: 58 MB in use, free heap 10 → 17 MB; with two
+    arenas 4 → 6 MB)."""
+    return {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}
 
 
 def reclaim(released: weakref.ref, timeout_s: float = 60.0, stop: threading.Event | None = None) -> bool:

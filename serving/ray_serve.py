@@ -52,6 +52,7 @@ from serving.config import ServerConfig
 from serving.engine import SearchEngine, ServingPair, UndecodedImages, text_model_dir
 from serving.errors import Unavailable, image_error
 from serving.logs import Sink, one_line, relay, shard_label, ship_records
+from serving.memory import arena_environment
 from serving.metrics import ServiceMetrics
 from serving.replicas import EMBEDDER, EmbedderReplica, EmbedderSettings, ShardReplica, shard_deployment
 from serving.sharded import ShardAnswer, ShardedSearch, ShardRequest, failure_reason, shard_count
@@ -495,23 +496,14 @@ def _cause(exc: Exception, shard: str, version: str) -> str:
 # -- the application -----------------------------------------------------------------------------
 
 
-def replica_environment() -> dict[str, str]:
-    """Environment every replica process starts with (replicas share the machine's cores as
-    threads do, so they ask for none). Two malloc arenas, unless the operator sets another
-    count: glibc gives threads arenas of their own (up to 8 a core), and a replica's gRPC,
-    decoding and search threads fragment them — the ingress's RSS crept 0.8 MB a minute under
-    `make soak` while its heap in use stayed flat (mallinfo2 over 4 minutes of load and reloads:
-    58 MB in use, free heap 10 → 17 MB; with two arenas 4 → 6 MB)."""
-    return {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}
-
-
 def build(config: ServerConfig, version: IndexVersion, log_sink: Sink | None = None) -> Any:
     """The Serve application for `version`: the ingress over its shard deployments and the
     embedder; the ingress loads `version` first (what was read is what is deployed). `log_sink`:
     where every replica ships its records (the command's `relay`), else they stay in Ray's logs."""
     from ray import serve
 
-    cpus = {"num_cpus": 0, "runtime_env": {"env_vars": replica_environment()}}  # a cluster sets resources
+    # No cores asked: replicas share the machine's as threads do (a cluster sets resources).
+    cpus = {"num_cpus": 0, "runtime_env": {"env_vars": arena_environment()}}
     shard_apps = [
         serve.deployment(ShardReplica)
         .options(

@@ -713,7 +713,7 @@ def _replica_pids(shard: str) -> list[int]:
 
 def test_every_replica_process_starts_with_two_malloc_arenas(sharded):
     """Each deployment's replicas are processes started with MALLOC_ARENA_MAX=2 (their exec-time
-    environment, which glibc reads; serving.ray_serve.replica_environment says why)."""
+    environment, which glibc reads; serving.memory.arena_environment says why)."""
     import ray
 
     for deployment in ("ingress", "embedder", "shard-000", "shard-003"):
