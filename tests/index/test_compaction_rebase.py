@@ -56,6 +56,7 @@ class _Paused:
     the root's lock) until `go()`."""
 
     def __init__(self, root: Path) -> None:
+        self.root = root
         self.staged, self._go = threading.Event(), threading.Event()
         self.report, self.error = None, None
 
@@ -79,6 +80,14 @@ class _Paused:
         if self.error is not None:
             raise self.error
         return self.report
+
+    def published_onto(self, parent: IndexVersion) -> IndexVersion:
+        """Let go: the version it published, live and loaded whole, rebased onto `parent`."""
+        report = self.go()
+        assert report is not None and artifacts.current_version(self.root) == report.version.name
+        compacted = IndexVersion(report.version).load(dim=DIM)
+        assert compacted.manifest.parent_version == parent.name
+        return compacted
 
 
 def _live_ids(version: IndexVersion) -> set[str]:
@@ -150,10 +159,7 @@ def test_a_compaction_is_rebased_onto_what_was_published_while_it_ran(tmp_path, 
     meanwhile = IndexVersion.open(root)
     assert (root / artifacts.VERSIONS / snapshot.name).is_dir()  # pinned: not pruned under the merge
 
-    report = paused.go()
-    assert report is not None and artifacts.current_version(root) == report.version.name
-    compacted = IndexVersion(report.version).load(dim=DIM)
-    assert compacted.manifest.parent_version == meanwhile.name
+    compacted = paused.published_onto(meanwhile)
     assert _live_ids(compacted) == set(expected) and compacted.size == len(expected)
     # Each shard: the merged segment, then the segments the add appended while it ran.
     counts = zip(_segment_counts(snapshot), _segment_counts(meanwhile), strict=True)
@@ -199,10 +205,8 @@ def test_a_compaction_of_an_unsegmented_version_is_rebased_onto_the_add_that_seg
     meanwhile = IndexVersion.open(root)
     assert (root / artifacts.VERSIONS / snapshot.name).is_dir()  # pinned: not pruned under the merge
 
-    report = paused.go()
-    assert report is not None and artifacts.current_version(root) == report.version.name
-    compacted = IndexVersion(report.version).load(dim=DIM)
-    assert compacted.manifest.parent_version == meanwhile.name and compacted.manifest.schema_version == 3
+    compacted = paused.published_onto(meanwhile)
+    assert compacted.manifest.schema_version == 3
     assert _live_ids(compacted) == set(expected) and compacted.size == len(expected)
     # Each unit: the merged segment (the snapshot's live rows), then the add's, numbered after both.
     for unit, was in zip(units_of(compacted), units_of(snapshot), strict=True):
@@ -244,10 +248,7 @@ def test_a_compaction_is_rebased_onto_a_removal_that_left_a_shard_unsegmented(tm
     touched = [bool(unit.segment_entries) for unit in units_of(meanwhile)]
     assert sorted(touched) == [False, True]  # one shard changed, the other linked as it was
 
-    report = paused.go()
-    assert report is not None and artifacts.current_version(root) == report.version.name
-    compacted = IndexVersion(report.version).load(dim=DIM)
-    assert compacted.manifest.parent_version == meanwhile.name
+    compacted = paused.published_onto(meanwhile)
     assert _live_ids(compacted) == set(expected) and compacted.size == len(expected)
     assert not set(gone) & set(compacted.items.ids)  # every shard's old tombstones dropped
     assert [[s.name for s in unit.segment_entries] for unit in units_of(compacted)] == [["000001"]] * 2
