@@ -13,12 +13,14 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import faiss
 import numpy as np
+import pyarrow as pa
 from PIL import Image
 
 from core import artifacts
@@ -239,11 +241,54 @@ def load_text_model(
     return OnnxTextEmbedder(text_dir, provider, intra_op_threads, spinning=ort_spinning)
 
 
-@dataclass
+@dataclass(slots=True)
 class Hit:
+    """A row of an answer, its score, and what the service answers of it — filled from the rows'
+    items where the rows are (`described`): on `serve --ray`, by the shard holding the row, so
+    the ingress answers from its hits alone."""
+
     row: int
     score: float
-    group: int = -1  # a grouped answer's: the row's group (`Groups.label` names it)
+    group: str | None = None  # a grouped answer's: the row's value of the group-by field
+    id: str = ""
+    label: str | None = None
+    metadata: str = "{}"  # JSON text, as the items table keeps it
+    item: str | None = None  # rows without labels: the item field's value (what a labelled query names)
+
+
+def described(answers: Sequence[Answer], version: IndexVersion, scopes: Sequence[Scope]) -> list[Answer]:
+    """`answers` over `version`'s rows with every hit's id, label and metadata filled in from its
+    items (one gather for them all), a grouped answer's group values from its scope's groups, and
+    — the rows unlabelled — each row's item-field value."""
+    hits = [h for a in answers for h in a.hits]
+    if not hits:
+        return list(answers)
+    rows = np.fromiter((h.row for h in hits), dtype=np.int64, count=len(hits))
+    items = version.items
+    taken = items.to_arrow().select(["id", "label", "metadata"]).take(pa.array(rows))
+    ids, labels, metadata = (taken.column(c).to_pylist() for c in ("id", "label", "metadata"))
+    item_field = version.manifest.item_field
+    item_values = None
+    if item_field and not items.labelled:
+        item_values = _values_of(version.groups(item_field), rows)
+    for j, hit in enumerate(hits):
+        hit.id, hit.label, hit.metadata = ids[j], labels[j], metadata[j]
+        if item_values is not None:
+            hit.item = item_values[j]
+    start = 0
+    for answer, scope in zip(answers, scopes, strict=True):
+        end = start + len(answer.hits)
+        if scope.groups is not None and answer.hits:
+            for hit, value in zip(answer.hits, _values_of(scope.groups, rows[start:end]), strict=True):
+                hit.group = value
+        start = end
+    return list(answers)
+
+
+def _values_of(groups: Groups, rows: np.ndarray) -> list[str | None]:
+    """Each row's value of the groups' field (None: it has none)."""
+    codes = groups.codes[rows]
+    return [groups.label(c) if c >= 0 else None for c in codes.tolist()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,7 +450,7 @@ class SearchEngine:
         for i, answer in enumerate(answers):
             if answer is None:
                 answers[i] = self.search_scoped(pair, vectors[i], k, exclude[i], scopes[i])
-        return answers
+        return described(answers, pair.index_version, scopes)
 
     def search_grouped(
         self, pair: ServingPair, vectors: np.ndarray, k: int, exclude: list[frozenset[int]], scope: Scope
@@ -421,7 +466,7 @@ class SearchEngine:
         )
         return [
             Answer(
-                [Hit(row, score, group) for group, hits in g.groups for row, score in hits],
+                [Hit(row, score) for _, hits in g.groups for row, score in hits],
                 g.truncated,
                 candidates=g.candidates,
             )

@@ -1,9 +1,9 @@
-"""The Feedback log: the rows each recent answer returned, by request id, for the Feedback calls
+"""The Feedback log: the ids each recent answer returned, by request id, for the Feedback calls
 that name one of them."""
 
 from __future__ import annotations
 
-from array import array
+import json
 from collections import OrderedDict
 
 from serving.engine import ServingPair
@@ -13,17 +13,18 @@ from serving.errors import InvalidArgument
 class FeedbackLog:
     """The last `window` answers by request id, for Feedback calls naming one of them.
 
-    Each answer is kept as (serial of the load that gave it, rows it returned): the serial, not
-    the pair, or the log would keep every pair it saw answering alive; rows, not ids, one small
-    array an answer instead of a list of strings (the log holds thousands of answers, and churns
-    with every query). Only the loop thread touches it: no lock."""
+    Each answer is kept as (serial of the load that gave it, ids it returned): the serial, not
+    the pair, or the log would keep every pair it saw answering alive; the ids as one JSON text,
+    one object an answer instead of a list of strings (the log holds thousands of answers, and
+    churns with every query), and ids rather than rows: a sharded server's ingress holds no
+    rows to name them by. Only the loop thread touches it: no lock."""
 
     def __init__(self, window: int) -> None:
         self.window = window
-        self._recent: OrderedDict[str, tuple[int, array]] = OrderedDict()
+        self._recent: OrderedDict[str, tuple[int, str]] = OrderedDict()
 
-    def remember(self, request_id: str, serial: int, rows: list[int]) -> None:
-        self._recent[request_id] = (serial, array("l", rows))
+    def remember(self, request_id: str, serial: int, ids: list[str]) -> None:
+        self._recent[request_id] = (serial, json.dumps(ids, ensure_ascii=False))
         while len(self._recent) > self.window:
             self._recent.popitem(last=False)
 
@@ -35,5 +36,5 @@ class FeedbackLog:
         answer = self._recent.get(request_id)
         if answer is None:
             raise InvalidArgument(f"unknown or expired request_id {request_id!r}", "request_id")
-        serial, rows = answer
-        return serial, [live.items.ids[r] for r in rows] if live.serial == serial else []
+        serial, ids = answer
+        return serial, json.loads(ids) if live.serial == serial else []

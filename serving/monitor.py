@@ -41,7 +41,7 @@ from index.faiss_index import recall_with_ties
 from index.filters import Filter
 from index.grouping import Groups, exact_group_scores
 from protos.simsearch.v1 import search_pb2 as pb
-from serving.engine import ServingPair
+from serving.engine import Hit, ServingPair
 from serving.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
@@ -153,12 +153,27 @@ class ExactQuery:
     groups: Groups | None
 
 
+class SampledQuery(NamedTuple):
+    """A live query queued for an exact re-run: the load that answered it, its vector, the rows
+    it answered (`groups_seen`: a grouped answer's groups by value, in the order it shows them),
+    its excluded rows, its filter's mask and filter, and its groups."""
+
+    serial: int
+    vector: np.ndarray
+    rows: list[int]
+    exclude: set[int]
+    allowed: np.ndarray | None
+    groups: Groups | None
+    filter: Filter | None
+    groups_seen: list[str] | None = None
+
+
 class ExactRanking(NamedTuple):
-    """An exact re-run's answer to one query: its top rows (a grouped query's groups, as codes),
+    """An exact re-run's answer to one query: its top rows (a grouped query's groups, by value),
     best first, and their exact scores (a group's: its best row's). A plain (ids, scores) tuple
     is one too."""
 
-    ids: list[int]
+    ids: list[int] | list[str]
     scores: list[float]
 
 
@@ -219,18 +234,22 @@ class RecallMonitor:
         self,
         serial: int,
         vector: np.ndarray,
-        rows: Sequence[int],
+        hits: Sequence[Hit],
         exclude: set[int],
         allowed: np.ndarray | None = None,
         groups: Groups | None = None,
         filter: Filter | None = None,
     ) -> None:
-        """Queue a live query, answered by load `serial`, for an exact re-run (within `allowed`,
-        a filtered query's rows: a read-only mask, kept by reference, made from `filter`; grouped
-        by `groups` when its answer was); never blocks the request."""
+        """Queue a live query, answered by load `serial` with `hits`, for an exact re-run (within
+        `allowed`, a filtered query's rows: a read-only mask, kept by reference, made from
+        `filter`; grouped by `groups` when its answer was); never blocks the request."""
         if self.config.ann_sample_rate <= 0 or self._rng.random() >= self.config.ann_sample_rate:
             return
-        job = (serial, np.array(vector, dtype=np.float32), list(rows), set(exclude), allowed, groups, filter)
+        rows = [h.row for h in hits]
+        seen = list(dict.fromkeys(h.group for h in hits)) if groups is not None else None
+        job = SampledQuery(
+            serial, np.array(vector, dtype=np.float32), rows, set(exclude), allowed, groups, filter, seen
+        )
         try:
             self._ann_jobs.put_nowait(job)
         except queue.Full:
@@ -315,7 +334,8 @@ class RecallMonitor:
                 if self.exact_top is not None and checked:
                     self.check_ann_remote(checked)
                 elif checked:
-                    self.check_ann(*checked[0])
+                    job = checked[0]
+                    self.check_ann(job.serial, job.vector, job.rows, job.exclude, job.allowed, job.groups, job.filter)
             except Exception:
                 log.exception("ANN fidelity check failed")
             finally:
@@ -369,29 +389,27 @@ class RecallMonitor:
         their = [float(best[g]) if g >= 0 else -np.inf for g in answered]
         self._score_ann(serial, answered, their, top.tolist(), best[top].tolist())
 
-    def check_ann_remote(self, jobs: list[tuple]) -> None:
+    def check_ann_remote(self, jobs: list[SampledQuery]) -> None:
         """`check_ann` for queued queries whose exact answers come from `exact_top` (a sharded
         server), all of them in one call. The answers' rows are scored from the exact ranking,
         which lists EXACT_DEPTH×K of them: one past it scores below every row that can tie."""
         pair = self._live
-        jobs = [job for job in jobs if pair is not None and job[0] == pair.serial]
+        jobs = [job for job in jobs if pair is not None and job.serial == pair.serial]
         if not jobs:
             return
-        queries = [
-            ExactQuery(vector, frozenset(exclude), filter, groups) for _, vector, _, exclude, _, groups, filter in jobs
-        ]
+        queries = [ExactQuery(job.vector, frozenset(job.exclude), job.filter, job.groups) for job in jobs]
         ranked = self.exact_top(pair, EXACT_DEPTH * max(self.config.ks), queries)
-        for (serial, _, rows, _, _, groups, _), (ids, scores) in zip(jobs, ranked, strict=True):
-            answered = rows if groups is None else groups.first_seen(rows)
+        for job, (ids, scores) in zip(jobs, ranked, strict=True):
+            answered = job.rows if job.groups is None else job.groups_seen
             known = dict(zip(ids, scores, strict=True))
-            self._score_ann(serial, answered, [known.get(a, -np.inf) for a in answered], ids, scores)
+            self._score_ann(job.serial, answered, [known.get(a, -np.inf) for a in answered], ids, scores)
 
     def _score_ann(
         self,
         serial: int,
-        answered: list[int],
+        answered: Sequence[int | str],
         answered_scores: list[float],
-        exact: list[int],
+        exact: Sequence[int | str],
         exact_scores: list[float],
     ) -> None:
         """One checked query's ANN fidelity at each K its answer reaches, while load `serial` is

@@ -2,14 +2,16 @@
 
 - `shard-000`, `shard-001`, …: one deployment per shard of the live version (`--shard-replicas`
   each), a replica holding its shard of the versions it was asked for, memory-mapped
-  (`serving.sharded.ShardSearcher`), answering global rows and scores only;
+  (`serving.sharded.ShardSearcher`), answering global rows, scores and each hit's id, label,
+  metadata and group value — never vectors;
 - `embedder`: the model's ONNX Runtime sessions (`QueryEmbedder`), so embedding scales apart
   from search;
 - `ingress`: the same server as `serve` — gRPC service, HTTP routes, console, metrics, on the
   configured ports, through the same service layer (`SearchApp`, on an event loop of its own in
   the replica) — with only its engine's search a fan-out to the shards and an exact merge
-  (`ShardedSearch`), and its embedding the embedder's. It holds the version's items, filters
-  and tombstones (ids for rows), never its vectors or faiss index.
+  (`ShardedSearch`), and its embedding the embedder's. Its answers come whole from the shards'
+  hits; it still holds the version's items, filters and tombstones (an id's row, a filter's
+  checks, a grouped query's groups), never its vectors or faiss index.
 
 A reload (Reload, make-live, a takedown, --watch-current) opens the new version on every
 replica of every shard deployment before the ingress swaps it in, and each shard call names
@@ -251,7 +253,9 @@ class RayShards:
         self.timeout_s = timeout_s
         self.retries = retries
         self.metrics = metrics
-        self._calls: dict[str, list[Any]] = {}  # by method: each shard's handle with its options
+        self._calls: dict[tuple[str, bool], list[Any]] = {}  # by method, and answer in the reply or not
+        self.hit_bytes: dict[str, int] = {}  # by version: the most bytes a hit of it takes (`warm`)
+        self.reply_bytes = call_bytes()
 
     @property
     def budget_s(self) -> float:
@@ -333,10 +337,24 @@ class RayShards:
         return [answers[n] for n in numbers]
 
     def _send(self, number: int, method: str, version: str, argument: Any) -> Any:
-        calls = self._calls.get(method)
+        """A shard call, its answer in the reply — or through the object store where the answer
+        may pass Serve's message limit (a batch of large k, rows with long metadata): the most
+        hits it can hold times the version's most bytes a hit."""
+        direct = not (
+            isinstance(argument, ShardRequest)
+            and argument.most_hits() * self.hit_bytes.get(version, 0) > self.reply_bytes
+        )
+        calls = self._calls.get((method, direct))
         if calls is None:
-            calls = self._calls[method] = [_direct(h, method) for h in self.handles]
+            made = [_direct(h, method) if direct else h.options(method_name=method) for h in self.handles]
+            calls = self._calls[(method, direct)] = made
         return calls[number].remote(version, argument)
+
+    def warmed(self, version: str, held: dict) -> None:
+        """A replica's `warm` answer for `version`: its hits' size bounds the version's calls."""
+        self.hit_bytes[version] = max(self.hit_bytes.get(version, 0), int(held["hit_bytes"]))
+        while len(self.hit_bytes) > 8:  # the versions recently served
+            self.hit_bytes.pop(next(iter(self.hit_bytes)))
 
 
 _OFF_LOOP = ThreadPoolExecutor(4, thread_name_prefix="shard-vector")
@@ -447,6 +465,7 @@ class IngressReplica:
                 progress(f"opening shard {shard_label(number)} on its replicas")
             try:
                 for held in _broadcast(handle, "warm", opened.name):
+                    self.sharded.shards.warmed(opened.name, held)
                     self.metrics.shard_rows.labels(held["shard"]).set(held["rows"])
                     self.metrics.shard_memory.labels(held["shard"]).set(held["memory_bytes"])
             except Exception as exc:  # a replica's error arrives wrapped: its message names the shard

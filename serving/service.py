@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -30,7 +31,7 @@ from index.grouping import EXACT_PASS
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
 from serving.checks import CheckedImage, CheckedPart, CheckedSearch, RequestChecks
-from serving.engine import EVERY_ROW, Hit, Limits, Scope, SearchEngine, ServingPair
+from serving.engine import EVERY_ROW, Limits, Scope, SearchEngine, ServingPair
 from serving.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable, at_place, image_errors
 from serving.feedback import FeedbackLog
 from serving.history import TrafficHistory
@@ -218,35 +219,32 @@ class SearchService:
         pair = query.pair
         if result.shards_missing and not search.allow_partial:  # never a silently short answer
             raise Unavailable(result.unavailable or f"shard {', '.join(result.shards_missing)} did not answer")
-        items = pair.items
         request_id = search.request_id or uuid.uuid4().hex
         REQUEST_ID.set(request_id)  # the call's log lines (its access line, a failure) name it
         neighbors = [
             pb.Neighbor(
-                id=items.ids[h.row],
+                id=h.id,
                 # float32 dot products of unit vectors land a hair outside the cosine's range
                 score=min(1.0, max(-1.0, h.score)),
-                label=items.labels[h.row],
-                metadata=items.metadata[h.row],
+                label=h.label,
+                metadata=json.loads(h.metadata),
+                group=h.group,
             )
             for h in result.hits
         ]
         groups = query.scope.groups
-        if groups is not None:
-            for neighbor, hit in zip(neighbors, result.hits, strict=True):
-                neighbor.group = groups.label(hit.group)
-            if result.candidates is not None:
-                self.metrics.group_candidates.observe(
-                    pair.index_version.size if result.candidates == EXACT_PASS else result.candidates
-                )
-        rows = [h.row for h in result.hits]
-        self.feedback_log.remember(request_id, pair.serial, rows)
+        if groups is not None and result.candidates is not None:
+            self.metrics.group_candidates.observe(
+                pair.index_version.size if result.candidates == EXACT_PASS else result.candidates
+            )
+        self.feedback_log.remember(request_id, pair.serial, [h.id for h in result.hits])
         if search.label is not None:
             source = "text" if search.kind == "text" else "traffic"  # text traffic's recall shown apart
-            self.monitor.record_labelled(pair.serial, search.label, self._truths(pair, result.hits, neighbors), source)
+            truths = [h.label if h.label is not None else h.item for h in result.hits]
+            self.monitor.record_labelled(pair.serial, search.label, truths, source)
         if query.scope.min_score is None:  # the exact re-run compares against every row the filter allows
             self.monitor.maybe_sample_ann(
-                pair.serial, result.vector, rows, query.exclude, query.scope.allowed, query.scope.groups,
+                pair.serial, result.vector, result.hits, query.exclude, query.scope.allowed, query.scope.groups,
                 query.scope.filter,
             )  # fmt: skip
         if result.path is not None:
@@ -263,15 +261,6 @@ class SearchService:
             shards_answered=result.shards_answered,
             shards_missing=result.shards_missing,
         )
-
-    @staticmethod
-    def _truths(pair: ServingPair, hits: list[Hit], neighbors: list[pb.Neighbor]) -> list[str | None]:
-        """What a query's `label` is compared with, answer row by row: the rows' labels, or —
-        rows without labels — their item field's value (the label names the item to find)."""
-        if pair.items.labelled:
-            return [n.label for n in neighbors]
-        groups = pair.index_version.groups(pair.manifest.item_field)
-        return [groups.label(groups.codes[h.row]) if groups.codes[h.row] >= 0 else None for h in hits]
 
     def _timings(self, query: Query, result: Result) -> pb.StageTimings:
         """The query's stage times, observed in the stage histograms and returned for its answer."""

@@ -5,12 +5,15 @@ replica holds a `ShardSearcher`: its shard of the versions it was asked for (the
 memory-mapped, searched by the one-index engine (`SearchEngine.search`) with the query's scope
 made over its own rows — its own filter masks from the query's `Filter`, its own groups of the
 group-by field, its own deleted rows, the excluded rows that fall in its range — answering
-global rows and scores only (`ShardAnswer`): no vectors leave a shard.
+global rows, scores and what the service answers of each row (`ShardAnswer`: its id, label,
+metadata, group value): no vectors leave a shard, and the ingress needs no row of its own to
+answer.
 
 The ingress's `ShardedSearch` has the contract of `SearchEngine.search` (a list of `Answer`)
 and merges the shards' answers exactly, in the order a version's segments are merged in one
 process (`index.merge.ranked`): the best k of their rows (score descending, then row);
-grouped, each shard's best k groups, of which the best k (a group's score is its best row's).
+grouped, each shard's best k groups, of which the best k (a group's score is its best row's),
+groups told apart by value.
 Rows are placed by their item, so grouped by the item field (the shard key) a group lives in
 one shard and its rows come whole from it; grouped by another field a group spans shards, its
 best row is still in some shard's top k groups, but its other rows are then filled from every
@@ -35,15 +38,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+import pyarrow.compute as pc
 
 from core import artifacts
 from core.artifacts import ArtifactError
+from core.items import ItemTable
 from index.faiss_index import exact_within
 from index.filters import Filter
 from index.grouping import EXACT_PASS, Groups, exact_groups, filled_groups
 from index.merge import ranked
 from index.version import IndexVersion
-from serving.engine import EVERY_ROW, Answer, Hit, Scope, SearchEngine, ServingPair
+from serving.engine import EVERY_ROW, Answer, Hit, Scope, SearchEngine, ServingPair, described
 from serving.logs import shard_label
 
 if TYPE_CHECKING:
@@ -99,11 +104,18 @@ class ShardRequest:
     exclude: list[np.ndarray]
     chosen: list[list[str]] | None = None
 
+    def most_hits(self) -> int:
+        """The most hits a shard's answer to it can hold: each query's k (grouped: groups) times
+        its rows a group — what the call's reply size is bounded by (`ShardSearcher.hit_bytes`)."""
+        ks = self.ks if self.ks is not None else [self.k] * len(self.scope_of)
+        return sum(k * self.scopes[s].per_group for k, s in zip(ks, self.scope_of, strict=True))
+
 
 @dataclass
 class ShardAnswer:
     """One shard's answers to a batch, flat: query i's hits are `rows[starts[i]:starts[i+1]]`
-    (global rows) and their scores, best first — grouped, group by group."""
+    (global rows), their scores and what names them (`named`: each hit's group value, id,
+    label, metadata and item value, `Hit`'s fields), best first — grouped, group by group."""
 
     shard: str
     rows: np.ndarray
@@ -112,6 +124,7 @@ class ShardAnswer:
     truncated: np.ndarray
     candidates: np.ndarray
     paths: list[str | None]
+    named: list[tuple[str | None, str, str | None, str, str | None]]
     search_s: float = 0.0
     rows_held: int = 0
     memory_bytes: int = 0
@@ -124,8 +137,12 @@ class ShardAnswer:
         a, b = self.starts[i], self.starts[i + 1]
         return self.rows[a:b], self.scores[a:b]
 
+    def names(self, i: int) -> list[tuple[str | None, str, str | None, str, str | None]]:
+        return self.named[self.starts[i] : self.starts[i + 1]]
+
     @classmethod
     def of(cls, shard: str, answers: Sequence[Answer], offset: int, search_s: float, rows_held: int) -> ShardAnswer:
+        """`answers` (described: `serving.engine.described`) over a shard whose first global row is `offset`."""
         rows = [h.row + offset for a in answers for h in a.hits]
         return cls(
             shard,
@@ -135,10 +152,22 @@ class ShardAnswer:
             np.asarray([a.truncated for a in answers], dtype=bool),
             np.asarray([NO_CANDIDATES if a.candidates is None else a.candidates for a in answers], dtype=np.int64),
             [a.path for a in answers],
+            [(h.group, h.id, h.label, h.metadata, h.item) for a in answers for h in a.hits],
             search_s,
             rows_held,
             _resident_bytes(),
         )
+
+
+def _hit_bytes(items: ItemTable) -> int:
+    """The most bytes one hit over these rows can take in a pickled `ShardAnswer`: its row and
+    score, its longest id, label and metadata, two field values (its group's and its item's: a
+    field's value is a label or part of a row's metadata) and the envelope of its strings."""
+    longest = []
+    for column in (items.ids, items.labels, items.metadata.text):
+        most = pc.max(pc.binary_length(column.array)).as_py() if len(column) else 0
+        longest.append(most or 0)
+    return 12 + sum(longest) + 2 * max(longest[1:]) + 64
 
 
 def _resident_bytes() -> int:
@@ -163,6 +192,7 @@ class _OpenShard:
         self.pair = ServingPair(None, shard.searchable(), shard)  # type: ignore[arg-type]  # no model: vectors come in
         self.engine = SearchEngine()
         self.size = len(shard.items)
+        self.hit_bytes = _hit_bytes(shard.items)
         self._masks: dict[Filter, np.ndarray] = {}
         self._lock = threading.Lock()
         self._values: dict[str, dict[str, int]] = {}
@@ -263,9 +293,12 @@ class ShardSearcher:
 
     def warm(self, version: str) -> dict:
         """Open `version` ahead of its first query (a reload does, on every replica, before the
-        ingress swaps): its rows and what the replica holds."""
+        ingress swaps): its rows, the most bytes a hit of it takes in an answer, and what the
+        replica holds."""
         opened = self.open(version)
-        return {"shard": self.name, "rows": opened.size, "memory_bytes": _resident_bytes()}
+        return {
+            "shard": self.name, "rows": opened.size, "hit_bytes": opened.hit_bytes, "memory_bytes": _resident_bytes()
+        }  # fmt: skip
 
     def vector(self, version: str, row: int) -> np.ndarray:
         """This shard's row `row` (its own numbering) of `version`: an item's stored vector."""
@@ -295,7 +328,8 @@ class ShardSearcher:
         shard = self.open(version)
         stored = shard.version.vectors
         answers = []
-        for vector, scope, skip in zip(request.vectors, shard.scopes(request), request.exclude, strict=True):
+        scopes = shard.scopes(request)
+        for vector, scope, skip in zip(request.vectors, scopes, request.exclude, strict=True):
             groups = scope.groups
             if shard.size == 0 or (groups is not None and not len(groups)):
                 answers.append(Answer([]))
@@ -313,6 +347,7 @@ class ShardSearcher:
             best = exact_groups(vector, stored, groups, request.k, eligible, local, None)[: request.k]
             filled = filled_groups(best, vector, stored, groups, 1, eligible, local, None, request.k)
             answers.append(Answer([Hit(row, score) for _, hits in filled.groups for row, score in hits]))
+        answers = described(answers, shard.version, scopes)
         return ShardAnswer.of(self.name, answers, shard.offset, time.perf_counter() - started, shard.size)
 
     def fill(self, version: str, request: ShardRequest) -> ShardAnswer:
@@ -322,7 +357,8 @@ class ShardSearcher:
         started = time.perf_counter()
         shard = self.open(version)
         answers = []
-        for i, (vector, scope) in enumerate(zip(request.vectors, shard.scopes(request), strict=True)):
+        scopes = shard.scopes(request)
+        for i, (vector, scope) in enumerate(zip(request.vectors, scopes, strict=True)):
             groups = scope.groups
             if groups is None or shard.size == 0:
                 answers.append(Answer([]))
@@ -334,6 +370,7 @@ class ShardSearcher:
                 shard.local(request.exclude[i]), scope.min_score, len(codes),
             )  # fmt: skip
             answers.append(Answer([Hit(row, score) for _, hits in filled.groups for row, score in hits]))
+        answers = described(answers, shard.version, scopes)
         return ShardAnswer.of(self.name, answers, shard.offset, time.perf_counter() - started, shard.size)
 
 
@@ -466,10 +503,7 @@ class ShardedSearch:
     ) -> _Split:
         """Grouped by a field other than the shard key, with more than one row a group: the
         chosen groups' rows from every shard, each group's best `per_group` kept."""
-        chosen = []
-        for i in spanning:
-            groups = scopes[i].groups
-            chosen.append(list(dict.fromkeys(groups.label(h.group) for h in answers[i].hits)))
+        chosen = [list(dict.fromkeys(h.group for h in answers[i].hits)) for i in spanning]
         fill = ShardRequest(
             request.vectors[spanning],
             request.k,
@@ -490,8 +524,8 @@ class ShardedSearch:
     def exact_top(
         self, pair: ServingPair, k: int, queries: Sequence[ExactQuery]
     ) -> list[tuple[list[int], list[float]]]:
-        """Each query's exact top k rows over every shard (grouped: its top k groups, as codes of
-        its groups) and their exact scores (a group's: its best row's), best first, in one call to
+        """Each query's exact top k rows over every shard (grouped: its top k groups, by value)
+        and their exact scores (a group's: its best row's), best first, in one call to
         the shards: the monitor's reference for ANN fidelity, which compares by score where rows
         tie (a call a query cost as many shard calls as the searches it checked)."""
         scopes = [Scope(filter=q.filter, groups=q.groups) for q in queries]
@@ -502,15 +536,15 @@ class ShardedSearch:
             raise RuntimeError("; ".join(f"shard {n}: {why}" for n, why in split.missing.items()))
         tops = []
         for i, query in enumerate(queries):
-            rows = np.concatenate([a.hits(i)[0] for a in split.answers])
-            scores = np.concatenate([a.hits(i)[1] for a in split.answers])
+            rows, scores, named = _gathered(split.answers, i)
             order = ranked(rows, scores)
-            rows, scores = rows[order], scores[order]
-            if query.groups is not None:  # each group once, at its best row's place
-                codes = query.groups.codes[rows]
-                first = np.sort(np.unique(codes, return_index=True)[1])
-                rows, scores = codes[first], scores[first]
-            tops.append((rows[:k].tolist(), scores[:k].tolist()))
+            if query.groups is None:
+                tops.append((rows[order][:k].tolist(), scores[order][:k].tolist()))
+                continue
+            best: dict[str, float] = {}  # each group once, at its best row's place
+            for o in order.tolist():
+                best.setdefault(named[o][0], float(scores[o]))
+            tops.append((list(best)[:k], list(best.values())[:k]))
         return tops
 
 
@@ -537,10 +571,8 @@ def _merged_rows(answers: list[ShardAnswer], i: int, k: int, scoped: bool) -> An
     though some shard had more to give."""
     if not answers:
         return Answer([])
-    rows = np.concatenate([a.hits(i)[0] for a in answers])
-    scores = np.concatenate([a.hits(i)[1] for a in answers])
-    order = ranked(rows, scores)[:k]
-    hits = [Hit(int(r), float(s)) for r, s in zip(rows[order], scores[order], strict=True)]
+    rows, scores, named = _gathered(answers, i)
+    hits = [Hit(int(rows[o]), float(scores[o]), *named[o]) for o in ranked(rows, scores)[:k].tolist()]
     short = any(bool(a.truncated[i]) for a in answers)
     truncated = (short or len(rows) > k) if scoped else (short and len(hits) < k)
     paths = [a.paths[i] for a in answers if a.paths[i] is not None]
@@ -548,19 +580,24 @@ def _merged_rows(answers: list[ShardAnswer], i: int, k: int, scoped: bool) -> An
     return Answer(hits, truncated, path=path)
 
 
-def _best_per_group(answers: list[ShardAnswer], i: int, scope: Scope) -> dict[int, list[Hit]]:
-    """Query i's rows from every shard by group, each group's best `per_group` (score descending,
-    then row); the groups in the order of their best row."""
-    if not answers:
-        return {}
+def _gathered(answers: list[ShardAnswer], i: int) -> tuple[np.ndarray, np.ndarray, list[tuple]]:
+    """Query i's hits from every shard, side by side: rows, scores and what names each."""
     rows = np.concatenate([a.hits(i)[0] for a in answers])
     scores = np.concatenate([a.hits(i)[1] for a in answers])
-    codes = scope.groups.codes[rows]
-    by_group: dict[int, list[Hit]] = {}
+    return rows, scores, [n for a in answers for n in a.names(i)]
+
+
+def _best_per_group(answers: list[ShardAnswer], i: int, scope: Scope) -> dict[str, list[Hit]]:
+    """Query i's rows from every shard by group value, each group's best `per_group` (score
+    descending, then row); the groups in the order of their best row."""
+    if not answers:
+        return {}
+    rows, scores, named = _gathered(answers, i)
+    by_group: dict[str, list[Hit]] = {}
     for o in ranked(rows, scores).tolist():
-        its = by_group.setdefault(int(codes[o]), [])
+        its = by_group.setdefault(named[o][0], [])
         if len(its) < scope.per_group:
-            its.append(Hit(int(rows[o]), float(scores[o]), int(codes[o])))
+            its.append(Hit(int(rows[o]), float(scores[o]), *named[o]))
     return by_group
 
 

@@ -11,7 +11,7 @@ from index.faiss_index import apply_search_params, build_index, l2_normalized
 from index.version import IndexVersion
 from serving.engine import SearchEngine, ServingPair
 from serving.metrics import ServiceMetrics
-from serving.monitor import EXACT_DEPTH, MonitorConfig, RecallMonitor
+from serving.monitor import EXACT_DEPTH, MonitorConfig, RecallMonitor, SampledQuery
 from tests.support import shards as support
 
 N, DIM, ITEMS, COPIES = 600, 16, 200, 60
@@ -121,4 +121,4 @@ def test_a_sharded_servers_exact_rankings_are_compared_by_their_scores(version):
 
 def jobs(pair: ServingPair, queries: np.ndarray, rows: list[list[int]]) -> list[tuple]:
     """Sampled queries as the monitor queues them: plain, nothing excluded, no filter."""
-    return [(pair.serial, q, r, set(), None, None, None) for q, r in zip(queries, rows, strict=True)]
+    return [SampledQuery(pair.serial, q, r, set(), None, None, None) for q, r in zip(queries, rows, strict=True)]

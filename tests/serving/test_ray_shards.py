@@ -12,7 +12,7 @@ from serving.logs import shard_label
 from serving.metrics import ServiceMetrics
 from serving.ray_serve import RayShards, _cause
 from serving.replicas import shard_deployment
-from serving.sharded import failure_reason
+from serving.sharded import ShardRequest, ShardScope, failure_reason
 
 
 class _Response:
@@ -34,17 +34,19 @@ class _Handle:
     def __init__(self, *outcomes) -> None:
         self.outcomes = list(outcomes)
         self.sent: list[tuple[str, str, object]] = []
+        self.by_reference: list[bool] = []  # each call's: its answer through the object store
 
     def options(self, method_name: str, _by_reference: bool = True) -> _Handle.Method:
-        return _Handle.Method(self, method_name)
+        return _Handle.Method(self, method_name, _by_reference)
 
     class Method:
-        def __init__(self, handle: _Handle, name: str) -> None:
-            self.handle, self.name = handle, name
+        def __init__(self, handle: _Handle, name: str, by_reference: bool = True) -> None:
+            self.handle, self.name, self.by_reference = handle, name, by_reference
 
         def remote(self, version: str, argument: object) -> _Response:
             handle = self.handle
             handle.sent.append((self.name, version, argument))
+            handle.by_reference.append(self.by_reference)
             return _Response(handle.outcomes.pop(0) if len(handle.outcomes) > 1 else handle.outcomes[0])
 
 
@@ -94,3 +96,23 @@ def test_an_exception_in_one_line():
 
 def test_a_shards_deployment_is_named_by_its_label():
     assert (shard_label(3), shard_deployment(3)) == ("003", "shard-003")
+
+
+def test_a_call_whose_answer_may_pass_the_message_limit_goes_through_the_object_store():
+    """Serve's inter-deployment gRPC refuses a reply over its limit: a call whose answer may pass it
+    (the most hits it can hold × its version's most bytes a hit, from `warm`) goes by reference."""
+    handle = _Handle("answer")
+    reach = shards(handle)
+    reach.warmed("v1", {"hit_bytes": 300})
+    reach.warmed("v1", {"hit_bytes": 200})  # another replica's: the most of them counts
+    scope = ShardScope(group_by="item", per_group=4)
+
+    def request(queries: int, k: int) -> ShardRequest:
+        return ShardRequest(np.zeros((queries, 4), np.float32), k, None, [scope], [0] * queries, [])
+
+    fits = reach.reply_bytes // (300 * 4 * 10)  # queries of k 10, 4 rows a group, that fit
+    reach.call("search", "v1", request(fits, 10))
+    reach.call("search", "v1", request(fits + 1, 10))
+    reach.call("search", "v2", request(fits + 1, 10))  # a version no replica warmed: its hits' size unknown
+    assert handle.by_reference == [False, True, False]
+    assert request(3, 10).most_hits() == 120

@@ -7,6 +7,8 @@ name in the answers, never a silently short answer."""
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,7 @@ from index.faiss_index import l2_normalized
 from index.filters import Condition, Filter
 from index.lifecycle import remove_items
 from index.version import IndexVersion
-from serving.engine import Scope, SearchEngine, ServingPair
+from serving.engine import Hit, Scope, SearchEngine, ServingPair
 from serving.metrics import ServiceMetrics
 from serving.monitor import MonitorConfig, RecallMonitor
 from serving.sharded import LocalShards, ShardedSearch, ShardSearcher
@@ -60,12 +62,20 @@ def scope_on(pair: ServingPair, query_filter: Filter | None, group_by: str | Non
 
 
 def answered_ids(pair, answers):
-    ids = pair.items.ids
-    return [[(ids[h.row], round(h.score, 5)) for h in a.hits] for a in answers]
+    """Each answer's ids and scores, as its hits name them — checked against the rows' own items:
+    what a shard names a hit by is the row it answered."""
+    items = pair.items
+    for hit in (h for a in answers for h in a.hits):
+        assert (hit.id, hit.label, hit.metadata) == (
+            items.ids[hit.row], items.labels[hit.row], items.metadata.text[hit.row]
+        )
+    return [[(h.id, round(h.score, 5)) for h in a.hits] for a in answers]
 
 
 def groups_of(pair, answers, scope):
-    return [[scope.groups.label(h.group) for h in a.hits] for a in answers]
+    for hit in (h for a in answers for h in a.hits):
+        assert hit.group == scope.groups.label(scope.groups.codes[hit.row])
+    return [[h.group for h in a.hits] for a in answers]
 
 
 def excluded_rows(pair, ids):
@@ -168,10 +178,31 @@ def test_the_monitors_ann_fidelity_over_the_shards_is_the_one_index_figure(roots
             for vector, answer in zip(q, exact, strict=True):
                 rows = [pair.index_version.row_of(one.items.ids[answer.hits[r].row]) for r in ranks]
                 skip = gone if pair is one else set()
-                monitor.maybe_sample_ann(pair.serial, vector, rows, set(skip), own.allowed, own.groups, query_filter)
+                hits = [Hit(row, 0.0, answer.hits[r].group) for row, r in zip(rows, ranks, strict=True)]
+                monitor.maybe_sample_ann(pair.serial, vector, hits, set(skip), own.allowed, own.groups, query_filter)
         monitor.start(None)
         assert monitor.ann_settled(60)
         monitor.stop()
         figures.append(monitor.ann_values())
     assert figures[0] == figures[1]
     assert figures[0][1] == 1.0 and 0.6 < figures[0][10] < 0.8  # the answers' own fidelity, not 1 nor 0
+
+
+@pytest.mark.parametrize("group_by", [None, "item", "shade"])
+def test_a_shards_hits_take_no_more_bytes_than_it_says(roots, group_by):
+    """What bounds a shard call's reply (`RayShards` sends one that may pass Serve's message limit
+    through the object store): each hit of a pickled answer — its id, metadata, group value and
+    item value (the rows are unlabelled) — takes at most the `hit_bytes` its shard's `warm` says."""
+    _, four_root = roots
+    version = IndexVersion.open(four_root).name
+    searcher = ShardSearcher(four_root, 2)
+    bound = searcher.warm(version)["hit_bytes"]
+    q = queries(64)
+    scope = Scope(groups=IndexVersion.open(four_root).groups(group_by) if group_by else None, per_group=3)
+    request = ShardedSearch.request(q, K, [frozenset()] * len(q), [scope] * len(q), None)
+    answer = searcher.search(version, request)
+    empty = searcher.search(version, ShardedSearch.request(q[:0], K, [], [], None))
+    hits = len(answer.rows)
+    assert hits >= len(q) * K and all(name[1] and name[4] for name in answer.named)
+    assert (len(pickle.dumps(answer)) - len(pickle.dumps(empty))) / hits <= bound
+    assert hits <= request.most_hits()
