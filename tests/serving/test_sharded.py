@@ -67,7 +67,9 @@ def answered_ids(pair, answers):
     items = pair.items
     for hit in (h for a in answers for h in a.hits):
         assert (hit.id, hit.label, hit.metadata) == (
-            items.ids[hit.row], items.labels[hit.row], items.metadata.text[hit.row]
+            items.ids[hit.row],
+            items.labels[hit.row],
+            items.metadata.text[hit.row],
         )
     return [[(h.id, round(h.score, 5)) for h in a.hits] for a in answers]
 
