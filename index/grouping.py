@@ -19,6 +19,7 @@ never answer a grouped query (Qdrant's `search_groups` does the same).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,6 +68,14 @@ class Groups:
 
     def label(self, group: int) -> str:
         return str(self.values[group])
+
+    def code_of(self, value: str) -> int | None:
+        """The group `label` names `value` (None: no row has that value)."""
+        return self._codes.get(value)
+
+    @functools.cached_property
+    def _codes(self) -> dict[str, int]:
+        return {self.label(g): g for g in range(len(self))}
 
     def rows_of(self, group: int) -> np.ndarray:
         return self.rows[self.offsets[group] : self.offsets[group + 1]]

@@ -56,6 +56,16 @@ _OPEN_SEGMENTS: weakref.WeakValueDictionary[tuple, IndexVersion] = weakref.WeakV
 _OPEN_SEGMENTS_LOCK = threading.Lock()
 
 
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: it holds an array
+class ItemLocation:
+    """An indexed item as a query names it: its row, its stored vector, and its value of the
+    field asked (None: not asked, or the row has none)."""
+
+    row: int
+    vector: np.ndarray
+    value: str | None = None
+
+
 class IndexVersion:
     """One published index version. `index`, `items` and `vectors` are read on first use, each
     a missing or damaged file reported as an `ArtifactError` naming it; `load()` reads all three
@@ -315,6 +325,19 @@ class IndexVersion:
         """The row of `item_id`, or None when it is not in this version (or was deleted)."""
         mask = self.live_mask
         return next((row for row in self.items.rows_of(item_id) if mask is None or mask[row]), None)
+
+    def locate(self, item_id: str, field: str | None = None) -> ItemLocation | None:
+        """Where `item_id` lives: its row, its stored vector and its value of `field` (asked for an
+        item query grouped by it); None when this version does not hold it."""
+        row = self.row_of(item_id)
+        if row is None:
+            return None
+        value = None
+        if field:
+            groups = self.groups(field)
+            code = int(groups.codes[row])
+            value = groups.label(code) if code >= 0 else None
+        return ItemLocation(row, self.vector(row), value)
 
     def load(self, dim: int | None = None) -> IndexVersion:
         """Read index, items and vectors (in that order: the cheap checks first) and check that

@@ -54,7 +54,16 @@ import numpy as np
 from PIL import Image
 
 from core.preprocess import EncodedImage, Region
-from serving.engine import EVERY_ROW, Hit, Scope, SearchEngine, ServingPair, UndecodedImages
+from serving.engine import (
+    EVERY_ROW,
+    NOTHING_EXCLUDED,
+    Exclusion,
+    Hit,
+    Scope,
+    SearchEngine,
+    ServingPair,
+    UndecodedImages,
+)
 from serving.errors import DeadlineExceeded, ResourceExhausted, ServiceError, Unavailable
 from serving.metrics import ServiceMetrics
 
@@ -79,7 +88,7 @@ class Query:
 
     pair: ServingPair
     k: int
-    exclude: frozenset[int] = frozenset()
+    exclude: Exclusion = NOTHING_EXCLUDED
     scope: Scope = EVERY_ROW
     array: np.ndarray | EncodedImage | None = None  # the model input, or the image for the embedder to decode
     image: Image.Image | None = None  # opened, pixels not decoded: the inference thread decodes it

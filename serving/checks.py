@@ -15,8 +15,9 @@ from PIL import Image
 from core.preprocess import Region, RegionError, open_image, region_box, upright_size
 from core.text import TextInputError
 from index.grouping import Groups
+from index.version import ItemLocation
 from protos.simsearch.v1 import search_pb2 as pb
-from serving.engine import EVERY_ROW, Limits, Scope, ServingPair
+from serving.engine import EVERY_ROW, Exclusion, Limits, Scope, ServingPair
 from serving.errors import FailedPrecondition, InvalidArgument, at_place, image_errors
 from serving.filter_masks import FilterMasks, to_filter
 
@@ -47,11 +48,12 @@ class CheckedImage:
 @dataclass(frozen=True)
 class CheckedPart:
     """One part of a query with several parts: its signed weight (negative: "not like"), and its
-    vector — an embedding, or an indexed item's stored one (`row`: the item's) — or its image."""
+    vector — an embedding, or an indexed item's stored one (`item`: its id and where it lives) —
+    or its image."""
 
     weight: float
     vector: np.ndarray | None = None
-    row: int | None = None
+    item: tuple[str, ItemLocation] | None = None
     image: CheckedImage | None = None
     text_ids: np.ndarray | None = None  # a text part's token ids, for the pair's text model
 
@@ -64,7 +66,7 @@ class CheckedSearch:
     pair: ServingPair
     k: int
     scope: Scope  # the filter's rows, min_score, group_by and per_group
-    exclude: frozenset[int]  # rows left out: the excluded ids', and the query's own items' (their groups', grouped)
+    exclude: Exclusion  # the excluded ids, and the query's own items (their groups, grouped)
     kind: str  # "image", "embedding", "item_id", "text" or "parts"
     vector: np.ndarray | None = None  # an embedding's (a unit vector) or an item's
     image: CheckedImage | None = None
@@ -75,12 +77,11 @@ class CheckedSearch:
     allow_partial: bool = False  # a sharded server may answer from the shards that answered
 
 
-def left_out(scope: Scope, rows: set[int]) -> set[int]:
-    """Rows a query's own items leave out: the rows themselves and, grouped, their groups'."""
-    if scope.groups is None:
-        return rows
-    codes = scope.groups.codes
-    return rows.union(*(scope.groups.rows_of(int(codes[r])).tolist() for r in rows if codes[r] >= 0))
+def left_out(excluded_ids: frozenset[str], own: list[tuple[str, ItemLocation]]) -> Exclusion:
+    """What a query leaves out: the ids it excludes, and its own items — each one's id and,
+    grouped (located with the group-by field's value), its group."""
+    groups = frozenset(found.value for _, found in own if found.value is not None)
+    return Exclusion(ids=excluded_ids | {item_id for item_id, _ in own}, groups=groups)
 
 
 class RequestChecks:
@@ -115,7 +116,8 @@ class RequestChecks:
             )
         scope = self.scope(request, pair)
         k = self.k_of(request.k, scope.min_score)
-        exclude = frozenset(self.exclude_rows(pair, list(request.exclude_ids)))
+        excluded = frozenset(request.exclude_ids)  # ids not indexed leave nothing out
+        group_by = scope.groups.name if scope.groups is not None else None
         kind = request.WhichOneof("query")
         if request.HasField("region") and kind != "image":
             raise InvalidArgument(f"region crops an image query; this query is {kind or 'a set of parts'}")
@@ -127,17 +129,18 @@ class RequestChecks:
         if request.parts:
             if kind is not None:
                 raise InvalidArgument(f"set either {kind} or parts, not both")
-            parts = self.parts(pair, list(request.parts))
-            own = {part.row for part in parts if part.row is not None}
-            return checked(exclude | left_out(scope, own), "parts", parts=parts)
+            parts = self.parts(pair, list(request.parts), group_by)
+            own = [part.item for part in parts if part.item is not None]
+            return checked(left_out(excluded, own), "parts", parts=parts)
+        exclude = Exclusion(ids=excluded)
         if kind == "image":
             region = request.region if request.HasField("region") else None
             return checked(exclude, kind, image=self.image(pair, request.image, region))
         if kind == "embedding":
             return checked(exclude, kind, vector=self.check_embedding(pair, request.embedding.values))
         if kind == "item_id":
-            vector, row = self.item_vector(pair, request.item_id)
-            return checked(exclude | left_out(scope, {row}), kind, vector=vector)
+            found = self.item(pair, request.item_id, group_by)
+            return checked(left_out(excluded, [(request.item_id, found)]), kind, vector=found.vector)
         if kind == "text":
             return checked(exclude, kind, text_ids=self.text_ids(pair, request.text))
         raise InvalidArgument("request has no query: set image, embedding, item_id, text or parts")
@@ -197,9 +200,11 @@ class RequestChecks:
             )
         return checked
 
-    def parts(self, pair: ServingPair, parts: list[pb.QueryPart]) -> tuple[CheckedPart, ...]:
-        """A query's parts checked, as a whole (`check_parts`) then each in turn; a part's error
-        names the part."""
+    def parts(
+        self, pair: ServingPair, parts: list[pb.QueryPart], group_by: str | None = None
+    ) -> tuple[CheckedPart, ...]:
+        """A query's parts checked, as a whole (`check_parts`) then each in turn (an item part
+        located with its value of `group_by`, the query's grouping); a part's error names the part."""
         weights = self.check_parts(parts)
         checked = []
         for i, (weight, part) in enumerate(zip(weights, parts, strict=True)):
@@ -208,7 +213,8 @@ class RequestChecks:
                 if kind == "embedding":
                     checked.append(CheckedPart(weight, self.check_embedding(pair, part.embedding.values)))
                 elif kind == "item_id":
-                    checked.append(CheckedPart(weight, *self.item_vector(pair, part.item_id)))
+                    found = self.item(pair, part.item_id, group_by)
+                    checked.append(CheckedPart(weight, found.vector, (part.item_id, found)))
                 elif kind == "text":
                     checked.append(CheckedPart(weight, text_ids=self.text_ids(pair, part.text)))
                 else:
@@ -272,12 +278,13 @@ class RequestChecks:
         except TextInputError as exc:
             raise InvalidArgument(str(exc), "text") from None
 
-    def item_vector(self, pair: ServingPair, item_id: str) -> tuple[np.ndarray, int]:
-        """An indexed item's stored vector and row: an unknown id is INVALID_ARGUMENT."""
-        row = pair.index_version.row_of(item_id)
-        if row is None:
+    def item(self, pair: ServingPair, item_id: str, group_by: str | None = None) -> ItemLocation:
+        """An indexed item's row, stored vector and value of `group_by`, wherever the version
+        holds it (on `serve --ray`, the shard holding it): an unknown id is INVALID_ARGUMENT."""
+        found = pair.index_version.locate(item_id, group_by)
+        if found is None:
             raise InvalidArgument(f"unknown item id {item_id!r}")
-        return pair.index_version.vector(row), row
+        return found
 
     def groups(self, pair: ServingPair, name: str) -> Groups:
         """The rows grouped by `name`, a field the live version declares."""
@@ -326,7 +333,3 @@ class RequestChecks:
         if all(w < 0 for w in signed):
             raise InvalidArgument("query parts are all negative: give at least one positive part")
         return signed
-
-    def exclude_rows(self, pair: ServingPair, ids: list[str]) -> set[int]:
-        """The rows of the ids a request leaves out (ids not indexed leave nothing out)."""
-        return {row for row in (pair.index_version.row_of(i) for i in ids) if row is not None}

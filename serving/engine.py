@@ -314,6 +314,39 @@ class Scope:
 EVERY_ROW = Scope()
 
 
+@dataclass(frozen=True, slots=True)
+class Exclusion:
+    """What a query leaves out of its answer beyond its scope: `rows` by number, items by id
+    (`ids`: a request's exclude_ids, an item query's own) and whole groups by value of the
+    query's group-by field (`groups`: a grouped item query's own). Ids and values rather than
+    rows, so a sharded server's shards resolve them over their own rows (`rows_in`) and the
+    ingress needs none."""
+
+    rows: frozenset[int] = frozenset()
+    ids: frozenset[str] = frozenset()
+    groups: frozenset[str] = frozenset()
+
+    def rows_in(self, version: IndexVersion, groups: Groups | None) -> frozenset[int]:
+        """Its rows among `version`'s: `rows`, each id's live rows and — grouped by `groups` —
+        every row of each group it names."""
+        if not self.ids and (groups is None or not self.groups):
+            return self.rows
+        found = set(self.rows)
+        for item_id in self.ids:
+            row = version.row_of(item_id)
+            if row is not None:
+                found.add(row)
+        if groups is not None:
+            for value in self.groups:
+                code = groups.code_of(value)
+                if code is not None:
+                    found.update(groups.rows_of(code).tolist())
+        return frozenset(found)
+
+
+NOTHING_EXCLUDED = Exclusion()
+
+
 def _short(found: int, k: int, candidates: int) -> bool:
     """A top-k answer cut short: fewer than k hits though more rows could have answered — an
     approximate index that ran out of candidates (IVF probing too few lists, say)."""
@@ -395,7 +428,7 @@ class SearchEngine:
         pair: ServingPair,
         vectors: np.ndarray,
         k: int,
-        exclude: list[frozenset[int]],
+        exclusions: Sequence[Exclusion],
         scopes: list[Scope] | None = None,
         ks: list[int] | None = None,
         deadline: float | None = None,
@@ -408,6 +441,8 @@ class SearchEngine:
         scope share each round of their widening search, each to its own k (`ks`, else k)."""
         vectors = np.ascontiguousarray(vectors, dtype=np.float32)
         scopes = scopes or [EVERY_ROW] * len(vectors)
+        version = pair.index_version
+        exclude = [e.rows_in(version, s.groups) for e, s in zip(exclusions, scopes, strict=True)]
         answers: list[Answer | None] = [None] * len(vectors)
         grouped: dict[tuple, list[int]] = {}
         for i, scope in enumerate(scopes):

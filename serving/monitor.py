@@ -41,7 +41,7 @@ from index.faiss_index import recall_with_ties
 from index.filters import Filter
 from index.grouping import Groups, exact_group_scores
 from protos.simsearch.v1 import search_pb2 as pb
-from serving.engine import Hit, ServingPair
+from serving.engine import Exclusion, Hit, ServingPair
 from serving.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
@@ -144,11 +144,11 @@ EXACT_DEPTH = 2
 
 @dataclass(frozen=True)
 class ExactQuery:
-    """A sampled query as a sharded server's `exact_top` re-runs it: its vector, excluded rows,
+    """A sampled query as a sharded server's `exact_top` re-runs it: its vector, what it left out,
     filter and groups."""
 
     vector: np.ndarray
-    exclude: frozenset[int]
+    exclude: Exclusion
     filter: Filter | None
     groups: Groups | None
 
@@ -156,12 +156,12 @@ class ExactQuery:
 class SampledQuery(NamedTuple):
     """A live query queued for an exact re-run: the load that answered it, its vector, the rows
     it answered (`groups_seen`: a grouped answer's groups by value, in the order it shows them),
-    its excluded rows, its filter's mask and filter, and its groups."""
+    what it left out, its filter's mask and filter, and its groups."""
 
     serial: int
     vector: np.ndarray
     rows: list[int]
-    exclude: set[int]
+    exclude: Exclusion
     allowed: np.ndarray | None
     groups: Groups | None
     filter: Filter | None
@@ -235,7 +235,7 @@ class RecallMonitor:
         serial: int,
         vector: np.ndarray,
         hits: Sequence[Hit],
-        exclude: set[int],
+        exclude: Exclusion,
         allowed: np.ndarray | None = None,
         groups: Groups | None = None,
         filter: Filter | None = None,
@@ -247,9 +247,7 @@ class RecallMonitor:
             return
         rows = [h.row for h in hits]
         seen = list(dict.fromkeys(h.group for h in hits)) if groups is not None else None
-        job = SampledQuery(
-            serial, np.array(vector, dtype=np.float32), rows, set(exclude), allowed, groups, filter, seen
-        )
+        job = SampledQuery(serial, np.array(vector, dtype=np.float32), rows, exclude, allowed, groups, filter, seen)
         try:
             self._ann_jobs.put_nowait(job)
         except queue.Full:
@@ -334,8 +332,7 @@ class RecallMonitor:
                 if self.exact_top is not None and checked:
                     self.check_ann_remote(checked)
                 elif checked:
-                    job = checked[0]
-                    self.check_ann(job.serial, job.vector, job.rows, job.exclude, job.allowed, job.groups, job.filter)
+                    self.check_sampled(checked[0])
             except Exception:
                 log.exception("ANN fidelity check failed")
             finally:
@@ -351,6 +348,14 @@ class RecallMonitor:
         done = self._ann_jobs.all_tasks_done
         with done:
             return done.wait_for(lambda: not self._ann_jobs.unfinished_tasks, timeout)
+
+    def check_sampled(self, job: SampledQuery) -> None:
+        """`check_ann` for a sampled query, its exclusion resolved over the live pair's rows."""
+        pair = self._live
+        if pair is None or pair.serial != job.serial:
+            return
+        skip = set(job.exclude.rows_in(pair.index_version, job.groups))
+        self.check_ann(job.serial, job.vector, job.rows, skip, job.allowed, job.groups, job.filter)
 
     def check_ann(
         self,
@@ -397,7 +402,7 @@ class RecallMonitor:
         jobs = [job for job in jobs if pair is not None and job.serial == pair.serial]
         if not jobs:
             return
-        queries = [ExactQuery(job.vector, frozenset(job.exclude), job.filter, job.groups) for job in jobs]
+        queries = [ExactQuery(job.vector, job.exclude, job.filter, job.groups) for job in jobs]
         ranked = self.exact_top(pair, EXACT_DEPTH * max(self.config.ks), queries)
         for job, (ids, scores) in zip(jobs, ranked, strict=True):
             answered = job.rows if job.groups is None else job.groups_seen

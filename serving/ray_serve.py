@@ -49,7 +49,8 @@ from core.artifacts import ArtifactError
 from core.manifests import ModelManifest, TextModelManifest, check_model_index_pair
 from core.preprocess import DEFAULT_MAX_PIXELS, EncodedImage, pixels_of
 from core.text import TOKENIZER_FILE, TextTokenizer
-from index.version import IndexVersion
+from index.sharding import ID_KEY, shard_of
+from index.version import IndexVersion, ItemLocation
 from serving.config import ServerConfig
 from serving.engine import SearchEngine, ServingPair, UndecodedImages, text_model_dir
 from serving.errors import Unavailable, image_error
@@ -71,7 +72,8 @@ INGRESS = "ingress"
 class IngressVersion(IndexVersion):
     """A version as the ingress holds it: manifest, items, filters and tombstones (ids and
     fields for rows), never the vectors or the faiss index — those live in the shards. An
-    item's stored vector (an item_id query) is asked of the shard holding its row."""
+    item (an item_id query's vector and group) is located by the shards (`locate`): the one
+    its id places it in where ids are the shard key, else every shard at once."""
 
     def __init__(self, directory: str | Path, shards: RayShards | None = None) -> None:
         super().__init__(directory)
@@ -85,12 +87,13 @@ class IngressVersion(IndexVersion):
     def index(self):  # type: ignore[override]
         raise RuntimeError("the ingress of a sharded server holds no faiss index: ask the shards")
 
-    def vector(self, row: int) -> np.ndarray:
-        number = int(np.searchsorted(self.shard_offsets, row, side="right") - 1) if self.shard_names else 0
-        local = row - (int(self.shard_offsets[number]) if self.shard_names else 0)
+    def locate(self, item_id: str, field: str | None = None) -> ItemLocation | None:
         if self._reach is None:
             raise RuntimeError("this ingress version reaches no shards")
-        return self._reach.vector(number, self.name, local)
+        shards = shard_count(self)
+        placed = self.manifest.shard_key == ID_KEY and shards > 1
+        numbers = [shard_of(item_id, shards)] if placed else list(range(shards))
+        return self._reach.locate(self.name, item_id, field, numbers)
 
     def check(self) -> IngressVersion:
         """What the ingress reads agrees with the manifest (each shard's own files are checked
@@ -266,20 +269,25 @@ class RayShards:
     ) -> list[ShardAnswer | Exception]:
         return self._tried(method, version, request, range(len(self.handles)), deadline)
 
-    def vector(self, number: int, version: str, row: int) -> np.ndarray:
-        """Row `row` of shard `number`'s vectors in `version`, from a replica of that shard (tried
-        again on failure as every shard call is, within the budget): the ingress maps no vectors
-        file. The call runs on a thread of its own, so it may be made from the ingress's event loop
-        (Serve refuses a sync call there); the loop waits for it as it waits for a page of a memory
-        map in `serve`. A row the shard does not have (IndexError) is not tried again."""
-        final = (*FINAL, IndexError)
-        (answer,) = _OFF_LOOP.submit(self._tried, "vector", version, row, [number], final=final).result()
-        if isinstance(answer, final):
-            raise answer
-        if isinstance(answer, Exception):
-            reason = failure_reason(answer)
-            raise Unavailable(f"shard {self.names[number]} did not answer for an item's vector: {reason}")
-        return answer
+    def locate(self, version: str, item_id: str, field: str | None, numbers: Sequence[int]) -> ItemLocation | None:
+        """Item `item_id` of `version` as the shards of `numbers` hold it (`ShardSearcher.locate`;
+        asked at once, each tried again on failure as every shard call is, within the budget): the
+        one that holds it live — ids are unique among live rows —, or None when none does. The
+        ingress maps no vectors file. The calls run on a thread of their own, so they may be made
+        from the ingress's event loop (Serve refuses a sync call there); the loop waits for them
+        as it waits for a page of a memory map in `serve`. UNAVAILABLE when no shard that
+        answered holds it and one did not answer."""
+        answers = _OFF_LOOP.submit(self._tried, "locate", version, (item_id, field), numbers).result()
+        found = [a for a in answers if isinstance(a, ItemLocation)]
+        if found:
+            return min(found, key=lambda located: located.row)
+        for number, answer in zip(numbers, answers, strict=True):
+            if isinstance(answer, FINAL):
+                raise answer
+            if isinstance(answer, Exception):
+                reason = failure_reason(answer)
+                raise Unavailable(f"shard {self.names[number]} did not answer for item {item_id!r}: {reason}")
+        return None
 
     def _tried(
         self,
@@ -357,7 +365,7 @@ class RayShards:
             self.hit_bytes.pop(next(iter(self.hit_bytes)))
 
 
-_OFF_LOOP = ThreadPoolExecutor(4, thread_name_prefix="shard-vector")
+_OFF_LOOP = ThreadPoolExecutor(4, thread_name_prefix="shard-locate")
 
 
 class ShardDeadline(TimeoutError):

@@ -23,6 +23,7 @@ T = TypeVar("T")
 if TYPE_CHECKING:
     from core.preprocess import EncodedImage, ImageDecodeError
     from index.embedder import OnnxTextEmbedder
+    from index.version import ItemLocation
     from serving.config import ServerConfig
     from serving.query_embedder import QueryEmbedder
     from serving.sharded import ShardAnswer, ShardRequest
@@ -63,8 +64,8 @@ class ShardReplica:
     async def fill(self, version: str, request: ShardRequest) -> ShardAnswer:
         return self.searcher.fill(version, request)
 
-    async def vector(self, version: str, row: int) -> np.ndarray:
-        return self.searcher.vector(version, row)
+    async def locate(self, version: str, asked: tuple[str, str | None]) -> ItemLocation | None:
+        return self.searcher.locate(version, asked)
 
 
 @dataclass(frozen=True)

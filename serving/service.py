@@ -31,7 +31,7 @@ from index.grouping import EXACT_PASS
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
 from serving.checks import CheckedImage, CheckedPart, CheckedSearch, RequestChecks
-from serving.engine import EVERY_ROW, Limits, Scope, SearchEngine, ServingPair
+from serving.engine import EVERY_ROW, NOTHING_EXCLUDED, Exclusion, Limits, Scope, SearchEngine, ServingPair
 from serving.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable, at_place, image_errors
 from serving.feedback import FeedbackLog
 from serving.history import TrafficHistory
@@ -120,7 +120,7 @@ class SearchService:
         pair: ServingPair,
         image: CheckedImage,
         k: int,
-        exclude: frozenset[int],
+        exclude: Exclusion,
         deadline: float | None,
         received: float,
         scope: Scope = EVERY_ROW,
@@ -185,7 +185,7 @@ class SearchService:
 
     async def _image_vector(self, pair: ServingPair, image: CheckedImage, deadline: float | None) -> np.ndarray:
         """An image's embedding: a query that searches for nothing, batched with the others."""
-        query = await self._image_query(pair, image, 0, frozenset(), deadline, time.perf_counter())
+        query = await self._image_query(pair, image, 0, NOTHING_EXCLUDED, deadline, time.perf_counter())
         return (await self.batcher.run(query)).vector
 
     async def item_vectors(self, pair: ServingPair, items: list[CheckedImage | np.ndarray]) -> np.ndarray:
@@ -335,7 +335,7 @@ class SearchService:
         received = time.perf_counter()
         image = self.checks.image(pair, request.image)
         async with _deadline(timeout) as deadline:
-            query = await self._image_query(pair, image, 0, frozenset(), deadline, received)
+            query = await self._image_query(pair, image, 0, NOTHING_EXCLUDED, deadline, received)
             result = await self.batcher.run(query)
         return pb.EmbedResponse(
             embedding=result.vector.tolist(),

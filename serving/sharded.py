@@ -27,6 +27,7 @@ unless the request allowed a partial answer — never a silently short answer.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -47,8 +48,8 @@ from index.faiss_index import exact_within
 from index.filters import Filter
 from index.grouping import EXACT_PASS, Groups, exact_groups, filled_groups
 from index.merge import ranked
-from index.version import IndexVersion
-from serving.engine import EVERY_ROW, Answer, Hit, Scope, SearchEngine, ServingPair, described
+from index.version import IndexVersion, ItemLocation
+from serving.engine import EVERY_ROW, Answer, Exclusion, Hit, Scope, SearchEngine, ServingPair, described
 from serving.logs import shard_label
 
 if TYPE_CHECKING:
@@ -93,15 +94,16 @@ class ShardScope:
 @dataclass
 class ShardRequest:
     """A batch of queries for every shard: their vectors, k (and each one's own), the distinct
-    scopes and each query's, and each query's excluded GLOBAL rows (a shard keeps its own).
-    With `chosen` (a fill): each query's groups, by value, whose rows every shard fills."""
+    scopes and each query's, and each query's exclusion (ids and group values, which each shard
+    resolves over its own rows; rows, GLOBAL: a shard keeps those in its range). With `chosen`
+    (a fill): each query's groups, by value, whose rows every shard fills."""
 
     vectors: np.ndarray
     k: int
     ks: list[int] | None
     scopes: list[ShardScope]
     scope_of: list[int]
-    exclude: list[np.ndarray]
+    exclude: list[Exclusion]
     chosen: list[list[str]] | None = None
 
     def most_hits(self) -> int:
@@ -195,7 +197,6 @@ class _OpenShard:
         self.hit_bytes = _hit_bytes(shard.items)
         self._masks: dict[Filter, np.ndarray] = {}
         self._lock = threading.Lock()
-        self._values: dict[str, dict[str, int]] = {}
 
     def mask(self, query: Filter | None) -> np.ndarray | None:
         """The rows of this shard a filter keeps, from its own filters (kept, read-only: queries of
@@ -226,19 +227,18 @@ class _OpenShard:
         groups = self.version.groups(scope.group_by) if scope.group_by else None
         return Scope(self.mask(scope.filter), scope.min_score, groups, scope.per_group, scope.filter)
 
-    def local(self, rows: np.ndarray) -> frozenset[int]:
-        """The global rows in this shard's range, as its own rows."""
-        rows = np.asarray(rows, dtype=np.int64)
+    def local(self, exclusion: Exclusion) -> Exclusion:
+        """An exclusion over this shard: its global rows in the shard's range as the shard's own;
+        its ids and group values as they are (resolved here, `Exclusion.rows_in`)."""
+        if not exclusion.rows:
+            return exclusion
+        rows = np.fromiter(exclusion.rows, dtype=np.int64, count=len(exclusion.rows))
         inside = rows[(rows >= self.offset) & (rows < self.offset + self.size)]
-        return frozenset((inside - self.offset).tolist())
+        return Exclusion(frozenset((inside - self.offset).tolist()), exclusion.ids, exclusion.groups)
 
-    def code_of(self, groups: Groups, value: str) -> int | None:
-        """A group's code in this shard's groups of its field, by value (None: none of its rows are here)."""
-        with self._lock:
-            codes = self._values.get(groups.name)
-            if codes is None:
-                codes = self._values[groups.name] = {groups.label(g): g for g in range(len(groups))}
-        return codes.get(value)
+    def left_out(self, exclusion: Exclusion, groups: Groups | None) -> frozenset[int]:
+        """The shard's own rows an exclusion leaves out of a query grouped by `groups` (or not)."""
+        return self.local(exclusion).rows_in(self.version, groups)
 
     def eligible(self, scope: Scope, groups: Groups | None) -> np.ndarray | None:
         """The rows a query may answer with here: its filter's, less deleted rows (and, grouped,
@@ -300,12 +300,13 @@ class ShardSearcher:
             "shard": self.name, "rows": opened.size, "hit_bytes": opened.hit_bytes, "memory_bytes": _resident_bytes()
         }  # fmt: skip
 
-    def vector(self, version: str, row: int) -> np.ndarray:
-        """This shard's row `row` (its own numbering) of `version`: an item's stored vector."""
+    def locate(self, version: str, asked: tuple[str, str | None]) -> ItemLocation | None:
+        """Item `asked[0]` where this shard of `version` holds it live: its GLOBAL row, stored
+        vector and value of the field `asked[1]` (`IndexVersion.locate`); None when it does not."""
+        item_id, field_name = asked
         shard = self.open(version)
-        if not 0 <= row < shard.size:
-            raise IndexError(f"shard {self.name} of version {version} has {shard.size} rows, not row {row}")
-        return np.array(shard.version.vectors[row])
+        found = shard.version.locate(item_id, field_name)
+        return None if found is None else dataclasses.replace(found, row=found.row + shard.offset)
 
     def search(self, version: str, request: ShardRequest) -> ShardAnswer:
         """The engine's answers over this shard's rows: global rows and scores."""
@@ -314,7 +315,7 @@ class ShardSearcher:
         if shard.size == 0 or not len(request.vectors):
             empty = [Answer([]) for _ in request.scope_of]
             return ShardAnswer.of(self.name, empty, shard.offset, 0.0, shard.size)
-        exclude = [shard.local(rows) for rows in request.exclude]
+        exclude = [shard.local(e) for e in request.exclude]
         answers = shard.engine.search(
             shard.pair, request.vectors, request.k, exclude, shard.scopes(request), request.ks
         )
@@ -334,7 +335,7 @@ class ShardSearcher:
             if shard.size == 0 or (groups is not None and not len(groups)):
                 answers.append(Answer([]))
                 continue
-            eligible, local = shard.eligible(scope, groups), shard.local(skip)
+            eligible, local = shard.eligible(scope, groups), shard.left_out(skip, groups)
             if groups is None:
                 rows = np.flatnonzero(eligible) if eligible is not None else np.arange(shard.size)
                 if local:
@@ -363,11 +364,11 @@ class ShardSearcher:
             if groups is None or shard.size == 0:
                 answers.append(Answer([]))
                 continue
-            chosen = [shard.code_of(groups, value) for value in (request.chosen or [[]] * len(request.vectors))[i]]
+            chosen = [groups.code_of(value) for value in (request.chosen or [[]] * len(request.vectors))[i]]
             codes = [code for code in chosen if code is not None]
             filled = filled_groups(
                 codes, vector, shard.version.vectors, groups, scope.per_group, shard.eligible(scope, groups),
-                shard.local(request.exclude[i]), scope.min_score, len(codes),
+                shard.left_out(request.exclude[i], groups), scope.min_score, len(codes),
             )  # fmt: skip
             answers.append(Answer([Hit(row, score) for _, hits in filled.groups for row, score in hits]))
         answers = described(answers, shard.version, scopes)
@@ -443,7 +444,7 @@ class ShardedSearch:
 
     @staticmethod
     def request(
-        vectors: np.ndarray, k: int, exclude: Sequence[frozenset[int]], scopes: Sequence[Scope], ks: list[int] | None
+        vectors: np.ndarray, k: int, exclude: Sequence[Exclusion], scopes: Sequence[Scope], ks: list[int] | None
     ) -> ShardRequest:
         distinct: dict[ShardScope, int] = {}
         scope_of = [distinct.setdefault(ShardScope.of(s), len(distinct)) for s in scopes]
@@ -453,7 +454,7 @@ class ShardedSearch:
             list(ks) if ks is not None else None,
             list(distinct),
             scope_of,
-            [np.fromiter(e, dtype=np.int64, count=len(e)) for e in exclude],
+            list(exclude),
         )
 
     def search(
@@ -461,7 +462,7 @@ class ShardedSearch:
         pair: ServingPair,
         vectors: np.ndarray,
         k: int,
-        exclude: list[frozenset[int]],
+        exclude: Sequence[Exclusion],
         scopes: list[Scope] | None = None,
         ks: list[int] | None = None,
         deadline: float | None = None,

@@ -100,9 +100,9 @@ def test_item_search_reads_the_stored_vector_not_the_index(served_version, catal
     pair = server.engine.pair
     row = pair.items.row_of(catalog.ids[7])
     stored = np.load(pair.directory / artifacts.EMBEDDINGS_FILE)[row]
-    vector, found_row = server.service.checks.item_vector(pair, catalog.ids[7])
-    assert found_row == row
-    np.testing.assert_array_equal(vector, stored)
+    found = server.service.checks.item(pair, catalog.ids[7])
+    assert found.row == row
+    np.testing.assert_array_equal(found.vector, stored)
     assert client.search_embedding(stored.tolist(), k=1).neighbors[0].id == catalog.ids[7]
 
 

@@ -14,7 +14,7 @@ from index.faiss_index import build_index, l2_normalized
 from index.merge import NO_ROW, MergedIndex, best_rows
 from index.range_search import by_range_search, reaching
 from index.version import IndexVersion
-from serving.engine import SearchEngine, ServingPair
+from serving.engine import NOTHING_EXCLUDED, SearchEngine, ServingPair
 from serving.sharded import LocalShards, ShardedSearch
 from tests.support import shards as support
 
@@ -67,7 +67,7 @@ def with_copies(tmp_path_factory):
 
 
 def _answers(engine, pair, queries):
-    found = engine.search(pair, queries, K, [frozenset()] * len(queries))
+    found = engine.search(pair, queries, K, [NOTHING_EXCLUDED] * len(queries))
     return [[(h.row, h.score) for h in answer.hits] for answer in found]
 
 

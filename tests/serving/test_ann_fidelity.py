@@ -9,7 +9,7 @@ import pytest
 
 from index.faiss_index import apply_search_params, build_index, l2_normalized
 from index.version import IndexVersion
-from serving.engine import SearchEngine, ServingPair
+from serving.engine import NOTHING_EXCLUDED, SearchEngine, ServingPair
 from serving.metrics import ServiceMetrics
 from serving.monitor import EXACT_DEPTH, MonitorConfig, RecallMonitor, SampledQuery
 from tests.support import shards as support
@@ -35,7 +35,7 @@ def monitor_on(pair: ServingPair) -> RecallMonitor:
 
 
 def answers(pair: ServingPair, queries: np.ndarray) -> list[list[int]]:
-    found = SearchEngine().search(pair, queries, max(KS), [frozenset()] * len(queries))
+    found = SearchEngine().search(pair, queries, max(KS), [NOTHING_EXCLUDED] * len(queries))
     return [[h.row for h in a.hits] for a in found]
 
 
@@ -119,6 +119,7 @@ def test_a_sharded_servers_exact_rankings_are_compared_by_their_scores(version):
     assert monitor.ann_values()[10] == pytest.approx(0.9)
 
 
-def jobs(pair: ServingPair, queries: np.ndarray, rows: list[list[int]]) -> list[tuple]:
+def jobs(pair: ServingPair, queries: np.ndarray, rows: list[list[int]]) -> list[SampledQuery]:
     """Sampled queries as the monitor queues them: plain, nothing excluded, no filter."""
-    return [SampledQuery(pair.serial, q, r, set(), None, None, None) for q, r in zip(queries, rows, strict=True)]
+    plain = (NOTHING_EXCLUDED, None, None, None)
+    return [SampledQuery(pair.serial, q, r, *plain) for q, r in zip(queries, rows, strict=True)]

@@ -16,7 +16,7 @@ from core.catalog import read_catalog
 from core.preprocess import load_image
 from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
 from serving.checks import RequestChecks
-from serving.engine import Limits, SearchEngine, load_pair
+from serving.engine import NOTHING_EXCLUDED, Limits, SearchEngine, load_pair
 from serving.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from serving.metrics import ServiceMetrics
 from tests.support.images import encode
@@ -80,7 +80,7 @@ def job(pair, array, k: int = 5, deadline: float | None = None) -> Query:
 
 def exact(engine: SearchEngine, pair, array, k: int = 5) -> list[int]:
     vector = engine.embed(pair, [array])
-    return [h.row for h in engine.search(pair, vector, k, [frozenset()])[0].hits]
+    return [h.row for h in engine.search(pair, vector, k, [NOTHING_EXCLUDED])[0].hits]
 
 
 def test_engine_decodes_large_jpegs_at_reduced_scale_where_the_contract_allows(engine_and_pairs):

@@ -549,10 +549,10 @@ def test_a_replica_imports_what_its_work_needs(roots):
     _, four, model = roots
     search = "\n".join([
         "from index.version import IndexVersion",
-        "from serving.engine import EVERY_ROW",
+        "from serving.engine import EVERY_ROW, NOTHING_EXCLUDED",
         "from serving.sharded import ShardedSearch",
         f"version = IndexVersion.live({str(four)!r}).name",
-        f"request = ShardedSearch.request(np.ones((2, {DIM}), np.float32), 5, [frozenset()] * 2, [EVERY_ROW] * 2, None)",  # noqa: E501
+        f"request = ShardedSearch.request(np.ones((2, {DIM}), np.float32), 5, [NOTHING_EXCLUDED] * 2, [EVERY_ROW] * 2, None)",  # noqa: E501
         "assert len(replica.searcher.search(version, request).rows) == 10",
     ])  # fmt: skip
     shard = _packages_of("ShardReplica", f"ShardReplica({str(four)!r}, 1)", search)

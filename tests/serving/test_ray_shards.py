@@ -1,5 +1,5 @@
 """`serve --ray`'s shard calls without a cluster: `RayShards` over fake handles tries a failed
-call again, never one the version itself refuses, and an item's vector goes the same way; an
+call again, never one the version itself refuses, and locating an item goes the same way; an
 exception said in one line (`failure_reason`) and a shard named as its deployment is."""
 
 from __future__ import annotations
@@ -7,25 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from index.version import ItemLocation
 from serving.errors import Unavailable
 from serving.logs import shard_label
 from serving.metrics import ServiceMetrics
 from serving.ray_serve import RayShards, _cause
 from serving.replicas import shard_deployment
 from serving.sharded import ShardRequest, ShardScope, failure_reason
-
-
-class _Response:
-    def __init__(self, outcome) -> None:
-        self.outcome = outcome
-
-    def result(self, timeout_s: float):
-        if isinstance(self.outcome, Exception):
-            raise self.outcome
-        return self.outcome
-
-    def cancel(self) -> None:
-        pass
+from tests.support.shards import Answered
 
 
 class _Handle:
@@ -43,37 +32,44 @@ class _Handle:
         def __init__(self, handle: _Handle, name: str, by_reference: bool = True) -> None:
             self.handle, self.name, self.by_reference = handle, name, by_reference
 
-        def remote(self, version: str, argument: object) -> _Response:
+        def remote(self, version: str, argument: object) -> Answered:
             handle = self.handle
             handle.sent.append((self.name, version, argument))
             handle.by_reference.append(self.by_reference)
-            return _Response(handle.outcomes.pop(0) if len(handle.outcomes) > 1 else handle.outcomes[0])
+            return Answered(handle.outcomes.pop(0) if len(handle.outcomes) > 1 else handle.outcomes[0])
 
 
 def shards(*handles: _Handle, retries: int = 2) -> RayShards:
     return RayShards(list(handles), timeout_s=5.0, retries=retries, metrics=ServiceMetrics())
 
 
-def test_a_vector_is_tried_again_on_another_replica():
-    row = np.arange(4, dtype=np.float32)
-    flaky = _Handle(RuntimeError("replica gone"), row)
-    assert np.array_equal(shards(_Handle(row), flaky).vector(1, "v1", 7), row)
-    assert flaky.sent == [("vector", "v1", 7), ("vector", "v1", 7)]
+def located(row: int) -> ItemLocation:
+    return ItemLocation(row, np.full(4, row, dtype=np.float32), "v")
 
 
-@pytest.mark.parametrize("refusal", [IndexError("row 7 is not in shard 001"), ValueError("bad version")])
-def test_a_vector_the_shard_refuses_is_not_tried_again(refusal):
-    refusing = _Handle(refusal)
-    with pytest.raises(type(refusal)):
-        shards(refusing).vector(0, "v1", 7)
+def test_an_item_is_located_again_on_another_replica():
+    item = located(7)
+    flaky = _Handle(RuntimeError("replica gone"), item)
+    assert shards(_Handle(None), flaky).locate("v1", "id7", "shade", [1]) is item
+    assert flaky.sent == [("locate", "v1", ("id7", "shade")), ("locate", "v1", ("id7", "shade"))]
+
+
+def test_an_item_a_shard_refuses_is_not_tried_again():
+    refusing = _Handle(ValueError("bad version"))
+    with pytest.raises(ValueError, match="bad version"):
+        shards(refusing).locate("v1", "id7", None, [0])
     assert len(refusing.sent) == 1
 
 
-def test_a_vector_no_replica_answers_is_unavailable():
+def test_an_item_no_replica_answers_is_unavailable_unless_another_shard_holds_it():
     dead = _Handle(RuntimeError("replica gone"))
-    with pytest.raises(Unavailable, match="shard 000 did not answer for an item's vector: RuntimeError: replica gone"):
-        shards(dead, retries=2).vector(0, "v1", 7)
+    with pytest.raises(Unavailable, match="shard 000 did not answer for item 'id7': RuntimeError: replica gone"):
+        shards(dead, _Handle(None), retries=2).locate("v1", "id7", None, [0, 1])
     assert len(dead.sent) == 3
+    # Ids are unique among live rows: the shard that holds it answers for it, whatever the others did.
+    item = located(9)
+    assert shards(dead, _Handle(item), retries=0).locate("v1", "id7", None, [0, 1]) is item
+    assert shards(_Handle(None), _Handle(None)).locate("v1", "id7", None, [0, 1]) is None
 
 
 def test_a_fan_out_answers_each_shard_in_order():

@@ -16,9 +16,10 @@ from index.faiss_index import l2_normalized
 from index.filters import Condition, Filter
 from index.lifecycle import remove_items
 from index.version import IndexVersion
-from serving.engine import Hit, Scope, SearchEngine, ServingPair
+from serving.engine import NOTHING_EXCLUDED, Exclusion, Hit, Scope, SearchEngine, ServingPair
 from serving.metrics import ServiceMetrics
 from serving.monitor import MonitorConfig, RecallMonitor
+from serving.ray_serve import IngressVersion, RayShards
 from serving.sharded import LocalShards, ShardedSearch, ShardSearcher
 from tests.support import shards as support
 
@@ -80,10 +81,6 @@ def groups_of(pair, answers, scope):
     return [[h.group for h in a.hits] for a in answers]
 
 
-def excluded_rows(pair, ids):
-    return frozenset(r for r in (pair.index_version.row_of(i) for i in ids) if r is not None)
-
-
 CASES = {
     "plain": (None, None, 1, None),
     "filtered": (Filter(must=(Condition("shade", value="2"),)), None, 1, None),
@@ -105,7 +102,7 @@ def test_shards_answer_as_one_index(roots, case):
     got = []
     for engine_, pair in ((engine, one), (sharded, four)):
         scope = scope_on(pair, query_filter, group_by, per_group, min_score)
-        exclude = [excluded_rows(pair, ids) for ids in skip_ids]
+        exclude = [Exclusion(ids=frozenset(ids)) for ids in skip_ids]
         answers = engine_.search(pair, q, k, exclude, [scope] * len(q), [k] * len(q))
         got.append(
             (
@@ -128,7 +125,7 @@ def test_a_takedown_never_answers_from_any_shard(roots, tmp_path):
     report = remove_items(four_root, taken, "tester", "takedown")
     after = IndexVersion.open(four_root, report.version)
     pair = ServingPair(None, None, after)  # type: ignore[arg-type]
-    answers = sharded.search(pair, q, K, [frozenset()] * len(q), None, None)
+    answers = sharded.search(pair, q, K, [NOTHING_EXCLUDED] * len(q), None, None)
     ids = {after.items.ids[h.row] for a in answers for h in a.hits}
     assert ids and not ids & set(taken)
     assert all(a.shards_answered == ("000", "001", "002", "003") and not a.shards_missing for a in answers)
@@ -143,7 +140,7 @@ def test_a_failed_shard_is_named_in_every_answer(roots):
         raise ConnectionError("replica gone")
 
     shards.searchers[2].search = broken
-    answers = ShardedSearch(shards).search(four, queries(3), K, [frozenset()] * 3)
+    answers = ShardedSearch(shards).search(four, queries(3), K, [NOTHING_EXCLUDED] * 3)
     for answer in answers:
         assert answer.shards_missing == ("002",) and answer.shards_answered == ("000", "001", "003")
         assert "shard 002 did not answer" in answer.unavailable and "replica gone" in answer.unavailable
@@ -175,13 +172,13 @@ def test_the_monitors_ann_fidelity_over_the_shards_is_the_one_index_figure(roots
         monitor.reset(pair)
         for query_filter, group_by in ((None, None), (shade, None), (None, "item")):
             scope = scope_on(one, query_filter, group_by, 1)
-            exact = engine.search(one, q, 30, [gone] * len(q), [scope] * len(q), [30] * len(q))
+            exact = engine.search(one, q, 30, [Exclusion(rows=gone)] * len(q), [scope] * len(q), [30] * len(q))
             own = scope_on(pair, query_filter, group_by, 1)
             for vector, answer in zip(q, exact, strict=True):
                 rows = [pair.index_version.row_of(one.items.ids[answer.hits[r].row]) for r in ranks]
-                skip = gone if pair is one else set()
+                skip = Exclusion(rows=gone) if pair is one else NOTHING_EXCLUDED
                 hits = [Hit(row, 0.0, answer.hits[r].group) for row, r in zip(rows, ranks, strict=True)]
-                monitor.maybe_sample_ann(pair.serial, vector, hits, set(skip), own.allowed, own.groups, query_filter)
+                monitor.maybe_sample_ann(pair.serial, vector, hits, skip, own.allowed, own.groups, query_filter)
         monitor.start(None)
         assert monitor.ann_settled(60)
         monitor.stop()
@@ -201,10 +198,75 @@ def test_a_shards_hits_take_no_more_bytes_than_it_says(roots, group_by):
     bound = searcher.warm(version)["hit_bytes"]
     q = queries(64)
     scope = Scope(groups=IndexVersion.open(four_root).groups(group_by) if group_by else None, per_group=3)
-    request = ShardedSearch.request(q, K, [frozenset()] * len(q), [scope] * len(q), None)
+    request = ShardedSearch.request(q, K, [NOTHING_EXCLUDED] * len(q), [scope] * len(q), None)
     answer = searcher.search(version, request)
     empty = searcher.search(version, ShardedSearch.request(q[:0], K, [], [], None))
     hits = len(answer.rows)
     assert hits >= len(q) * K and all(name[1] and name[4] for name in answer.named)
     assert (len(pickle.dumps(answer)) - len(pickle.dumps(empty))) / hits <= bound
     assert hits <= request.most_hits()
+
+
+def test_an_item_querys_own_group_is_left_out_on_every_shard(roots):
+    """A grouped item query leaves its own group out: an exclusion by value, which each shard
+    resolves over its own rows — grouped by a field spanning shards, its rows are in all four."""
+    (engine, one), (sharded, four) = engines(*roots)
+    q = queries(30)
+    k = 3
+    # Items another test took down in the sharded root are left out of both answers.
+    gone = {i for i in one.items.ids if four.index_version.row_of(i) is None}
+    own = [Exclusion(ids=frozenset({f"id{i:05d}", *gone}), groups=frozenset({str(i % 5)})) for i in range(len(q))]
+    got = []
+    for engine_, pair in ((engine, one), (sharded, four)):
+        scope = scope_on(pair, None, "shade", 2)
+        answers = engine_.search(pair, q, k, own, [scope] * len(q), [k] * len(q))
+        got.append([[(h.id, h.group) for h in a.hits] for a in answers])
+        for i, answer in enumerate(answers):
+            assert len(answer.hits) == 2 * k and str(i % 5) not in {h.group for h in answer.hits}
+    assert got[0] == got[1]
+
+
+class _Searching:
+    """A shard deployment's handle over a `ShardSearcher` in this process: `RayShards` without a
+    cluster, each call answered at once, the arguments it was sent kept."""
+
+    def __init__(self, searcher: ShardSearcher) -> None:
+        self.searcher, self.sent = searcher, []
+
+    def options(self, method_name: str, _by_reference: bool = True):
+        handle = self
+
+        class Method:
+            def remote(self, version, argument):
+                handle.sent.append(argument)
+                try:
+                    outcome = getattr(handle.searcher, method_name)(version, argument)
+                except Exception as exc:  # noqa: BLE001 - raised where the answer is read, as Serve does
+                    outcome = exc
+                return support.Answered(outcome)
+
+        return Method()
+
+
+@pytest.mark.parametrize("item_field", ["item", None])
+def test_the_ingress_locates_an_item_on_the_shard_holding_it(roots, tmp_path, item_field):
+    """An item query's vector and group value come from the shard holding the item, as one index
+    has them: placed by id, only the shard its id names is asked; placed by the item field
+    (unknown from an id), every shard at once."""
+    model = roots[0].parent / "model"
+    root = tmp_path / "root"
+    support.publish(root, support.catalog(300, DIM, 100, seed=1), model, 4, item_field=item_field)
+    whole = IndexVersion.open(root)
+    handles = [_Searching(ShardSearcher(root, n)) for n in range(4)]
+    ingress = IngressVersion(whole.directory, RayShards(handles, 5.0, 1, None))
+    asked = [f"id{i:05d}" for i in range(0, 300, 7)]
+    for item_id in asked:
+        found, expected = ingress.locate(item_id, "shade"), whole.locate(item_id, "shade")
+        assert (found.row, found.value) == (expected.row, expected.value)
+        np.testing.assert_array_equal(found.vector, expected.vector)
+    assert ingress.locate("no-such-item") is None
+    calls = [len(h.sent) for h in handles]
+    if item_field is None:
+        assert sum(calls) == len(asked) + 1 and min(calls) > 0  # one shard an id, each asked for some
+    else:
+        assert calls == [len(asked) + 1] * 4

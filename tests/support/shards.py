@@ -46,10 +46,11 @@ def publish(
     factory: str = "Flat",
     params: dict | None = None,
     text_model: Path | None = None,
+    item_field: str | None = "item",
 ) -> Path:
-    """A version of `data` in `root` (live), of `shards` shards, for the model at `model` (and the
-    text model at `text_model`, when given); `params` its search effort (nprobe, efSearch), tuned
-    to the recall target where not given."""
+    """A version of `data` in `root` (live), of `shards` shards placed by `item_field` (None: by
+    id), for the model at `model` (and the text model at `text_model`, when given); `params` its
+    search effort (nprobe, efSearch), tuned to the recall target where not given."""
     vectors, items = data
     new = NewVersion(
         model_id=ModelManifest.read(model).model_id,
@@ -67,7 +68,7 @@ def publish(
     recipe = IndexRecipe(factory, params or {}, None, "cpu", 0.95, shards)
     text_id = TextModelManifest.read(text_model).text_model_id if text_model is not None else None
     target = PublishTarget(root, 5, str(model), {}, str(text_model) if text_model else None, text_id)
-    return publish_index_version(new, recipe, gate, None, FILTERABLE, "item", target)
+    return publish_index_version(new, recipe, gate, None, FILTERABLE, item_field, target)
 
 
 def model(folder: Path, dim: int, side: int = 8) -> Path:
@@ -99,3 +100,19 @@ def two_flat_shards(vectors: np.ndarray, highest_row_first: bool):
     half = len(vectors) // 2
     shards = [build_index(vectors[:half], "Flat", device="cpu"), build_index(vectors[half:], "Flat", device="cpu")]
     return _TiesInOrder(shards, np.array([0, half]), highest_row_first)
+
+
+class Answered:
+    """A Serve call's response as `RayShards` reads it: its outcome (an exception is raised where
+    the answer is read, as Serve raises a replica's error), `cancel` a no-op."""
+
+    def __init__(self, outcome) -> None:
+        self.outcome = outcome
+
+    def result(self, timeout_s: float):
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        return self.outcome
+
+    def cancel(self) -> None:
+        pass
