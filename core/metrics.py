@@ -98,10 +98,16 @@ def map_at_r(embeddings: np.ndarray, labels: Sequence) -> float:
     return float(ap[r_per_query > 0].mean())
 
 
+def stable_key(item_id: str, seed: int = 0) -> tuple[bytes, str]:
+    """An id's place in `stable_order`: a hash of `seed` and the id (BLAKE2b; Python's hash() is
+    salted per process), then the id. Parts of a catalog ranked apart merge by it."""
+    return hashlib.blake2b(f"{seed}:{item_id}".encode(), digest_size=8).digest(), str(item_id)
+
+
 def stable_order(ids: Sequence[str], seed: int = 0) -> np.ndarray:
-    """Every row, ranked by a hash of `seed` and its id (BLAKE2b; Python's hash() is salted per
-    process), ties by id: the same ids rank alike whatever the rows' order, in every build."""
-    keys = [(hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest(), str(i)) for i in ids]
+    """Every row, ranked by its id's `stable_key`, ties in row order: the same ids rank alike
+    whatever the rows' order, in every build."""
+    keys = [stable_key(i, seed) for i in ids]
     return np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
 
 

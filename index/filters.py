@@ -276,8 +276,7 @@ class FilterIndex:
     def mask(self, query: Filter) -> np.ndarray:
         """A bool per row: True where the row meets `query`. FilterError names the field of a
         condition that is empty, contradictory, of the wrong type or on an undeclared field."""
-        if not query.conditions:
-            raise FilterError("", "has no conditions (give must, should or must_not)")
+        check_filter(query, [f.spec for f in self.fields.values()])
         rows = [[self.rows_of(c) for c in group] for group in (query.must, query.should, query.must_not)]
         must, should, must_not = rows
         if must:
@@ -298,29 +297,52 @@ class FilterIndex:
 
     def rows_of(self, condition: Condition) -> np.ndarray:
         """The rows meeting one condition (distinct), after checking it against the field's type."""
-        name = condition.field
-        if not name:
-            raise FilterError("", "a condition has no field name")
-        rows = self.fields.get(name)
-        if rows is None:
-            declared = ", ".join(self.fields) or "none"
-            raise FilterError(name, f"is not filterable in this index version (filterable: {declared})")
-        spec = rows.spec
-        given = [m for m in ("value", "any_of", "range") if getattr(condition, m) is not None]
-        if len(given) != 1:
-            raise FilterError(name, "a condition needs exactly one of value, any_of or range")
+        check_condition(condition, [f.spec for f in self.fields.values()])
+        rows = self.fields[condition.field]
         if condition.value is not None:
-            return rows.rows_equal(_value(spec, condition.value))
+            return rows.rows_equal(_value(rows.spec, condition.value))
         if condition.any_of is not None:
-            if not condition.any_of:
-                raise FilterError(name, "any_of has no values")
-            values = sorted({_value(spec, v) for v in condition.any_of})
+            values = sorted({_value(rows.spec, v) for v in condition.any_of})
             return np.concatenate([rows.rows_equal(v) for v in values])
-        bounds = condition.range
+        return rows.rows_in(condition.range)
+
+
+def check_filter(query: Filter, specs: Sequence[FieldSpec]) -> None:
+    """FilterError unless `query` can be applied to rows declaring the fields `specs`: it has a
+    condition, and each one names a declared field and one match of its type (`check_condition`).
+    Needs no rows: what a sharded server's ingress checks before its shards make the masks."""
+    if not query.conditions:
+        raise FilterError("", "has no conditions (give must, should or must_not)")
+    for group in (query.must, query.should, query.must_not):
+        for condition in group:
+            check_condition(condition, specs)
+
+
+def check_condition(condition: Condition, specs: Sequence[FieldSpec]) -> None:
+    """FilterError naming the field unless the condition names one of `specs` and gives exactly one
+    of value, any_of (not empty) or range (on a numeric field, a range that can hold a value), its
+    values of the field's type."""
+    name = condition.field
+    if not name:
+        raise FilterError("", "a condition has no field name")
+    spec = next((s for s in specs if s.name == name), None)
+    if spec is None:
+        declared = ", ".join(s.name for s in specs) or "none"
+        raise FilterError(name, f"is not filterable in this index version (filterable: {declared})")
+    given = [m for m in ("value", "any_of", "range") if getattr(condition, m) is not None]
+    if len(given) != 1:
+        raise FilterError(name, "a condition needs exactly one of value, any_of or range")
+    if condition.value is not None:
+        _value(spec, condition.value)
+    elif condition.any_of is not None:
+        if not condition.any_of:
+            raise FilterError(name, "any_of has no values")
+        for value in condition.any_of:
+            _value(spec, value)
+    else:
         if not spec.numeric:
             raise FilterError(name, f"a range needs a numeric field, this one holds {spec.type} values")
-        _check_range(name, bounds)
-        return rows.rows_in(bounds)
+        _check_range(name, condition.range)
 
 
 def _value(spec: FieldSpec, text: str) -> str | int | float:

@@ -230,6 +230,10 @@ def wants_compaction(unit: IndexVersion, change: UnitChange, max_segments: int, 
     segments = max(len(unit.segment_entries), 1) + (1 if change.items is not None and len(change.items) else 0)
     rows = len(unit.items) + (len(change.items) if change.items is not None else 0)
     deleted = len(np.union1d(unit.deleted, change.removed))
+    return _past(segments, rows, deleted, max_segments, max_deleted_fraction)
+
+
+def _past(segments: int, rows: int, deleted: int, max_segments: int, max_deleted_fraction: float) -> bool:
     return segments > max_segments or (rows > 0 and deleted > max_deleted_fraction * rows)
 
 
@@ -338,8 +342,19 @@ def units_of(version: IndexVersion) -> list[IndexVersion]:
 
 
 def compaction_due(version: IndexVersion, max_segments: int, max_deleted_fraction: float) -> bool:
-    """Whether some unit of `version` is past `max_segments` or `max_deleted_fraction` as it stands."""
-    return any(wants_compaction(unit, UnitChange(), max_segments, max_deleted_fraction) for unit in units_of(version))
+    """Whether some unit of `version` is past `max_segments` or `max_deleted_fraction` as it
+    stands — from its units' manifests alone (the counts `load` checks its files against), so a
+    server that holds none of a sharded version's rows can tell."""
+    return any(
+        _past(
+            max(len(unit.segment_entries), 1),
+            unit.manifest.size,
+            unit.manifest.deleted_rows,
+            max_segments,
+            max_deleted_fraction,
+        )  # fmt: skip
+        for unit in units_of(version)
+    )
 
 
 def _unit_writer(writer: VersionWriter, version: IndexVersion, number: int) -> VersionWriter | ShardWriter:

@@ -42,6 +42,7 @@ from core import artifacts
 from core.artifacts import ArtifactError
 from core.items import ItemTable
 from core.manifests import IndexManifest, SegmentEntry
+from core.metrics import stable_key, stable_order
 from core.vectors import RowBlocks
 from index.faiss_index import ExactRerank, apply_search_params, load_index, searchable
 from index.filters import FilterIndex
@@ -58,18 +59,71 @@ _OPEN_SEGMENTS_LOCK = threading.Lock()
 
 @dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: it holds an array
 class ItemLocation:
-    """An indexed item as a query names it: its row, its stored vector, and its value of the
-    field asked (None: not asked, or the row has none)."""
+    """An indexed item as a query names it: its row, its stored vector, its value of the field
+    asked (None: not asked, or the row has none) and its image's path."""
 
     row: int
     vector: np.ndarray
     value: str | None = None
+    path: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledItem:
+    """A row of a probe sample (`sampled_items`): its place in the ids' stable order, its row,
+    id, label and path, whether it is live, and its item field's value (an item round's)."""
+
+    key: tuple[bytes, str]
+    row: int
+    id: str
+    label: str | None
+    path: str
+    live: bool
+    value: str | None = None
+
+
+def sampled_items(
+    items: ItemTable, live: np.ndarray | None, size: int, groups: Groups | None = None, order: np.ndarray | None = None
+) -> list[SampledItem]:
+    """The first `size` rows in the ids' stable order (`core.metrics.stable_order`; `order`, when
+    already ranked): the same items whatever the rows' order. With `groups` (the item field's),
+    the first `size` live rows whose item has another row, with their item. Rows of one catalog
+    sampled in parts (shards) merge by `key` into the sample of the whole."""
+    order = stable_order(items.ids) if order is None else order
+    if groups is not None:
+        codes = groups.codes
+        eligible = (codes >= 0) & (np.diff(groups.offsets)[codes] > 1)
+        if live is not None:
+            eligible &= live
+        order = order[eligible[order]]
+    picked = []
+    for row in order[:size].tolist():
+        item_id = items.ids[row]
+        value = None
+        if groups is not None:
+            value = groups.label(int(groups.codes[row]))
+        picked.append(
+            SampledItem(
+                stable_key(item_id),
+                row,
+                item_id,
+                items.labels[row],
+                items.paths[row],
+                live is None or bool(live[row]),
+                value,
+            )  # fmt: skip
+        )
+    return picked
 
 
 class IndexVersion:
     """One published index version. `index`, `items` and `vectors` are read on first use, each
     a missing or damaged file reported as an `ArtifactError` naming it; `load()` reads all three
     and checks they agree."""
+
+    # Whether its rows (items, filters, tombstones) are read here: not by a sharded server's
+    # ingress, whose shards hold them (`serving.ray_serve.IngressVersion`).
+    holds_rows = True
 
     def __init__(
         self,
@@ -337,7 +391,22 @@ class IndexVersion:
             groups = self.groups(field)
             code = int(groups.codes[row])
             value = groups.label(code) if code >= 0 else None
-        return ItemLocation(row, self.vector(row), value)
+        return ItemLocation(row, self.vector(row), value, self.items.paths[row])
+
+    @property
+    def labelled(self) -> bool:
+        """Whether its rows have labels (all do or none: `core.items.ItemTable.labelled`)."""
+        return self.items.labelled
+
+    def probe_sample(self, size: int, item_field: str | None = None) -> list[SampledItem]:
+        """Its probe sample (`sampled_items`): the first `size` rows by id, or — with `item_field`
+        — the first `size` live rows whose item has another row."""
+        groups = self.groups(item_field) if item_field else None
+        return sampled_items(self.items, self.live_mask, size, groups, self._stable_order)
+
+    @functools.cached_property
+    def _stable_order(self) -> np.ndarray:
+        return stable_order(self.items.ids)
 
     def load(self, dim: int | None = None) -> IndexVersion:
         """Read index, items and vectors (in that order: the cheap checks first) and check that
@@ -373,6 +442,13 @@ class IndexVersion:
     def _check_shards(self, dim: int | None) -> None:
         """The shard folders are those the manifest lists, their row counts add up, and each
         shard loads."""
+        self.check_shard_list()
+        for shard in self._shard_versions():
+            shard.load(dim)
+
+    def check_shard_list(self) -> None:
+        """The shard folders are those the manifest lists, and their row counts add up to its own
+        (what can be checked of a sharded version without reading a row)."""
         entries = self.manifest.shards or []
         folder = self.directory / artifacts.SHARDS
         present = sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
@@ -392,8 +468,6 @@ class IndexVersion:
                 f"{self.directory}: the manifest counts {self.manifest.size} rows, {self.manifest.deleted_rows} "
                 f"deleted; its shards {offset}, {deleted} deleted"
             )
-        for shard in self._shard_versions():
-            shard.load(dim)
 
     def _check_shard_files(self) -> None:
         """A shard holds exactly the files its version's manifest lists, each as summed there."""

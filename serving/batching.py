@@ -248,7 +248,7 @@ class Inference:
                 _latest_deadline(to_search),
             )
             for work, answer in zip(to_search, found, strict=True):
-                grouped = work.query.scope.groups is not None  # searched to its own k groups already
+                grouped = work.query.scope.group_by is not None  # searched to its own k groups already
                 work.result.hits = answer.hits if grouped else answer.hits[: work.query.k]
                 cut = not grouped and work.query.scope.min_score is not None and len(answer.hits) > work.query.k
                 work.result.truncated = answer.truncated or cut

@@ -109,7 +109,7 @@ class RequestChecks:
     def search(self, request: pb.SearchRequest, pair: ServingPair) -> CheckedSearch:
         """A SearchRequest checked, its first fault an INVALID_ARGUMENT (an image past the pixel
         limit: PayloadTooLarge); its image opened, its ids looked up, its filter's rows found."""
-        if request.HasField("label") and not (pair.items.labelled or pair.manifest.item_field):
+        if request.HasField("label") and not (pair.index_version.labelled or pair.manifest.item_field):
             raise InvalidArgument(
                 "label: this index version's rows have no label and no item field, so a labelled query cannot be "
                 "scored on it; leave label out (index build --item-field names the column a label would match)"
@@ -117,7 +117,7 @@ class RequestChecks:
         scope = self.scope(request, pair)
         k = self.k_of(request.k, scope.min_score)
         excluded = frozenset(request.exclude_ids)  # ids not indexed leave nothing out
-        group_by = scope.groups.name if scope.groups is not None else None
+        group_by = scope.group_by
         kind = request.WhichOneof("query")
         if request.HasField("region") and kind != "image":
             raise InvalidArgument(f"region crops an image query; this query is {kind or 'a set of parts'}")
@@ -151,15 +151,17 @@ class RequestChecks:
         min_score = None
         if request.HasField("min_score"):
             min_score = self.check_min_score(float(request.min_score))
-        allowed = self.filter_masks.mask(pair, request.filter) if request.HasField("filter") else None
-        kept = to_filter(request.filter) if allowed is not None else None  # what a sharded search sends its shards
+        allowed, kept = None, None
+        if request.HasField("filter"):
+            allowed = self.filter_masks.mask(pair, request.filter)
+            kept = to_filter(request.filter)  # what a sharded search sends its shards
         group_by = request.group_by if request.HasField("group_by") else pair.manifest.item_field or ""
         if not group_by:
             if request.HasField("per_group"):
                 raise InvalidArgument("per_group needs group_by (this index has no item field to group by)")
-            return Scope(allowed, min_score, filter=kept) if allowed is not None or min_score is not None else EVERY_ROW
+            return Scope(allowed, min_score, filter=kept) if kept is not None or min_score is not None else EVERY_ROW
         per_group = self.check_per_group(request.per_group if request.HasField("per_group") else 1)
-        return Scope(allowed, min_score, self.groups(pair, group_by), per_group, kept)
+        return Scope(allowed, min_score, self.groups(pair, group_by), per_group, kept, group_by)
 
     def image(self, pair: ServingPair, data: bytes, region: pb.Region | None = None) -> CheckedImage:
         """An image to embed (the region of it, when given), opened but not decoded."""
@@ -286,15 +288,16 @@ class RequestChecks:
             raise InvalidArgument(f"unknown item id {item_id!r}")
         return found
 
-    def groups(self, pair: ServingPair, name: str) -> Groups:
-        """The rows grouped by `name`, a field the live version declares."""
+    def groups(self, pair: ServingPair, name: str) -> Groups | None:
+        """The rows grouped by `name`, a field the live version declares (None where its rows
+        are not held here: a sharded server's shards group their own)."""
         version = pair.index_version
         if name not in version.group_fields:
             declared = ", ".join(version.group_fields) or "none (index build --item-field / --filterable)"
             raise InvalidArgument(
                 f"group_by: {name!r} is not a declared field of this index version (declared: {declared})"
             )
-        return version.groups(name)
+        return version.groups(name) if version.holds_rows else None
 
     def check_per_group(self, per_group: int) -> int:
         if not 1 <= per_group <= self.limits.max_per_group:

@@ -305,10 +305,17 @@ class Scope:
     # The filter `allowed` was made from: what a sharded search sends its shards, each making
     # its own mask from its own filters (`serving.sharded`).
     filter: Filter | None = None
+    # The field `groups` groups by (a sharded server's ingress names it and holds no `groups`:
+    # its shards group their own rows).
+    group_by: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.groups is not None and self.group_by is None:
+            object.__setattr__(self, "group_by", self.groups.name)
 
     @property
     def plain(self) -> bool:
-        return self.allowed is None and self.min_score is None and self.groups is None
+        return self.filter is None and self.allowed is None and self.min_score is None and self.group_by is None
 
 
 EVERY_ROW = Scope()

@@ -44,17 +44,22 @@ class FilterMasks:
         self.size = size
         self._masks: OrderedDict[tuple[int, bytes], np.ndarray] = OrderedDict()
 
-    def mask(self, pair: ServingPair, message: pb.Filter) -> np.ndarray:
+    def mask(self, pair: ServingPair, message: pb.Filter) -> np.ndarray | None:
+        """The rows `message` allows on the pair — checked, as INVALID_ARGUMENT naming the field;
+        None where the version's rows are not held here (a sharded server's ingress: each shard
+        makes its own mask from the filter, `serving.sharded`)."""
         key = (pair.serial, message.SerializeToString(deterministic=True))
         mask = self._masks.get(key)
         if mask is not None:
             self._masks.move_to_end(key)
             return mask
-        index = pair.index_version.filters
-        if index is None:
+        if not pair.manifest.filterable:
             raise InvalidArgument("filter: this index version declares no filterable fields (index build --filterable)")
         try:
-            mask = index.mask(to_filter(message))
+            if not pair.index_version.holds_rows:
+                filters.check_filter(to_filter(message), filters.specs_of(pair.manifest.filterable))
+                return None
+            mask = pair.index_version.filters.mask(to_filter(message))
         except filters.FilterError as exc:
             raise InvalidArgument(str(exc)) from None
         mask.flags.writeable = False

@@ -41,7 +41,7 @@ from index.faiss_index import recall_with_ties
 from index.filters import Filter
 from index.grouping import Groups, exact_group_scores
 from protos.simsearch.v1 import search_pb2 as pb
-from serving.engine import Exclusion, Hit, ServingPair
+from serving.engine import EVERY_ROW, Exclusion, Hit, Scope, ServingPair
 from serving.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
@@ -145,26 +145,24 @@ EXACT_DEPTH = 2
 @dataclass(frozen=True)
 class ExactQuery:
     """A sampled query as a sharded server's `exact_top` re-runs it: its vector, what it left out,
-    filter and groups."""
+    its filter and the field it was grouped by."""
 
     vector: np.ndarray
     exclude: Exclusion
     filter: Filter | None
-    groups: Groups | None
+    group_by: str | None
 
 
 class SampledQuery(NamedTuple):
     """A live query queued for an exact re-run: the load that answered it, its vector, the rows
     it answered (`groups_seen`: a grouped answer's groups by value, in the order it shows them),
-    what it left out, its filter's mask and filter, and its groups."""
+    what it left out, and its scope (its filter's mask, kept by reference, and its groups)."""
 
     serial: int
     vector: np.ndarray
     rows: list[int]
     exclude: Exclusion
-    allowed: np.ndarray | None
-    groups: Groups | None
-    filter: Filter | None
+    scope: Scope
     groups_seen: list[str] | None = None
 
 
@@ -236,18 +234,15 @@ class RecallMonitor:
         vector: np.ndarray,
         hits: Sequence[Hit],
         exclude: Exclusion,
-        allowed: np.ndarray | None = None,
-        groups: Groups | None = None,
-        filter: Filter | None = None,
+        scope: Scope = EVERY_ROW,
     ) -> None:
-        """Queue a live query, answered by load `serial` with `hits`, for an exact re-run (within
-        `allowed`, a filtered query's rows: a read-only mask, kept by reference, made from
-        `filter`; grouped by `groups` when its answer was); never blocks the request."""
+        """Queue a live query, answered by load `serial` with `hits`, for an exact re-run within
+        its scope (a filtered query's read-only mask kept by reference); never blocks the request."""
         if self.config.ann_sample_rate <= 0 or self._rng.random() >= self.config.ann_sample_rate:
             return
         rows = [h.row for h in hits]
-        seen = list(dict.fromkeys(h.group for h in hits)) if groups is not None else None
-        job = SampledQuery(serial, np.array(vector, dtype=np.float32), rows, exclude, allowed, groups, filter, seen)
+        seen = list(dict.fromkeys(h.group for h in hits)) if scope.group_by is not None else None
+        job = SampledQuery(serial, np.array(vector, dtype=np.float32), rows, exclude, scope, seen)
         try:
             self._ann_jobs.put_nowait(job)
         except queue.Full:
@@ -354,8 +349,9 @@ class RecallMonitor:
         pair = self._live
         if pair is None or pair.serial != job.serial:
             return
-        skip = set(job.exclude.rows_in(pair.index_version, job.groups))
-        self.check_ann(job.serial, job.vector, job.rows, skip, job.allowed, job.groups, job.filter)
+        scope = job.scope
+        skip = set(job.exclude.rows_in(pair.index_version, scope.groups))
+        self.check_ann(job.serial, job.vector, job.rows, skip, scope.allowed, scope.groups, scope.filter)
 
     def check_ann(
         self,
@@ -402,10 +398,10 @@ class RecallMonitor:
         jobs = [job for job in jobs if pair is not None and job.serial == pair.serial]
         if not jobs:
             return
-        queries = [ExactQuery(job.vector, job.exclude, job.filter, job.groups) for job in jobs]
+        queries = [ExactQuery(job.vector, job.exclude, job.scope.filter, job.scope.group_by) for job in jobs]
         ranked = self.exact_top(pair, EXACT_DEPTH * max(self.config.ks), queries)
         for job, (ids, scores) in zip(jobs, ranked, strict=True):
-            answered = job.rows if job.groups is None else job.groups_seen
+            answered = job.rows if job.scope.group_by is None else job.groups_seen
             known = dict(zip(ids, scores, strict=True))
             self._score_ann(job.serial, answered, [known.get(a, -np.inf) for a in answered], ids, scores)
 

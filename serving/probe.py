@@ -48,30 +48,20 @@ class ProbeRunner:
         self.max_batch_queries = max_batch_queries
         self.probe_catalog = probe_catalog
         self.probe_filter = probe_filter  # every probe query carries it: the filtered path is measured
-        self._ranked: tuple[int, np.ndarray] | None = None  # (load serial, its rows by id)
-
-    def _rows_by_id(self, pair: ServingPair) -> np.ndarray:
-        """The version's rows ranked by their ids (`core.metrics.stable_order`), hashed once a
-        load: probe rounds sample its first rows, the same items whatever the catalog's row order."""
-        ranked = self._ranked
-        if ranked is None or ranked[0] != pair.serial:
-            ranked = self._ranked = (pair.serial, stable_order(pair.items.ids))
-        return ranked[1]
 
     def probe_set(self, pair: ServingPair) -> tuple[list[str | Path], list[str], list[list[str]]]:
         """(image paths, labels, ids to exclude): a held-out catalog, or a fixed sample of items,
-        chosen by their ids (the same items whatever the catalog's row order)."""
-        if not pair.items.labelled:
+        chosen by their ids (the same items whatever the catalog's row order: `IndexVersion.probe_sample`,
+        over the shards on a sharded server)."""
+        if not pair.index_version.labelled:
             return [], [], []  # answers without labels cannot be scored (build-time figures say so)
         if self.probe_catalog:
             catalog = read_probe_catalog(self.probe_catalog)
             rows = stable_order(catalog.ids)[: self.probe_size]
             return [catalog.paths[r] for r in rows], [catalog.labels[r] for r in rows], [[] for _ in rows]
-        items = pair.items
-        rows = self._rows_by_id(pair)[: self.probe_size]
-        live = pair.index_version.live_mask
-        rows = [r for r in rows if (live is None or live[r]) and os.path.isfile(items.paths[r])]
-        return [items.paths[r] for r in rows], [items.labels[r] for r in rows], [[items.ids[r]] for r in rows]
+        sample = pair.index_version.probe_sample(self.probe_size)
+        picked = [s for s in sample if s.live and os.path.isfile(s.path)]
+        return [s.path for s in picked], [s.label for s in picked], [[s.id] for s in picked]
 
     def run(self, loop: asyncio.AbstractEventLoop) -> dict[int, float] | None:
         """Recall@K of one round, its queries answered on `loop`; None with nothing to score."""
@@ -112,31 +102,21 @@ class ProbeRunner:
         field = pair.manifest.item_field
         if not field:
             return None
-        groups = pair.index_version.groups(field)
-        sizes = np.diff(groups.offsets)
-        live = pair.index_version.live_mask
-        items = pair.items
-        order = self._rows_by_id(pair)
-        rows = [
-            int(r) for r in order if groups.codes[r] >= 0 and sizes[groups.codes[r]] > 1 and (live is None or live[r])
-        ][: self.probe_size]
-        rows = [r for r in rows if os.path.isfile(items.paths[r])]
-        if not rows:
+        picked = [s for s in pair.index_version.probe_sample(self.probe_size, field) if os.path.isfile(s.path)]
+        if not picked:
             return None
         k = max(self.ks)
         requests = [
             pb.SearchRequest(
-                image=_read(items.paths[r]), k=k, exclude_ids=[items.ids[r]], group_by=field,
-                filter=self.probe_filter,
+                image=_read(s.path), k=k, exclude_ids=[s.id], group_by=field, filter=self.probe_filter,
             )
-            for r in rows
+            for s in picked
         ]  # fmt: skip
         answers = self._answers(requests, loop)
         ranked = [[n.group for n in a.neighbors] for a in answers]
         firsts = [[g for i, g in enumerate(top) if i == 0 or top[i - 1] != g] for top in ranked]
         values = {
-            kk: float(np.mean([groups.label(groups.codes[r]) in top[:kk] for r, top in zip(rows, firsts, strict=True)]))
-            for kk in self.ks
+            kk: float(np.mean([s.value in top[:kk] for s, top in zip(picked, firsts, strict=True)])) for kk in self.ks
         }
         self.service.monitor.record_item_probe(pair, values)
         return values

@@ -50,7 +50,7 @@ from core.manifests import ModelManifest, TextModelManifest, check_model_index_p
 from core.preprocess import DEFAULT_MAX_PIXELS, EncodedImage, pixels_of
 from core.text import TOKENIZER_FILE, TextTokenizer
 from index.sharding import ID_KEY, shard_of
-from index.version import IndexVersion, ItemLocation
+from index.version import IndexVersion, ItemLocation, SampledItem
 from serving.config import ServerConfig
 from serving.engine import SearchEngine, ServingPair, UndecodedImages, text_model_dir
 from serving.errors import Unavailable, image_error
@@ -70,22 +70,67 @@ INGRESS = "ingress"
 
 
 class IngressVersion(IndexVersion):
-    """A version as the ingress holds it: manifest, items, filters and tombstones (ids and
-    fields for rows), never the vectors or the faiss index — those live in the shards. An
-    item (an item_id query's vector and group) is located by the shards (`locate`): the one
-    its id places it in where ids are the shard key, else every shard at once."""
+    """A version as the ingress holds it: its manifest and no row — no items, filters,
+    tombstones, vectors or faiss index (each raises, so a read left on the ingress's path fails
+    rather than loading every shard's rows here). The shards answer for their rows: hits named
+    (`ShardAnswer`), exclusions resolved, an item located (`locate`: the shard its id places it
+    in where ids are the shard key, else every shard at once), the probe's sample gathered
+    (`probe_sample`); whether the rows are labelled, each shard says when it opens the version."""
+
+    holds_rows = False
 
     def __init__(self, directory: str | Path, shards: RayShards | None = None) -> None:
         super().__init__(directory)
         self._reach = shards
+        self._labelled: bool | None = None  # its shards' rows', as they say when they open it
+
+    @property
+    def labelled(self) -> bool:
+        if self._labelled is None:
+            raise RuntimeError(f"version {self.name} is not open on its shards yet")
+        return self._labelled
+
+    def warmed(self, held: dict) -> None:
+        """A shard replica's `warm` answer for this version: its rows labelled or not."""
+        self._labelled = bool(held["labelled"]) and self._labelled is not False
+
+    def probe_sample(self, size: int, item_field: str | None = None) -> list[SampledItem]:
+        """Every shard's part of the sample merged by key: the whole version's sample (rows are
+        placed by item, so an item's rows, and its size, are all in one shard)."""
+        if self._reach is None:
+            raise RuntimeError("this ingress version reaches no shards")
+        parts = self._reach.gathered("probe_sample", self.name, (size, item_field))
+        return sorted((s for part in parts for s in part), key=lambda s: (s.key, s.row))[:size]
 
     @property
     def vectors(self) -> np.ndarray:  # type: ignore[override]
-        raise RuntimeError("the ingress of a sharded server holds no vectors: ask the shards")
+        raise _no_rows("vectors")
 
     @property
     def index(self):  # type: ignore[override]
-        raise RuntimeError("the ingress of a sharded server holds no faiss index: ask the shards")
+        raise _no_rows("faiss index")
+
+    @property
+    def items(self):  # type: ignore[override]
+        raise _no_rows("items")
+
+    @property
+    def filters(self):  # type: ignore[override]
+        raise _no_rows("filters")
+
+    @property
+    def deleted(self) -> np.ndarray:  # type: ignore[override]
+        raise _no_rows("tombstones")
+
+    @property
+    def live_mask(self):  # type: ignore[override]
+        raise _no_rows("tombstones")
+
+    def groups(self, name: str):  # type: ignore[override]
+        raise _no_rows(f"groups of {name!r}")
+
+    def row_of(self, item_id: str) -> int | None:
+        raise _no_rows("id lookup")
 
     def locate(self, item_id: str, field: str | None = None) -> ItemLocation | None:
         if self._reach is None:
@@ -96,17 +141,15 @@ class IngressVersion(IndexVersion):
         return self._reach.locate(self.name, item_id, field, numbers)
 
     def check(self) -> IngressVersion:
-        """What the ingress reads agrees with the manifest (each shard's own files are checked
-        where they load, in the shard replicas)."""
-        items, deleted, filters = self.items, self.deleted, self.filters
-        if (len(items), len(deleted)) != (self.manifest.size, self.manifest.deleted_rows):
-            raise ArtifactError(
-                f"{self.directory}: the manifest counts {self.manifest.size} rows, {self.manifest.deleted_rows} "
-                f"deleted; the items and tombstones hold {len(items)}, {len(deleted)}"
-            )
-        if filters is not None and filters.size != len(items):
-            raise ArtifactError(f"{self.directory}: the filters cover {filters.size} rows, the items {len(items)}")
+        """Its manifest's shards are there and their counts add up (each shard's files are
+        checked where they load, in the shard replicas)."""
+        if self.shard_names:
+            self.check_shard_list()
         return self
+
+
+def _no_rows(what: str) -> RuntimeError:
+    return RuntimeError(f"the ingress of a sharded server holds no {what}: its shards answer for their rows")
 
 
 class RemoteEmbedder:
@@ -358,6 +401,16 @@ class RayShards:
             calls = self._calls[(method, direct)] = made
         return calls[number].remote(version, argument)
 
+    def gathered(self, method: str, version: str, argument: Any) -> list[Any]:
+        """`method(version, argument)` of every shard (each tried again as every shard call is,
+        from a thread of its own: it may be called from the ingress's loop); UNAVAILABLE naming a
+        shard that did not answer."""
+        answers = _OFF_LOOP.submit(self._tried, method, version, argument, range(len(self.handles))).result()
+        for name, answer in zip(self.names, answers, strict=True):
+            if isinstance(answer, Exception):
+                raise Unavailable(f"shard {name} did not answer {method}: {failure_reason(answer)}")
+        return answers
+
     def warmed(self, version: str, held: dict) -> None:
         """A replica's `warm` answer for `version`: its hits' size bounds the version's calls."""
         self.hit_bytes[version] = max(self.hit_bytes.get(version, 0), int(held["hit_bytes"]))
@@ -474,6 +527,7 @@ class IngressReplica:
             try:
                 for held in _broadcast(handle, "warm", opened.name):
                     self.sharded.shards.warmed(opened.name, held)
+                    opened.warmed(held)
                     self.metrics.shard_rows.labels(held["shard"]).set(held["rows"])
                     self.metrics.shard_memory.labels(held["shard"]).set(held["memory_bytes"])
             except Exception as exc:  # a replica's error arrives wrapped: its message names the shard

@@ -23,7 +23,7 @@ T = TypeVar("T")
 if TYPE_CHECKING:
     from core.preprocess import EncodedImage, ImageDecodeError
     from index.embedder import OnnxTextEmbedder
-    from index.version import ItemLocation
+    from index.version import ItemLocation, SampledItem
     from serving.config import ServerConfig
     from serving.query_embedder import QueryEmbedder
     from serving.sharded import ShardAnswer, ShardRequest
@@ -66,6 +66,9 @@ class ShardReplica:
 
     async def locate(self, version: str, asked: tuple[str, str | None]) -> ItemLocation | None:
         return self.searcher.locate(version, asked)
+
+    async def probe_sample(self, version: str, asked: tuple[int, str | None]) -> list[SampledItem]:
+        return self.searcher.probe_sample(version, asked)
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ class SearchService:
         self.inline_decode_pixels = inline_decode_pixels
         self.inference_decode_pixels = inference_decode_pixels
         self.feedback_log = FeedbackLog(feedback_window)
-        self._thumbnails: OrderedDict[tuple[int, int, int], tuple[bytes, str]] = OrderedDict()
+        self._thumbnails: OrderedDict[tuple[int, str, int], tuple[bytes, str]] = OrderedDict()
         # serial of a load → requests still answering from it. Only the loop thread touches it.
         self._answering: Counter[int] = Counter()
 
@@ -232,8 +232,8 @@ class SearchService:
             )
             for h in result.hits
         ]
-        groups = query.scope.groups
-        if groups is not None and result.candidates is not None:
+        group_by = query.scope.group_by
+        if group_by is not None and result.candidates is not None:
             self.metrics.group_candidates.observe(
                 pair.index_version.size if result.candidates == EXACT_PASS else result.candidates
             )
@@ -243,15 +243,12 @@ class SearchService:
             truths = [h.label if h.label is not None else h.item for h in result.hits]
             self.monitor.record_labelled(pair.serial, search.label, truths, source)
         if query.scope.min_score is None:  # the exact re-run compares against every row the filter allows
-            self.monitor.maybe_sample_ann(
-                pair.serial, result.vector, result.hits, query.exclude, query.scope.allowed, query.scope.groups,
-                query.scope.filter,
-            )  # fmt: skip
+            self.monitor.maybe_sample_ann(pair.serial, result.vector, result.hits, query.exclude, query.scope)
         if result.path is not None:
             self.metrics.filtered_queries.labels(result.path).inc()
         return pb.SearchResponse(
             truncated=result.truncated,
-            group_by=groups.name if groups is not None else "",
+            group_by=group_by or "",
             neighbors=neighbors,
             request_id=request_id,
             index_version=pair.version,
@@ -354,7 +351,7 @@ class SearchService:
         relevant = list(request.relevant_ids)
         if serial == pair.serial:
             returned = set(ids)
-            unknown = [i for i in relevant if i not in returned and pair.index_version.row_of(i) is None]
+            unknown = [i for i in relevant if i not in returned and pair.index_version.locate(i) is None]
             if unknown:
                 named = ", ".join(map(repr, unknown[:10]))
                 if len(unknown) > 10:
@@ -380,7 +377,7 @@ class SearchService:
             index_version=pair.version,
             index_id=pair.index_id,
             index_size=pair.index_version.size,
-            deleted_rows=len(pair.index_version.deleted),
+            deleted_rows=pair.manifest.deleted_rows,
             embedding_dim=pair.dim,
             factory=pair.manifest.factory,
             providers=pair.embedder.session.get_providers(),
@@ -407,13 +404,13 @@ class SearchService:
         """An indexed item's image scaled to at most `size` pixels a side, and its content type.
         Only the file the live version records for `item_id` is ever read."""
         pair = self.engine.pair
-        row = pair.index_version.row_of(item_id)
-        if row is None:
-            raise NotFound(f"no item {item_id!r} in index version {pair.version}")
-        key = (pair.serial, row, size)
+        key = (pair.serial, item_id, size)
         cached = self._thumbnails.get(key)
         if cached is None:
-            path = pair.items.paths[row]
+            found = pair.index_version.locate(item_id)
+            if found is None:
+                raise NotFound(f"no item {item_id!r} in index version {pair.version}")
+            path = found.path
             loop = asyncio.get_running_loop()
             cached = await loop.run_in_executor(self.decode_pool, thumbnail_of, path, size, self.engine.limits)
             self._thumbnails[key] = cached

@@ -48,7 +48,7 @@ from index.faiss_index import exact_within
 from index.filters import Filter
 from index.grouping import EXACT_PASS, Groups, exact_groups, filled_groups
 from index.merge import ranked
-from index.version import IndexVersion, ItemLocation
+from index.version import IndexVersion, ItemLocation, SampledItem
 from serving.engine import EVERY_ROW, Answer, Exclusion, Hit, Scope, SearchEngine, ServingPair, described
 from serving.logs import shard_label
 
@@ -87,8 +87,7 @@ class ShardScope:
 
     @classmethod
     def of(cls, scope: Scope) -> ShardScope:
-        group_by = scope.groups.name if scope.groups is not None else None
-        return cls(scope.filter, scope.min_score, group_by, scope.per_group)
+        return cls(scope.filter, scope.min_score, scope.group_by, scope.per_group)
 
 
 @dataclass
@@ -297,7 +296,8 @@ class ShardSearcher:
         replica holds."""
         opened = self.open(version)
         return {
-            "shard": self.name, "rows": opened.size, "hit_bytes": opened.hit_bytes, "memory_bytes": _resident_bytes()
+            "shard": self.name, "rows": opened.size, "hit_bytes": opened.hit_bytes,
+            "labelled": opened.version.labelled, "memory_bytes": _resident_bytes(),
         }  # fmt: skip
 
     def locate(self, version: str, asked: tuple[str, str | None]) -> ItemLocation | None:
@@ -307,6 +307,12 @@ class ShardSearcher:
         shard = self.open(version)
         found = shard.version.locate(item_id, field_name)
         return None if found is None else dataclasses.replace(found, row=found.row + shard.offset)
+
+    def probe_sample(self, version: str, asked: tuple[int, str | None]) -> list[SampledItem]:
+        """This shard's part of `version`'s probe sample (`IndexVersion.probe_sample(*asked)`),
+        GLOBAL rows: the shards' parts merged by their keys are the whole version's sample."""
+        shard = self.open(version)
+        return [dataclasses.replace(s, row=s.row + shard.offset) for s in shard.version.probe_sample(*asked)]
 
     def search(self, version: str, request: ShardRequest) -> ShardAnswer:
         """The engine's answers over this shard's rows: global rows and scores."""
@@ -474,13 +480,13 @@ class ShardedSearch:
         split = self._call("search", pair.version, request, deadline)
         answers = []
         for i, scope in enumerate(scopes):
-            if scope.groups is None:
+            if scope.group_by is None:
                 answers.append(_merged_rows(split.answers, i, k, scope.min_score is not None))
             else:
                 answers.append(_merged_groups(split.answers, i, ks[i] if ks else k, scope))
         spanning = [
             i for i, s in enumerate(scopes)
-            if s.groups is not None and s.per_group > 1 and _spans_shards(pair, s.groups.name, len(self.shards.names))
+            if s.group_by is not None and s.per_group > 1 and _spans_shards(pair, s.group_by, len(self.shards.names))
         ]  # fmt: skip
         if spanning and split.answers:
             split = self._fill(pair, request, answers, scopes, spanning, split, deadline)
@@ -529,7 +535,7 @@ class ShardedSearch:
         and their exact scores (a group's: its best row's), best first, in one call to
         the shards: the monitor's reference for ANN fidelity, which compares by score where rows
         tie (a call a query cost as many shard calls as the searches it checked)."""
-        scopes = [Scope(filter=q.filter, groups=q.groups) for q in queries]
+        scopes = [Scope(filter=q.filter, group_by=q.group_by) for q in queries]
         vectors = np.stack([q.vector for q in queries])
         request = self.request(vectors, k, [q.exclude for q in queries], scopes, None)
         split = self._call("exact", pair.version, request)
@@ -539,7 +545,7 @@ class ShardedSearch:
         for i, query in enumerate(queries):
             rows, scores, named = _gathered(split.answers, i)
             order = ranked(rows, scores)
-            if query.groups is None:
+            if query.group_by is None:
                 tops.append((rows[order][:k].tolist(), scores[order][:k].tolist()))
                 continue
             best: dict[str, float] = {}  # each group once, at its best row's place

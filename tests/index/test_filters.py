@@ -33,6 +33,7 @@ from index.filters import (
     FilterIndex,
     Range,
     check_catalog_fields,
+    check_filter,
     parse_filterable,
 )
 from index.version import IndexVersion
@@ -138,6 +139,11 @@ def test_bad_filters_name_the_field(structure, query, field, words):
     assert err.value.field == field and words in str(err.value)
     if field:
         assert repr(field) in str(err.value)
+    # Checked from the declared fields alone (a sharded server's ingress, which holds no rows):
+    # the same error, word for word.
+    with pytest.raises(FilterError) as unheld:
+        check_filter(query, SPECS)
+    assert str(unheld.value) == str(err.value)
 
 
 def test_declarations_are_checked_against_the_catalog():

@@ -9,7 +9,7 @@ import pytest
 
 from index.faiss_index import apply_search_params, build_index, l2_normalized
 from index.version import IndexVersion
-from serving.engine import NOTHING_EXCLUDED, SearchEngine, ServingPair
+from serving.engine import EVERY_ROW, NOTHING_EXCLUDED, SearchEngine, ServingPair
 from serving.metrics import ServiceMetrics
 from serving.monitor import EXACT_DEPTH, MonitorConfig, RecallMonitor, SampledQuery
 from tests.support import shards as support
@@ -121,5 +121,4 @@ def test_a_sharded_servers_exact_rankings_are_compared_by_their_scores(version):
 
 def jobs(pair: ServingPair, queries: np.ndarray, rows: list[list[int]]) -> list[SampledQuery]:
     """Sampled queries as the monitor queues them: plain, nothing excluded, no filter."""
-    plain = (NOTHING_EXCLUDED, None, None, None)
-    return [SampledQuery(pair.serial, q, r, *plain) for q, r in zip(queries, rows, strict=True)]
+    return [SampledQuery(pair.serial, q, r, NOTHING_EXCLUDED, EVERY_ROW) for q, r in zip(queries, rows, strict=True)]

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from core.items import ItemTable
+from index.version import SampledItem, sampled_items
 from serving.probe import ProbeRunner
 
 ROWS, SIZE = 400, 50
@@ -26,10 +27,15 @@ def images(folder, count: int) -> list[tuple[str, str, str]]:
 
 
 def as_pair(rows: list[tuple[str, str, str]], serial: int) -> SimpleNamespace:
-    """What `probe_set` reads of a loaded pair: its items table, takedowns and load serial."""
+    """What `probe_set` reads of a loaded pair: whether its rows are labelled, and its probe
+    sample, as a version of these rows without takedowns gives it."""
     ids, paths, labels = zip(*rows, strict=True)
     table = ItemTable(ids, labels, paths, [{} for _ in rows])
-    return SimpleNamespace(items=table, index_version=SimpleNamespace(live_mask=None), serial=serial)
+
+    def probe_sample(size: int, item_field: str | None = None) -> list[SampledItem]:
+        return sampled_items(table, None, size)
+
+    return SimpleNamespace(index_version=SimpleNamespace(labelled=True, probe_sample=probe_sample), serial=serial)
 
 
 def runner(probe_catalog: str | None = None) -> ProbeRunner:

@@ -178,7 +178,7 @@ def test_the_monitors_ann_fidelity_over_the_shards_is_the_one_index_figure(roots
                 rows = [pair.index_version.row_of(one.items.ids[answer.hits[r].row]) for r in ranks]
                 skip = Exclusion(rows=gone) if pair is one else NOTHING_EXCLUDED
                 hits = [Hit(row, 0.0, answer.hits[r].group) for row, r in zip(rows, ranks, strict=True)]
-                monitor.maybe_sample_ann(pair.serial, vector, hits, skip, own.allowed, own.groups, query_filter)
+                monitor.maybe_sample_ann(pair.serial, vector, hits, skip, own)
         monitor.start(None)
         assert monitor.ann_settled(60)
         monitor.stop()
