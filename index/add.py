@@ -171,7 +171,7 @@ def _checked_rows(
     if len(set(ids)) != len(ids):
         twice = next(i for i in ids if ids.count(i) > 1)
         raise ValueError(f"item id {twice!r} comes twice among the new rows")
-    held = [(item_id, row) for item_id in ids if (row := live.row_of(item_id)) is not None]
+    held = [(item_id, row) for item_id, row in live.rows_of_ids(ids).items() if row is not None]
     if held and not upsert:
         raise ValueError(
             f"{len(held)} of the {len(ids)} new ids are already in version {live.name}, e.g. {held[0][0]!r}: "
@@ -180,7 +180,7 @@ def _checked_rows(
     if not items.labelled and any(label is not None for label in items.labels):
         unlabelled = next(i for i, label in zip(items.ids, items.labels, strict=True) if label is None)
         raise ValueError(f"some new rows have labels and {unlabelled!r} has none: label all of them or none")
-    if items.labelled != live.items.labelled and len(live.items):
+    if items.labelled != live.labelled and live.manifest.size:
         raise ValueError(
             f"the new rows {'have' if items.labelled else 'lack'} labels and version {live.name}'s "
             f"{'lack' if items.labelled else 'have'} them: a version's items are all labelled or none are"

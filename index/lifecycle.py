@@ -204,10 +204,10 @@ def _remove_once(
     # A rollback derives from an older version, yet must still find CURRENT where it was.
     current = artifacts.current_version(index_root) if source is not None else None
     live = IndexVersion.open(index_root, source)
-    found = {item_id: live.row_of(item_id) for item_id in dict.fromkeys(ids)}
+    found = live.rows_of_ids(ids)
     not_found = [item_id for item_id, row in found.items() if row is None]
     rows = np.unique(np.fromiter((r for r in found.values() if r is not None), dtype=np.int64))
-    report = RemovalReport(live.name, None, len(found), len(rows), not_found, live.size, len(live.deleted))
+    report = RemovalReport(live.name, None, len(found), len(rows), not_found, live.size, live.manifest.deleted_rows)
     by_unit = _rows_by_unit(live, rows)
     report.touched = [
         number for number, (unit, local) in enumerate(by_unit) if len(local) or (compact and len(unit.deleted))
@@ -344,9 +344,8 @@ def returning_takedowns(index_root: str | Path, version: str) -> list[str]:
     since = taken_down(index_root, version)
     if not since:
         return []
-    target = IndexVersion.open(index_root, version)
-    mask = target.live_mask
-    return sorted({i for r, i in enumerate(target.items.ids) if i in since and (mask is None or mask[r])})
+    held = IndexVersion.open(index_root, version).rows_of_ids(sorted(since))
+    return sorted(item_id for item_id, row in held.items() if row is not None)
 
 
 @dataclass

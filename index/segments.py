@@ -228,7 +228,7 @@ def wants_compaction(unit: IndexVersion, change: UnitChange, max_segments: int, 
     """After `change`, the unit would hold more than `max_segments` segments or more than
     `max_deleted_fraction` of its rows deleted."""
     segments = max(len(unit.segment_entries), 1) + (1 if change.items is not None and len(change.items) else 0)
-    rows = len(unit.items) + (len(change.items) if change.items is not None else 0)
+    rows = unit.manifest.size + (len(change.items) if change.items is not None else 0)  # `load` checks the items agree
     deleted = len(np.union1d(unit.deleted, change.removed))
     return _past(segments, rows, deleted, max_segments, max_deleted_fraction)
 

@@ -31,7 +31,7 @@ import functools
 import json
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -48,6 +48,7 @@ from index.faiss_index import ExactRerank, apply_search_params, load_index, sear
 from index.filters import FilterIndex
 from index.grouping import Groups
 from index.merge import MergedIndex
+from index.sharding import ID_KEY, shard_of
 
 T = TypeVar("T")
 
@@ -169,22 +170,47 @@ class IndexVersion:
         with self._shards_lock:
             found = self._shards.get(number)
             if found is None:
-                entry = entries[number]
-                view = dataclasses.replace(
-                    self.manifest,
-                    size=entry.rows,
-                    deleted_rows=entry.deleted_rows,
-                    shards=None,
-                    shard_key=None,
-                    segments=entry.segments,
-                )
-                found = self._shards[number] = IndexVersion(
-                    self.directory / artifacts.SHARDS / entry.name,
-                    view,
-                    checksums=dict(entry.files),
-                    shard_label=f"shard {entry.name} of version {self.name}",
-                )
+                found = self._shards[number] = self._shard_view(number)
             return found
+
+    def _shard_view(self, number: int) -> IndexVersion:
+        entry = (self.manifest.shards or [])[number]
+        view = dataclasses.replace(
+            self.manifest,
+            size=entry.rows,
+            deleted_rows=entry.deleted_rows,
+            shards=None,
+            shard_key=None,
+            segments=entry.segments,
+        )
+        return IndexVersion(
+            self.directory / artifacts.SHARDS / entry.name,
+            view,
+            checksums=dict(entry.files),
+            shard_label=f"shard {entry.name} of version {self.name}",
+        )
+
+    def rows_of_ids(self, ids: Iterable[str]) -> dict[str, int | None]:
+        """Each id's live row (None: this version does not hold it). A sharded version's are
+        looked up a shard at a time, each shard's items dropped after unless the version already
+        holds them, and only in the shards the ids can be in (placed by id: the ones they name):
+        never as the whole version's items — what an admin write in a sharded server's ingress,
+        which holds no rows, reads for its call."""
+        found: dict[str, int | None] = dict.fromkeys(ids)
+        if not self.manifest.shards:
+            return {item_id: self.row_of(item_id) for item_id in found}
+        shards = len(self.shard_names)
+        placed = self.manifest.shard_key == ID_KEY
+        for number, offset in enumerate(self.shard_offsets.tolist()):
+            wanted = [i for i, row in found.items() if row is None and (not placed or shard_of(i, shards) == number)]
+            if not wanted:
+                continue
+            with self._shards_lock:
+                shard = self._shards.get(number) or self._shard_view(number)
+            for item_id in wanted:
+                row = shard.row_of(item_id)
+                found[item_id] = None if row is None else offset + row
+        return found
 
     def _shard_versions(self) -> list[IndexVersion]:
         return [self.shard(number) for number in range(len(self.shard_names))]
@@ -395,7 +421,11 @@ class IndexVersion:
 
     @property
     def labelled(self) -> bool:
-        """Whether its rows have labels (all do or none: `core.items.ItemTable.labelled`)."""
+        """Whether its rows have labels (all do or none: `core.items.ItemTable.labelled`); a
+        sharded version's, from its first shard with rows (its other shards' items unread)."""
+        if self.manifest.shards and "items" not in self.__dict__:
+            number = next((n for n, e in enumerate(self.manifest.shards) if e.rows), None)
+            return True if number is None else self.shard(number).labelled
         return self.items.labelled
 
     def probe_sample(self, size: int, item_field: str | None = None) -> list[SampledItem]:

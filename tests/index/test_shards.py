@@ -56,7 +56,9 @@ def catalog() -> tuple[np.ndarray, ItemTable]:
     return l2_normalized(vectors.astype(np.float32)), items
 
 
-def publish(root: Path, catalog, factory: str, shards: int, params: dict | None = None) -> IndexVersion:
+def publish(
+    root: Path, catalog, factory: str, shards: int, params: dict | None = None, item_field: str | None = "item"
+) -> IndexVersion:
     vectors, items = catalog
     new = NewVersion(
         model_id="m",
@@ -77,7 +79,7 @@ def publish(root: Path, catalog, factory: str, shards: int, params: dict | None 
         gate,
         None,
         FILTERABLE,
-        "item",
+        item_field,
         PublishTarget(root, 5, str(root / "model"), {}),
     )
     return IndexVersion(published).load(dim=DIM)
@@ -201,6 +203,32 @@ def test_a_takedown_rewrites_only_the_shard_it_touches(catalog, tmp_path):
     vector = sharded.vector(sharded.row_of(victim))[None]
     _, rows, _ = search_within(after.searchable(), after.vectors, vector, 10, after.live_mask, exact_below=0.0)
     assert victim not in ids_of(after, rows)[0]
+
+
+def test_an_admin_write_reads_ids_a_shard_at_a_time_and_only_where_they_can_be(catalog, tmp_path, monkeypatch):
+    """A takedown's or an add's id lookup (`rows_of_ids`) never joins the whole version's items
+    (a sharded server's ingress holds no rows): placed by id, it reads only the shards the ids
+    name; placed by the item field (unknown from an id), each shard's items once."""
+    read: list[Path] = []
+    original = ItemTable.read
+    monkeypatch.setattr(ItemTable, "read", staticmethod(lambda path: read.append(Path(path)) or original(path)))
+    for item_field in (None, "item"):
+        root = tmp_path / f"by-{item_field or 'id'}"
+        whole = publish(root, catalog, "Flat", 4, item_field=item_field)
+        asked = [whole.items.ids[r] for r in (3, 500, 1100)] + ["no-such-id"]
+        expected = {item_id: whole.row_of(item_id) for item_id in asked}
+        read.clear()
+        opened = IndexVersion.open(root)
+        assert opened.rows_of_ids(asked) == expected and "items" not in opened.__dict__
+        shards_read = [path.parent.name for path in read]
+        if item_field is None:
+            assert sorted(shards_read) == sorted({f"{shard_of(i, 4):03d}" for i in asked})
+            victim = asked[1]
+            read.clear()
+            assert remove_items(root, [victim], "test").removed == 1
+            assert {path.parent.name for path in read} == {f"{shard_of(victim, 4):03d}"}
+        else:
+            assert sorted(shards_read) == ["000", "001", "002", "003"]
 
 
 def test_a_shard_that_disagrees_with_the_manifest_is_refused_naming_it(catalog, tmp_path):
