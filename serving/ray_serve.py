@@ -9,9 +9,10 @@
 - `ingress`: the same server as `serve` — gRPC service, HTTP routes, console, metrics, on the
   configured ports, through the same service layer (`SearchApp`, on an event loop of its own in
   the replica) — with only its engine's search a fan-out to the shards and an exact merge
-  (`ShardedSearch`), and its embedding the embedder's. Its answers come whole from the shards'
-  hits; it still holds the version's items, filters and tombstones (an id's row, a filter's
-  checks, a grouped query's groups), never its vectors or faiss index.
+  (`ShardedSearch`), and its embedding the embedder's. It holds no row of the version
+  (`IngressVersion`: the manifest only): its answers come whole from the shards' hits, and what
+  needs rows — an id's row, a filter's mask, a grouped query's groups, the probe's sample — is
+  done on the shards.
 
 A reload (Reload, make-live, a takedown, --watch-current) opens the new version on every
 replica of every shard deployment before the ingress swaps it in, and each shard call names

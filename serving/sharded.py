@@ -4,7 +4,8 @@
 replica holds a `ShardSearcher`: its shard of the versions it was asked for (the last two),
 memory-mapped, searched by the one-index engine (`SearchEngine.search`) with the query's scope
 made over its own rows — its own filter masks from the query's `Filter`, its own groups of the
-group-by field, its own deleted rows, the excluded rows that fall in its range — answering
+group-by field, its own deleted rows, what the query excludes (`Exclusion`: ids and group
+values) resolved over them — answering
 global rows, scores and what the service answers of each row (`ShardAnswer`: its id, label,
 metadata, group value): no vectors leave a shard, and the ingress needs no row of its own to
 answer.
