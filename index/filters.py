@@ -277,7 +277,7 @@ class FilterIndex:
         """A bool per row: True where the row meets `query`. FilterError names the field of a
         condition that is empty, contradictory, of the wrong type or on an undeclared field."""
         check_filter(query, [f.spec for f in self.fields.values()])
-        rows = [[self.rows_of(c) for c in group] for group in (query.must, query.should, query.must_not)]
+        rows = [[self._rows_meeting(c) for c in group] for group in (query.must, query.should, query.must_not)]
         must, should, must_not = rows
         if must:
             counts = np.zeros(self.size, dtype=np.int32)
@@ -295,9 +295,8 @@ class FilterIndex:
             allowed[r] = False
         return allowed
 
-    def rows_of(self, condition: Condition) -> np.ndarray:
-        """The rows meeting one condition (distinct), after checking it against the field's type."""
-        check_condition(condition, [f.spec for f in self.fields.values()])
+    def _rows_meeting(self, condition: Condition) -> np.ndarray:
+        """The rows meeting one condition (distinct); checked already (`check_filter`)."""
         rows = self.fields[condition.field]
         if condition.value is not None:
             return rows.rows_equal(_value(rows.spec, condition.value))

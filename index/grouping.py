@@ -69,6 +69,11 @@ class Groups:
     def label(self, group: int) -> str:
         return str(self.values[group])
 
+    def values_of(self, rows: Sequence[int] | np.ndarray) -> list[str | None]:
+        """Each row's value of the field (None: the row has none)."""
+        codes = self.codes[np.asarray(rows, dtype=np.int64)]
+        return [self.label(c) if c >= 0 else None for c in codes.tolist()]
+
     def code_of(self, value: str) -> int | None:
         """The group `label` names `value` (None: no row has that value)."""
         return self._codes.get(value)

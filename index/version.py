@@ -97,23 +97,14 @@ def sampled_items(
         if live is not None:
             eligible &= live
         order = order[eligible[order]]
+    rows = order[:size].tolist()
+    values = groups.values_of(rows) if groups is not None else [None] * len(rows)
     picked = []
-    for row in order[:size].tolist():
+    for row, value in zip(rows, values, strict=True):
         item_id = items.ids[row]
-        value = None
-        if groups is not None:
-            value = groups.label(int(groups.codes[row]))
-        picked.append(
-            SampledItem(
-                stable_key(item_id),
-                row,
-                item_id,
-                items.labels[row],
-                items.paths[row],
-                live is None or bool(live[row]),
-                value,
-            )  # fmt: skip
-        )
+        live_row = live is None or bool(live[row])
+        label, path = items.labels[row], items.paths[row]
+        picked.append(SampledItem(stable_key(item_id), row, item_id, label, path, live_row, value))
     return picked
 
 
@@ -200,9 +191,9 @@ class IndexVersion:
         if not self.manifest.shards:
             return {item_id: self.row_of(item_id) for item_id in found}
         shards = len(self.shard_names)
-        placed = self.manifest.shard_key == ID_KEY
+        home = {i: shard_of(i, shards) for i in found} if self.manifest.shard_key == ID_KEY else None
         for number, offset in enumerate(self.shard_offsets.tolist()):
-            wanted = [i for i, row in found.items() if row is None and (not placed or shard_of(i, shards) == number)]
+            wanted = [i for i, row in found.items() if row is None and (home is None or home[i] == number)]
             if not wanted:
                 continue
             with self._shards_lock:
@@ -412,11 +403,7 @@ class IndexVersion:
         row = self.row_of(item_id)
         if row is None:
             return None
-        value = None
-        if field:
-            groups = self.groups(field)
-            code = int(groups.codes[row])
-            value = groups.label(code) if code >= 0 else None
+        value = self.groups(field).values_of([row])[0] if field else None
         return ItemLocation(row, self.vector(row), value, self.items.paths[row])
 
     @property

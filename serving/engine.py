@@ -270,7 +270,7 @@ def described(answers: Sequence[Answer], version: IndexVersion, scopes: Sequence
     item_field = version.manifest.item_field
     item_values = None
     if item_field and not items.labelled:
-        item_values = _values_of(version.groups(item_field), rows)
+        item_values = version.groups(item_field).values_of(rows)
     for j, hit in enumerate(hits):
         hit.id, hit.label, hit.metadata = ids[j], labels[j], metadata[j]
         if item_values is not None:
@@ -279,16 +279,10 @@ def described(answers: Sequence[Answer], version: IndexVersion, scopes: Sequence
     for answer, scope in zip(answers, scopes, strict=True):
         end = start + len(answer.hits)
         if scope.groups is not None and answer.hits:
-            for hit, value in zip(answer.hits, _values_of(scope.groups, rows[start:end]), strict=True):
+            for hit, value in zip(answer.hits, scope.groups.values_of(rows[start:end]), strict=True):
                 hit.group = value
         start = end
     return list(answers)
-
-
-def _values_of(groups: Groups, rows: np.ndarray) -> list[str | None]:
-    """Each row's value of the groups' field (None: it has none)."""
-    codes = groups.codes[rows]
-    return [groups.label(c) if c >= 0 else None for c in codes.tolist()]
 
 
 @dataclass(frozen=True, slots=True)

@@ -419,7 +419,7 @@ class RayShards:
             self.hit_bytes.pop(next(iter(self.hit_bytes)))
 
 
-_OFF_LOOP = ThreadPoolExecutor(4, thread_name_prefix="shard-locate")
+_OFF_LOOP = ThreadPoolExecutor(4, thread_name_prefix="shard-call")
 
 
 class ShardDeadline(TimeoutError):

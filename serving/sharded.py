@@ -154,11 +154,22 @@ class ShardAnswer:
             np.asarray([a.truncated for a in answers], dtype=bool),
             np.asarray([NO_CANDIDATES if a.candidates is None else a.candidates for a in answers], dtype=np.int64),
             [a.path for a in answers],
-            [(h.group, h.id, h.label, h.metadata, h.item) for a in answers for h in a.hits],
+            [_names_of(h) for a in answers for h in a.hits],
             search_s,
             rows_held,
             _resident_bytes(),
         )
+
+
+def _names_of(hit: Hit) -> tuple[str | None, str, str | None, str, str | None]:
+    """What names a hit, as a `ShardAnswer` carries it (`_named_hit` makes the hit again)."""
+    return hit.group, hit.id, hit.label, hit.metadata, hit.item
+
+
+def _named_hit(rows: np.ndarray, scores: np.ndarray, named: list[tuple], o: int) -> Hit:
+    """Hit `o` of a query's gathered answers (`_gathered`): its global row, score and names."""
+    group, item_id, label, metadata, item = named[o]
+    return Hit(int(rows[o]), float(scores[o]), group, item_id, label, metadata, item)
 
 
 def _hit_bytes(items: ItemTable) -> int:
@@ -580,7 +591,7 @@ def _merged_rows(answers: list[ShardAnswer], i: int, k: int, scoped: bool) -> An
     if not answers:
         return Answer([])
     rows, scores, named = _gathered(answers, i)
-    hits = [Hit(int(rows[o]), float(scores[o]), *named[o]) for o in ranked(rows, scores)[:k].tolist()]
+    hits = [_named_hit(rows, scores, named, o) for o in ranked(rows, scores)[:k].tolist()]
     short = any(bool(a.truncated[i]) for a in answers)
     truncated = (short or len(rows) > k) if scoped else (short and len(hits) < k)
     paths = [a.paths[i] for a in answers if a.paths[i] is not None]
@@ -605,7 +616,7 @@ def _best_per_group(answers: list[ShardAnswer], i: int, scope: Scope) -> dict[st
     for o in ranked(rows, scores).tolist():
         its = by_group.setdefault(named[o][0], [])
         if len(its) < scope.per_group:
-            its.append(Hit(int(rows[o]), float(scores[o]), *named[o]))
+            its.append(_named_hit(rows, scores, named, o))
     return by_group
 
 
