@@ -6,13 +6,18 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO   ?= runs/demo
 
-.PHONY: setup demo console test test-fast bench soak protos lint clean
+.PHONY: setup lock demo console test test-fast bench soak protos lint clean
 
-$(STAMP): pyproject.toml scripts/setup.sh
+$(STAMP): pyproject.toml requirements.lock scripts/setup.sh
 	bash scripts/setup.sh
 	touch $@
 
 setup: $(STAMP)
+
+# Re-pin every package at the newest versions pyproject.toml allows (docs/operations.md, "The lock").
+lock:
+	bash scripts/lock.sh
+	$(MAKE) setup
 
 demo: $(STAMP)
 	$(PY) -m scripts.demo --out $(DEMO)
