@@ -394,11 +394,15 @@ def median_rounds(rounds: list[list[dict]]) -> list[dict]:
 
 @contextlib.contextmanager
 def local_ray() -> Iterator[dict[str, str]]:
-    """A local Ray, its workers at this process's priority (Ray's default is nice 15): the
-    environment that points `serve --ray` (and `index build --shards`) at it."""
+    """A local Ray set up as `serve --ray` sets up its own (`SERVING_CLUSTER_ENV`: workers at
+    this process's priority, the GCS's task events bounded): the environment that points
+    `serve --ray` (and `index build --shards`) at it."""
     import ray
 
-    os.environ.setdefault("RAY_worker_niceness", "0")
+    from serving.ray_serve import SERVING_CLUSTER_ENV
+
+    for name, value in SERVING_CLUSTER_ENV.items():
+        os.environ.setdefault(name, value)
     ray.init(num_cpus=os.cpu_count() or 1, log_to_driver=False, include_dashboard=False)
     try:
         yield {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}

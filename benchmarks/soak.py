@@ -25,19 +25,22 @@ pair keeps serving.
 
 Every few seconds the RSS and open file descriptors of each process are sampled: the server's;
 with `--ray` also every Ray process under this one — each replica by its deployment (ingress,
-embedder, shard-000, …), the Serve controller, the log queue, the raylet and the GCS. Printed: a
+embedder, shard-000, …), the Serve controller, the log queue, idle workers, the raylet, the GCS,
+Ray's dashboard and runtime-env agents and its log monitor. Printed: a
 table row per run — queries, unexpected statuses, reloads, the server's (with `--ray` the
 ingress's) RSS first → last (max), and its RSS slope (least squares, MB/min) after the warm-up,
 over the second half and over the minute medians — then q/s and the good queries' p50/p99, each
 process's RSS at the start (the median of its samples in the first third of what follows
-`--warmup-min`) and at the end (the median of the last third's) and its growth, then the minute
+`--warmup-min`) and at the end (the median of the last third's), its growth and the slope of its
+minute medians after the warm-up, then the minute
 medians of the server (the ingress) with their slope and spread from `--settle-min` (5) on.
 
 The soak fails (exit status 1, each reason on a `FAILED:` line) on any unexpected status, a
 reload of CURRENT that failed, a bad reload that did not fail as it must, an error in the
 server's log (with `--ray` every replica's records reach it) other than what the bad input
 causes, a serving process (the server; with `--ray` the command, the ingress, the embedder, each
-shard replica) that exited or was replaced, or one whose RSS grew from the start to the end by
+shard replica) that exited or was replaced, or one — or one of Ray's long-lived processes (the
+GCS, the raylet, the agents, the log monitor, the Serve controller) — whose RSS grew from the start to the end by
 more than `--max-growth-mb` (8), or than twice the growth's standard error where the process's
 own swing under load makes that larger — judged when at least 3 minutes follow the warm-up
 (shorter windows are within the sawtooth of the reloads). Printed with it: the unexpected statuses'
@@ -249,18 +252,43 @@ async def reloader(
 
 
 SERVING = ("serve", "serve --ray", "ingress", "embedder")  # and shard-NNN: the processes judged
+# Ray's own processes that live as long as the cluster: judged on their growth like the serving
+# ones (a cluster that serves for weeks must not grow in them either), not on being replaced.
+RAY_SYSTEM = (
+    "gcs_server", "raylet", "dashboard agent", "runtime env agent", "log monitor", "ServeController",
+)  # fmt: skip
+# Ray's processes that are Python scripts, by the script's path under the ray package.
+RAY_SCRIPTS = {
+    "dashboard/agent.py": "dashboard agent",
+    "runtime_env/agent/main.py": "runtime env agent",
+    "_private/log_monitor.py": "log monitor",
+    "autoscaler/_private/monitor.py": "autoscaler monitor",
+    "_private/ray_process_reaper.py": "reaper",
+    "dashboard/dashboard.py": "dashboard",
+}
+# Ray's actor classes named apart from the label of the script that runs them.
+RAY_ACTORS = {"DashboardAgent": "dashboard agent", "RuntimeEnvAgent": "runtime env agent"}
 
 
 def serving_process(label: str) -> bool:
     return label in SERVING or label.startswith("shard-")
 
 
+def judged_kind(label: str) -> str:
+    """ "serving" (judged on growth and on living through the run), "ray" (Ray's long-lived
+    processes, judged on growth) or "other" (workers that come and go, the reaper: reported)."""
+    if serving_process(label):
+        return "serving"
+    return "ray" if label in RAY_SYSTEM else "other"
+
+
 def process_label(process: psutil.Process, server_pid: int, ray: bool) -> str | None:
     """What a process under this one is: the server (`serve`, or the `serve --ray` command), a
     Serve replica by its deployment (its title `ray::ServeReplica:simsearch:shard-000`, a
     method's name after a dot while it runs one), another Ray actor by its class (the Serve
-    controller, the log queue), the raylet, the GCS; None for the rest (idle workers, Ray's
-    agents and monitors)."""
+    controller, the log queue), an idle Ray worker, the raylet, the GCS, Ray's agents and
+    monitors by their script; None for what is not Ray's or the server's (a compiler a package
+    spawns)."""
     if process.pid == server_pid:
         return "serve --ray" if ray else "serve"
     title = process.cmdline()
@@ -270,9 +298,15 @@ def process_label(process: psutil.Process, server_pid: int, ray: bool) -> str | 
         name = title[0][len("ray::") :].split(".", 1)[0].split(" ", 1)[0]
         if name.startswith("ServeReplica:"):
             return name.rsplit(":", 1)[-1]
-        return None if name in ("", "IDLE") else name
+        return "idle worker" if name in ("", "IDLE") else RAY_ACTORS.get(name, name)
     name = os.path.basename(title[0])
-    return name if name in ("raylet", "gcs_server") else None
+    if name in ("raylet", "gcs_server"):
+        return name
+    for arg in title[1:4]:
+        for script, label in RAY_SCRIPTS.items():
+            if arg.endswith("ray/" + script):
+                return label
+    return None
 
 
 class Sampler(threading.Thread):
@@ -340,7 +374,7 @@ def memory_by_process(sampler: Sampler, warmup_min: float, max_growth_mb: float 
         start = np.array([rss for t, rss, _ in rows if warmup_min <= t < warmup_min + third])
         end = np.array([rss for t, rss, _ in rows if t >= last - third])
         out.append({
-            "process": label, "pid": pid, "serving": serving_process(label),
+            "process": label, "pid": pid, "serving": serving_process(label), "kind": judged_kind(label),
             "first_min": rows[0][0], "last_min": rows[-1][0],
             "whole_run": rows[0][0] == sampler.ticks[0] and rows[-1][0] == last,
             "start_mb": float(np.median(start)) if len(start) else None,
@@ -349,6 +383,7 @@ def memory_by_process(sampler: Sampler, warmup_min: float, max_growth_mb: float 
             "fds": (rows[0][2], rows[-1][2]),
             "judged": span >= 3 and len(start) > 1 and len(end) > 1,
         })  # fmt: skip
+        out[-1]["slope_mb_per_min"] = minute_medians_slope(minute_medians(rows, rows[0][0]), warmup_min - rows[0][0])
         if len(start) and len(end):
             out[-1]["growth_mb"] = out[-1]["end_mb"] - out[-1]["start_mb"]
             error = 1.25 * float(np.sqrt(start.var() / len(start) + end.var() / len(end)))
@@ -365,15 +400,15 @@ def slope_mb_per_min(samples: list[tuple[float, float, int]], from_min: float) -
     return float(np.polyfit(t, rss, 1)[0])
 
 
-def minute_medians(samples: list[tuple[float, float, int]]) -> list[float]:
-    """The median RSS (MB) of each whole minute's samples, minute 0 first (a last minute cut
-    short is left out): a reload holds two pairs for a moment, a sawtooth of a few MB that sways
-    a fit over raw samples (and more so over a short window); the median of a minute does not
-    see it."""
+def minute_medians(samples: list[tuple[float, float, int]], since: float = 0.0) -> list[float]:
+    """The median RSS (MB) of each whole minute's samples from minute `since` of the run (0: the
+    first sample's), minute 0 first (a last minute cut short is left out): a reload holds two
+    pairs for a moment, a sawtooth of a few MB that sways a fit over raw samples (and more so
+    over a short window); the median of a minute does not see it."""
     minutes: dict[int, list[float]] = {}
     for t, rss, _ in samples:
-        minutes.setdefault(int(t), []).append(rss)
-    whole = int(samples[-1][0]) if samples else 0
+        minutes.setdefault(int(t - since), []).append(rss)
+    whole = int(samples[-1][0] - since) if samples else 0
     return [float(np.median(minutes[m])) for m in range(whole) if m in minutes]
 
 
@@ -630,9 +665,10 @@ def failures(r: dict, max_growth_mb: float) -> list[str]:
     if r["bad_reloads_wrong"]:
         out.append(f"{len(r['bad_reloads_wrong'])} bad reloads did not fail as they must: {r['bad_reloads_wrong'][:3]}")
     for p in r["processes"]:
-        if not p["serving"]:
+        kind = p.get("kind", "serving" if p["serving"] else "other")
+        if kind == "other":
             continue
-        if not p["whole_run"]:
+        if kind == "serving" and not p["whole_run"]:
             out.append(f"{p['process']} (pid {p['pid']}) was sampled only from minute {p['first_min']:.1f} to "
                        f"{p['last_min']:.1f}: it exited or was replaced")  # fmt: skip
         if p["judged"] and p["growth_mb"] > p["allowed_mb"]:
@@ -677,19 +713,21 @@ def show_run(name: str, r: dict) -> None:
     for kind, said in r["unexpected_messages"].items():
         print(f"unexpected {kind}: {r['unexpected_by_kind'][kind]}, e.g. {said}")
     print(f"\n| process | pid | RSS at the start (first third after {r['warmup_min']:g} min) "
-          "| RSS at the end (last third) | growth | allowed | max | open fds |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| RSS at the end (last third) | growth | allowed | slope of minute medians after the warm-up "
+          "| max | open fds |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for p in r["processes"]:
         growth = "n/a" if p.get("growth_mb") is None else f"{p['growth_mb']:+.1f} MB"
-        if not p["serving"]:
-            allowed = "Ray's, not judged"
+        if p.get("kind", "serving" if p["serving"] else "other") == "other":
+            allowed = "comes and goes, not judged"
         elif not p["judged"]:
             allowed = "not judged: a short run"
         else:
             over = p["growth_mb"] > p["allowed_mb"]
             allowed = f"{p['allowed_mb']:.1f} MB{' — FAILED' if over else ''}"
         print(f"| {p['process']} | {p['pid']} | {fmt_mb(p['start_mb'])} | {fmt_mb(p['end_mb'])} | {growth} "
-              f"| {allowed} | {p['max_mb']:.0f} MB | {p['fds'][0]} → {p['fds'][1]} |")  # fmt: skip
+              f"| {allowed} | {fmt_slope(p.get('slope_mb_per_min'))} | {p['max_mb']:.0f} MB "
+              f"| {p['fds'][0]} → {p['fds'][1]} |")  # fmt: skip
     if r["server_log_first"]:
         print(
             f"\nthe server's log under the traffic: {r['server_log_warnings']} warnings, "
@@ -796,8 +834,8 @@ def main(argv: list[str] | None = None) -> int:
     for reason in failed:
         print(f"FAILED: {reason}")
     if not failed:
-        print("passed: no unexpected status, every reload as it must be, every serving process alive and within "
-              "its allowed growth where judged")  # fmt: skip
+        print("passed: no unexpected status, every reload as it must be, every serving process alive, and it and "
+              "Ray's own within their allowed growth where judged")  # fmt: skip
     return 1 if failed else 0
 
 

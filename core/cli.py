@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 
 from core.artifacts import ArtifactError
@@ -49,6 +50,32 @@ THIRD_PARTY_NOISE: dict[str, int] = {
     # own worker-group start timeout, which is not quieted.
     "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client": logging.ERROR,
 }
+# Known-harmless records by their message, dropped whatever their level (a library may reset
+# its loggers' levels as it configures its own logging): the logger that makes them, and what
+# their message starts with.
+NOISE_BY_MESSAGE: dict[str, tuple[str, ...]] = {
+    "ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client": (
+        "Failed to send resource request",
+        "Failed to cancel resource request",
+    ),
+}
+
+
+class KnownNoise(logging.Filter):
+    """Drops the records whose message starts with one of `NOISE_BY_MESSAGE`'s fragments."""
+
+    def __init__(self, fragments: tuple[str, ...]) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 — a record that cannot format is not ours to judge
+            return True
+        return not message.startswith(self.fragments)
+
+
 # A single-node local cluster cannot be preempted; Ray Train's preemption watcher there only
 # prints a core-worker error about its restartable constructor arguments.
 LOCAL_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
@@ -65,6 +92,14 @@ def quiet_third_party() -> None:
         return
     for name, level in THIRD_PARTY_NOISE.items():
         logging.getLogger(name).setLevel(level)
+    fragments = tuple(f for by_logger in NOISE_BY_MESSAGE.values() for f in by_logger)
+    # On the loggers that make the records, and on the handlers they propagate to (the root's
+    # and Ray's, present now), so neither a level reset nor a record re-logged elsewhere lets one out.
+    places = [logging.getLogger(name) for name in NOISE_BY_MESSAGE]
+    places += logging.getLogger().handlers + logging.getLogger("ray").handlers
+    for place in places:
+        if not any(isinstance(f, KnownNoise) for f in place.filters):
+            place.addFilter(KnownNoise(fragments))
     package, path = NOISE_BY_FILE
     spec = importlib.util.find_spec(package)  # located, not imported: serving never loads Ray
     if spec is not None and spec.origin:  # None: Ray not installed (the serving image)
@@ -104,19 +139,78 @@ def ray_runtime_env() -> dict:
     return {"worker_process_setup_hook": "core.cli.ray_worker_setup"}
 
 
+# A local start on a loaded machine: the driver's core worker waits RAY_raylet_start_wait_time_s
+# (10 s by default) for its raylet to register with the GCS, and Ray's node start waits a fixed
+# 30 s; a machine at load 10-30 ran past the first. The wait is raised here, and a start that
+# still fails is tried again from nothing, then reported in one line (`RayStartError`).
+LOCAL_RAY_START_ENV = {"RAY_raylet_start_wait_time_s": "60"}
+LOCAL_RAY_START_TRIES = 3
+
+
+class RayStartError(RuntimeError):
+    """A local Ray that did not start: one line for the user, not Ray's traceback."""
+
+
 def init_ray(log_to_driver: bool = True, **options) -> None:
     """Join the cluster at RAY_ADDRESS, or start a local one; every stage starts Ray this way.
 
-    A local cluster also gets `LOCAL_RAY_ENV` (where the user has not set those variables)."""
+    A local cluster also gets `LOCAL_RAY_ENV` (where the user has not set those variables), a
+    longer wait for its raylet on a busy machine, and up to `LOCAL_RAY_START_TRIES` starts; a
+    local start that fails every time raises `RayStartError`."""
     import ray
 
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
     runtime_env = ray_runtime_env()
-    if not address:  # the user's own setting of a variable wins
-        runtime_env["env_vars"] = {name: os.environ.get(name, value) for name, value in LOCAL_RAY_ENV.items()}
-    ray.init(address=address, include_dashboard=False, log_to_driver=log_to_driver, runtime_env=runtime_env, **options)
+    if address:
+        ray.init(
+            address=address, include_dashboard=False, log_to_driver=log_to_driver, runtime_env=runtime_env, **options
+        )
+        return
+    # The user's own setting of a variable wins.
+    runtime_env["env_vars"] = {name: os.environ.get(name, value) for name, value in LOCAL_RAY_ENV.items()}
+    for name, value in LOCAL_RAY_START_ENV.items():
+        os.environ.setdefault(name, value)  # read by this process's core worker and the raylet it starts
+    for attempt in range(1, LOCAL_RAY_START_TRIES + 1):
+        try:
+            ray.init(include_dashboard=False, log_to_driver=log_to_driver, runtime_env=runtime_env, **options)
+            return
+        except (TypeError, ValueError):  # the options, not the machine: no second try helps
+            raise
+        except Exception as exc:  # noqa: BLE001 — Ray raises bare Exception for a node that timed out
+            _stop_failed_start(exc)
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            logging.getLogger(__name__).warning(
+                "a local Ray did not start (try %d of %d): %s", attempt, LOCAL_RAY_START_TRIES, reason[:200]
+            )
+            if attempt == LOCAL_RAY_START_TRIES:
+                raise RayStartError(
+                    f"could not start a local Ray in {LOCAL_RAY_START_TRIES} tries (last: {reason[:200]}); the "
+                    "machine may be overloaded: try again when it is quieter, or start Ray yourself "
+                    "(ray start --head) and set RAY_ADDRESS"
+                ) from None
+            time.sleep(2.0 * attempt)
+
+
+def _stop_failed_start(exc: BaseException) -> None:
+    """End what a failed local start left running, so the next try starts from nothing: Ray's
+    shutdown for a node it registered, else the processes of the half-made node in the
+    exception's frames (ray.init drops its only reference to it)."""
+    import ray
+    from ray._private.node import Node
+
+    ray.shutdown()
+    frame = exc.__traceback__
+    while frame is not None:
+        node = frame.tb_frame.f_locals.get("self")
+        if isinstance(node, Node):
+            try:
+                node.kill_all_processes(check_alive=False, allow_graceful=False)
+            except Exception:  # noqa: BLE001 — best effort: the reaper ends them when this process exits
+                logging.getLogger(__name__).debug("could not stop a failed start's processes", exc_info=True)
+            return
+        frame = frame.tb_next
 
 
 def add_verbose_flag(subparsers: argparse._SubParsersAction) -> None:
@@ -149,6 +243,9 @@ def run_cli(command: Callable[[], None], verbose: bool = False) -> int:
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RayStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

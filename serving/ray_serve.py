@@ -667,6 +667,17 @@ def check_ports(config: ServerConfig) -> None:
             claim_port(what, transport.host, port, flag)
 
 
+# Ray's own settings for a cluster that serves, given to a local one this command starts (an
+# operator sets them on the head of theirs: docs/operations.md, deploy/k8s/rayservice-serving.yaml).
+# - Ray starts its workers at nice 15, for batch work beside interactive use; here the workers
+#   are the server (its shards, embedder and ingress), so they run as one would.
+# - The GCS keeps the events of the last 100,000 tasks by default, for `ray list tasks`. Serve's
+#   own calls (the controller's health checks and long polls, ~9 a second at S = 4) fill it at
+#   ~2 kB an event: the GCS grew +1.2 MB/min and would have for ~3 hours, ~200 MB, before
+#   levelling. A serving cluster keeps the last 1,000, reached in its first minutes.
+SERVING_CLUSTER_ENV = {"RAY_worker_niceness": "0", "RAY_task_events_max_num_task_in_gcs": "1000"}
+
+
 def connect_ray() -> None:
     """Join the cluster at RAY_ADDRESS, or start a local Ray: an address that does not answer is
     a ValueError (one `error:` line), not a minute of retries."""
@@ -687,9 +698,8 @@ def connect_ray() -> None:
             raise ValueError(f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {exc}") from None
     _cluster_errors_as_records()
     if not address:
-        # Ray starts its workers at nice 15, for batch work beside interactive use; here the
-        # workers are the server (its shards, embedder and ingress), so they run as one would.
-        os.environ.setdefault("RAY_worker_niceness", "0")
+        for name, value in SERVING_CLUSTER_ENV.items():  # the user's own setting wins
+            os.environ.setdefault(name, value)
     with _core_warnings_held() as held:
         try:
             # Ray's "Connecting to existing Ray cluster" and Serve's progress lines are INFO: the

@@ -52,13 +52,21 @@ def index_root(request, demo_run, tmp_path_factory):
 def test_no_answer_holds_a_removed_item_once_remove_items_returns(index_root):
     live = IndexVersion.open(index_root).load()
     size = live.size
-    # The takedown's targets are the queries: each is its own best answer until it is removed.
-    targets = [live.items.ids[r] for r in range(0, size, max(1, size // 12))][:12]
-    queries = [
-        pb.SearchRequest(embedding=pb.Embedding(values=live.vector(live.row_of(t)).tolist()), k=5) for t in targets
-    ]
     server, client = start(index_root, admin_token="t0ken", ann_sample_rate=1.0)
-    answers: list[tuple[float, list[str], str]] = []  # (sent at, ids, index version)
+    # The takedown's targets are the queries: each is its own best answer until it is removed.
+    # An exact index answers an item's own vector with the item; an approximate one (HNSW) does
+    # for most items but not all, and which ones depends on the trained embeddings, so the
+    # targets are items the served version answers that way (issue 59). What the server does
+    # guarantee is one answer a query a version, checked below across the load.
+    candidates = [live.items.ids[r] for r in range(0, size, max(1, size // 48))]
+    queries_of = {
+        t: pb.SearchRequest(embedding=pb.Embedding(values=live.vector(live.row_of(t)).tolist()), k=5)
+        for t in candidates
+    }
+    targets = [t for t in candidates if client.search(queries_of[t]).neighbors[0].id == t][:12]
+    assert len(targets) == 12, f"only {len(targets)} of {len(candidates)} items are their own best answer"
+    queries = [queries_of[t] for t in targets]
+    answers: list[tuple[float, list[str], str, int]] = []  # (sent at, ids, index version, query)
     failures: list[BaseException] = []
     stop = threading.Event()
 
@@ -71,7 +79,7 @@ def test_no_answer_holds_a_removed_item_once_remove_items_returns(index_root):
             except grpc.RpcError as exc:
                 failures.append(exc)
                 return
-            answers.append((sent, [n.id for n in reply.neighbors], reply.index_version))
+            answers.append((sent, [n.id for n in reply.neighbors], reply.index_version, i % len(queries)))
             i += 1
 
     threads = [threading.Thread(target=load, args=(w,)) for w in range(4)]
@@ -100,11 +108,18 @@ def test_no_answer_holds_a_removed_item_once_remove_items_returns(index_root):
         assert reply.index_size == size - len(targets)
         later = [a for a in answers if a[0] > returned]
         assert len(later) > 10 and any(a[0] < returned for a in answers)
-        assert all(version == reply.index_version for _, _, version in later)
-        assert not any(set(ids) & set(targets) for _, ids, _ in later)
-        assert all(len(ids) == 5 for _, ids, _ in later)  # k answers still, from the items left
+        assert all(version == reply.index_version for _, _, version, _ in later)
+        assert not any(set(ids) & set(targets) for _, ids, _, _ in later)
+        assert all(len(ids) == 5 for _, ids, _, _ in later)  # k answers still, from the items left
         # Before the takedown the targets were their own best answers: the test could have failed.
-        assert all(ids[0] in targets for sent, ids, _ in answers if sent < returned - 1.0)
+        before = [(ids, query) for sent, ids, _, query in answers if sent < returned - 1.0]
+        assert all(ids[0] == targets[query] for ids, query in before)
+        # One answer a query a version, whatever else was batched with it.
+        for answered in (before, [(ids, query) for _, ids, _, query in later]):
+            by_query: dict[int, list[list[str]]] = {}
+            for ids, query in answered:
+                by_query.setdefault(query, []).append(ids)
+            assert all(all(ids == seen[0] for ids in seen) for seen in by_query.values())
 
         info = client.get_info()
         assert info.index_version == reply.index_version and info.index_size == size - len(targets)

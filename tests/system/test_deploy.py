@@ -156,5 +156,11 @@ def test_the_rayservice_deploys_what_serve_ray_deploys():
     offered = [g for g in cluster["workerGroupSpecs"] if "shard_slot" in g["rayStartParams"].get("resources", "")]
     assert offered and json.loads(json.loads(offered[0]["rayStartParams"]["resources"])) == {"shard_slot": 1}
     assert offered[0]["minReplicas"] >= len(shards)
+    # The head (where the GCS runs) starts with the settings `serve --ray` gives a local cluster.
+    from serving.ray_serve import SERVING_CLUSTER_ENV
+
+    (head,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    head_env = {e["name"]: e.get("value") for e in head["env"]}
+    assert {name: head_env.get(name) for name in SERVING_CLUSTER_ENV} == SERVING_CLUSTER_ENV
     claims = {d["metadata"]["name"] for d in k8s_documents() if d["kind"] == "PersistentVolumeClaim"}
     assert "simsearch-artifacts" in claims
