@@ -12,6 +12,7 @@ from index.config import BuildConfig
 from index.duplicates import DuplicatesConfig
 from index.lifecycle import CompactConfig, RemoveConfig
 from index.rebuild import RebuildConfig
+from index.units import segment_counts
 
 # command → (help, configuration class, its options this command does not take)
 COMMANDS = {
@@ -87,9 +88,8 @@ def describe_version(m: IndexManifest) -> str:
     probe = quality.probe_recall_at_1 if quality is not None else None
     # A sharded version: its shard count and each shard's rows (deleted ones included).
     shards = f"  shards={len(m.shards)} ({'/'.join(str(e.rows) for e in m.shards)})" if m.shards else ""
-    if m.segmented:  # how many segments: what compaction would merge
-        counts = [len(e.segments or [None]) for e in m.shards] if m.shards else [len(m.segments or [])]
-        shards += f"  segments={'/'.join(map(str, counts))}"
+    if m.segmented:  # how many segments each unit holds: what compaction would merge
+        shards += f"  segments={'/'.join(map(str, segment_counts(m)))}"
     text = f"  text_model={m.text_model_id}" if m.text_model_id else ""  # it answers words
     return (
         f"{m.version}  size={m.live_size}{removed}{shards}  factory={m.factory}  search={params}  model={m.model_id}"

@@ -241,16 +241,16 @@ def unit_changes(live: IndexVersion, replaced: np.ndarray, vectors: np.ndarray, 
     the `replaced` rows (global) leave, the `added` rows join the shard their item hashes to."""
     if not live.manifest.shards:
         return [UnitChange(removed=replaced, vectors=vectors, items=added)]
-    entries = live.manifest.shards
+    units = live.units()
     placed = np.fromiter(
-        (shard_of(key, len(entries)) for key in shard_keys(added, live.manifest.item_field)), np.int64, len(added)
+        (shard_of(key, len(units)) for key in shard_keys(added, live.manifest.item_field)), np.int64, len(added)
     )
     changes = []
-    for number, (entry, offset) in enumerate(zip(entries, live.shard_offsets, strict=True)):
-        joining = np.flatnonzero(placed == number)
+    for unit in units:
+        joining = np.flatnonzero(placed == unit.number)
         changes.append(
             UnitChange(
-                removed=replaced[(replaced >= offset) & (replaced < offset + entry.rows)] - offset,
+                removed=unit.own(replaced),
                 vectors=vectors[joining],
                 items=added.take(joining) if len(joining) else None,
             )

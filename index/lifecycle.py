@@ -44,7 +44,6 @@ from index.segments import (
     Superseded,
     UnitChange,
     publish_change,
-    units_of,
     wants_compaction,
 )
 from index.version import IndexVersion
@@ -208,7 +207,7 @@ def _remove_once(
     not_found = [item_id for item_id, row in found.items() if row is None]
     rows = np.unique(np.fromiter((r for r in found.values() if r is not None), dtype=np.int64))
     report = RemovalReport(live.name, None, len(found), len(rows), not_found, live.size, live.manifest.deleted_rows)
-    by_unit = _rows_by_unit(live, rows)
+    by_unit = [(live.unit(unit.number), unit.own(rows)) for unit in live.units()]  # each unit's own rows
     report.touched = [
         number for number, (unit, local) in enumerate(by_unit) if len(local) or (compact and len(unit.deleted))
     ]
@@ -223,17 +222,6 @@ def _remove_once(
         reason = f"rollback to {live.name} re-applied {report.removed} takedowns → version {report.version}"
     audit(index_root, action, who, via, reason, report, removed_ids)
     return report
-
-
-def _rows_by_unit(live: IndexVersion, rows: np.ndarray) -> list[tuple[IndexVersion, np.ndarray]]:
-    """`rows` (global, sorted) of `live` by unit — the version itself, or each shard — as the
-    unit's own rows."""
-    if not live.manifest.shards:
-        return [(live, rows)]
-    units = []
-    for number, (entry, offset) in enumerate(zip(live.manifest.shards, live.shard_offsets, strict=True)):
-        units.append((live.shard(number), rows[(rows >= offset) & (rows < offset + entry.rows)] - offset))
-    return units
 
 
 def compact_version(
@@ -263,12 +251,13 @@ def compact_version(
     with artifacts.pinned_version(index_root) as name:
         live = IndexVersion.open(index_root, name)
         changes = []
-        for number, unit in enumerate(units_of(live)):
+        for part in live.units():
             if units is not None:
-                wanted = number in units
+                wanted = part.number in units
             else:
+                unit = live.unit(part.number)
                 wanted = not only_due or wants_compaction(unit, UnitChange(), max_segments, max_deleted_fraction)
-            has_work = len(unit.segment_entries) > 1 or len(unit.deleted) > 0
+            has_work = part.segments > 1 or part.deleted > 0
             changes.append(UnitChange(compact=has_work and wanted))
         if not any(change.compact for change in changes):
             log.info("nothing to compact: every shard of %s is one segment without deleted rows%s", name,

@@ -51,6 +51,7 @@ from index.faiss_index import (
     search,
 )
 from index.filters import FieldSpec, FilterIndex, specs_of
+from index.units import segment_counts
 from index.version import IndexVersion
 from index.version_writer import ShardWriter, VersionWriter, rows_as_segment, segment_name, shard_name
 
@@ -321,9 +322,10 @@ def publish_change(
         target = writer.publish(manifest, parent=current or base.name)
     peak = max((unit.peak_rss for unit in written.values()), default=0)
     report = ChangeReport(target, written_bytes, time.perf_counter() - started, peak)
+    segments = sum(segment_counts(manifest))
     log.info(
         "published index %s (%d items, %d segment%s%s): %s%s, wrote %s in %.2f s",
-        manifest.version, manifest.live_size, _segment_count(manifest), "" if _segment_count(manifest) == 1 else "s",
+        manifest.version, manifest.live_size, segments, "" if segments == 1 else "s",
         f", {manifest.deleted_rows} deleted" if manifest.deleted_rows else "", what,
         f" (rebased from {live.name} onto {base.name})" if base is not live else "", _megabytes(written_bytes),
         report.seconds,
@@ -331,29 +333,12 @@ def publish_change(
     return report
 
 
-def _unit(version: IndexVersion, number: int) -> IndexVersion:
-    """Unit `number` of `version`: its shard, or the version itself (0) when it is not sharded."""
-    return version.shard(number) if version.manifest.shards else version
-
-
-def units_of(version: IndexVersion) -> list[IndexVersion]:
-    """The units a change writes apart: each shard, or the version itself when it is not sharded."""
-    return [_unit(version, number) for number in range(len(version.shard_names) or 1)]
-
-
 def compaction_due(version: IndexVersion, max_segments: int, max_deleted_fraction: float) -> bool:
     """Whether some unit of `version` is past `max_segments` or `max_deleted_fraction` as it
-    stands — from its units' manifests alone (the counts `load` checks its files against), so a
-    server that holds none of a sharded version's rows can tell."""
+    stands — from its manifest alone (the counts `load` checks its files against), so a server
+    that holds none of a sharded version's rows can tell."""
     return any(
-        _past(
-            max(len(unit.segment_entries), 1),
-            unit.manifest.size,
-            unit.manifest.deleted_rows,
-            max_segments,
-            max_deleted_fraction,
-        )  # fmt: skip
-        for unit in units_of(version)
+        _past(unit.segments, unit.rows, unit.deleted, max_segments, max_deleted_fraction) for unit in version.units()
     )
 
 
@@ -432,7 +417,7 @@ def _onto_live(
         _check_rebase(snapshot, live)
         for number, unit in written.items():
             unit_writer = _unit_writer(writer, live, number)
-            before, after = _unit(snapshot, number), _unit(live, number)
+            before, after = snapshot.unit(number), live.unit(number)
             # A shard the meanwhile change left alone may still be unsegmented, linked whole:
             # its row files read as the segment they become, as the snapshot's are.
             live_segments = _segments_of(live, number)
@@ -443,7 +428,7 @@ def _onto_live(
 def _segments_of(version: IndexVersion, number: int) -> list[SegmentEntry]:
     """Unit `number`'s segments — an unsegmented unit's row files as the segment 000000 its
     first change lists them as — which a version grown from it by adds and removals begins with."""
-    unit = _unit(version, number)
+    unit = version.unit(number)
     if unit.segment_entries:
         return unit.segment_entries
     sums = version.manifest.shards[number].files if version.manifest.shards else None
@@ -537,7 +522,7 @@ def _write_unit_task(
     import resource
 
     version = IndexVersion(directory)
-    unit = version.shard(number) if number is not None else version
+    unit = version.unit(number or 0)
     written = write_unit(unit_writer, unit, change, list(specs), sums)
     written.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return written
@@ -572,12 +557,6 @@ def _bytes_written(staging: Path) -> int:
     return total
 
 
-def _segment_count(manifest: IndexManifest) -> int:
-    if manifest.shards:
-        return sum(len(entry.segments or [None]) for entry in manifest.shards)
-    return len(manifest.segments or [None])
-
-
 def _megabytes(count: int) -> str:
     return f"{count / 1e6:.2f} MB" if count >= 10_000 else f"{count} bytes"
 
@@ -594,10 +573,9 @@ def gate_change(
     its exact search read segment by segment where the vectors lie, never gathered whole.
     None (and passed) when what changed searches exactly: a Flat index, or new rows that all
     lie in Flat segments (`flat_until_compaction`)."""
-    offsets = version.shard_offsets if version.manifest.shards else np.zeros(1, np.int64)
     recalls = []
-    for unit, offset in zip(units_of(version), offsets, strict=True):
-        local = new_rows[(new_rows >= offset) & (new_rows < offset + len(unit.items))] - offset
+    for part in version.units():
+        unit, local = version.unit(part.number), part.own(new_rows)
         if not len(local):
             continue
         if isinstance(empty_index(unit.manifest.dimension, unit.manifest.factory), faiss.IndexFlat):

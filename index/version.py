@@ -48,7 +48,7 @@ from index.faiss_index import ExactRerank, apply_search_params, load_index, sear
 from index.filters import FilterIndex
 from index.grouping import Groups
 from index.merge import MergedIndex
-from index.sharding import ID_KEY, shard_of
+from index.units import Unit, units_for_id, units_of
 
 T = TypeVar("T")
 
@@ -190,18 +190,36 @@ class IndexVersion:
         found: dict[str, int | None] = dict.fromkeys(ids)
         if not self.manifest.shards:
             return {item_id: self.row_of(item_id) for item_id in found}
-        shards = len(self.shard_names)
-        home = {i: shard_of(i, shards) for i in found} if self.manifest.shard_key == ID_KEY else None
-        for number, offset in enumerate(self.shard_offsets.tolist()):
-            wanted = [i for i, row in found.items() if row is None and (home is None or home[i] == number)]
+        homes = {i: units_for_id(self.manifest, i) for i in found}
+        for unit in self.units():
+            wanted = [i for i, row in found.items() if row is None and unit.number in homes[i]]
             if not wanted:
                 continue
             with self._shards_lock:
-                shard = self._shards.get(number) or self._shard_view(number)
+                shard = self._shards.get(unit.number) or self._shard_view(unit.number)
             for item_id in wanted:
                 row = shard.row_of(item_id)
-                found[item_id] = None if row is None else offset + row
+                found[item_id] = None if row is None else unit.offset + row
         return found
+
+    # -- units: what a change writes apart and a shard replica serves (index.units) --------------
+
+    def units(self) -> list[Unit]:
+        """Its units, from the manifest alone: each shard, or itself when it is one index."""
+        return units_of(self.manifest)
+
+    def unit(self, number: int) -> IndexVersion:
+        """Unit `number` as a version of its own: shard `number`, or this version (0) when it is
+        one index."""
+        if self.manifest.shards:
+            return self.shard(number)
+        if number != 0:
+            raise IndexError(f"version {self.name} is one index, not {number + 1} shards")
+        return self
+
+    def units_for_id(self, item_id: str) -> list[int]:
+        """The units that may hold `item_id` (index.units.units_for_id)."""
+        return units_for_id(self.manifest, item_id)
 
     def _shard_versions(self) -> list[IndexVersion]:
         return [self.shard(number) for number in range(len(self.shard_names))]

@@ -19,6 +19,7 @@ from core.items import ItemTable
 from core.manifests import IndexManifest
 from index.duplicates import GROUPS_FILE, SUMMARY_FILE, runs_of
 from index.lifecycle import RemovalReport, RollbackReport, audit_entries
+from index.units import segment_counts
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.checks import CheckedImage, RequestChecks
 from serving.engine import ServingPair
@@ -108,8 +109,9 @@ class AdminService:
                     "created": m.created,
                     "parentVersion": m.parent_version,
                     "shards": len(m.shards) if m.shards else 1,
-                    # Segments: the version's, or its shards' together (0: a version from before segments).
-                    "segments": len(m.segments) if m.segments else sum(len(e.segments or []) for e in m.shards or []),
+                    # Segments: its units' together (an unsegmented shard is one), as `index list` counts
+                    # them; 0 for a version whose rows lie in no segments (built whole, never changed).
+                    "segments": sum(segment_counts(m)) if m.segmented else 0,
                     "textModelId": m.text_model_id,
                 }
             )

@@ -50,7 +50,6 @@ from core.artifacts import ArtifactError
 from core.manifests import ModelManifest, TextModelManifest, check_model_index_pair
 from core.preprocess import DEFAULT_MAX_PIXELS, EncodedImage, pixels_of
 from core.text import TOKENIZER_FILE, TextTokenizer
-from index.sharding import ID_KEY, shard_of
 from index.version import IndexVersion, ItemLocation, SampledItem
 from serving.config import ServerConfig
 from serving.engine import SearchEngine, ServingPair, UndecodedImages, text_model_dir
@@ -59,7 +58,7 @@ from serving.logs import Sink, one_line, relay, shard_label, ship_records
 from serving.memory import arena_environment
 from serving.metrics import ServiceMetrics
 from serving.replicas import EMBEDDER, EmbedderReplica, EmbedderSettings, ShardReplica, shard_deployment
-from serving.sharded import ShardAnswer, ShardedSearch, ShardRequest, failure_reason, shard_count
+from serving.sharded import ShardAnswer, ShardedSearch, ShardRequest, failure_reason
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +135,7 @@ class IngressVersion(IndexVersion):
     def locate(self, item_id: str, field: str | None = None) -> ItemLocation | None:
         if self._reach is None:
             raise RuntimeError("this ingress version reaches no shards")
-        shards = shard_count(self)
-        placed = self.manifest.shard_key == ID_KEY and shards > 1
-        numbers = [shard_of(item_id, shards)] if placed else list(range(shards))
-        return self._reach.locate(self.name, item_id, field, numbers)
+        return self._reach.locate(self.name, item_id, field, self.units_for_id(item_id))
 
     def check(self) -> IngressVersion:
         """Its manifest's shards are there and their counts add up (each shard's files are
@@ -510,7 +506,7 @@ class IngressReplica:
         config = self.config
         version, self._first = version or self._first, None
         opened = IngressVersion(artifacts.version_dir(config.index_root, version), self.sharded.shards)
-        count = shard_count(opened)
+        count = len(opened.units())
         if count != len(self.shards):
             raise ArtifactError(
                 f"version {opened.name} has {count} shard{'s' if count > 1 else ''}; this deployment serves "
@@ -596,7 +592,7 @@ def build(config: ServerConfig, version: IndexVersion, log_sink: Sink | None = N
             health_check_period_s=2.0,
         )
         .bind(config.index_root, n, log_sink)
-        for n in range(shard_count(version))
+        for n in range(len(version.units()))
     ]
     embedder = (
         serve.deployment(EmbedderReplica)
@@ -834,7 +830,7 @@ def run(config: ServerConfig) -> None:
     threading.Thread(target=relay, args=(log_sink, relaying), name="log-relay", daemon=True).start()
     try:
         ports = deploy(config, version, log_sink)
-        print(json.dumps({**ports, "shards": shard_count(version), "version": version.name}), flush=True)
+        print(json.dumps({**ports, "shards": len(version.units()), "version": version.name}), flush=True)
         stopped.wait()
     finally:
         relaying.set()

@@ -62,20 +62,6 @@ VERSIONS_KEPT = 2  # a shard replica keeps its shard of this many versions open
 NO_CANDIDATES = -2  # a ShardAnswer's `candidates` for a query that was not grouped
 
 
-def shard_count(version: IndexVersion) -> int:
-    """The shards a version is served as: its own, or one (a version of one index)."""
-    return len(version.shard_names) or 1
-
-
-def shard_of_version(version: IndexVersion, number: int) -> tuple[IndexVersion, int]:
-    """Shard `number` of `version` and its first global row; a version of one index is its own shard 0."""
-    if not version.shard_names:
-        if number != 0:
-            raise IndexError(f"version {version.name} is one index, not {number + 1} shards")
-        return version, 0
-    return version.shard(number), int(version.shard_offsets[number])
-
-
 @dataclass(frozen=True)
 class ShardScope:
     """What a query's `Scope` says, as a shard needs it: the filter itself (the shard makes its
@@ -199,7 +185,8 @@ class _OpenShard:
     """One shard of one version, loaded (its files checked against the manifest's checksums)."""
 
     def __init__(self, version: IndexVersion, number: int) -> None:
-        shard, self.offset = shard_of_version(version, number)
+        shard, self.unit = version.unit(number), version.units()[number]
+        self.offset = self.unit.offset
         self.name = shard_label(number)
         self.version = shard.load()
         self.pair = ServingPair(None, shard.searchable(), shard)  # type: ignore[arg-type]  # no model: vectors come in
@@ -244,8 +231,7 @@ class _OpenShard:
         if not exclusion.rows:
             return exclusion
         rows = np.fromiter(exclusion.rows, dtype=np.int64, count=len(exclusion.rows))
-        inside = rows[(rows >= self.offset) & (rows < self.offset + self.size)]
-        return Exclusion(frozenset((inside - self.offset).tolist()), exclusion.ids, exclusion.groups)
+        return Exclusion(frozenset(self.unit.own(rows).tolist()), exclusion.ids, exclusion.groups)
 
     def left_out(self, exclusion: Exclusion, groups: Groups | None) -> frozenset[int]:
         """The shard's own rows an exclusion leaves out of a query grouped by `groups` (or not)."""
@@ -284,9 +270,9 @@ class ShardSearcher:
                 self._open.move_to_end(version)
                 return found
         whole = IndexVersion(artifacts.version_dir(self.index_root, version))
-        if shard_count(whole) <= self.number:
+        if len(whole.units()) <= self.number:
             raise ArtifactError(
-                f"version {version} has {shard_count(whole)} shards: this deployment's shard {self.name} is not in it"
+                f"version {version} has {len(whole.units())} shards: this deployment's shard {self.name} is not in it"
             )
         try:
             opened = _OpenShard(whole, self.number)

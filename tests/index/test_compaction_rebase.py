@@ -23,7 +23,7 @@ from core.vectors import l2_normalized
 from index.add import add_vectors
 from index.faiss_index import search_within
 from index.lifecycle import compact_version, remove_items, rollback
-from index.segments import units_of
+from index.units import segment_counts
 from index.version import IndexVersion
 from tests.support import shards as support
 
@@ -96,9 +96,12 @@ def _live_ids(version: IndexVersion) -> set[str]:
 
 
 def _segment_counts(version: IndexVersion) -> list[int]:
-    if version.manifest.shards:
-        return [len(entry.segments or [None]) for entry in version.manifest.shards]
-    return [len(version.manifest.segments or [None])]
+    return segment_counts(version.manifest)
+
+
+def units_of(version: IndexVersion) -> list[IndexVersion]:
+    """Each unit of `version` as a version of its own: its shards, or itself."""
+    return [version.unit(unit.number) for unit in version.units()]
 
 
 def _answers_as_exact_search(version: IndexVersion, expected: dict[str, np.ndarray]) -> None:
