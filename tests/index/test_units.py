@@ -66,7 +66,9 @@ def test_units_split_rows_and_place_ids_as_the_shards_hold_them(tmp_path):
     for unit in units:  # from the manifest alone, what each shard holds
         shard = live.unit(unit.number)
         assert (unit.offset, unit.rows, unit.deleted) == (
-            int(live.shard_offsets[unit.number]), len(shard.items), len(shard.deleted)
+            int(live.shard_offsets[unit.number]),
+            len(shard.items),
+            len(shard.deleted),
         )
     rows = np.random.default_rng(0).permutation(live.size)
     split = [unit.own(rows) + unit.offset for unit in units]
