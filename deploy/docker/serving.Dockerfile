@@ -2,14 +2,15 @@
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md requirements.lock ./
 COPY core/ core/
 COPY index/ index/
 COPY serving/ serving/
 COPY protos/ protos/
 COPY deploy/healthcheck.py deploy/healthcheck.py
-# Base dependencies only (no `train` extra): a serving image carries no torch.
-RUN pip install --no-cache-dir . && useradd --uid 10001 --create-home simsearch
+# Base dependencies only (no `train` extra): a serving image carries no torch. At the lock's pins
+# (python:3.11 on x86_64, what the lock was resolved for).
+RUN pip install --no-cache-dir -c requirements.lock . && useradd --uid 10001 --create-home simsearch
 USER 10001
 VOLUME ["/models", "/indexes"]
 EXPOSE 50051 9100

@@ -7,14 +7,16 @@ RUN apt-get update && apt-get install -y --no-install-recommends \
       fonts-linuxlibertine fonts-ebgaramond fonts-cantarell \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md requirements.lock ./
 COPY training/ training/
 COPY core/ core/
 COPY index/ index/
 COPY serving/ serving/
 COPY protos/ protos/
 COPY scripts/ scripts/
-RUN pip install --no-cache-dir "torch==2.14.1" "torchvision==0.29.1" && pip install --no-cache-dir ".[train]" \
+# At the lock's pins (python:3.11 on x86_64, what the lock was resolved for).
+RUN pip install --no-cache-dir -c requirements.lock "torch==2.14.1" "torchvision==0.29.1" \
+    && pip install --no-cache-dir -c requirements.lock ".[train]" \
     && useradd --uid 10001 --create-home simsearch
 USER 10001
 VOLUME ["/data", "/runs"]
