@@ -10,7 +10,6 @@ short silently answers a different question than the one asked.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,16 +22,6 @@ MAX_TEXT_CHARS = 2_000  # a query's text, checked before tokenizing it
 
 class TextInputError(ValueError):
     """A text this model cannot embed: empty, too long, or not text."""
-
-
-@dataclass(frozen=True)
-class TokenizerInfo:
-    """What the manifest says of the tokenizer: how many ids a text may take, which ids frame it."""
-
-    context_length: int
-    start_id: int
-    end_id: int
-    vocab_size: int
 
 
 class TextTokenizer:

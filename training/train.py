@@ -9,6 +9,9 @@ Each Ray Train worker (`train_loop_per_worker`) builds its model, loss, optimise
 runs plain steps: `train_one_epoch`, `validate` on the validation classes, `update_best`, and
 `save_checkpoint` / `load_checkpoint` (a resumed run), reported to Ray Train by `report`. The
 options and recipes are `training/config.py`'s.
+
+`work_directory` (the run's work directory, kept for --resume) and `fit_on_ray` (Ray started, a
+`TorchTrainer` built and fitted) are the run set-up `training train-text` shares.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -62,6 +66,9 @@ from training.samplers import ClassBalancedBatchSampler
 from training.telemetry import EpochClock, TrainingMetrics, epoch_line, epoch_logger, progress, start_line
 from training.warm_start import initialise_from_features, warm_start_per_class
 from training.weight_files import PACKAGE_PREFIX
+
+if TYPE_CHECKING:
+    import ray.train
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +228,7 @@ def train_one_epoch(
     sampler.set_epoch(epoch)
     model.train()
     if epoch < cfg.warmup_epochs:
-        _unwrap(model).backbone.eval()  # frozen: no BatchNorm statistics drift either
+        unwrap(model).backbone.eval()  # frozen: no BatchNorm statistics drift either
     started, losses, seen, skipped = time.perf_counter(), [], 0, 0
     for x, y, bad in progress(loader, len(sampler), epoch, cfg.epochs, show_progress):
         loss = loss_fn(model(x.to(device)), y.to(device))
@@ -241,7 +248,7 @@ def train_one_epoch(
 
 def validate(model: torch.nn.Module, val: EvalImages, device: torch.device, ks: list[int]) -> dict[str, float]:
     """Recall@K and MAP@R on the validation classes: what selects the checkpoint."""
-    scores = retrieval_metrics(*val.embed(_unwrap(model), device), ks)
+    scores = retrieval_metrics(*val.embed(unwrap(model), device), ks)
     return {**{f"val_recall_at_{k}": v for k, v in scores["recall_at_k"].items()}, "val_map_at_r": scores["map_at_r"]}
 
 
@@ -260,7 +267,7 @@ def update_best(metrics: dict[str, Any], best: dict[str, Any]) -> dict[str, Any]
 def save_checkpoint(path: Path, trainable: Trainable, record: Record, epoch: int) -> None:
     torch.save(
         {
-            "model": _unwrap(trainable.model).state_dict(),
+            "model": unwrap(trainable.model).state_dict(),
             "loss": trainable.loss_fn.state_dict(),
             "optimizer": trainable.optimizer.state_dict(),
             "scheduler": trainable.scheduler.state_dict(),
@@ -277,7 +284,7 @@ def load_checkpoint(path: Path, trainable: Trainable, device: torch.device) -> t
     """Restore `trainable` from a checkpoint file: the epoch to go on from, and the run's record
     with this resumption added."""
     state = torch.load(path, map_location=device, weights_only=False)
-    _unwrap(trainable.model).load_state_dict(state["model"])
+    unwrap(trainable.model).load_state_dict(state["model"])
     trainable.loss_fn.load_state_dict(state["loss"])
     trainable.optimizer.load_state_dict(state["optimizer"])
     trainable.scheduler.load_state_dict(state["scheduler"])
@@ -408,7 +415,8 @@ def _absolute_paths(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, **paths)
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The network itself, where Ray Train's `prepare_model` wrapped it (DDP's `.module`)."""
     return model.module if hasattr(model, "module") else model
 
 
@@ -416,8 +424,11 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 RESUMABLE_CHANGES = {"resume", "progress", "metrics_export_port", "max_failures", "plots", "out"}
 
 
-def _work_directory(cfg: TrainConfig, out: Path) -> Path:
-    """The run's work directory (splits, Ray storage): kept for --resume, fresh otherwise."""
+def work_directory(cfg: Any, out: Path) -> Path:
+    """The run's work directory (splits or cached data, Ray storage) beside `out`: kept for
+    --resume, fresh otherwise. `cfg`: the command's resolved options (`TrainConfig`,
+    `TrainTextConfig`), a dataclass with `resume`; a resumed run's must match the stopped one's
+    but for `RESUMABLE_CHANGES`."""
     work = out.with_name(f".{out.name}.work")
     saved = work / "config.json"
     wanted = to_jsonable(cfg)
@@ -437,12 +448,72 @@ def _work_directory(cfg: TrainConfig, out: Path) -> Path:
     return work
 
 
-def run_training(cfg: TrainConfig) -> Path:
-    """Train, select by validation, evaluate on test classes, and publish the run directory."""
+class RayFit(NamedTuple):
+    """What `fit_on_ray` returns: Ray Train's result, whether its workers ran on GPUs, and the
+    seconds the fit took."""
+
+    result: ray.train.Result
+    use_gpu: bool
+    train_seconds: float
+
+
+def fit_on_ray(
+    train_loop: Callable[[dict[str, Any]], None],
+    loop_config: dict[str, Any],
+    *,
+    name: str,
+    work: Path,
+    num_workers: int,
+    device: str,
+    max_failures: int,
+    score_attribute: str | None = None,
+    metrics_export_port: int | None = None,
+) -> RayFit:
+    """Start Ray (a local one unless RAY_ADDRESS names a cluster) and fit `train_loop` with
+    `loop_config` on Ray Train (`TorchTrainer`), the Ray Train set-up `training train` and
+    `train-text` share.
+
+    `num_workers` workers, on GPUs as `device` and the cluster say (`resolve_use_gpu`), one CPU
+    each otherwise. Two checkpoints kept, ranked by `score_attribute` (the higher the better)
+    where one is given, by recency otherwise. `max_failures` worker failures recovered from the
+    last checkpoint. The run is stored as `name` under `work`/ray: the same (storage path, name)
+    is what lets --resume pick it up. `metrics_export_port`: Ray's metrics port, for a local Ray
+    only (a cluster has its own).
+    """
     import ray
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    local = not os.environ.get("RAY_ADDRESS")
+    init_ray(**({"_metrics_export_port": metrics_export_port} if metrics_export_port and local else {}))
+    use_gpu = resolve_use_gpu(device, ray.cluster_resources().get("GPU", 0))
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config=loop_config,
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=num_workers,
+            use_gpu=use_gpu,
+            resources_per_worker=None if use_gpu else {"CPU": 1},
+        ),
+        run_config=ray.train.RunConfig(
+            name=name,
+            storage_path=str(work / "ray"),
+            checkpoint_config=ray.train.CheckpointConfig(
+                num_to_keep=2, checkpoint_score_attribute=score_attribute, checkpoint_score_order="max"
+            ),
+            failure_config=ray.train.FailureConfig(max_failures=max_failures),
+            # Ray Train narrates every checkpoint and report at INFO (configured by Ray itself,
+            # in each worker); the epoch lines say what matters.
+            logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose() else "WARNING"),
+        ),
+    )
+    started = time.perf_counter()
+    result = trainer.fit()
+    return RayFit(result, use_gpu, time.perf_counter() - started)
+
+
+def run_training(cfg: TrainConfig) -> Path:
+    """Train, select by validation, evaluate on test classes, and publish the run directory."""
     cfg.check_inputs()
     if cfg.progress is None:
         cfg = dataclasses.replace(cfg, progress=sys.stderr.isatty())
@@ -452,7 +523,7 @@ def run_training(cfg: TrainConfig) -> Path:
     notice = random_start_notice(cfg.backbone, cfg.pretrained)
     if notice is not None:
         log.warning(notice)
-    work = _work_directory(cfg, out)
+    work = work_directory(cfg, out)
     splits = prepare_splits(
         cfg.catalog,
         work,
@@ -471,32 +542,17 @@ def run_training(cfg: TrainConfig) -> Path:
             f"classes_per_batch={cfg.classes_per_batch} but the training split has only "
             f"{train_classes} classes; lower --classes-per-batch or use more classes"
         )
-    local = not os.environ.get("RAY_ADDRESS")
-    init_ray(**({"_metrics_export_port": cfg.metrics_export_port} if cfg.metrics_export_port and local else {}))
-    use_gpu = resolve_use_gpu(cfg.device, ray.cluster_resources().get("GPU", 0))
-    trainer = TorchTrainer(
+    result, use_gpu, train_seconds = fit_on_ray(
         train_loop_per_worker,
-        train_loop_config={"train": to_jsonable(cfg), "splits": {k: str(v) for k, v in splits.items()}},
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=cfg.num_workers,
-            use_gpu=use_gpu,
-            resources_per_worker=None if use_gpu else {"CPU": 1},
-        ),
-        run_config=ray.train.RunConfig(
-            name="train",  # the same (storage_path, name) is what lets --resume pick the run up
-            storage_path=str(work / "ray"),
-            checkpoint_config=ray.train.CheckpointConfig(
-                num_to_keep=2, checkpoint_score_attribute=SELECTION_SCORE, checkpoint_score_order="max"
-            ),
-            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            # Ray Train narrates every checkpoint and report at INFO (configured by Ray itself,
-            # in each worker); the epoch lines say what matters.
-            logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose() else "WARNING"),
-        ),
+        {"train": to_jsonable(cfg), "splits": {k: str(v) for k, v in splits.items()}},
+        name="train",
+        work=work,
+        num_workers=cfg.num_workers,
+        device=cfg.device,
+        max_failures=cfg.max_failures,
+        score_attribute=SELECTION_SCORE,
+        metrics_export_port=cfg.metrics_export_port,
     )
-    started = time.perf_counter()
-    result = trainer.fit()
-    train_seconds = time.perf_counter() - started
     best_ckpt = result.get_best_checkpoint(SELECTION_SCORE, "max") or result.checkpoint
     if best_ckpt is None:
         raise RuntimeError("training finished without a checkpoint")

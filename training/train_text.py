@@ -66,7 +66,6 @@ import torch
 
 from core.artifacts import MANIFEST, MODEL_FILE, staging_directory, utc_now, write_json_atomic
 from core.catalog import COLUMNS, LABEL, Catalog, read_catalog
-from core.cli import init_ray, verbose
 from core.config import DEVICES, option, to_jsonable
 from core.manifests import ModelManifest
 from core.metrics import query_gallery_recall_at_k, stable_order
@@ -81,11 +80,11 @@ from training.train import (
     RESULTS_FILE,
     START_EPOCH,
     Trainable,
-    _unwrap,
-    _work_directory,
-    resolve_use_gpu,
+    fit_on_ray,
     resume_point,
     save_checkpoint,
+    unwrap,
+    work_directory,
 )
 
 log = logging.getLogger(__name__)
@@ -471,7 +470,7 @@ def build_optimizer(
 
 def embed_texts(net: torch.nn.Module, token_ids: np.ndarray, device: torch.device | str = "cpu") -> np.ndarray:
     """L2-normalised embeddings of token ids, in eval mode."""
-    net = _unwrap(net)
+    net = unwrap(net)
     was_training = net.training
     net.eval()
     with torch.no_grad():
@@ -588,18 +587,30 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 # The driver
 
 
+def gallery_evaluation(net: torch.nn.Module, data: TextData, ks: Sequence[int]) -> dict[str, dict[str, Any]]:
+    """results.json's `evaluation`: each gallery's text → image Recall@K, a random ranking's, and
+    its captions, images and classes."""
+    final = text_to_image_recall(net, data, ks)
+    return {
+        name: {
+            "recall_at_k": {str(k): v for k, v in final[name].items()},
+            "chance_recall_at_k": {str(k): v for k, v in chance_recall(g.query_labels, g.labels, ks).items()},
+            "captions": len(g.query_texts),
+            "images": len(g.labels),
+            "classes": len(np.unique(g.labels)),
+        }
+        for name, g in data.galleries.items()
+    }
+
+
 def run_text_training(cfg: TrainTextConfig) -> Path:
     """Embed the images with the locked model, train the tower on Ray Train, publish the run."""
-    import ray
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
     manifest = check_model(cfg.model)
     cfg = dataclasses.replace(
         cfg, **{n: str(Path(v).resolve()) for n in ("model", "catalog", "unseen_catalog") if (v := getattr(cfg, n))}
     )
     out = Path(cfg.out).resolve()
-    work = _work_directory(cfg, out)
+    work = work_directory(cfg, out)
     if cfg.resume and (work / DATA_FILE).is_file():
         data, texts = TextData.load(work / DATA_FILE), json.loads((work / TEXTS_FILE).read_text())
     else:
@@ -615,25 +626,16 @@ def run_text_training(cfg: TrainTextConfig) -> Path:
         len(texts),
         ", ".join(f"{n} {len(g.labels)} images / {len(g.query_texts)} captions" for n, g in data.galleries.items()),
     )
-    init_ray()
-    use_gpu = resolve_use_gpu(cfg.device, ray.cluster_resources().get("GPU", 0))
-    trainer = TorchTrainer(
+    # No checkpoint score (the last epoch's tower is published) and no metrics port (Ray's own).
+    result, use_gpu, train_seconds = fit_on_ray(
         train_loop_per_worker,
-        train_loop_config={"train": to_jsonable(cfg), "data": str(work / DATA_FILE)},
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=1, use_gpu=use_gpu, resources_per_worker=None if use_gpu else {"CPU": 1}
-        ),
-        run_config=ray.train.RunConfig(
-            name="train-text",  # the same (storage_path, name) lets --resume pick the run up
-            storage_path=str(work / "ray"),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
-            failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
-            logging_config=ray.train.LoggingConfig(log_level="INFO" if verbose() else "WARNING"),
-        ),
+        {"train": to_jsonable(cfg), "data": str(work / DATA_FILE)},
+        name="train-text",
+        work=work,
+        num_workers=1,  # a few million parameters over cached vectors gain nothing from DDP
+        device=cfg.device,
+        max_failures=cfg.max_failures,
     )
-    started = time.perf_counter()
-    result = trainer.fit()
-    train_seconds = time.perf_counter() - started
     if result.checkpoint is None:
         raise RuntimeError("text training finished without a checkpoint")
     with result.checkpoint.as_directory() as d:
@@ -642,17 +644,7 @@ def run_text_training(cfg: TrainTextConfig) -> Path:
     net = build_lit_tower(data.embedding_dim, cfg.spec)
     net.load_state_dict(last["model"])
     temperature = 1.0 / min(math.exp(float(last["loss"]["logit_scale"])), 100.0)
-    final = text_to_image_recall(net, data, cfg.ks)
-    evaluation = {
-        name: {
-            "recall_at_k": {str(k): v for k, v in final[name].items()},
-            "chance_recall_at_k": {str(k): v for k, v in chance_recall(g.query_labels, g.labels, cfg.ks).items()},
-            "captions": len(g.query_texts),
-            "images": len(g.labels),
-            "classes": len(np.unique(g.labels)),
-        }
-        for name, g in data.galleries.items()
-    }
+    evaluation = gallery_evaluation(net, data, cfg.ks)
     seen_texts = [texts[i] for i in dict.fromkeys(data.galleries["seen"].query_texts.tolist())]
     unseen_texts = (
         [texts[i] for i in dict.fromkeys(data.galleries["unseen"].query_texts.tolist())]

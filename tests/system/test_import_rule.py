@@ -2,7 +2,9 @@
 `serving` `core` and `index` and never each other, `protos` is imported by `serving` alone (read
 from the source: `test_each_package_imports_only_the_layers_below_it`); and `index` and
 `serving` import without torch, so a serving image has none; and no package's modules import
-each other in a circle, function-level imports included (`test_no_package_has_an_import_circle`).
+each other in a circle, function-level imports included (`test_no_package_has_an_import_circle`);
+and no module of the product's code imports another module's private name
+(`test_no_module_imports_another_modules_private_name`).
 
 Each check runs in a fresh interpreter (this test process may already have torch loaded). Every
 module under core/, index/ and serving/ is found with pkgutil, so modules added later are covered
@@ -289,3 +291,60 @@ def test_an_import_circle_is_found_however_it_is_written(tmp_path):
     (package / "b.py").write_text("from pkg import a\n")
     (package / "sub" / "c.py").write_text("from ..a import json\n")
     assert import_cycles(tmp_path, "pkg") == []
+
+
+# -- private names stay private, read from the source ---------------------------------------------
+
+# The code the private-name rule covers: the product's packages, its benchmarks and scripts.
+PRODUCT_CODE = ("core", "index", "serving", "training", "benchmarks", "scripts")
+
+
+def is_private(name: str) -> bool:
+    """One leading underscore and not a dunder: `_name`, not `__version__`."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def private_imports(root: Path, folder: str) -> list[str]:
+    """Each `from x import _name` in the files under `root`/`folder`, as "file:line: from x import
+    _name", in file and line order: at module level or inside a function, relative or absolute,
+    whatever x is (a project module or not)."""
+    import ast
+
+    found = []
+    for path in sorted((root / folder).rglob("*.py")):
+        imports = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                module = "." * node.level + (node.module or "")
+                imports += [(node.lineno, module, alias.name) for alias in node.names if is_private(alias.name)]
+        found += [
+            f"{path.relative_to(root)}:{line}: from {module} import {name}" for line, module, name in sorted(imports)
+        ]
+    return found
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A name with one leading underscore is its module's own: another module that imports it
+    (`from x import _name`) depends on what its owner may change without notice — the name shared
+    is made public, or moved where both read it. Covers core, index, serving, training, benchmarks
+    and scripts. Tests under tests/ are exempt: a test may reach into a module's internals to check
+    them."""
+    assert all(any((REPO / folder).rglob("*.py")) for folder in PRODUCT_CODE)  # not vacuous
+    found = [where for folder in PRODUCT_CODE for where in private_imports(REPO, folder)]
+    assert not found, "another module's private name imported:\n" + "\n".join(found)
+
+
+def test_a_private_import_is_found_however_it_is_written(tmp_path):
+    """Not vacuous: an absolute, a relative and a function-level import of a private name are
+    found (the alias does not hide it); a dunder, a public name and `import x` are not."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from __future__ import annotations\n\n__version__ = '1'\n")
+    (package / "a.py").write_text(
+        "import os\nfrom pkg.b import _helper, public\n\n\ndef f():\n    from .b import _other as other\n"
+    )
+    (package / "b.py").write_text("import pkg._c\nfrom pkg import __version__\nfrom os import name_, path\n")
+    assert private_imports(tmp_path, "pkg") == [
+        "pkg/a.py:2: from pkg.b import _helper",
+        "pkg/a.py:6: from .b import _other",
+    ]

@@ -27,7 +27,7 @@ from training.data import (
 from training.evaluate import histogram_overlap, kmeans_schedule, nmi, pair_similarities
 from training.losses import build_loss
 from training.models import EmbeddingNet
-from training.train import TrainConfig, _work_directory, build_optimizer, learning_rates
+from training.train import TrainConfig, build_optimizer, learning_rates, work_directory
 
 GREY = InputContract(height=16, width=16, channels=1, mean=(0.5,), std=(0.5,), normalize_in_graph=True)
 
@@ -169,14 +169,14 @@ def test_train_config_rejects_bad_combinations(tmp_path):
 def test_resume_needs_a_stopped_run_with_the_same_options(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(ValueError, match="nothing to resume"):
-        _work_directory(TrainConfig(out=str(out), resume=True), out)
-    work = _work_directory(TrainConfig(out=str(out), epochs=3), out)
+        work_directory(TrainConfig(out=str(out), resume=True), out)
+    work = work_directory(TrainConfig(out=str(out), epochs=3), out)
     assert json.loads((work / "config.json").read_text())["epochs"] == 3
     with pytest.raises(ValueError, match="different options than the stopped run: epochs"):
-        _work_directory(TrainConfig(out=str(out), epochs=4, resume=True), out)
-    assert _work_directory(TrainConfig(out=str(out), epochs=3, resume=True, progress=True), out) == work
+        work_directory(TrainConfig(out=str(out), epochs=4, resume=True), out)
+    assert work_directory(TrainConfig(out=str(out), epochs=3, resume=True, progress=True), out) == work
     (work / "leftover").write_text("x")
-    _work_directory(TrainConfig(out=str(out), epochs=3), out)  # a fresh run clears the old one
+    work_directory(TrainConfig(out=str(out), epochs=3), out)  # a fresh run clears the old one
     assert not (work / "leftover").exists()
 
 
