@@ -40,7 +40,8 @@ reload of CURRENT that failed, a bad reload that did not fail as it must, an err
 server's log (with `--ray` every replica's records reach it) other than what the bad input
 causes, a serving process (the server; with `--ray` the command, the ingress, the embedder, each
 shard replica) that exited or was replaced, or one — or one of Ray's long-lived processes (the
-GCS, the raylet, the agents, the log monitor, the Serve controller) — whose RSS grew from the start to the end by
+GCS, the raylet, the dashboard, its agents, the log and autoscaler monitors, the Serve controller, the
+log queue) — whose RSS grew from the start to the end by
 more than `--max-growth-mb` (8), or than twice the growth's standard error where the process's
 own swing under load makes that larger — judged when at least 3 minutes follow the warm-up
 (shorter windows are within the sawtooth of the reloads). Printed with it: the unexpected statuses'
@@ -255,7 +256,8 @@ SERVING = ("serve", "serve --ray", "ingress", "embedder")  # and shard-NNN: the 
 # Ray's own processes that live as long as the cluster: judged on their growth like the serving
 # ones (a cluster that serves for weeks must not grow in them either), not on being replaced.
 RAY_SYSTEM = (
-    "gcs_server", "raylet", "dashboard agent", "runtime env agent", "log monitor", "ServeController",
+    "gcs_server", "raylet", "dashboard", "dashboard agent", "runtime env agent", "log monitor", "autoscaler monitor",
+    "ServeController", "log queue",
 )  # fmt: skip
 # Ray's processes that are Python scripts, by the script's path under the ray package.
 RAY_SCRIPTS = {
@@ -267,7 +269,7 @@ RAY_SCRIPTS = {
     "dashboard/dashboard.py": "dashboard",
 }
 # Ray's actor classes named apart from the label of the script that runs them.
-RAY_ACTORS = {"DashboardAgent": "dashboard agent", "RuntimeEnvAgent": "runtime env agent"}
+RAY_ACTORS = {"DashboardAgent": "dashboard agent", "RuntimeEnvAgent": "runtime env agent", "_QueueActor": "log queue"}
 
 
 def serving_process(label: str) -> bool:
