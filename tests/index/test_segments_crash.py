@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from core import artifacts
@@ -146,6 +147,13 @@ def test_a_second_writer_waits_its_turn(tmp_path):
     holder.wait()
 
 
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
 def _serve(root: Path) -> tuple[subprocess.Popen, int]:
     """`python -m serving serve` over `root` with an admin token, and its gRPC port once serving."""
     import json
@@ -179,6 +187,7 @@ def test_kill_9_of_a_server_mid_ingest_leaves_the_live_version_whole(tmp_path):
     rng = random.Random(13)
     vectors = np.random.default_rng(13)
     kills = 0
+    left: list[psutil.Process] = []  # the killed servers' child processes
     for round_number in range(20):
         proc, port = _serve(root)
         client = SearchClient(f"127.0.0.1:{port}", timeout=30, admin_token="crash")
@@ -205,6 +214,7 @@ def test_kill_9_of_a_server_mid_ingest_leaves_the_live_version_whole(tmp_path):
         caller.start()
         time.sleep(rng.uniform(0.2, 2.5))
         if proc.poll() is None:
+            left.extend(_descendants(proc.pid))  # its local Ray, which a compaction runs on
             proc.send_signal(signal.SIGKILL)
             kills += 1
         proc.wait()
@@ -219,5 +229,10 @@ def test_kill_9_of_a_server_mid_ingest_leaves_the_live_version_whole(tmp_path):
         )
         assert original <= held and confirmed <= held, sorted(confirmed - held)[:5]
     assert kills >= 20 and len(confirmed) >= 3 * 20  # the kills landed on servers that were ingesting
+    # A killed server's Ray workers outlive it until Ray's reaper ends them (seconds on a busy
+    # machine), and one still writing a compaction's unit holds its staging folder: what the
+    # killed ones left is what is there once they are all gone.
+    _, alive = psutil.wait_procs(left, timeout=120)
+    assert not alive, [p.pid for p in alive]
     add_vectors(root, *_new_rows(3, seed=6))  # the next writer clears what the killed ones left
     assert not list((root / artifacts.VERSIONS).glob(".staging-*"))
