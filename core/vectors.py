@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import faiss
 import numpy as np
 
+from core.ranking import best_k
+
 
 def as_float32_rows(vectors: np.ndarray, dim: int | None = None) -> np.ndarray:
     array = np.ascontiguousarray(vectors, dtype=np.float32)
@@ -83,7 +85,9 @@ def exact_search(
             return scores, rows
         scores = np.concatenate([best_scores, scores], axis=1)
         rows = np.concatenate([best_rows, rows], axis=1)
-        top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        # Ties by place, not row: a block's tied rows stay in faiss.knn's own order (not row order)
+        # after earlier blocks' — as one block answers alone, returned as faiss gives it above.
+        top = best_k(scores, k)
         best_scores, best_rows = np.take_along_axis(scores, top, axis=1), np.take_along_axis(rows, top, axis=1)
     return best_scores, np.where(np.isfinite(best_scores), best_rows, -1)
 

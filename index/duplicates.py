@@ -35,8 +35,8 @@ from core import artifacts
 from core.artifacts import utc_now
 from core.config import option, to_jsonable
 from core.progress import Progress
+from core.ranking import best_k
 from index.contact_sheet import contact_sheet
-from index.merge import ranked
 from index.range_search import by_range_search, reaching
 from index.version import IndexVersion
 
@@ -238,7 +238,7 @@ def groups_sheet(version: IndexVersion, groups: Groups, count: int):
     scores = np.zeros((len(shown), depth), dtype=np.float32)
     for g, members in enumerate(shown):
         cosine, others = lead_cosines(version, members)
-        best = ranked(others, cosine)[:depth]
+        best = best_k(cosine, depth, others)
         rows[g, : len(best)], scores[g, : len(best)] = others[best], cosine[best]
     items = version.items
     labels = list(items.labels) if items.labelled else None

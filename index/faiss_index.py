@@ -14,6 +14,7 @@ from typing import Any
 import faiss
 import numpy as np
 
+from core.ranking import best_k
 from core.vectors import RowBlocks, as_float32_rows, exact_search, l2_normalized, unit_rows
 from index.merge import MergedIndex
 
@@ -351,7 +352,7 @@ class ExactRerank:
         scores = self.exact_scores(queries, np.where(missing, 0, candidates) if short else candidates)
         if short:
             scores[missing] = -np.inf
-        top = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+        top = best_k(scores, k)  # ties by place: in the order the index found its candidates
         each = np.arange(len(queries))[:, None]
         best, rows = scores[each, top], candidates[each, top]
         if short:
@@ -498,8 +499,7 @@ def exact_within(stored: np.ndarray, queries: np.ndarray, k: int, rows: np.ndarr
         # first costs 20× the scoring at 1M items, and a lone query cannot share the copy.
         for i, query in enumerate(queries):
             products = inner_products(stored, query, rows)
-            top = np.argpartition(-products, depth - 1)[:depth] if depth < len(rows) else np.arange(len(rows))
-            top = top[np.argsort(-products[top], kind="stable")]
+            top = best_k(products, depth)  # rows ascending: ties to the lower row
             scores[i, :depth], found[i, :depth] = products[top], rows[top]
         return scores, found
     gathered = np.ascontiguousarray(stored[rows], dtype=np.float32)  # rows ascending: the map is read forwards

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
+from core.ranking import best_k, ranked
 from index.faiss_index import EXACT, ExactRerank, index_family, inner_products, search_within, selector_params
 from index.filters import FieldRows, FieldSpec
 
@@ -241,7 +242,7 @@ def exact_groups(
     a shard's (`serving.sharded.ShardSearcher.exact`), the monitor's reference."""
     best = _group_scores(query, stored, groups, eligible, exclude, min_score)
     reachable = np.flatnonzero(np.isfinite(best))
-    top = reachable[np.argsort(-best[reachable], kind="stable")[: k + 1]]  # one past k: is there more?
+    top = reachable[best_k(best[reachable], k + 1)]  # one past k: is there more? Ties to the lower group
     return top.tolist()
 
 
@@ -305,9 +306,10 @@ def filled_groups(
             best = int(its_scores.argmax())
             filled.append((group, [(int(its_rows[best]), float(its_scores[best]))]))
         else:
-            top = np.argsort(-its_scores, kind="stable")[:per_group]
+            top = best_k(its_scores, per_group)
             filled.append((group, list(zip(its_rows[top].tolist(), its_scores[top].tolist(), strict=True))))
-    filled.sort(key=lambda g: -g[1][0][1])
+    # By each group's best, ties in the order found (`found`: best group first).
+    filled = [filled[g] for g in ranked(np.array([hits[0][1] for _, hits in filled], dtype=np.float64))]
     more = len(filled) > k
     filled = filled[:k]
     truncated = more if min_score is not None else len(filled) < k

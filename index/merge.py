@@ -1,14 +1,14 @@
 """The one merge of a version's parts: segments in one process, shards across processes.
 
 A part answers its own best rows for a query, as global rows and their scores. The version's
-answer is the best k of every part's, in one order — score descending, then row ascending
-(`ranked`), so rows that tie answer in the same order whichever parts hold them and however
-many there are. `best_rows` takes that top k for a batch of queries at once.
+answer is the best k of every part's, in the one order of hits (`core.ranking`: score
+descending, then row ascending), so rows that tie answer in the same order whichever parts
+hold them and however many there are. `best_rows` takes that top k for a batch of queries at once.
 
 Two levels use it. A version's segments (and a sharded version's shards read into one process:
 the build's gate, `index duplicates`) are one `MergedIndex`, searched part by part and merged
 here as faiss's index is merged inside one search; a `serve --ray` ingress merges its shard
-replicas' answers (`serving.sharded`) with the same `ranked` order, a shard's own segments
+replicas' answers (`serving.sharded`) in the same order, a shard's own segments
 having been merged by this module first.
 """
 
@@ -19,22 +19,14 @@ from collections.abc import Sequence
 import faiss
 import numpy as np
 
-NO_ROW = -1  # faiss's row for a place with no answer
-
-
-def ranked(rows: np.ndarray, scores: np.ndarray) -> np.ndarray:
-    """The order of candidates `rows` (their `scores`) along the last axis: score descending,
-    then row ascending; places holding NO_ROW last."""
-    rows, scores = np.asarray(rows), np.asarray(scores)
-    keys = np.where(rows == NO_ROW, -np.inf, scores)
-    return np.lexsort((rows, -keys), axis=-1)
+from core.ranking import NO_ROW, best_k
 
 
 def best_rows(rows: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Each query's best k of its candidates (row i of `rows` and `scores`, nq × m), as faiss
     answers: (scores, rows), nq × k, best first; places past the candidates hold NO_ROW and -inf."""
     rows, scores = np.asarray(rows, dtype=np.int64), np.asarray(scores, dtype=np.float32)
-    top = ranked(rows, scores)[:, :k]
+    top = best_k(scores, k, rows)  # by row where scores tie: the same order whichever part holds a row
     top_rows = np.take_along_axis(rows, top, axis=1)
     top_scores = np.where(top_rows == NO_ROW, -np.inf, np.take_along_axis(scores, top, axis=1)).astype(np.float32)
     if top.shape[1] < k:  # fewer candidates than places

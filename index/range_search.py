@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
+from core.ranking import best_k
 from index.faiss_index import ExactRerank, inner_index
-from index.merge import MergedIndex, ranked
+from index.merge import MergedIndex
 
 # The widened k-NN's first depth; it doubles from there. Near-duplicates are few: most queries
 # stop at the first call, and a deep first call (k = max_k = 1000) costs HNSW a long walk.
@@ -98,7 +99,7 @@ def _answering(rows: np.ndarray, live: np.ndarray | None, exclude: frozenset[int
 
 
 def _best_first(rows: np.ndarray, scores: np.ndarray, limit: int, truncated: bool) -> Reaching:
-    order = ranked(rows, scores)[:limit]
+    order = best_k(scores, limit, rows)
     return Reaching(rows[order].astype(np.int64), scores[order].astype(np.float32), bool(truncated))
 
 

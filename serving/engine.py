@@ -35,6 +35,7 @@ from core.manifests import (
     check_text_model_pair,
 )
 from core.preprocess import DEFAULT_MAX_PIXELS, EncodedImage, Region, decode
+from core.ranking import best_k
 from core.text import TextTokenizer
 from index import range_search
 from index.faiss_index import OVERFETCH_DELETED, ExactRerank, search_live, search_within
@@ -561,5 +562,5 @@ class SearchEngine:
         scores = np.asarray(pair.vectors[rows] @ vector, dtype=np.float32)
         reaching = scores >= scope.min_score
         rows, scores = rows[reaching], scores[reaching]
-        top = np.argsort(-scores, kind="stable")[:k]
+        top = best_k(scores, k)  # rows ascending: ties to the lower row
         return Answer([Hit(int(rows[j]), float(scores[j])) for j in top], len(rows) > k)

@@ -37,6 +37,7 @@ from google.protobuf import json_format
 
 from core.config import option
 from core.metrics import recall_from_neighbor_labels
+from core.ranking import best_k
 from index.faiss_index import recall_with_ties
 from index.filters import Filter
 from index.grouping import Groups, exact_group_scores
@@ -453,9 +454,7 @@ class RecallMonitor:
 
 def _best(scores: np.ndarray, depth: int) -> np.ndarray:
     """The places of the `depth` best finite `scores`, best first (ties: the lower place)."""
-    depth = min(depth, len(scores))
-    top = np.argpartition(-scores, depth - 1)[:depth] if 0 < depth < len(scores) else np.arange(depth)
-    top = top[np.lexsort((top, -scores[top]))]
+    top = best_k(scores, depth)
     return top[np.isfinite(scores[top])]
 
 

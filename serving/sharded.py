@@ -12,7 +12,7 @@ answer.
 
 The ingress's `ShardedSearch` has the contract of `SearchEngine.search` (a list of `Answer`)
 and merges the shards' answers exactly, in the order a version's segments are merged in one
-process (`index.merge.ranked`): the best k of their rows (score descending, then row);
+process (`core.ranking`): the best k of their rows (score descending, then row);
 grouped, each shard's best k groups, of which the best k (a group's score is its best row's),
 groups told apart by value.
 Rows are placed by their item, so grouped by the item field (the shard key) a group lives in
@@ -45,10 +45,10 @@ import pyarrow.compute as pc
 from core import artifacts
 from core.artifacts import ArtifactError
 from core.items import ItemTable
+from core.ranking import best_k, ranked
 from index.faiss_index import exact_within
 from index.filters import Filter
 from index.grouping import EXACT_PASS, Groups, exact_groups, filled_groups
-from index.merge import ranked
 from index.version import IndexVersion, ItemLocation, SampledItem
 from serving.engine import EVERY_ROW, Answer, Exclusion, Hit, Scope, SearchEngine, ServingPair, described
 from serving.logs import shard_label
@@ -542,7 +542,7 @@ class ShardedSearch:
         tops = []
         for i, query in enumerate(queries):
             rows, scores, named = _gathered(split.answers, i)
-            order = ranked(rows, scores)
+            order = ranked(scores, rows)
             if query.group_by is None:
                 tops.append((rows[order][:k].tolist(), scores[order][:k].tolist()))
                 continue
@@ -577,7 +577,7 @@ def _merged_rows(answers: list[ShardAnswer], i: int, k: int, scoped: bool) -> An
     if not answers:
         return Answer([])
     rows, scores, named = _gathered(answers, i)
-    hits = [_named_hit(rows, scores, named, o) for o in ranked(rows, scores)[:k].tolist()]
+    hits = [_named_hit(rows, scores, named, o) for o in best_k(scores, k, rows).tolist()]
     short = any(bool(a.truncated[i]) for a in answers)
     truncated = (short or len(rows) > k) if scoped else (short and len(hits) < k)
     paths = [a.paths[i] for a in answers if a.paths[i] is not None]
@@ -599,7 +599,7 @@ def _best_per_group(answers: list[ShardAnswer], i: int, scope: Scope) -> dict[st
         return {}
     rows, scores, named = _gathered(answers, i)
     by_group: dict[str, list[Hit]] = {}
-    for o in ranked(rows, scores).tolist():
+    for o in ranked(scores, rows).tolist():
         its = by_group.setdefault(named[o][0], [])
         if len(its) < scope.per_group:
             its.append(_named_hit(rows, scores, named, o))
