@@ -163,10 +163,9 @@ def init_ray(log_to_driver: bool = True, **options) -> None:
         return
     address = os.environ.get("RAY_ADDRESS")
     runtime_env = ray_runtime_env()
+    options = {"include_dashboard": False, "log_to_driver": log_to_driver, "runtime_env": runtime_env, **options}
     if address:
-        ray.init(
-            address=address, include_dashboard=False, log_to_driver=log_to_driver, runtime_env=runtime_env, **options
-        )
+        ray.init(address=address, **options)
         return
     # The user's own setting of a variable wins.
     runtime_env["env_vars"] = {name: os.environ.get(name, value) for name, value in LOCAL_RAY_ENV.items()}
@@ -174,7 +173,7 @@ def init_ray(log_to_driver: bool = True, **options) -> None:
         os.environ.setdefault(name, value)  # read by this process's core worker and the raylet it starts
     for attempt in range(1, LOCAL_RAY_START_TRIES + 1):
         try:
-            ray.init(include_dashboard=False, log_to_driver=log_to_driver, runtime_env=runtime_env, **options)
+            ray.init(**options)
             return
         except (TypeError, ValueError):  # the options, not the machine: no second try helps
             raise
