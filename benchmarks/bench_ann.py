@@ -25,9 +25,9 @@ import faiss
 import numpy as np
 
 from core.catalog import read_catalog
-from index.embed import embed_catalog
+from index.build.embed import embed_catalog
 from index.embedder import OnnxEmbedder
-from index.faiss_index import (
+from index.search.faiss_index import (
     apply_search_params,
     build_index,
     exact_search,

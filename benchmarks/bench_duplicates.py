@@ -177,7 +177,7 @@ class Figures:
 
 def direct_pairs(index_root: Path, min_score: float) -> set[frozenset[str]]:
     """Every pair of the live version scoring at least `min_score` (exact, from the stored vectors)."""
-    from index.version import IndexVersion
+    from index.versions.version import IndexVersion
 
     version = IndexVersion.open(index_root)
     vectors, ids = np.asarray(version.vectors), list(version.items.ids)
@@ -306,8 +306,8 @@ def scale_timings(rows: int, dim: int = 256, min_score: float = 0.9, seed: int =
     import faiss
 
     from core.vectors import exact_search
-    from index.faiss_index import build_index, searchable, with_default_rerank
-    from index.range_search import by_range_search, reaching
+    from index.search.faiss_index import build_index, searchable, with_default_rerank
+    from index.search.range_search import by_range_search, reaching
 
     # One faiss thread throughout: on a busy machine OpenMP's waiting threads cost more than a
     # second core gives (a 10k-row IVF-PQ trained in 290 s with two).

@@ -9,8 +9,8 @@ sizes: every row gets a rank in a random permutation (an int field declared filt
 "selectivity s" is the filter `rank < s·n` — exactly s·n rows, spread over the vectors
 independently of where they lie (no correlation between filter and neighbourhoods, the case
 where a graph walk or a list probe finds matches least often). Masks come from the real
-value → rows structure (`index/filters.py`), searches from the function the server calls
-(`index/faiss_index.py: search_within`): all queries of one filter in one call, as the engine
+value → rows structure (`index/search/filters.py`), searches from the function the server calls
+(`index/search/faiss_index.py: search_within`): all queries of one filter in one call, as the engine
 groups a batch's queries that share a filter, and as the unfiltered baseline searches.
 """
 
@@ -30,9 +30,9 @@ import numpy as np
 
 from benchmarks.bench_ann import grown_glyph_embeddings
 from core.items import ItemTable
-from index import faiss_index
 from index.embedder import OnnxEmbedder
-from index.faiss_index import (
+from index.search import faiss_index
+from index.search.faiss_index import (
     EXACT_BELOW,
     apply_search_params,
     build_index,
@@ -41,7 +41,7 @@ from index.faiss_index import (
     l2_normalized,
     search_within,
 )
-from index.filters import Condition, Filter, FilterIndex, Range, parse_filterable
+from index.search.filters import Condition, Filter, FilterIndex, Range, parse_filterable
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -36,10 +36,10 @@ import numpy as np
 from core.catalog import Catalog, read_catalog
 from core.metrics import recall_at_k
 from core.vectors import l2_normalized
-from index.embed import embed_catalog
+from index.build.embed import embed_catalog
 from index.embedder import OnnxEmbedder
-from index.faiss_index import build_index
-from index.grouping import EXACT_PASS, Groups, item_recall_at_k, search_groups
+from index.search.faiss_index import build_index
+from index.search.grouping import EXACT_PASS, Groups, item_recall_at_k, search_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 KS = (1, 4, 8)
@@ -113,7 +113,7 @@ def negatives_table(
     """R@1 and on-topic share of the top 10 items for an image query with one "not like" part,
     the second item of its own answer, at each weight; the part's item is left out of the
     answer, as the service leaves an item-id part's group out."""
-    from serving.checks import NEGATIVE_WEIGHT
+    from serving.search.checks import NEGATIVE_WEIGHT
 
     groups = groups_by_label(labels)
     index = build_index(vectors, "Flat")

@@ -19,9 +19,9 @@ import numpy as np
 
 from core.catalog import Catalog, read_catalog
 from core.preprocess import load_batch
-from index.embed import embed_catalog
+from index.build.embed import embed_catalog
+from index.build.rebuild import embed_with_ray_data
 from index.embedder import OnnxEmbedder
-from index.rebuild import embed_with_ray_data
 
 ROOT = Path(__file__).resolve().parents[1]
 

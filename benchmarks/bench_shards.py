@@ -35,7 +35,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from index.faiss_index import ExactRerank, l2_normalized, trained_index
+from index.search.faiss_index import ExactRerank, l2_normalized, trained_index
 
 CENTRES = 1000  # clusters in the synthetic data: an IVF's lists have real structure to find
 DEFAULT_FACTORIES = ["IVF1024,Flat", "HNSW32", "Flat"]
@@ -296,9 +296,9 @@ def publish_vectors(
     and a `shade` field to filter by, both declared filterable."""
     from core.items import ItemTable
     from core.manifests import ModelManifest, RowCounts
-    from index.filters import parse_filterable
-    from index.gate import GateThresholds
-    from index.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
+    from index.build.gate import GateThresholds
+    from index.search.filters import parse_filterable
+    from index.versions.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
 
     rows = len(vectors)
     fields = [{"item": f"item{i // 3}", "shade": str(i % 3)} for i in range(rows)] if grouped else [{}] * rows
@@ -326,8 +326,8 @@ def _share_equal(first: list, second: list) -> float:
 def flat_equality(pair: list, queries: np.ndarray) -> dict[str, float]:
     """Flat single index against its S shards' merged search: the share of queries answered with
     the same ids in the same order, plain, filtered and grouped by the item."""
-    from index.faiss_index import search, search_within
-    from index.grouping import search_groups
+    from index.search.faiss_index import search, search_within
+    from index.search.grouping import search_groups
 
     plain, within, grouped = [], [], []
     for version in pair:
@@ -350,8 +350,8 @@ def run_merge(rows: int, dim: int, shards: int, count: int) -> dict:
     Flat answers equal (ids and order) plain, filtered and grouped by the item; recall@10 against
     exact search of IVF-Flat, IVF-PQ (re-ranked) and HNSW at the same nprobe / efSearch."""
     from core.vectors import exact_search
-    from index.faiss_index import search
-    from index.version import IndexVersion
+    from index.search.faiss_index import search
+    from index.versions.version import IndexVersion
 
     vectors = np.concatenate([clustered_part(p, rows // 4, dim) for p in range(4)])
     near = vectors[np.random.default_rng(5).integers(0, len(vectors), count)]

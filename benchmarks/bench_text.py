@@ -31,7 +31,7 @@ from core.catalog import read_catalog
 from core.manifests import ModelManifest
 from core.vectors import exact_search
 from index.embedder import OnnxTextEmbedder
-from index.version import IndexVersion
+from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient
 

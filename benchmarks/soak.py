@@ -78,7 +78,7 @@ import psutil
 
 from benchmarks import harness
 from core import artifacts
-from index.version import IndexVersion
+from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 

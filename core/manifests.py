@@ -442,7 +442,7 @@ def _segment_entries(fields: _Fields, where: str = "segments") -> list[SegmentEn
 
 @dataclass
 class IndexManifest(_Manifest):
-    """`manifest.json` of an index version (index/version_writer.py writes it for every version);
+    """`manifest.json` of an index version (index/versions/version_writer.py writes it for every version);
     a field without a value (None) is not written."""
 
     index_id: str

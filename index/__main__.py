@@ -8,11 +8,11 @@ import sys
 from core.cli import add_config_flag, add_progress_flag, add_verbose_flag, run_cli
 from core.config import add_options, from_cli
 from core.manifests import IndexManifest
+from index.build.lifecycle import CompactConfig, RemoveConfig
+from index.build.rebuild import RebuildConfig
 from index.config import BuildConfig
-from index.duplicates import DuplicatesConfig
-from index.lifecycle import CompactConfig, RemoveConfig
-from index.rebuild import RebuildConfig
-from index.units import segment_counts
+from index.search.duplicates import DuplicatesConfig
+from index.versions.units import segment_counts
 
 # command → (help, configuration class, its options this command does not take)
 COMMANDS = {
@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("list", "rollback"):
             artifacts.check_index_root(args.index_root)
         if args.command in ("build", "add"):
-            from index.add import run_add
-            from index.build import run_build
+            from index.build.add import run_add
+            from index.build.build import run_build
             from index.config import BuildConfig
 
             progress = args.progress
@@ -115,26 +115,26 @@ def main(argv: list[str] | None = None) -> int:
             run = run_build if args.command == "build" else run_add
             print(run(from_cli(BuildConfig, args), progress=progress))
         elif args.command == "remove":
-            from index.lifecycle import RemoveConfig, run_remove
+            from index.build.lifecycle import RemoveConfig, run_remove
 
             del args.progress
             report = run_remove(from_cli(RemoveConfig, args))  # its summary is logged
             print(artifacts.version_dir(args.index_root, report.version))
         elif args.command == "compact":
-            from index.lifecycle import run_compact
+            from index.build.lifecycle import run_compact
 
             del args.progress
             done = run_compact(from_cli(CompactConfig, args))
             print(artifacts.version_dir(args.index_root, done.version.name if done else None))
         elif args.command == "rebuild":
-            from index.rebuild import RebuildConfig, run_rebuild
+            from index.build.rebuild import RebuildConfig, run_rebuild
 
             progress = args.progress
             del args.progress
             cfg = from_cli(RebuildConfig, args)
             print(run_rebuild(cfg, progress=progress))
         elif args.command == "duplicates":
-            from index.duplicates import run_duplicates
+            from index.search.duplicates import run_duplicates
 
             progress = args.progress
             del args.progress
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 target = older[-1]
             if args.keep < 1:
                 raise ValueError(f"--keep must be at least 1, got {args.keep}")
-            from index.lifecycle import local_identity, rollback
+            from index.build.lifecycle import local_identity, rollback
 
             report = rollback(
                 args.index_root, target, local_identity(), "cli", args.restore_taken_down, keep=args.keep

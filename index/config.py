@@ -13,11 +13,11 @@ from core.catalog import ITEM_COLUMN, Catalog, CatalogError, read_probe_catalog
 from core.config import DEVICES, option, to_jsonable
 from core.manifests import ModelManifest, TextModelManifest, check_text_model_pair
 from core.preprocess import DEFAULT_MAX_PIXELS
-from index.faiss_index import check_trainable, empty_index, select_device
-from index.filters import FieldSpec, check_catalog_fields, parse_filterable
-from index.gate import GateThresholds, ProbeCatalog
-from index.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
-from index.sharding import check_shard_count
+from index.build.gate import GateThresholds, ProbeCatalog
+from index.search.faiss_index import check_trainable, empty_index, select_device
+from index.search.filters import FieldSpec, check_catalog_fields, parse_filterable
+from index.versions.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
+from index.versions.sharding import check_shard_count
 
 DEFAULT_MODEL = "runs/model"
 

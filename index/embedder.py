@@ -70,7 +70,7 @@ def load_session(path: Path, options: ort.SessionOptions, providers: list[str]) 
 class OnnxEmbedder:
     """Embeds preprocessed NCHW batches with a published model artifact: one ONNX Runtime
     session, what embedding a catalog needs. Serving's pool of sessions and its measured run
-    sizes build on it (`serving.query_embedder.QueryEmbedder`)."""
+    sizes build on it (`serving.search.query_embedder.QueryEmbedder`)."""
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """Write docs/http.md from the HTTP API's OpenAPI document (`--check`: fail if it is stale).
 
-The document is generated from the code (`serving.openapi`: the routes of `serving.routes.ROUTES`,
+The document is generated from the code (`serving.transport.openapi`: the routes of `serving.transport.routes.ROUTES`,
 the schemas from the protobuf descriptors), so this reference cannot drift from the server."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from scripts.generated_doc import ROOT, write_or_check
-from serving.openapi import FLOAT32_MAX, openapi_document
+from serving.transport.openapi import FLOAT32_MAX, openapi_document
 
 DOC = ROOT / "docs" / "http.md"
 

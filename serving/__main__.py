@@ -161,7 +161,7 @@ def _serve(args: argparse.Namespace) -> None:
     logs.configure(args.log_format)
     config = _server_config(args)
     if config.sharding.ray:  # the same server on Ray Serve, one deployment per index shard
-        from serving import ray_serve
+        from serving.ray_serve import deployment as ray_serve
 
         ray_serve.run(config)
         return

@@ -1,7 +1,7 @@
 """The IndexAdmin service and the console's admin pages: Reload, RemoveItems, AddItems and make
 live, and what the index root holds — its versions with their manifests' figures, a version's
 contact sheet, the takedown audit log, the live version's duplicate groups. Plain classes,
-protobuf messages in and out, as `serving.service`; the app (`serving.server`) does the loading."""
+protobuf messages in and out, as `serving.search.service`; the app (`serving.server`) does the loading."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from core import artifacts
 from core.artifacts import ArtifactError
 from core.items import ItemTable
 from core.manifests import IndexManifest
-from index.duplicates import GROUPS_FILE, SUMMARY_FILE, runs_of
-from index.lifecycle import RemovalReport, RollbackReport, audit_entries
-from index.units import segment_counts
+from index.build.lifecycle import RemovalReport, RollbackReport, audit_entries
+from index.search.duplicates import GROUPS_FILE, SUMMARY_FILE, runs_of
+from index.versions.units import segment_counts
 from protos.simsearch.v1 import search_pb2 as pb
-from serving.checks import CheckedImage, RequestChecks
-from serving.engine import ServingPair
 from serving.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from serving.search.checks import CheckedImage, RequestChecks
+from serving.search.engine import ServingPair
 
 # The path an ingested item records when its call names none: no file, so its thumbnail is NOT_FOUND.
 INGEST_PATH = "ingest:{id}"

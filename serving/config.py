@@ -1,6 +1,7 @@
 """`serving serve`'s configuration: the index it serves, and its transport, batching and runtime
-sections (the limits are `serving.engine.Limits`, the quality monitor's `serving.monitor.MonitorConfig`),
-resolved as every stage's are (`core.config`), and how it loads the pair it serves."""
+sections (the limits are `serving.search.engine.Limits`, the quality monitor's
+`serving.monitoring.monitor.MonitorConfig`), resolved as every stage's are (`core.config`), and how it
+loads the pair it serves."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from typing import Any
 from core import artifacts
 from core.catalog import read_probe_catalog
 from core.config import DEVICES, option, resolve_config, section
-from index.segments import MAX_SEGMENTS
-from serving.engine import Limits, ServingPair, load_pair
-from serving.monitor import MonitorConfig
-from serving.query_embedder import MEASURE_BUDGET_S, Progress
+from index.versions.segments import MAX_SEGMENTS
+from serving.monitoring.monitor import MonitorConfig
+from serving.search.engine import Limits, ServingPair, load_pair
+from serving.search.query_embedder import MEASURE_BUDGET_S, Progress
 
 EVENT_LOOPS = ("uvloop", "asyncio")
 
@@ -158,7 +159,7 @@ class Runtime:
 @dataclass
 class Sharding:
     """`serve --ray`: the index served on Ray Serve — an ingress (these ports, this service), an
-    embedder, and one deployment per shard of the version (`serving.ray_serve`)."""
+    embedder, and one deployment per shard of the version (`serving.ray_serve.deployment`)."""
 
     ray: bool = option(
         False,

@@ -21,7 +21,7 @@ FIELDS = (
 
 def shard_label(number: int) -> str:
     """A shard's name as answers, errors, metrics and records' `shard` field give it ("000", "001", ...):
-    here, where a replica (`serving.replicas`) and the sharded search (`serving.sharded`) both
+    here, where a replica (`serving.ray_serve.replicas`) and the sharded search (`serving.shards.sharded`) both
     import it without importing each other."""
     return f"{number:03d}"
 

@@ -9,7 +9,7 @@ Embedding and search run in the batcher's inference threads (a batch per stream)
 the loop's default executor. `SearchApp` owns the parts — engine, batcher, decode pool, recall
 monitor and its probe runner, the service layer and its thin servicers, health, the metrics
 endpoint — and reloads (on request, or when CURRENT changes); the servicers only translate
-(`serving.servicer`), the logic is plain classes (`serving.service`, `serving.admin`). What it is
+(`serving.transport.servicer`), the logic is plain classes (`serving.search.service`, `serving.admin`). What it is
 told to do is `serving.config.ServerConfig`.
 """
 
@@ -37,26 +37,26 @@ from core import artifacts
 from core.artifacts import ArtifactError
 from core.items import ItemTable
 from core.manifests import IndexManifest
-from index.add import add_vectors
-from index.lifecycle import RemovalReport, RollbackReport, remove_items, rollback
-from index.segments import MAX_DELETED_FRACTION, compaction_due
+from index.build.add import add_vectors
+from index.build.lifecycle import RemovalReport, RollbackReport, remove_items, rollback
+from index.versions.segments import MAX_DELETED_FRACTION, compaction_due
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from serving.admin import AdminService, Ingested
-from serving.auth import Tokens
-from serving.batching import DynamicBatcher
-from serving.calls import CallRecorder
-from serving.checks import CheckedImage
 from serving.config import EVENT_LOOPS, ServerConfig
-from serving.engine import SearchEngine, ServingPair
 from serving.errors import FailedPrecondition
-from serving.history import TrafficHistory
-from serving.http import HttpApi, tls_context
 from serving.memory import reclaim, steady_heap
-from serving.metrics import ServiceMetrics
-from serving.monitor import RecallMonitor
-from serving.probe import ProbeRunner
-from serving.service import SearchService
-from serving.servicer import (
+from serving.monitoring.history import TrafficHistory
+from serving.monitoring.metrics import ServiceMetrics
+from serving.monitoring.monitor import RecallMonitor
+from serving.monitoring.probe import ProbeRunner
+from serving.search.batching import DynamicBatcher
+from serving.search.checks import CheckedImage
+from serving.search.engine import SearchEngine, ServingPair
+from serving.search.service import SearchService
+from serving.transport.auth import Tokens
+from serving.transport.calls import CallRecorder
+from serving.transport.http import HttpApi, tls_context
+from serving.transport.servicer import (
     ADMIN_SERVICE,
     SEARCH_SERVICE,
     AdminServicer,
@@ -122,7 +122,7 @@ class SearchApp:
         load: Callable[..., ServingPair] | None = None,
         metrics: ServiceMetrics | None = None,
     ) -> None:
-        """`engine`, `load` and `metrics`: a sharded server's (`serving.ray_serve`) — its engine
+        """`engine`, `load` and `metrics`: a sharded server's (`serving.ray_serve.deployment`) — its engine
         searches the shards, its load opens the version on them; by default the one-index engine
         and `config.load`."""
         config.check_inputs()
@@ -333,7 +333,7 @@ class SearchApp:
         via: str,
     ) -> Ingested:  # fmt: skip
         """An ingest: the items' images embedded by `pair`'s model (in the batches queries share),
-        added to the version CURRENT names as one segment (`index.add.add_vectors`, which refuses
+        added to the version CURRENT names as one segment (`index.build.add.add_vectors`, which refuses
         them unless that version was built with this model), published, and loaded before it
         returns. One at a time with takedowns, off the loop."""
         vectors = await self.service.item_vectors(pair, checked)
@@ -422,7 +422,7 @@ class SearchApp:
         self, version: str, model_dir: str | None, who: str, via: str, restore: bool, make_current: bool
     ) -> tuple[RollbackReport, ServingPair | None, ServingPair]:
         """Serve `version` again without republishing what was taken down since it was built
-        (`index.lifecycle.rollback`: re-applied as a new version, or restored when asked), then
+        (`index.build.lifecycle.rollback`: re-applied as a new version, or restored when asked), then
         load what it left live. One at a time with takedowns, off the loop."""
         async with self._remove_lock:
             roll = functools.partial(

@@ -16,8 +16,8 @@ from torch import nn
 from core.catalog import ITEM_COLUMN
 from core.metrics import map_at_r, query_gallery_recall_at_k, recall_at_k
 from core.preprocess import rows_per_pass
-from index.faiss_index import build_index
-from index.grouping import Groups, item_recall_at_k
+from index.search.faiss_index import build_index
+from index.search.grouping import Groups, item_recall_at_k
 
 
 @contextmanager

@@ -70,7 +70,7 @@ from core.config import DEVICES, option, to_jsonable
 from core.manifests import ModelManifest
 from core.metrics import query_gallery_recall_at_k, stable_order
 from core.text import TOKENIZER_FILE, TextTokenizer
-from index.embed import check_bad_rows, embed_catalog
+from index.build.embed import check_bad_rows, embed_catalog
 from index.embedder import OnnxEmbedder
 from training.losses.image_text import ImageTextContrastiveLoss
 from training.telemetry import EpochClock, epoch_logger

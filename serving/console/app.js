@@ -10,7 +10,7 @@
   const TOKEN_KEY = "simsearch.adminToken";
   const SVG_NS = "http://www.w3.org/2000/svg";
   // A "not like" part's starting weight: the server's default for a negative part
-  // (serving.checks.NEGATIVE_WEIGHT), shown in the part's weight box and sent with it.
+  // (serving.search.checks.NEGATIVE_WEIGHT), shown in the part's weight box and sent with it.
   const NEGATIVE_WEIGHT = 0.2;
   const SOURCES = [
     ["probe", "Probe", "labelled catalog items, queried on a schedule"],

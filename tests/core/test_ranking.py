@@ -13,11 +13,11 @@ import pytest
 
 from core.ranking import NO_ROW, SORT_BELOW, best_k, ranked
 from core.vectors import RowBlocks, exact_search, l2_normalized
-from index.faiss_index import ExactRerank, exact_within, inner_products
-from index.grouping import Groups, exact_groups, filled_groups
-from index.merge import best_rows
-from serving.engine import Scope, SearchEngine
-from serving.monitor import _best
+from index.search.faiss_index import ExactRerank, exact_within, inner_products
+from index.search.grouping import Groups, exact_groups, filled_groups
+from index.search.merge import best_rows
+from serving.monitoring.monitor import _best
+from serving.search.engine import Scope, SearchEngine
 
 NAN, INF = float("nan"), float("inf")
 

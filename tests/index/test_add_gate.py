@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 
 from core.items import ItemTable
-from index import segments
-from index.add import add_vectors
-from index.gate import GateThresholds, QualityGateError
-from index.version import IndexVersion
+from index.build.add import add_vectors
+from index.build.gate import GateThresholds, QualityGateError
+from index.versions import segments
+from index.versions.version import IndexVersion
 from tests.support import shards as support
 
 DIM, ITEMS = 16, 300

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from index.contact_sheet import CAPTION, PAD, QUERY, RIGHT, THUMB, WRONG, contact_sheet, sample_neighbours
-from index.faiss_index import build_index, l2_normalized
+from index.build.contact_sheet import CAPTION, PAD, QUERY, RIGHT, THUMB, WRONG, contact_sheet, sample_neighbours
+from index.search.faiss_index import build_index, l2_normalized
 
 CELL_W, CELL_H = THUMB + 2 * PAD, THUMB + 2 * PAD + CAPTION
 

@@ -16,7 +16,7 @@ from PIL import Image
 from benchmarks.bench_duplicates import KINDS, grouped_pairs, plant_catalog, planted_pairs
 from core import artifacts
 from core.catalog import read_catalog
-from index.contact_sheet import CAPTION, PAD, THUMB
+from index.build.contact_sheet import CAPTION, PAD, THUMB
 
 pytestmark = pytest.mark.slow
 

@@ -94,7 +94,7 @@ def test_a_session_with_a_share_of_the_threads_for_runs_side_by_side_only_where_
 
     from core.catalog import read_catalog
     from core.preprocess import load_batch
-    from serving.query_embedder import QueryEmbedder
+    from serving.search.query_embedder import QueryEmbedder
 
     model = demo_run / "model"
     embedder = QueryEmbedder(model, provider="cpu", intra_op_threads=2, runs_at_once=2)

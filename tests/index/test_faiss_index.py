@@ -1,4 +1,4 @@
-"""index.faiss_index: building and searching inner-product indexes on L2-normalised vectors."""
+"""index.search.faiss_index: building and searching inner-product indexes on L2-normalised vectors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import faiss
 import numpy as np
 import pytest
 
-from index.faiss_index import (
+from index.search.faiss_index import (
     apply_search_params,
     as_float32_rows,
     build_index,

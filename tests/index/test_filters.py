@@ -1,5 +1,5 @@
-"""Filtered search: the value → rows structure and its filters (index/filters.py), the planner's
-two paths over every index type (index/faiss_index.py: search_within), and a real server on
+"""Filtered search: the value → rows structure and its filters (index/search/filters.py), the planner's
+two paths over every index type (index/search/faiss_index.py: search_within), and a real server on
 loopback answering filtered queries over Flat, IVF-Flat, IVF-PQ (re-ranked) and HNSW versions
 built with `--filterable`."""
 
@@ -13,10 +13,10 @@ import pytest
 
 from core.catalog import read_catalog
 from core.items import ItemTable
-from index.add import run_add
-from index.build import run_build
+from index.build.add import run_add
+from index.build.build import run_build
 from index.config import BuildConfig
-from index.faiss_index import (
+from index.search.faiss_index import (
     EXACT,
     INDEX,
     build_index,
@@ -25,7 +25,7 @@ from index.faiss_index import (
     searchable,
     with_default_rerank,
 )
-from index.filters import (
+from index.search.filters import (
     Condition,
     FieldSpec,
     Filter,
@@ -36,7 +36,7 @@ from index.filters import (
     check_filter,
     parse_filterable,
 )
-from index.version import IndexVersion
+from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import condition
 

@@ -9,7 +9,8 @@ import pytest
 
 from core.manifests import QualityReport
 from core.metrics import stable_sample, wilson_interval
-from index.faiss_index import (
+from index.build.gate import GateThresholds, describe_quality, quality_figures
+from index.search.faiss_index import (
     TIE_TOLERANCE,
     ann_recall,
     apply_search_params,
@@ -19,7 +20,6 @@ from index.faiss_index import (
     recall_with_ties,
     search,
 )
-from index.gate import GateThresholds, describe_quality, quality_figures
 from tests.support import shards as support
 
 N, DIM, COPIES, K = 2000, 32, 300, 10

@@ -1,4 +1,4 @@
-"""Grouped search (index/grouping.py): k distinct groups whenever k groups have an eligible row,
+"""Grouped search (index/search/grouping.py): k distinct groups whenever k groups have an eligible row,
 on random catalogs, for every index type, with and without a filter and deleted rows."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 
 from core.items import ItemTable
 from core.vectors import l2_normalized
-from index.faiss_index import build_index, searchable
-from index.filters import FieldRows, FieldSpec
-from index.grouping import EXACT_PASS, MAX_CANDIDATES, OVERFETCH, Groups, search_groups
+from index.search.faiss_index import build_index, searchable
+from index.search.filters import FieldRows, FieldSpec
+from index.search.grouping import EXACT_PASS, MAX_CANDIDATES, OVERFETCH, Groups, search_groups
 
 FACTORIES = {
     "Flat": {},

@@ -16,7 +16,7 @@ import pytest
 from core import artifacts
 from core.catalog import read_catalog
 from core.items import ItemTable
-from index.version import IndexVersion
+from index.versions.version import IndexVersion
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,7 +142,7 @@ def test_build_killed_at_random_moments_leaves_previous_version_live(demo_run, t
         manifest = artifacts.read_manifest(version_dir)
         assert manifest == live_manifest
         assert len(ItemTable.read(version_dir / "items.parquet")) == manifest["size"]
-        from index.faiss_index import load_index
+        from index.search.faiss_index import load_index
 
         assert load_index(version_dir / "index.faiss").ntotal == manifest["size"]
         for version in artifacts.list_versions(root):

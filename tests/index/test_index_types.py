@@ -11,7 +11,7 @@ from PIL import Image
 from core import artifacts
 from core.artifacts import read_manifest
 from core.catalog import read_catalog
-from index.build import run_build
+from index.build.build import run_build
 from index.config import BuildConfig
 from protos.simsearch.v1 import search_pb2 as pb
 from tests.support.server import start

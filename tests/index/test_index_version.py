@@ -1,4 +1,4 @@
-"""index.version.IndexVersion: a published version opened, its files read when first used."""
+"""index.versions.version.IndexVersion: a published version opened, its files read when first used."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from core import artifacts
 from core.artifacts import ArtifactError
 from core.items import ItemTable
 from core.manifests import IndexManifest
-from index.faiss_index import build_index, l2_normalized
-from index.version import IndexVersion
-from index.version_writer import VersionWriter
+from index.search.faiss_index import build_index, l2_normalized
+from index.versions.version import IndexVersion
+from index.versions.version_writer import VersionWriter
 
 
 def publish(root, vectors: np.ndarray, factory: str = "Flat") -> str:

@@ -1,4 +1,4 @@
-"""The one merge (index/merge.py): a version's segments, its shards read into one process, and a
+"""The one merge (index/search/merge.py): a version's segments, its shards read into one process, and a
 sharded server's shard answers are merged by one order — score descending, then row — so rows
 that tie answer in the same order whichever parts hold them, and a segmented version answers
 range searches with faiss's own range search, part by part."""
@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from core.items import ItemTable
-from index.add import add_vectors
-from index.faiss_index import build_index, l2_normalized
-from index.merge import NO_ROW, MergedIndex, best_rows
-from index.range_search import by_range_search, reaching
-from index.version import IndexVersion
-from serving.engine import NOTHING_EXCLUDED, SearchEngine, ServingPair
-from serving.sharded import LocalShards, ShardedSearch
+from index.build.add import add_vectors
+from index.search.faiss_index import build_index, l2_normalized
+from index.search.merge import NO_ROW, MergedIndex, best_rows
+from index.search.range_search import by_range_search, reaching
+from index.versions.version import IndexVersion
+from serving.search.engine import NOTHING_EXCLUDED, SearchEngine, ServingPair
+from serving.shards.sharded import LocalShards, ShardedSearch
 from tests.support import shards as support
 
 N, DIM, ITEMS, COPIES, K = 600, 16, 150, 40, 10

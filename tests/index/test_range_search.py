@@ -1,4 +1,4 @@
-"""Every row at or above a score (`index.range_search`) on each index type, against exact search:
+"""Every row at or above a score (`index.search.range_search`) on each index type, against exact search:
 clusters of near-copies among random vectors, with deleted and excluded rows and a bound."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from index.duplicates import find_groups
-from index.faiss_index import ExactRerank, build_index, searchable, with_default_rerank
-from index.range_search import by_range_search, reaching
+from index.search.duplicates import find_groups
+from index.search.faiss_index import ExactRerank, build_index, searchable, with_default_rerank
+from index.search.range_search import by_range_search, reaching
 
 FACTORIES = {
     "flat": ("Flat", {}),

@@ -14,7 +14,7 @@ from PIL import Image
 from core import artifacts
 from core.catalog import Catalog, read_catalog
 from core.items import ItemTable
-from index.rebuild import embed_actor_resources, read_shards
+from index.build.rebuild import embed_actor_resources, read_shards
 from tests.support.images import png_header_only
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,7 +109,7 @@ def test_rebuild_counts_bad_rows_and_matches_plain_build(demo_run, planted_catal
 
 @pytest.mark.slow
 def test_rerun_after_a_crash_discards_partial_shards(demo_run, planted_catalog, tmp_path):
-    from index.rebuild import work_key
+    from index.build.rebuild import work_key
 
     root = tmp_path / "index"
     model_id = artifacts.read_manifest(demo_run / "model")["model_id"]

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from core import artifacts
-from index.build import run_build
+from index.build.build import run_build
+from index.build.rebuild import RebuildConfig, run_rebuild
 from index.config import BuildConfig
-from index.faiss_index import search
-from index.rebuild import RebuildConfig, run_rebuild
-from index.sharding import shard_of
-from index.version import IndexVersion
+from index.search.faiss_index import search
+from index.versions.sharding import shard_of
+from index.versions.version import IndexVersion
 from tests.support.index import write_images, write_tiny_model
 
 IMAGES, PER_ITEM = 160, 2

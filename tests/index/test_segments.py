@@ -1,4 +1,4 @@
-"""Segmented versions (index/segments.py): an add writes one new segment and links the rest, a
+"""Segmented versions (index/versions/segments.py): an add writes one new segment and links the rest, a
 removal writes tombstones alone, compaction merges a shard's segments on Ray — and a version of
 several segments answers as the same rows compacted into one index do (Flat: to the id; IVF-PQ
 and HNSW within a recall tolerance), at S = 1 and S = 4, through every kind of search the
@@ -18,13 +18,13 @@ from core.artifacts import ArtifactError
 from core.items import ItemTable
 from core.manifests import IndexManifest
 from core.vectors import RowBlocks
-from index import segments
-from index.add import add_vectors
-from index.faiss_index import l2_normalized, search_within
-from index.filters import Condition, Filter
-from index.grouping import search_groups
-from index.lifecycle import compact_version, remove_items
-from index.version import IndexVersion
+from index.build.add import add_vectors
+from index.build.lifecycle import compact_version, remove_items
+from index.search.faiss_index import l2_normalized, search_within
+from index.search.filters import Condition, Filter
+from index.search.grouping import search_groups
+from index.versions import segments
+from index.versions.version import IndexVersion
 from tests.support import shards as support
 
 N, DIM, ITEMS, K = 1200, 16, 300, 10
@@ -238,7 +238,7 @@ def test_bad_rows_are_refused_precisely(tmp_path):
 def test_tombstones_are_dropped_from_an_answer_asked_deeper(tmp_path, monkeypatch, deleted):
     """A few tombstones: the index asked that much deeper and them dropped; many: the planner
     over the live rows. Either way, for Flat, the exact top k of the live rows."""
-    from index import faiss_index
+    from index.search import faiss_index
 
     monkeypatch.setattr(faiss_index, "OVERFETCH_DELETED", 20)  # 10 deleted overfetch, 50 go to the planner
     _grown(tmp_path, "Flat", {}, 1, adds=1)

@@ -21,8 +21,8 @@ import pytest
 
 from core import artifacts
 from core.items import ItemTable
-from index.add import add_vectors
-from index.version import IndexVersion
+from index.build.add import add_vectors
+from index.versions.version import IndexVersion
 from tests.support import shards as support
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,8 +36,8 @@ WRITER = textwrap.dedent(
     import numpy as np
     from core.items import ItemTable
     from core.vectors import l2_normalized
-    from index.add import add_vectors
-    from index.lifecycle import compact_version, remove_items
+    from index.build.add import add_vectors
+    from index.build.lifecycle import compact_version, remove_items
 
     root, seed = sys.argv[1], int(sys.argv[2])
     rng = np.random.default_rng(seed)
@@ -59,7 +59,7 @@ WRITER = textwrap.dedent(
 COMPACTOR = textwrap.dedent(
     """
     import sys, time
-    from index.lifecycle import compact_version
+    from index.build.lifecycle import compact_version
 
     print("ready", flush=True)
     while True:

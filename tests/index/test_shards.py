@@ -22,16 +22,16 @@ from core.manifests import IndexManifest, RowCounts
 from core.metrics import stable_sample
 from core.vectors import RowBlocks, exact_search
 from index.__main__ import main as index_main
-from index.build import run_build
+from index.build.build import run_build
+from index.build.gate import GateThresholds
+from index.build.lifecycle import remove_items
 from index.config import BuildConfig
-from index.faiss_index import ann_recall, l2_normalized, search, search_within
-from index.filters import parse_filterable
-from index.gate import GateThresholds
-from index.grouping import search_groups
-from index.lifecycle import remove_items
-from index.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
-from index.sharding import partition, shard_keys, shard_of
-from index.version import IndexVersion
+from index.search.faiss_index import ann_recall, l2_normalized, search, search_within
+from index.search.filters import parse_filterable
+from index.search.grouping import search_groups
+from index.versions.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
+from index.versions.sharding import partition, shard_keys, shard_of
+from index.versions.version import IndexVersion
 from tests.support.index import write_images, write_tiny_model
 
 N, DIM, ITEMS = 2400, 24, 800  # three rows an item
@@ -310,7 +310,7 @@ def test_build_add_and_list_a_sharded_version(photos, tmp_path, capsys):
         writer = csv.writer(out)
         writer.writerow(["id", "path", "item"])
         writer.writerows([p.stem, p.name, "item0"] for p in more)
-    from index.add import run_add
+    from index.build.add import run_add
 
     added = IndexVersion(run_add(BuildConfig(index_root=str(root), catalog=str(extra), min_ann_recall=0),
                                  progress=False)).load()  # fmt: skip

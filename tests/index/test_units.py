@@ -1,4 +1,4 @@
-"""A version's units (index/units.py, issue 60): each shard, or the version itself when it is one
+"""A version's units (index/versions/units.py, issue 60): each shard, or the version itself when it is one
 index — read from the manifest alone, and the one answer every place gives for a unit's rows, its
 segments and which units may hold an id. On a 4-shard version after an add that touched some
 shards, `index list`, /v1/admin/versions (what the console's Versions page shows) and the units
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from core.items import ItemTable
-from index.add import add_vectors
-from index.sharding import shard_of
-from index.units import units_for_id
-from index.version import IndexVersion
+from index.build.add import add_vectors
+from index.versions.sharding import shard_of
+from index.versions.units import units_for_id
+from index.versions.version import IndexVersion
 from serving.admin import AdminService
 from tests.support import shards as support
 

@@ -1,4 +1,4 @@
-"""index.version_writer.VersionWriter: the one writer of an index version — what it writes the
+"""index.versions.version_writer.VersionWriter: the one writer of an index version — what it writes the
 reader opens, and a failure anywhere before the publish leaves the previous version live and no
 staging folder behind."""
 
@@ -10,9 +10,9 @@ import pytest
 from core import artifacts
 from core.items import ItemTable
 from core.manifests import IndexManifest
-from index.faiss_index import build_index, l2_normalized
-from index.version import IndexVersion
-from index.version_writer import VersionWriter
+from index.search.faiss_index import build_index, l2_normalized
+from index.versions.version import IndexVersion
+from index.versions.version_writer import VersionWriter
 
 
 def write_version(root, vectors: np.ndarray, parent: str | None = None, fail: bool = False) -> str:

@@ -1,4 +1,4 @@
-"""The server's live ANN fidelity (serving/monitor.py) counts rows — and groups — that tie with the
+"""The server's live ANN fidelity (serving/monitoring/monitor.py) counts rows — and groups — that tie with the
 exact K-th best as equal, as the build's ANN recall does: an exact index answering a catalog with
 duplicated vectors reads 1.0 whatever order it lists the copies in, one that misses less."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from index.faiss_index import apply_search_params, build_index, l2_normalized
-from index.version import IndexVersion
-from serving.engine import EVERY_ROW, NOTHING_EXCLUDED, SearchEngine, ServingPair
-from serving.metrics import ServiceMetrics
-from serving.monitor import EXACT_DEPTH, MonitorConfig, RecallMonitor, SampledQuery
+from index.search.faiss_index import apply_search_params, build_index, l2_normalized
+from index.versions.version import IndexVersion
+from serving.monitoring.metrics import ServiceMetrics
+from serving.monitoring.monitor import EXACT_DEPTH, MonitorConfig, RecallMonitor, SampledQuery
+from serving.search.engine import EVERY_ROW, NOTHING_EXCLUDED, SearchEngine, ServingPair
 from tests.support import shards as support
 
 N, DIM, ITEMS, COPIES = 600, 16, 200, 60

@@ -14,11 +14,11 @@ from PIL import Image
 
 from core.catalog import read_catalog
 from core.preprocess import load_image
-from serving.batching import DecodePlacement, DynamicBatcher, Query, Result
-from serving.checks import RequestChecks
-from serving.engine import NOTHING_EXCLUDED, Limits, SearchEngine, load_pair
 from serving.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
-from serving.metrics import ServiceMetrics
+from serving.monitoring.metrics import ServiceMetrics
+from serving.search.batching import DecodePlacement, DynamicBatcher, Query, Result
+from serving.search.checks import RequestChecks
+from serving.search.engine import NOTHING_EXCLUDED, Limits, SearchEngine, load_pair
 from tests.support.images import encode
 
 CHECKS = RequestChecks(Limits())  # what the service checks before a query reaches the batcher

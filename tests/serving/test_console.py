@@ -29,10 +29,10 @@ import pytest
 from core import artifacts
 from core.catalog import read_catalog
 from core.manifests import IndexManifest
-from index.build import run_build
+from index.build.build import run_build
+from index.build.lifecycle import audit_entries
 from index.config import BuildConfig
-from index.duplicates import DuplicatesConfig, run_duplicates
-from index.lifecycle import audit_entries
+from index.search.duplicates import DuplicatesConfig, run_duplicates
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient, condition
 from serving.config import ServerConfig

@@ -125,7 +125,7 @@ def test_info_feedback_batch_history_and_thumbnails(served):
 
 
 def test_openapi_document_lists_every_route(served):
-    from serving.routes import ROUTES
+    from serving.transport.routes import ROUTES
 
     server, _, _ = served
     document = requests.get(url(server, "/openapi.json"), timeout=60).json()
@@ -412,9 +412,9 @@ def test_cors_is_off_unless_an_origin_is_named(demo_run):
 def test_a_thumbnail_is_upright_and_a_missing_file_is_not_found(tmp_path):
     """A phone photo stored sideways (EXIF orientation 6) is shown upright, as the model sees it;
     an item whose file has gone since the build is 404, not the request's fault."""
-    from serving.engine import Limits
     from serving.errors import NotFound
-    from serving.service import thumbnail_of
+    from serving.search.engine import Limits
+    from serving.search.service import thumbnail_of
 
     sideways = tmp_path / "phone.jpg"
     exif = Image.Exif()

@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from protos.simsearch.v1 import search_pb2 as pb
-from serving.checks import DEFAULT_K
+from serving.search.checks import DEFAULT_K
 from tests.support.index import write_catalog_index
 from tests.support.server import connect, start
 
@@ -109,7 +109,7 @@ def test_an_embedding_near_float32s_largest_is_searched_as_its_direction(served)
 
 
 def test_the_openapi_document_states_the_rules_the_service_layer_checks(served):
-    from serving.checks import MIN_SCORE_RANGE
+    from serving.search.checks import MIN_SCORE_RANGE
 
     server, client, base = served
     document = requests.get(f"{base}/openapi.json", timeout=60).json()

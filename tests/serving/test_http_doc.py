@@ -17,7 +17,7 @@ def test_http_reference_matches_the_openapi_document():
 
 
 def test_every_route_and_message_is_in_the_reference():
-    from serving.routes import ROUTES
+    from serving.transport.routes import ROUTES
 
     text = (ROOT / "docs" / "http.md").read_text()
     for route in ROUTES:

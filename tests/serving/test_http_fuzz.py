@@ -26,7 +26,7 @@ from schemathesis.config._checks import NotAServerErrorConfig
 from schemathesis.specs.openapi.checks import negative_data_rejection
 from schemathesis.transport.serialization import Binary
 
-from serving.routes import ROUTES
+from serving.transport.routes import ROUTES
 from tests.support.index import write_catalog_index
 from tests.support.server import start
 

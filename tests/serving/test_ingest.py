@@ -16,9 +16,9 @@ import requests
 from PIL import Image
 
 from core import artifacts
-from index.version import IndexVersion
+from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
-from serving.checks import MAX_ADD_ITEMS
+from serving.search.checks import MAX_ADD_ITEMS
 from tests.support.index import SIDE, write_catalog_index
 from tests.support.server import connect, start, wait_for
 

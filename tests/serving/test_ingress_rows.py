@@ -13,14 +13,14 @@ import grpc
 import numpy as np
 import pytest
 
-from index.faiss_index import l2_normalized
-from index.version import IndexVersion
+from index.search.faiss_index import l2_normalized
+from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
-from serving.engine import ServingPair, load_pair
 from serving.errors import NotFound
-from serving.ray_serve import IngressVersion, RayShards, ShardedEngine
+from serving.ray_serve.deployment import IngressVersion, RayShards, ShardedEngine
+from serving.search.engine import ServingPair, load_pair
 from serving.server import SearchApp
-from serving.sharded import ShardedSearch, ShardSearcher
+from serving.shards.sharded import ShardedSearch, ShardSearcher
 from tests.support import server as support_server
 from tests.support import shards as support
 
@@ -49,7 +49,7 @@ class Searching:
 
 
 class IngressServer(support_server.SearchServer):
-    """The ingress replica's server (`serving.ray_serve.IngressReplica`) with in-process shards."""
+    """The ingress replica's server (`serving.ray_serve.deployment.IngressReplica`) with in-process shards."""
 
     def __init__(self, root) -> None:
         self.reach = RayShards([Searching(ShardSearcher(root, n)) for n in range(SHARDS)], 30.0, 0, None)

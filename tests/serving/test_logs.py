@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from serving import logs
-from serving.calls import CallRecorder
-from serving.history import TrafficHistory
-from serving.metrics import ServiceMetrics
+from serving.monitoring.history import TrafficHistory
+from serving.monitoring.metrics import ServiceMetrics
+from serving.transport.calls import CallRecorder
 
 
 @pytest.fixture()
@@ -42,7 +42,9 @@ def test_an_access_log_line_names_method_protocol_code_and_latency(fmt, capsys, 
             12.3,
         )
     else:
-        assert line.endswith("serving.calls: call method=Search protocol=http code=INVALID_ARGUMENT ms=12.3"), line
+        assert line.endswith(
+            "serving.transport.calls: call method=Search protocol=http code=INVALID_ARGUMENT ms=12.3"
+        ), line
 
 
 def test_a_text_line_keeps_its_traceback_after_the_fields(capsys, restored_logging):
@@ -50,6 +52,8 @@ def test_a_text_line_keeps_its_traceback_after_the_fields(capsys, restored_loggi
     try:
         raise RuntimeError("boom")
     except RuntimeError:
-        logging.getLogger("serving.calls").exception("Search failed", extra={"method": "Search", "code": "INTERNAL"})
+        logging.getLogger("serving.transport.calls").exception(
+            "Search failed", extra={"method": "Search", "code": "INTERNAL"}
+        )
     head, *rest = capsys.readouterr().err.splitlines()
     assert head.endswith("Search failed method=Search code=INTERNAL") and rest[0].startswith("Traceback")

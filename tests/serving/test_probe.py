@@ -1,4 +1,4 @@
-"""The server's probe rounds (serving/probe.py) query a sample chosen by item ids: the same
+"""The server's probe rounds (serving/monitoring/probe.py) query a sample chosen by item ids: the same
 items whatever the order of the catalog's rows, so two builds of one catalog compare."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from core.items import ItemTable
-from index.version import SampledItem, sampled_items
-from serving.probe import ProbeRunner
+from index.versions.version import SampledItem, sampled_items
+from serving.monitoring.probe import ProbeRunner
 
 ROWS, SIZE = 400, 50
 

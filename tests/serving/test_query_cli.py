@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from core.catalog import read_catalog
-from index.build import run_build
+from index.build.build import run_build
 from index.config import BuildConfig
 from serving.__main__ import target_address
 from serving.client import SearchClient

@@ -39,8 +39,8 @@ import pytest
 
 from core import artifacts
 from core.vectors import exact_search
-from index.faiss_index import l2_normalized
-from index.version import IndexVersion
+from index.search.faiss_index import l2_normalized
+from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from serving.client import SearchClient
@@ -351,7 +351,7 @@ def _ingress_pairs() -> list[str]:
     def held(_: object) -> list[str]:
         import gc
 
-        from serving.engine import ServingPair
+        from serving.search.engine import ServingPair
 
         gc.collect()
         return sorted(o.version for o in gc.get_objects() if isinstance(o, ServingPair))
@@ -525,7 +525,7 @@ def test_an_item_id_query_asks_the_shard_holding_it_and_the_ingress_maps_no_vect
 REPLICA_WORK = """
 import json, sys
 import numpy as np
-from serving.replicas import {cls}
+from serving.ray_serve.replicas import {cls}
 replica = {make}
 {work}
 print(json.dumps(sorted({{name.split(".", 1)[0] for name in sys.modules}})))
@@ -548,9 +548,9 @@ def test_a_replica_imports_what_its_work_needs(roots):
     faiss."""
     _, four, model = roots
     search = "\n".join([
-        "from index.version import IndexVersion",
-        "from serving.engine import EVERY_ROW, NOTHING_EXCLUDED",
-        "from serving.sharded import ShardedSearch",
+        "from index.versions.version import IndexVersion",
+        "from serving.search.engine import EVERY_ROW, NOTHING_EXCLUDED",
+        "from serving.shards.sharded import ShardedSearch",
         f"version = IndexVersion.live({str(four)!r}).name",
         f"request = ShardedSearch.request(np.ones((2, {DIM}), np.float32), 5, [NOTHING_EXCLUDED] * 2, [EVERY_ROW] * 2, None)",  # noqa: E501
         "assert len(replica.searcher.search(version, request).rows) == 10",
@@ -630,7 +630,7 @@ def _labelled_sharded_root(folder: Path) -> Path:
     """A 2-shard index root over 96 labelled images (8 labels), embedded by a 224-px model."""
     import csv
 
-    from index.build import run_build
+    from index.build.build import run_build
     from index.config import BuildConfig
     from tests.support.index import write_images, write_tiny_model
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from index.version import ItemLocation
+from index.versions.version import ItemLocation
 from serving.errors import Unavailable
 from serving.logs import shard_label
-from serving.metrics import ServiceMetrics
-from serving.ray_serve import RayShards, _cause
-from serving.replicas import shard_deployment
-from serving.sharded import ShardRequest, ShardScope, failure_reason
+from serving.monitoring.metrics import ServiceMetrics
+from serving.ray_serve.deployment import RayShards, _cause
+from serving.ray_serve.replicas import shard_deployment
+from serving.shards.sharded import ShardRequest, ShardScope, failure_reason
 from tests.support.shards import Answered
 
 

@@ -19,8 +19,8 @@ from core.catalog import read_catalog
 from core.preprocess import load_batch
 from index.embedder import CPU, CUDA, OnnxEmbedder, measures_run_rows
 from serving.config import ServerConfig
-from serving.engine import load_pair
-from serving.query_embedder import OverBudget, QueryEmbedder, fastest_run_rows
+from serving.search.engine import load_pair
+from serving.search.query_embedder import OverBudget, QueryEmbedder, fastest_run_rows
 from serving.server import SearchApp
 from tests.support.server import SearchServer, config, event_loop
 
@@ -81,7 +81,7 @@ def test_an_over_budget_measurement_keeps_whole_batches_and_says_so(demo_run, ca
     embedder = QueryEmbedder(demo_run / "model", provider="cpu", intra_op_threads=2, runs_at_once=2)
     embedder.run_rows = embedder.side_by_side_run_rows = 3
     steps: list[str] = []
-    with caplog.at_level("INFO", logger="serving.query_embedder"):
+    with caplog.at_level("INFO", logger="serving.search.query_embedder"):
         embedder.tune_run_rows(2048, 1024, total_budget_s=0.05, progress=steps.append)
     assert (embedder.run_rows, embedder.side_by_side_run_rows) == (None, None)  # whole batches, as --run-rows 0
     assert "measuring rows per ONNX Runtime run took over 0.05 s" in caplog.text and "--run-rows" in caplog.text
@@ -132,7 +132,7 @@ def test_rows_per_run_are_measured_set_or_whole_at_load(demo_run, images, caplog
     assert (pair.embedder.run_rows, pair.embedder.side_by_side_run_rows) == (3, 3)
     pair = load_pair(index_root, provider="cpu", intra_op_threads=2, runs_at_once=2, run_rows=0, batch_rows=8)
     assert (pair.embedder.run_rows, pair.embedder.side_by_side_run_rows) == (None, None)
-    with caplog.at_level("INFO", logger="serving.query_embedder"):
+    with caplog.at_level("INFO", logger="serving.search.query_embedder"):
         pair = load_pair(index_root, provider="cpu", intra_op_threads=2, runs_at_once=2, run_rows=None, batch_rows=8)
     # Measured: a batch of 8 on the full session, 4 (a stream's share) on the other.
     assert pair.embedder.run_rows in (None, 1, 2, 4)
@@ -146,7 +146,7 @@ def test_a_new_index_for_the_same_model_keeps_the_measured_rows(demo_run, caplog
     index_root = demo_run / "index"
     options = dict(provider="cpu", intra_op_threads=2, runs_at_once=2, batch_rows=8)
     live = load_pair(index_root, run_rows=3, **options)
-    with caplog.at_level("INFO", logger="serving.query_embedder"):
+    with caplog.at_level("INFO", logger="serving.search.query_embedder"):
         again = load_pair(index_root, run_rows=None, previous=live, **options)
         assert (again.embedder.run_rows, again.embedder.side_by_side_run_rows) == (3, 3)
         assert not [r for r in caplog.records if "rows per ONNX Runtime run" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""The sharded search's merge (serving/sharded.py), without a cluster: S = 4 shards, each a
+"""The sharded search's merge (serving/shards/sharded.py), without a cluster: S = 4 shards, each a
 `ShardSearcher` in this process, answer every kind of query exactly as the one-index engine
 answers the same catalog built as one index — plain, filtered, grouped by the item (the shard
 key) and by a field spanning shards, with several rows a group, min_score, excluded rows and a
@@ -12,15 +12,15 @@ import pickle
 import numpy as np
 import pytest
 
-from index.faiss_index import l2_normalized
-from index.filters import Condition, Filter
-from index.lifecycle import remove_items
-from index.version import IndexVersion
-from serving.engine import NOTHING_EXCLUDED, Exclusion, Hit, Scope, SearchEngine, ServingPair
-from serving.metrics import ServiceMetrics
-from serving.monitor import MonitorConfig, RecallMonitor
-from serving.ray_serve import IngressVersion, RayShards
-from serving.sharded import LocalShards, ShardedSearch, ShardSearcher
+from index.build.lifecycle import remove_items
+from index.search.faiss_index import l2_normalized
+from index.search.filters import Condition, Filter
+from index.versions.version import IndexVersion
+from serving.monitoring.metrics import ServiceMetrics
+from serving.monitoring.monitor import MonitorConfig, RecallMonitor
+from serving.ray_serve.deployment import IngressVersion, RayShards
+from serving.search.engine import NOTHING_EXCLUDED, Exclusion, Hit, Scope, SearchEngine, ServingPair
+from serving.shards.sharded import LocalShards, ShardedSearch, ShardSearcher
 from tests.support import shards as support
 
 N, DIM, ITEMS = 1200, 16, 400

@@ -19,10 +19,10 @@ import pytest
 from core import artifacts
 from core.catalog import read_catalog
 from core.items import ItemTable
-from index.build import run_build
+from index.build.build import run_build
+from index.build.lifecycle import AUDIT_LOG
 from index.config import BuildConfig
-from index.lifecycle import AUDIT_LOG
-from index.version import IndexVersion
+from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from tests.support.server import start
 

@@ -18,10 +18,10 @@ import requests
 from core.artifacts import ArtifactError
 from core.vectors import exact_search
 from index.__main__ import describe_version
-from index.build import run_build
+from index.build.build import run_build
 from index.config import BuildConfig
 from index.embedder import OnnxTextEmbedder
-from index.version import IndexVersion
+from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from tests.support.index import write_images, write_tiny_model, write_tiny_text_model
 from tests.support.server import start

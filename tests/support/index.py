@@ -70,7 +70,7 @@ def write_catalog_index(tmp: Path, items: int = 12, per_item: int = 2, text: boo
     with `text`, answering words with the tiny text model)."""
     import csv
 
-    from index.build import run_build
+    from index.build.build import run_build
     from index.config import BuildConfig
 
     paths = write_images(tmp / "images", items * per_item)

@@ -24,7 +24,7 @@ def _count(text: str) -> int:
 def test_the_list_counts_the_guide_advises_are_the_builds_own():
     """docs/operations.md advised `IVF400,Flat` at 10k images while the build, refusing or warning,
     said "use about 281 lists for 10982 vectors" (issue 47): every count it names is the rule's."""
-    from index.faiss_index import suggested_nlist
+    from index.search.faiss_index import suggested_nlist
 
     text = " ".join((ROOT / "docs" / "operations.md").read_text(encoding="utf-8").split())
     examples = re.findall(r"`IVF(\d+),[^`]*` at (\d[\d,]*)\b(?![\d,]*[kM])", text)

@@ -103,7 +103,7 @@ def test_what_fails_a_soak_is_one_line_each():
     failed = soak.failures(
         result(
             unexpected=3, unexpected_by_kind={"image/http:UNAVAILABLE": 3}, reloads_failed=["INTERNAL: boom"],
-            server_log_errors=["2026-11-28 08:40:30,986 ERROR serving.monitor: failed … ValueError: x"],
+            server_log_errors=["2026-11-28 08:40:30,986 ERROR serving.monitoring.monitor: failed … ValueError: x"],
             processes=[grown, swinging, replaced, ray_own, idle, short],
         ),
         max_growth_mb=8,
@@ -124,24 +124,24 @@ def test_the_server_log_keeps_what_the_bad_input_does_not_explain(tmp_path):
     log = tmp_path / "server.log"
     log.write_text(
         "2026-11-28 08:40:01,000 INFO serving.server: serving index v1\n"
-        "2026-11-28 08:40:02,000 WARNING serving.calls: Search: cannot decode image method=Search "
+        "2026-11-28 08:40:02,000 WARNING serving.transport.calls: Search: cannot decode image method=Search "
         "code=INVALID_ARGUMENT\n"
         "2026-11-28 08:40:03,000 ERROR ray.serve: Request failed. deployment=shard-000\n"
         "Traceback (most recent call last):\n"
         "core.artifacts.ArtifactError: shard 000 of version v-damaged: index.faiss is damaged\n"
-        "2026-11-28 08:40:04,000 ERROR serving.monitor: ANN fidelity check failed deployment=ingress\n"
+        "2026-11-28 08:40:04,000 ERROR serving.monitoring.monitor: ANN fidelity check failed deployment=ingress\n"
         "Traceback (most recent call last):\n"
-        '  File "serving/monitor.py", line 381, in check_ann_remote\n'
+        '  File "serving/monitoring/monitor.py", line 381, in check_ann_remote\n'
         "ValueError: too many values to unpack (expected 2)\n"
-        "2026-11-28 08:40:05,000 WARNING serving.sharded: shard 001: search failed; trying again\n"
+        "2026-11-28 08:40:05,000 WARNING serving.shards.sharded: shard 001: search failed; trying again\n"
     )
     assert soak.log_records_of_note(log, ["v-damaged", "v-no-such-version"]) == [
         (
             "ERROR",
-            "2026-11-28 08:40:04,000 ERROR serving.monitor: ANN fidelity check failed deployment=ingress … "
+            "2026-11-28 08:40:04,000 ERROR serving.monitoring.monitor: ANN fidelity check failed deployment=ingress … "
             "ValueError: too many values to unpack (expected 2)",
         ),
-        ("WARNING", "2026-11-28 08:40:05,000 WARNING serving.sharded: shard 001: search failed; trying again"),
+        ("WARNING", "2026-11-28 08:40:05,000 WARNING serving.shards.sharded: shard 001: search failed; trying again"),
     ]
 
 

@@ -13,7 +13,7 @@ import pytest
 from core import artifacts
 from core.artifacts import read_manifest
 from core.catalog import read_catalog
-from index.gate import NO_PROBE
+from index.build.gate import NO_PROBE
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,115 @@
+"""A contact sheet of sample queries and their neighbours: what a built index answers, at a
+glance, before anyone serves it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont, ImageOps
+
+from index.search.faiss_index import search_leaving_out_self
+
+THUMB = 96
+PAD = 6
+CAPTION = 16
+RIGHT, WRONG, QUERY, PLAIN = (40, 160, 60), (200, 50, 40), (40, 90, 200), (160, 160, 160)
+
+
+def _thumbnail(path: str | Path) -> Image.Image:
+    try:
+        with Image.open(path) as image:
+            image.draft("RGB", (THUMB, THUMB))  # a large JPEG decodes at reduced scale
+            image = ImageOps.exif_transpose(image).convert("RGB")
+            # Small images (28-px glyphs) are enlarged to the tile too, without smoothing.
+            resample = Image.Resampling.NEAREST if max(image.size) < THUMB else Image.Resampling.BICUBIC
+            image = ImageOps.contain(image, (THUMB, THUMB), resample)
+    except (OSError, ValueError, Image.DecompressionBombError):
+        return Image.new("RGB", (THUMB, THUMB), (90, 90, 90))  # unreadable: a grey square, not a failed build
+    tile = Image.new("RGB", (THUMB, THUMB), (255, 255, 255))
+    tile.paste(image, ((THUMB - image.width) // 2, (THUMB - image.height) // 2))
+    return tile
+
+
+def _font() -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
+    try:
+        return ImageFont.load_default(size=12)
+    except TypeError:  # Pillow without FreeType: the fixed bitmap font
+        return ImageFont.load_default()
+
+
+def _tail(text: str, width: int = 16) -> str:
+    """`text` cut to `width` characters from the end (an id's file name says more than its folder)."""
+    return text if len(text) <= width else "…" + text[-(width - 1) :]
+
+
+def contact_sheet(
+    query_paths: Sequence[str | Path],
+    query_labels: Sequence[str] | None,
+    neighbour_rows: np.ndarray,
+    neighbour_scores: np.ndarray,
+    item_paths: Sequence[str],
+    item_labels: Sequence[str] | None,
+    *,
+    titles: Sequence[str] | None = None,
+    notes: Sequence[str] | None = None,
+    query_ids: Sequence[str] | None = None,
+    item_ids: Sequence[str] | None = None,
+    match: str = "label",
+) -> Image.Image:
+    """One row per query: the query (blue frame), then its neighbours left to right with their
+    scores, framed green when a neighbour has the query's label and red when not (grey where
+    the query or the neighbour has none). Rows of -1 (fewer neighbours than asked) stay empty.
+    The "labels" are whatever defines a match, named by `match` — an index's item field, or the
+    class label (`index.versions.publish.draw_contact_sheet` decides).
+
+    `titles`: each row's caption under its query (default `match` and the query's value); `notes`: text
+    in a column after the last neighbour (what the row leaves out, "+377 more"), added when any
+    row has one; `query_ids` and `item_ids` (indexed as `item_paths`): a second caption line under
+    every tile with its id."""
+    queries, depth = neighbour_rows.shape
+    with_ids = query_ids is not None and item_ids is not None
+    note_column = notes is not None and any(notes)
+    cell_w, cell_h = THUMB + 2 * PAD, THUMB + 2 * PAD + CAPTION * (2 if with_ids else 1)
+    columns = depth + 1 + (1 if note_column else 0)
+    sheet = Image.new("RGB", (cell_w * columns, cell_h * queries), (255, 255, 255))
+    draw, font = ImageDraw.Draw(sheet), _font()
+
+    def place(column: int, row: int, path: str | Path, frame: tuple[int, int, int], caption: str, item_id: str) -> None:
+        x, y = column * cell_w, row * cell_h
+        draw.rectangle([x + 1, y + 1, x + cell_w - 2, y + THUMB + 2 * PAD - 2], outline=frame, width=4)
+        sheet.paste(_thumbnail(path), (x + PAD, y + PAD))
+        draw.text((x + PAD, y + THUMB + 2 * PAD), caption, fill=(0, 0, 0), font=font)
+        if with_ids:
+            draw.text((x + PAD, y + THUMB + 2 * PAD + CAPTION), _tail(item_id), fill=(90, 90, 90), font=font)
+
+    for q in range(queries):
+        label = query_labels[q] if query_labels is not None else None
+        if titles is not None:
+            title = titles[q]
+        else:
+            title = "query" if label is None else f"{match} {label}"[:16]
+        place(0, q, query_paths[q], QUERY, title, query_ids[q] if with_ids else "")
+        for n in range(depth):
+            item = int(neighbour_rows[q, n])
+            if item < 0:
+                continue
+            if label is None or item_labels is None or item_labels[item] is None:
+                frame = PLAIN
+            else:
+                frame = RIGHT if item_labels[item] == label else WRONG
+            caption = f"{float(neighbour_scores[q, n]):.3f}"
+            place(n + 1, q, item_paths[item], frame, caption, item_ids[item] if with_ids else "")
+        if note_column and notes[q]:
+            draw.text((cell_w * (depth + 1) + PAD, q * cell_h + PAD + THUMB // 2), notes[q], fill=(0, 0, 0), font=font)
+    return sheet
+
+
+def sample_neighbours(index, embeddings: np.ndarray, queries: int = 12, depth: int = 8, seed: int = 0):
+    """(query rows, neighbour rows, scores): a fixed sample of the catalog querying the index
+    by their stored vectors, each leaving itself out — the leave-one-out probe, made visible."""
+    n = len(embeddings)
+    picked = np.sort(np.random.default_rng(seed).choice(n, size=min(queries, n), replace=False))
+    scores, rows = search_leaving_out_self(index, embeddings, picked, depth)
+    return picked, rows, scores
