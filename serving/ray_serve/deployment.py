@@ -53,7 +53,6 @@ from serving.ray_serve.ingress_version import IngressVersion
 from serving.ray_serve.replicas import EMBEDDER, EmbedderReplica, EmbedderSettings, ShardReplica, shard_deployment
 from serving.search.engine import ServingPair, text_model_dir
 from serving.shards.fanout import ShardedEngine, ShardedSearch
-from serving.shards.messages import ShardAnswer
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +102,7 @@ class IngressReplica:
         self.shards = shards
         metrics = ServiceMetrics()
         sharding = config.sharding
-        self.sharded = ShardedSearch(
-            RayShards(shards, sharding.shard_timeout_s, sharding.shard_retries, metrics), self._observe
-        )
+        self.sharded = ShardedSearch(RayShards(shards, sharding.shard_timeout_s, sharding.shard_retries, metrics))
         self.metrics = metrics
         self.app = SearchApp(config, ShardedEngine(config.limits, self.sharded), self._load, metrics)
         self.app.monitor.exact_top = self.sharded.exact_top
@@ -114,11 +111,6 @@ class IngressReplica:
         asyncio.run_coroutine_threadsafe(self.app.bind(), self.loop).result()
         self.app.bind_metrics()
         self._started = asyncio.run_coroutine_threadsafe(self.app.start(), self.loop)
-
-    def _observe(self, answer: ShardAnswer) -> None:
-        self.metrics.shard_search.labels(answer.shard).observe(answer.search_s)
-        self.metrics.shard_rows.labels(answer.shard).set(answer.rows_held)
-        self.metrics.shard_memory.labels(answer.shard).set(answer.memory_bytes)
 
     def _load(
         self, version: str | None = None, model_dir: str | None = None, previous: ServingPair | None = None,

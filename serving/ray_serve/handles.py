@@ -177,7 +177,19 @@ class RayShards:
     def call(
         self, method: str, version: str, request: ShardRequest, deadline: float | None = None
     ) -> list[ShardAnswer | Exception]:
-        return self._tried(method, version, request, range(len(self.handles)), deadline)
+        answers = self._tried(method, version, request, range(len(self.handles)), deadline)
+        if self.metrics is not None:
+            for answer in answers:
+                if isinstance(answer, ShardAnswer):
+                    self._observe(answer)
+        return answers
+
+    def _observe(self, answer: ShardAnswer) -> None:
+        """A shard's answer in the server's per-shard metrics: its search's time, the rows and the
+        memory its replica holds."""
+        self.metrics.shard_search.labels(answer.shard).observe(answer.search_s)
+        self.metrics.shard_rows.labels(answer.shard).set(answer.rows_held)
+        self.metrics.shard_memory.labels(answer.shard).set(answer.memory_bytes)
 
     def locate(self, version: str, item_id: str, field: str | None, numbers: Sequence[int]) -> ItemLocation | None:
         """Item `item_id` of `version` as the shards of `numbers` hold it (`ShardSearcher.locate`;

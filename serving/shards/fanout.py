@@ -85,12 +85,10 @@ class _Split:
 
 class ShardedSearch:
     """The fan-out and exact merge behind a sharded server's engine: `search` answers as
-    `SearchEngine.search` does, over every shard of the pair's version. `observe(answer,
-    seconds)` hears each shard's answer (the server's per-shard metrics)."""
+    `SearchEngine.search` does, over every shard of the pair's version."""
 
-    def __init__(self, shards: ShardSet, observe=None) -> None:
+    def __init__(self, shards: ShardSet) -> None:
         self.shards = shards
-        self.observe = observe
 
     def _call(self, method: str, version: str, request: ShardRequest, deadline: float | None = None) -> _Split:
         answers, missing = [], {}
@@ -99,8 +97,6 @@ class ShardedSearch:
                 missing[name] = failure_reason(answer)
             else:
                 answers.append(answer)
-                if self.observe is not None:
-                    self.observe(answer)
         return _Split(answers, missing)
 
     @staticmethod
