@@ -399,7 +399,7 @@ def local_ray() -> Iterator[dict[str, str]]:
     `serve --ray` (and `index build --shards`) at it."""
     import ray
 
-    from serving.ray_serve.deployment import SERVING_CLUSTER_ENV
+    from serving.ray_serve.cluster import SERVING_CLUSTER_ENV
 
     for name, value in SERVING_CLUSTER_ENV.items():
         os.environ.setdefault(name, value)

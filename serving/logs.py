@@ -21,7 +21,7 @@ FIELDS = (
 
 def shard_label(number: int) -> str:
     """A shard's name as answers, errors, metrics and records' `shard` field give it ("000", "001", ...):
-    here, where a replica (`serving.ray_serve.replicas`) and the sharded search (`serving.shards.sharded`) both
+    here, where a replica (`serving.ray_serve.replicas`) and a shard's search (`serving.shards.searcher`) both
     import it without importing each other."""
     return f"{number:03d}"
 
@@ -34,6 +34,17 @@ REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("request
 def one_line(text: str) -> str:
     """A paragraph (Ray's: a dead actor's or worker's ids, its likely causes) as one line."""
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def failure_reason(exc: BaseException, typed: bool = True, first: bool = False) -> str:
+    """An exception as one line: its message's last non-blank line (a remote error's message is a
+    traceback that ends with the error; `first`: its first line), after its type's name. With
+    `typed=False` the line alone, or the type's name where the message is blank."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = (lines[0] if first else lines[-1]) if lines else ""
+    if not typed:
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text}".rstrip(": ")
 
 
 def fields_of(record: logging.LogRecord) -> dict[str, object]:

@@ -239,7 +239,7 @@ def exact_groups(
     """Every eligible row scored (`eligible`: None, every row), less `exclude` and rows below
     `min_score`: the k groups with the best rows, best first, and one past k when there is
     one (is there more?). What any exact grouped answer is made of: the last index round's,
-    a shard's (`serving.shards.sharded.ShardSearcher.exact`), the monitor's reference."""
+    a shard's (`serving.shards.searcher.ShardSearcher.exact`), the monitor's reference."""
     best = _group_scores(query, stored, groups, eligible, exclude, min_score)
     reachable = np.flatnonzero(np.isfinite(best))
     top = reachable[best_k(best[reachable], k + 1)]  # one past k: is there more? Ties to the lower group
@@ -281,7 +281,7 @@ def filled_groups(
     """Each of the groups `found`, filled with its best `per_group` eligible rows scored exactly;
     groups ranked by their best, the first k kept. All the groups' rows are gathered and scored
     in one product. What fills every grouped answer, a shard's part of one included
-    (`serving.shards.sharded.ShardSearcher.fill`)."""
+    (`serving.shards.searcher.ShardSearcher.fill`)."""
     spans = [(int(groups.offsets[g]), int(groups.offsets[g + 1])) for g in found]
     rows = np.concatenate([groups.rows[a:b] for a, b in spans]) if spans else groups.rows[:0]
     scores = inner_products(stored, query, rows)

@@ -8,7 +8,7 @@ hold them and however many there are. `best_rows` takes that top k for a batch o
 Two levels use it. A version's segments (and a sharded version's shards read into one process:
 the build's gate, `index duplicates`) are one `MergedIndex`, searched part by part and merged
 here as faiss's index is merged inside one search; a `serve --ray` ingress merges its shard
-replicas' answers (`serving.shards.sharded`) in the same order, a shard's own segments
+replicas' answers (`serving.shards.fanout`) in the same order, a shard's own segments
 having been merged by this module first.
 """
 

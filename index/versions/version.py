@@ -113,10 +113,6 @@ class IndexVersion:
     a missing or damaged file reported as an `ArtifactError` naming it; `load()` reads all three
     and checks they agree."""
 
-    # Whether its rows (items, filters, tombstones) are read here: not by a sharded server's
-    # ingress, whose shards hold them (`serving.ray_serve.deployment.IngressVersion`).
-    holds_rows = True
-
     def __init__(
         self,
         directory: str | Path,

@@ -193,7 +193,7 @@ class RecallMonitor:
         self._threads: list[threading.Thread] = []
         self._rng = random.Random(0)
         # (pair, k, queries) → each query's exact top k rows (groups, grouped) and their scores,
-        # best first: set by a sharded server, whose vectors live in its shards (`serving.shards.sharded`).
+        # best first: set by a sharded server, whose vectors live in its shards (`serving.shards.fanout`).
         self.exact_top: Callable[[ServingPair, int, list[ExactQuery]], list[ExactRanking]] | None = None
 
     # -- live traffic -----------------------------------------------------------------------

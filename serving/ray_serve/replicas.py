@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from index.versions.version import ItemLocation, SampledItem
     from serving.config import ServerConfig
     from serving.search.query_embedder import QueryEmbedder
-    from serving.shards.sharded import ShardAnswer, ShardRequest
+    from serving.shards.messages import ShardAnswer, ShardRequest
 
 EMBEDDER = "embedder"
 
@@ -42,7 +42,7 @@ class ShardReplica:
     def __init__(self, index_root: str, number: int, log_sink: Sink | None = None) -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         ship_records(log_sink, shard_deployment(number))
-        from serving.shards.sharded import ShardSearcher
+        from serving.shards.searcher import ShardSearcher
 
         self.searcher = ShardSearcher(index_root, number)
 

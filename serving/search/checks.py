@@ -20,6 +20,7 @@ from protos.simsearch.v1 import search_pb2 as pb
 from serving.errors import FailedPrecondition, InvalidArgument, at_place, image_errors
 from serving.search.engine import EVERY_ROW, Exclusion, Limits, Scope, ServingPair
 from serving.search.filter_masks import FilterMasks, to_filter
+from serving.search.version_view import VersionView
 
 # A negative query part's weight when it names none (a positive's is 1). Rocchio weighs
 # negatives far below positives (β 0.75, γ 0.15): at 1, one "not like" part pulled the query
@@ -291,13 +292,13 @@ class RequestChecks:
     def groups(self, pair: ServingPair, name: str) -> Groups | None:
         """The rows grouped by `name`, a field the live version declares (None where its rows
         are not held here: a sharded server's shards group their own)."""
-        version = pair.index_version
+        version: VersionView = pair.index_version
         if name not in version.group_fields:
             declared = ", ".join(version.group_fields) or "none (index build --item-field / --filterable)"
             raise InvalidArgument(
                 f"group_by: {name!r} is not a declared field of this index version (declared: {declared})"
             )
-        return version.groups(name) if version.holds_rows else None
+        return version.groups(name)
 
     def check_per_group(self, per_group: int) -> int:
         if not 1 <= per_group <= self.limits.max_per_group:

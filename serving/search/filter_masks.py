@@ -11,6 +11,7 @@ from index.search import filters
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.errors import InvalidArgument
 from serving.search.engine import ServingPair
+from serving.search.version_view import VersionView
 
 
 def to_filter(message: pb.Filter) -> filters.Filter:
@@ -46,8 +47,8 @@ class FilterMasks:
 
     def mask(self, pair: ServingPair, message: pb.Filter) -> np.ndarray | None:
         """The rows `message` allows on the pair — checked, as INVALID_ARGUMENT naming the field;
-        None where the version's rows are not held here (a sharded server's ingress: each shard
-        makes its own mask from the filter, `serving.shards.sharded`)."""
+        None where the version holds no filter index here (a sharded server's ingress: each shard
+        makes its own mask from the filter, `serving.shards.searcher`)."""
         key = (pair.serial, message.SerializeToString(deterministic=True))
         mask = self._masks.get(key)
         if mask is not None:
@@ -56,10 +57,12 @@ class FilterMasks:
         if not pair.manifest.filterable:
             raise InvalidArgument("filter: this index version declares no filterable fields (index build --filterable)")
         try:
-            if not pair.index_version.holds_rows:
+            version: VersionView = pair.index_version
+            held = version.filters
+            if held is None:
                 filters.check_filter(to_filter(message), filters.specs_of(pair.manifest.filterable))
                 return None
-            mask = pair.index_version.filters.mask(to_filter(message))
+            mask = held.mask(to_filter(message))
         except filters.FilterError as exc:
             raise InvalidArgument(str(exc)) from None
         mask.flags.writeable = False

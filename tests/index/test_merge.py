@@ -15,7 +15,7 @@ from index.search.merge import NO_ROW, MergedIndex, best_rows
 from index.search.range_search import by_range_search, reaching
 from index.versions.version import IndexVersion
 from serving.search.engine import NOTHING_EXCLUDED, SearchEngine, ServingPair
-from serving.shards.sharded import LocalShards, ShardedSearch
+from serving.shards.fanout import LocalShards, ShardedSearch
 from tests.support import shards as support
 
 N, DIM, ITEMS, COPIES, K = 600, 16, 150, 40, 10

@@ -1,5 +1,7 @@
 """`serve --ray`'s ingress holds no rows (issue 47): its version (`IngressVersion`) reads only the
-manifest — its items, filters, tombstones, groups and id lookup raise — and every call still
+manifest — it has no items, tombstones, vectors or id lookup, and no filters or groups (None:
+the shards make their own), yet is what the service reads of a version (`VersionView`, as
+`IndexVersion` is) — and every call still
 answers, from the shards, as the one-process server over the same version answers: plain,
 filtered, grouped (by the shard key and by a field spanning shards), min_score, item_id and
 parts (the item located on its shard), exclude_ids, labelled, Feedback, GetInfo, a thumbnail's
@@ -9,6 +11,8 @@ process: the same calls, no cluster."""
 
 from __future__ import annotations
 
+import inspect
+
 import grpc
 import numpy as np
 import pytest
@@ -17,10 +21,13 @@ from index.search.faiss_index import l2_normalized
 from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.errors import NotFound
-from serving.ray_serve.deployment import IngressVersion, RayShards, ShardedEngine
+from serving.ray_serve.handles import RayShards
+from serving.ray_serve.ingress_version import IngressVersion
 from serving.search.engine import ServingPair, load_pair
+from serving.search.version_view import VersionView
 from serving.server import SearchApp
-from serving.shards.sharded import ShardedSearch, ShardSearcher
+from serving.shards.fanout import ShardedEngine, ShardedSearch
+from serving.shards.searcher import ShardSearcher
 from tests.support import server as support_server
 from tests.support import shards as support
 
@@ -117,11 +124,13 @@ def answered(response: pb.SearchResponse) -> list[tuple]:
 def test_the_ingress_answers_every_call_from_its_shards_and_reads_no_row(servers):
     ingress, client, one, one_client = servers
     version = ingress.versions[-1]
-    for read in ("items", "filters", "deleted", "live_mask", "vectors", "index"):
-        with pytest.raises(RuntimeError, match="holds no"):
-            getattr(version, read)
-    with pytest.raises(RuntimeError, match="holds no"):
-        version.row_of("id00001")
+    for read in ("items", "deleted", "live_mask", "vectors", "index", "row_of"):
+        assert not hasattr(version, read), read
+    assert version.filters is None and version.groups("shade") is None
+    whole = IndexVersion(version.directory)  # what `serve` serves: the same view of a version, with its rows
+    for member in [*VersionView.__annotations__, *(n for n in vars(VersionView) if not n.startswith("_"))]:
+        for view in (version, whole):
+            inspect.getattr_static(view, member)  # each has it, read without loading a row
     asked = requests(6)
     got, expected = client.search_batch(asked).responses, one_client.search_batch(asked).responses
     assert [answered(r) for r in got] == [answered(r) for r in expected]

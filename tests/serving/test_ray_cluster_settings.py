@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.ray_serve.deployment import SERVING_CLUSTER_ENV
+from serving.ray_serve.cluster import SERVING_CLUSTER_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ import json
 import psutil
 import ray
 
-from serving.ray_serve.deployment import connect_ray
+from serving.ray_serve.cluster import connect_ray
 
 connect_ray()
 found = {}

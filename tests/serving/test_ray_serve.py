@@ -550,7 +550,7 @@ def test_a_replica_imports_what_its_work_needs(roots):
     search = "\n".join([
         "from index.versions.version import IndexVersion",
         "from serving.search.engine import EVERY_ROW, NOTHING_EXCLUDED",
-        "from serving.shards.sharded import ShardedSearch",
+        "from serving.shards.fanout import ShardedSearch",
         f"version = IndexVersion.live({str(four)!r}).name",
         f"request = ShardedSearch.request(np.ones((2, {DIM}), np.float32), 5, [NOTHING_EXCLUDED] * 2, [EVERY_ROW] * 2, None)",  # noqa: E501
         "assert len(replica.searcher.search(version, request).rows) == 10",

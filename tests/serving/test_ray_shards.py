@@ -9,11 +9,12 @@ import pytest
 
 from index.versions.version import ItemLocation
 from serving.errors import Unavailable
-from serving.logs import shard_label
+from serving.logs import failure_reason, shard_label
 from serving.monitoring.metrics import ServiceMetrics
-from serving.ray_serve.deployment import RayShards, _cause
+from serving.ray_serve.deployment import _cause
+from serving.ray_serve.handles import RayShards
 from serving.ray_serve.replicas import shard_deployment
-from serving.shards.sharded import ShardRequest, ShardScope, failure_reason
+from serving.shards.messages import ShardRequest, ShardScope
 from tests.support.shards import Answered
 
 

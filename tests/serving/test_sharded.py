@@ -1,4 +1,4 @@
-"""The sharded search's merge (serving/shards/sharded.py), without a cluster: S = 4 shards, each a
+"""The sharded search's merge (serving/shards/fanout.py), without a cluster: S = 4 shards, each a
 `ShardSearcher` in this process, answer every kind of query exactly as the one-index engine
 answers the same catalog built as one index — plain, filtered, grouped by the item (the shard
 key) and by a field spanning shards, with several rows a group, min_score, excluded rows and a
@@ -18,9 +18,11 @@ from index.search.filters import Condition, Filter
 from index.versions.version import IndexVersion
 from serving.monitoring.metrics import ServiceMetrics
 from serving.monitoring.monitor import MonitorConfig, RecallMonitor
-from serving.ray_serve.deployment import IngressVersion, RayShards
+from serving.ray_serve.handles import RayShards
+from serving.ray_serve.ingress_version import IngressVersion
 from serving.search.engine import NOTHING_EXCLUDED, Exclusion, Hit, Scope, SearchEngine, ServingPair
-from serving.shards.sharded import LocalShards, ShardedSearch, ShardSearcher
+from serving.shards.fanout import LocalShards, ShardedSearch
+from serving.shards.searcher import ShardSearcher
 from tests.support import shards as support
 
 N, DIM, ITEMS = 1200, 16, 400

@@ -157,7 +157,7 @@ def test_the_rayservice_deploys_what_serve_ray_deploys():
     assert offered and json.loads(json.loads(offered[0]["rayStartParams"]["resources"])) == {"shard_slot": 1}
     assert offered[0]["minReplicas"] >= len(shards)
     # The head (where the GCS runs) starts with the settings `serve --ray` gives a local cluster.
-    from serving.ray_serve.deployment import SERVING_CLUSTER_ENV
+    from serving.ray_serve.cluster import SERVING_CLUSTER_ENV
 
     (head,) = cluster["headGroupSpec"]["template"]["spec"]["containers"]
     head_env = {e["name"]: e.get("value") for e in head["env"]}
