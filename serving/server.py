@@ -10,7 +10,7 @@ the loop's default executor. `SearchApp` owns the parts — engine, batcher, dec
 monitor and its probe runner, the service layer and its thin servicers, health, the metrics
 endpoint — and reloads (on request, or when CURRENT changes); the servicers only translate
 (`serving.transport.servicer`), the logic is plain classes (`serving.search.service`, `serving.admin`). What it is
-told to do is `serving.config.ServerConfig`.
+told to do is `serving.config.ServerConfig`; where it listens, `serving.listen`.
 """
 
 from __future__ import annotations
@@ -20,18 +20,15 @@ import functools
 import json
 import logging
 import signal
-import socket
 import sys
 import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
 from core import artifacts
 from core.artifacts import ArtifactError
@@ -40,10 +37,10 @@ from core.manifests import IndexManifest
 from index.build.add import add_vectors
 from index.build.lifecycle import RemovalReport, RollbackReport, remove_items, rollback
 from index.versions.segments import MAX_DELETED_FRACTION, compaction_due
-from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from serving.admin import AdminService, Ingested
-from serving.config import EVENT_LOOPS, ServerConfig
+from serving.config import ServerConfig
 from serving.errors import FailedPrecondition
+from serving.listen import PortInUse, bind_grpc, claim_port, loop_factory, new_grpc_server
 from serving.memory import reclaim, steady_heap
 from serving.monitoring.history import TrafficHistory
 from serving.monitoring.metrics import ServiceMetrics
@@ -56,59 +53,9 @@ from serving.search.service import SearchService
 from serving.transport.auth import Tokens
 from serving.transport.calls import CallRecorder
 from serving.transport.http import HttpApi, tls_context
-from serving.transport.servicer import (
-    ADMIN_SERVICE,
-    SEARCH_SERVICE,
-    AdminServicer,
-    RpcCall,
-    SearchServicer,
-    TokenAuthInterceptor,
-)
+from serving.transport.servicer import SEARCH_SERVICE
 
 log = logging.getLogger(__name__)
-
-
-class PortInUse(ValueError):
-    """A port the server was told to listen on is taken: a user error, said before anything loads."""
-
-    def __init__(self, what: str, host: str, port: int, flag: str, cause: object = "") -> None:
-        detail = f" ({cause})" if cause else ""
-        super().__init__(
-            f"{what} port {host}:{port} is already in use{detail}: another server is listening there; "
-            f"stop it or choose another {flag}"
-        )
-
-
-def claim_port(what: str, host: str, port: int, flag: str) -> None:
-    """Fail at once with `PortInUse` when `host:port` cannot be bound, as a listener would bind it
-    (SO_REUSEADDR, never SO_REUSEPORT). gRPC turns SO_REUSEPORT on by default, under which a
-    second server on the same port binds without a word and the kernel splits connections
-    between the two — two indexes answering one address; the server turns it off too, and this
-    check gives the refusal one clear line before a model is loaded."""
-    if port == 0:
-        return
-    try:
-        addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise ValueError(f"cannot resolve the address to bind, {host!r}: {exc.strerror}") from None
-    family, kind, proto, _, address = addresses[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            raise PortInUse(what, host, port, flag, exc.strerror) from None
-
-
-def loop_factory(kind: str = "uvloop"):
-    """A new event loop of `kind`: uvloop by default, which spends less of the loop's CPU per query."""
-    if kind not in EVENT_LOOPS:
-        raise ValueError(f"event loop must be one of {', '.join(EVENT_LOOPS)}, got {kind!r}")
-    if kind == "uvloop":
-        import uvloop
-
-        return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
 
 
 class SearchApp:
@@ -131,8 +78,25 @@ class SearchApp:
         self.metrics = metrics or ServiceMetrics()
         self.engine = engine or SearchEngine(config.limits)
         self._load = load or config.load
-        workers = config.runtime.worker_threads
-        batching = config.batching
+        self._wire_search()
+        self._wire_front()
+        self.health = health.aio.HealthServicer()
+        self.grpc_server: grpc.aio.Server | None = None
+        self.port: int | None = None
+        self.http_port: int | None = None
+        self._reload_lock = asyncio.Lock()
+        self._remove_lock = asyncio.Lock()
+        self._compaction: asyncio.Task | None = None  # `index compact` after an ingest, in its own process
+        self._compact_again = False  # an ingest came while it ran: it runs once more
+        self._stopping = threading.Event()  # ends the reclaim threads' waits
+        self._watcher: asyncio.Task | None = None
+        self._watched_failure: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop it serves on, once bound
+        self._metrics_bound = False
+
+    def _wire_search(self) -> None:
+        """The search's parts: batcher, decode pool, recall monitor, the service and its probe runner."""
+        config, workers, batching = self.config, self.config.runtime.worker_threads, self.config.batching
         self.batcher = DynamicBatcher(
             self.engine,
             self.metrics,
@@ -164,6 +128,10 @@ class SearchApp:
             config.monitor.probe_catalog,
             config.monitor.probe_filter_message(),
         )
+
+    def _wire_front(self) -> None:
+        """What the transports answer with: tokens, the call recorder, the admin service, the HTTP API."""
+        config = self.config
         self.tokens = Tokens(config.transport.admin_token, config.transport.search_token)
         self.recorder = CallRecorder(self.metrics, TrafficHistory(), config.access_log)
         self.admin = AdminService(
@@ -183,57 +151,15 @@ class SearchApp:
             config.limits.max_message_bytes,
             config.transport.http_cors_origin,
         )
-        self.health = health.aio.HealthServicer()
-        self.grpc_server: grpc.aio.Server | None = None
-        self.port: int | None = None
-        self.http_port: int | None = None
-        self._reload_lock = asyncio.Lock()
-        self._remove_lock = asyncio.Lock()
-        self._compaction: asyncio.Task | None = None  # `index compact` after an ingest, in its own process
-        self._compact_again = False  # an ingest came while it ran: it runs once more
-        self._stopping = threading.Event()  # ends the reclaim threads' waits
-        self._watcher: asyncio.Task | None = None
-        self._watched_failure: str | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None  # the loop it serves on, once bound
-        self._metrics_bound = False
 
     async def bind(self) -> int:
         """Create the grpc.aio server on the running loop (it belongs to the loop it was made on)
         and bind its port, not yet serving; the port."""
         config, transport = self.config, self.config.transport
         self._loop = asyncio.get_running_loop()
-        self.grpc_server = grpc.aio.server(
-            interceptors=[TokenAuthInterceptor(self.tokens)],
-            options=[
-                ("grpc.max_receive_message_length", config.limits.max_message_bytes),
-                ("grpc.max_send_message_length", config.limits.max_message_bytes),
-                ("grpc.so_reuseport", 0),  # see claim_port
-                *transport.connection_options,
-            ],
-            maximum_concurrent_rpcs=config.batching.max_queue + config.runtime.worker_threads,
-        )
-        call = RpcCall(self.recorder)
-        pb_grpc.add_SimilaritySearchServicer_to_server(SearchServicer(self.service, call), self.grpc_server)
-        pb_grpc.add_IndexAdminServicer_to_server(AdminServicer(self.admin, call), self.grpc_server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
-        reflection.enable_server_reflection(
-            (SEARCH_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc_server
-        )
+        self.grpc_server = new_grpc_server(config, self.tokens, self.recorder, self.service, self.admin, self.health)
         await self._set_health(False)
-        claim_port("gRPC", transport.host, transport.port, "--port")
-        address = f"{transport.host}:{transport.port}"
-        try:
-            if transport.tls_cert:
-                credentials = grpc.ssl_server_credentials(
-                    [(Path(transport.tls_key).read_bytes(), Path(transport.tls_cert).read_bytes())]
-                )
-                port = self.grpc_server.add_secure_port(address, credentials)
-            else:
-                port = self.grpc_server.add_insecure_port(address)
-        except RuntimeError as exc:  # taken between the claim and the bind
-            raise PortInUse("gRPC", transport.host, transport.port, "--port", exc) from None
-        if port == 0:
-            raise PortInUse("gRPC", transport.host, transport.port, "--port")
+        port = bind_grpc(self.grpc_server, config)
         self.port = port
         if transport.http_port is not None:
             claim_port("HTTP", transport.host, transport.http_port, "--http-port")

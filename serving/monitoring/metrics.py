@@ -41,128 +41,102 @@ LATENCY_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+GROUP_CANDIDATE_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 16384, 65536, 262144, 1048576, float("inf"))
+
+# Each metric family: (attribute, kind, name, help, labels, buckets — a histogram's).
+FAMILIES: tuple[tuple[str, type, str, str, tuple[str, ...], tuple[float, ...] | None], ...] = (
+    ("requests", Counter, "simsearch_requests",
+     "Calls answered, by method, gRPC status code and protocol (grpc, http)", ("method", "code", "protocol"), None),
+    ("latency", Histogram, "simsearch_request_latency_seconds",
+     "Call latency by method and protocol", ("method", "protocol"), LATENCY_BUCKETS),
+    ("stage_latency", Histogram, "simsearch_stage_latency_seconds",
+     "Time per request stage (decode, queue, embed, search)", ("stage",), LATENCY_BUCKETS),
+    ("filtered_queries", Counter, "simsearch_filtered_queries",
+     "Filtered queries by the planner's path: exact (over the matching rows) or index (faiss with a selector)",
+     ("path",), None),
+    ("group_candidates", Histogram, "simsearch_group_candidates",
+     "Grouped queries: candidate rows the deciding round searched (the index size when the exact pass answered)",
+     (), GROUP_CANDIDATE_BUCKETS),
+    ("batch_size", Histogram, "simsearch_batch_size", "Queries per embedding/search batch", (), BATCH_BUCKETS),
+    ("queue_depth", Gauge, "simsearch_queue_depth", "Queries waiting to be batched", (), None),
+    # A sharded server's (`serve --ray`), by shard: a call's round trip from the ingress (the
+    # hop and the shard's search), the shard's own search time, its rows and its replica's memory.
+    ("shard_latency", Histogram, "simsearch_shard_latency_seconds",
+     "A shard call's round trip from the ingress (hop and search), by shard and method", ("shard", "method"),
+     LATENCY_BUCKETS),
+    ("shard_search", Histogram, "simsearch_shard_search_seconds",
+     "A shard call's search inside the shard replica, by shard", ("shard",), LATENCY_BUCKETS),
+    ("shard_failures", Counter, "simsearch_shard_failures",
+     "Shard calls that failed or missed their deadline (each try), by shard", ("shard",), None),
+    ("shard_rows", Gauge, "simsearch_shard_rows", "Rows of the live version's shard, by shard", ("shard",), None),
+    ("shard_memory", Gauge, "simsearch_shard_memory_bytes",
+     "Resident memory of the replica that last answered, by shard", ("shard",), None),
+    ("index_size", Gauge, "simsearch_index_size", "Vectors in the live index", (), None),
+    ("index_info", Gauge, "simsearch_index_info",
+     "Live index and model versions (value 1)", ("index_version", "index_id", "model_id", "factory"), None),
+    ("recall_at_k", Gauge, "simsearch_recall_at_k",
+     "Online Recall@K by source (probe, traffic, text, feedback)", ("k", "source"), None),
+    ("ann_recall_at_k", Gauge, "simsearch_ann_recall_at_k",
+     "Overlap of ANN top-K with exact top-K on sampled live queries", ("k",), None),
+    ("reloads", Counter, "simsearch_reloads", "Successful model/index loads", (), None),
+    ("items_removed", Counter, "simsearch_items_removed", "Items taken down by RemoveItems", (), None),
+    ("items_added", Counter, "simsearch_items_added", "Items added by AddItems (with upsert, replaced ones too)",
+     (), None),
+    ("reload_failures", Counter, "simsearch_reload_failures", "Failed model/index loads", (), None),
+    ("loaded", Gauge, "simsearch_index_loaded", "1 when a model and index are loaded", (), None),
+    # Figures of the live version's build, read from its manifest: the "Index builds" dashboard.
+    ("build_seconds", Gauge, "simsearch_index_build_duration_seconds", "Build time of the live index", (), None),
+    ("build_rows", Gauge, "simsearch_index_build_rows",
+     "Catalog rows of the live index's build by state (indexed, skipped)", ("state",), None),
+    ("build_ann_recall", Gauge, "simsearch_index_build_ann_recall",
+     "ANN recall vs exact search measured at build time", (), None),
+    ("build_probe_recall", Gauge, "simsearch_index_build_probe_recall_at_k",
+     "Probe Recall@K measured at build time", ("k",), None),
+    ("build_gate_forced", Gauge, "simsearch_index_build_gate_forced",
+     "1 when the live index was published past a failed quality gate", (), None),
+    ("build_created", Gauge, "simsearch_index_build_created_timestamp_seconds",
+     "When the live index version was built", (), None),
+)  # fmt: skip
+
+
 class ServiceMetrics:
+    requests: Counter
+    latency: Histogram
+    stage_latency: Histogram
+    filtered_queries: Counter
+    group_candidates: Histogram
+    batch_size: Histogram
+    queue_depth: Gauge
+    shard_latency: Histogram
+    shard_search: Histogram
+    shard_failures: Counter
+    shard_rows: Gauge
+    shard_memory: Gauge
+    index_size: Gauge
+    index_info: Gauge
+    recall_at_k: Gauge
+    ann_recall_at_k: Gauge
+    reloads: Counter
+    items_removed: Counter
+    items_added: Counter
+    reload_failures: Counter
+    loaded: Gauge
+    build_seconds: Gauge
+    build_rows: Gauge
+    build_ann_recall: Gauge
+    build_probe_recall: Gauge
+    build_gate_forced: Gauge
+    build_created: Gauge
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        ProcessCollector(registry=r)
-        GCCollector(registry=r)
-        self.requests = Counter(
-            "simsearch_requests",
-            "Calls answered, by method, gRPC status code and protocol (grpc, http)",
-            ["method", "code", "protocol"],
-            registry=r,
-        )
-        self.latency = Histogram(
-            "simsearch_request_latency_seconds",
-            "Call latency by method and protocol",
-            ["method", "protocol"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.stage_latency = Histogram(
-            "simsearch_stage_latency_seconds",
-            "Time per request stage (decode, queue, embed, search)",
-            ["stage"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.filtered_queries = Counter(
-            "simsearch_filtered_queries",
-            "Filtered queries by the planner's path: exact (over the matching rows) or index (faiss with a selector)",
-            ["path"],
-            registry=r,
-        )
+        ProcessCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        for attribute, kind, name, help_text, labels, buckets in FAMILIES:
+            extra = {"buckets": buckets} if buckets is not None else {}
+            setattr(self, attribute, kind(name, help_text, labels, registry=self.registry, **extra))
         for path in ("exact", "index"):  # both series from the start: a panel shows 0, not "no data"
             self.filtered_queries.labels(path)
-        self.group_candidates = Histogram(
-            "simsearch_group_candidates",
-            "Grouped queries: candidate rows the deciding round searched (the index size when the exact pass answered)",
-            buckets=(8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 16384, 65536, 262144, 1048576, float("inf")),
-            registry=r,
-        )
-        self.batch_size = Histogram(
-            "simsearch_batch_size",
-            "Queries per embedding/search batch",
-            buckets=BATCH_BUCKETS,
-            registry=r,
-        )
-        self.queue_depth = Gauge("simsearch_queue_depth", "Queries waiting to be batched", registry=r)
-        # A sharded server's (`serve --ray`), by shard: a call's round trip from the ingress (the
-        # hop and the shard's search), the shard's own search time, its rows and its replica's memory.
-        self.shard_latency = Histogram(
-            "simsearch_shard_latency_seconds",
-            "A shard call's round trip from the ingress (hop and search), by shard and method",
-            ["shard", "method"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.shard_search = Histogram(
-            "simsearch_shard_search_seconds",
-            "A shard call's search inside the shard replica, by shard",
-            ["shard"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.shard_failures = Counter(
-            "simsearch_shard_failures", "Shard calls that failed or missed their deadline (each try), by shard",
-            ["shard"], registry=r,
-        )  # fmt: skip
-        self.shard_rows = Gauge(
-            "simsearch_shard_rows", "Rows of the live version's shard, by shard", ["shard"], registry=r
-        )
-        self.shard_memory = Gauge(
-            "simsearch_shard_memory_bytes", "Resident memory of the replica that last answered, by shard", ["shard"],
-            registry=r,
-        )  # fmt: skip
-        self.index_size = Gauge("simsearch_index_size", "Vectors in the live index", registry=r)
-        self.index_info = Gauge(
-            "simsearch_index_info",
-            "Live index and model versions (value 1)",
-            ["index_version", "index_id", "model_id", "factory"],
-            registry=r,
-        )
-        self.recall_at_k = Gauge(
-            "simsearch_recall_at_k",
-            "Online Recall@K by source (probe, traffic, text, feedback)",
-            ["k", "source"],
-            registry=r,
-        )
-        self.ann_recall_at_k = Gauge(
-            "simsearch_ann_recall_at_k",
-            "Overlap of ANN top-K with exact top-K on sampled live queries",
-            ["k"],
-            registry=r,
-        )
-        self.reloads = Counter("simsearch_reloads", "Successful model/index loads", registry=r)
-        self.items_removed = Counter("simsearch_items_removed", "Items taken down by RemoveItems", registry=r)
-        self.items_added = Counter(
-            "simsearch_items_added", "Items added by AddItems (with upsert, replaced ones too)", registry=r
-        )
-        self.reload_failures = Counter("simsearch_reload_failures", "Failed model/index loads", registry=r)
-        self.loaded = Gauge("simsearch_index_loaded", "1 when a model and index are loaded", registry=r)
-        # Figures of the live version's build, read from its manifest: the "Index builds" dashboard.
-        self.build_seconds = Gauge("simsearch_index_build_duration_seconds", "Build time of the live index", registry=r)
-        self.build_rows = Gauge(
-            "simsearch_index_build_rows",
-            "Catalog rows of the live index's build by state (indexed, skipped)",
-            ["state"],
-            registry=r,
-        )
-        self.build_ann_recall = Gauge(
-            "simsearch_index_build_ann_recall", "ANN recall vs exact search measured at build time", registry=r
-        )
-        self.build_probe_recall = Gauge(
-            "simsearch_index_build_probe_recall_at_k", "Probe Recall@K measured at build time", ["k"], registry=r
-        )
-        self.build_gate_forced = Gauge(
-            "simsearch_index_build_gate_forced",
-            "1 when the live index was published past a failed quality gate",
-            registry=r,
-        )
-        self.build_created = Gauge(
-            "simsearch_index_build_created_timestamp_seconds", "When the live index version was built", registry=r
-        )
 
     def set_live(self, index_version: str, index_id: str, model_id: str, factory: str, size: int) -> None:
         self.index_info.clear()

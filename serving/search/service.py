@@ -35,9 +35,11 @@ from serving.monitoring.feedback import FeedbackLog
 from serving.monitoring.history import TrafficHistory
 from serving.monitoring.metrics import ServiceMetrics
 from serving.monitoring.monitor import RecallMonitor
-from serving.search.batching import DecodePlacement, DynamicBatcher, Query, Result
+from serving.search.batching import DynamicBatcher
 from serving.search.checks import CheckedImage, CheckedPart, CheckedSearch, RequestChecks
 from serving.search.engine import EVERY_ROW, NOTHING_EXCLUDED, Exclusion, Limits, Scope, SearchEngine, ServingPair
+from serving.search.executors import DecodePlacement
+from serving.search.inference import Query, Result
 
 # An AddItems call's images in the queue at once: one batch's worth (the default
 # --max-batch-size), where a thousand at once would fill the queue the queries need.

@@ -17,7 +17,8 @@ from index.search.faiss_index import ExactRerank, exact_within, inner_products
 from index.search.grouping import Groups, exact_groups, filled_groups
 from index.search.merge import best_rows
 from serving.monitoring.monitor import _best
-from serving.search.engine import Scope, SearchEngine
+from serving.search.answers import Scope
+from serving.search.plans import search_range
 
 NAN, INF = float("nan"), float("inf")
 
@@ -154,8 +155,7 @@ def test_a_filtered_min_score_search_puts_ties_in_row_order():
     allowed = np.ones(len(vectors), bool)
     allowed[::3] = False
     pair = SimpleNamespace(index_version=SimpleNamespace(live_mask=None), vectors=vectors)
-    engine = object.__new__(SearchEngine)  # the filtered path reads the pair, nothing of the engine
-    answer = engine.search_scoped(pair, query[0], 15, frozenset({7}), Scope(allowed=allowed, min_score=0.5))
+    answer = search_range(pair, query[0], 15, frozenset({7}), Scope(allowed=allowed, min_score=0.5))
     rows = [r for r in range(2000) if allowed[r] and r != 7 and r % 7 == 0]
     assert [h.row for h in answer.hits] == rows[:15] and answer.truncated
 

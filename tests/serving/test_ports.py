@@ -15,7 +15,7 @@ import pytest
 
 from serving.client import SearchClient
 from serving.config import ServerConfig
-from serving.server import PortInUse, claim_port
+from serving.listen import PortInUse, claim_port
 from tests.support.server import SearchServer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -38,7 +38,7 @@ from index.search.faiss_index import build_index, save_index
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient
 from serving.config import ServerConfig
-from serving.search.batching import DecodePlacement
+from serving.search.executors import DecodePlacement
 from tests.support.images import encode
 from tests.support.server import SearchServer, config, connect, derived_version, image_requests, start, wait_for
 

@@ -19,7 +19,8 @@ from core.items import ItemTable
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient
 from serving.config import EVENT_LOOPS, ServerConfig
-from serving.server import SearchApp, loop_factory
+from serving.listen import loop_factory
+from serving.server import SearchApp
 
 T = TypeVar("T")
 _loop: asyncio.AbstractEventLoop | None = None
