@@ -43,7 +43,8 @@ from index.search.filters import Filter
 from index.search.grouping import Groups, exact_group_scores
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.monitoring.metrics import ServiceMetrics
-from serving.search.engine import EVERY_ROW, Exclusion, Hit, Scope, ServingPair
+from serving.search.answers import EVERY_ROW, Exclusion, Hit, Scope
+from serving.search.engine import ServingPair
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ def check_ports(config: ServerConfig) -> None:
     """Every port the ingress will listen on, claimed here first when it will listen on this
     machine: one `error:` line naming the port before anything is deployed (Serve's own failure,
     after half a minute of retries, names the deployment, not the port)."""
-    from serving.server import claim_port
+    from serving.listen import claim_port
 
     if not _local_ray(os.environ.get("RAY_ADDRESS", "")):
         return

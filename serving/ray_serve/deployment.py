@@ -93,7 +93,8 @@ class IngressReplica:
         first: str | None = None,
         log_sink: Sink | None = None,
     ) -> None:
-        from serving.server import SearchApp, loop_factory
+        from serving.listen import loop_factory
+        from serving.server import SearchApp
 
         ship_records(log_sink, INGRESS, logging.INFO)  # what `serve` writes: loads, reloads, the access log
         self.config = config

@@ -1,7 +1,7 @@
 """What a query asks of the rows and what it gets back: its `Scope` (a filter's rows, a
 min_score, a grouping) and `Exclusion`, and its `Answer` of `Hit`s, `described` from the version's
 items. Plain data, shared by the engine (`serving.search.engine`), its plans
-(`serving.search.plans`) and a sharded search's shards (`serving.shards.sharded`).
+(`serving.search.plans`) and a sharded search's shards (`serving.shards.searcher`).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Scope:
     groups: Groups | None = None
     per_group: int = 1
     # The filter `allowed` was made from: what a sharded search sends its shards, each making
-    # its own mask from its own filters (`serving.shards.sharded`).
+    # its own mask from its own filters (`serving.shards.searcher`).
     filter: Filter | None = None
     # The field `groups` groups by (a sharded server's ingress names it and holds no `groups`:
     # its shards group their own rows).
@@ -134,7 +134,7 @@ class Answer:
     truncated: bool = False
     path: str | None = None  # a filtered query's: the planner's choice, exact or index (faiss_index.search_within)
     candidates: int | None = None  # a grouped query's: rows its deciding round searched (EXACT_PASS: all)
-    # A sharded search's (`serving.shards.sharded`): the shards that answered, those that did not, and
+    # A sharded search's (`serving.shards.fanout`): the shards that answered, those that did not, and
     # why — the service fails the query UNAVAILABLE with it unless the request allowed a partial answer.
     shards_answered: tuple[str, ...] = ()
     shards_missing: tuple[str, ...] = ()

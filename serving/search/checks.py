@@ -18,7 +18,8 @@ from index.search.grouping import Groups
 from index.versions.version import ItemLocation
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.errors import FailedPrecondition, InvalidArgument, at_place, image_errors
-from serving.search.engine import EVERY_ROW, Exclusion, Limits, Scope, ServingPair
+from serving.search.answers import EVERY_ROW, Exclusion, Scope
+from serving.search.engine import Limits, ServingPair
 from serving.search.filter_masks import FilterMasks, to_filter
 from serving.search.version_view import VersionView
 

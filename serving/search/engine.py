@@ -36,16 +36,7 @@ from core.text import TextTokenizer
 from index.search.faiss_index import ExactRerank
 from index.versions.version import IndexVersion
 from serving.errors import ServiceError, Unavailable, image_errors
-
-# What a query asks and gets, there since plans search with it (`serving.search.plans`); named
-# here too, as the engine's interface: the service, its checks and a sharded search import them so.
-from serving.search.answers import EVERY_ROW as EVERY_ROW
-from serving.search.answers import NOTHING_EXCLUDED as NOTHING_EXCLUDED
-from serving.search.answers import Answer as Answer
-from serving.search.answers import Exclusion as Exclusion
-from serving.search.answers import Hit as Hit
-from serving.search.answers import Scope as Scope
-from serving.search.answers import described as described
+from serving.search.answers import EVERY_ROW, Answer, Exclusion, Scope, described
 from serving.search.plans import Planner
 
 if TYPE_CHECKING:  # ONNX Runtime loads where a model does, not in a shard replica (serving.ray_serve.replicas)

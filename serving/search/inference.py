@@ -48,7 +48,7 @@ class Result:
     truncated: bool = False  # min_score: more rows reach it than `hits` holds
     path: str | None = None  # a filtered query's: exact or index, as the planner chose
     candidates: int | None = None  # a grouped query's: rows its deciding round searched
-    shards_answered: tuple[str, ...] = ()  # a sharded search's (`serving.search.engine.Answer`)
+    shards_answered: tuple[str, ...] = ()  # a sharded search's (`serving.search.answers.Answer`)
     shards_missing: tuple[str, ...] = ()
     unavailable: str | None = None
     vector: np.ndarray | None = None

@@ -35,9 +35,10 @@ from serving.monitoring.feedback import FeedbackLog
 from serving.monitoring.history import TrafficHistory
 from serving.monitoring.metrics import ServiceMetrics
 from serving.monitoring.monitor import RecallMonitor
+from serving.search.answers import EVERY_ROW, NOTHING_EXCLUDED, Exclusion, Scope
 from serving.search.batching import DynamicBatcher
 from serving.search.checks import CheckedImage, CheckedPart, CheckedSearch, RequestChecks
-from serving.search.engine import EVERY_ROW, NOTHING_EXCLUDED, Exclusion, Limits, Scope, SearchEngine, ServingPair
+from serving.search.engine import Limits, SearchEngine, ServingPair
 from serving.search.executors import DecodePlacement
 from serving.search.inference import Query, Result
 

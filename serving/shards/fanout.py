@@ -31,7 +31,8 @@ import numpy as np
 from core.ranking import best_k, ranked
 from index.search.grouping import EXACT_PASS
 from serving.logs import failure_reason
-from serving.search.engine import EVERY_ROW, Answer, Exclusion, Hit, Scope, SearchEngine, ServingPair
+from serving.search.answers import EVERY_ROW, Answer, Exclusion, Hit, Scope
+from serving.search.engine import SearchEngine, ServingPair
 from serving.shards.messages import ShardAnswer, ShardRequest, ShardScope
 from serving.shards.searcher import ShardSearcher
 

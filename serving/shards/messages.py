@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from index.search.filters import Filter
-from serving.search.engine import Answer, Exclusion, Hit, Scope
+from serving.search.answers import Answer, Exclusion, Hit, Scope
 
 NO_CANDIDATES = -2  # a ShardAnswer's `candidates` for a query that was not grouped
 
@@ -87,7 +87,7 @@ class ShardAnswer:
 
     @classmethod
     def of(cls, shard: str, answers: Sequence[Answer], offset: int, search_s: float, rows_held: int) -> ShardAnswer:
-        """`answers` (described: `serving.search.engine.described`) over a shard whose first global row is `offset`."""
+        """`answers` (described: `serving.search.answers.described`) over a shard whose first global row is `offset`."""
         rows = [h.row + offset for a in answers for h in a.hits]
         return cls(
             shard,

@@ -27,7 +27,8 @@ from index.search.filters import Filter
 from index.search.grouping import Groups, exact_groups, filled_groups
 from index.versions.version import IndexVersion, ItemLocation, SampledItem
 from serving.logs import shard_label
-from serving.search.engine import EVERY_ROW, Answer, Exclusion, Hit, Scope, SearchEngine, ServingPair, described
+from serving.search.answers import EVERY_ROW, Answer, Exclusion, Hit, Scope, described
+from serving.search.engine import SearchEngine, ServingPair
 from serving.shards.messages import ShardAnswer, ShardRequest, ShardScope, resident_bytes
 
 log = logging.getLogger(__name__)

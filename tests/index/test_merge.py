@@ -14,7 +14,8 @@ from index.search.faiss_index import build_index, l2_normalized
 from index.search.merge import NO_ROW, MergedIndex, best_rows
 from index.search.range_search import by_range_search, reaching
 from index.versions.version import IndexVersion
-from serving.search.engine import NOTHING_EXCLUDED, SearchEngine, ServingPair
+from serving.search.answers import NOTHING_EXCLUDED
+from serving.search.engine import SearchEngine, ServingPair
 from serving.shards.fanout import LocalShards, ShardedSearch
 from tests.support import shards as support
 

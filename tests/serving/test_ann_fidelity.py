@@ -11,7 +11,8 @@ from index.search.faiss_index import apply_search_params, build_index, l2_normal
 from index.versions.version import IndexVersion
 from serving.monitoring.metrics import ServiceMetrics
 from serving.monitoring.monitor import EXACT_DEPTH, MonitorConfig, RecallMonitor, SampledQuery
-from serving.search.engine import EVERY_ROW, NOTHING_EXCLUDED, SearchEngine, ServingPair
+from serving.search.answers import EVERY_ROW, NOTHING_EXCLUDED
+from serving.search.engine import SearchEngine, ServingPair
 from tests.support import shards as support
 
 N, DIM, ITEMS, COPIES = 600, 16, 200, 60

@@ -549,7 +549,7 @@ def test_a_replica_imports_what_its_work_needs(roots):
     _, four, model = roots
     search = "\n".join([
         "from index.versions.version import IndexVersion",
-        "from serving.search.engine import EVERY_ROW, NOTHING_EXCLUDED",
+        "from serving.search.answers import EVERY_ROW, NOTHING_EXCLUDED",
         "from serving.shards.fanout import ShardedSearch",
         f"version = IndexVersion.live({str(four)!r}).name",
         f"request = ShardedSearch.request(np.ones((2, {DIM}), np.float32), 5, [NOTHING_EXCLUDED] * 2, [EVERY_ROW] * 2, None)",  # noqa: E501

@@ -20,7 +20,8 @@ from serving.monitoring.metrics import ServiceMetrics
 from serving.monitoring.monitor import MonitorConfig, RecallMonitor
 from serving.ray_serve.handles import RayShards
 from serving.ray_serve.ingress_version import IngressVersion
-from serving.search.engine import NOTHING_EXCLUDED, Exclusion, Hit, Scope, SearchEngine, ServingPair
+from serving.search.answers import NOTHING_EXCLUDED, Exclusion, Hit, Scope
+from serving.search.engine import SearchEngine, ServingPair
 from serving.shards.fanout import LocalShards, ShardedSearch
 from serving.shards.searcher import ShardSearcher
 from tests.support import shards as support

@@ -133,7 +133,7 @@ def test_the_server_log_keeps_what_the_bad_input_does_not_explain(tmp_path):
         "Traceback (most recent call last):\n"
         '  File "serving/monitoring/monitor.py", line 381, in check_ann_remote\n'
         "ValueError: too many values to unpack (expected 2)\n"
-        "2026-11-28 08:40:05,000 WARNING serving.shards.sharded: shard 001: search failed; trying again\n"
+        "2026-11-28 08:40:05,000 WARNING serving.ray_serve.handles: shard 1: search failed; trying again\n"
     )
     assert soak.log_records_of_note(log, ["v-damaged", "v-no-such-version"]) == [
         (
@@ -141,7 +141,7 @@ def test_the_server_log_keeps_what_the_bad_input_does_not_explain(tmp_path):
             "2026-11-28 08:40:04,000 ERROR serving.monitoring.monitor: ANN fidelity check failed deployment=ingress … "
             "ValueError: too many values to unpack (expected 2)",
         ),
-        ("WARNING", "2026-11-28 08:40:05,000 WARNING serving.shards.sharded: shard 001: search failed; trying again"),
+        ("WARNING", "2026-11-28 08:40:05,000 WARNING serving.ray_serve.handles: shard 1: search failed; trying again"),
     ]
 
 
