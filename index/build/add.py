@@ -17,19 +17,13 @@ from core.items import ItemTable
 from core.manifests import IndexManifest, RowCounts, check_model_index_pair
 from core.vectors import unit_rows
 from index.build.embed import check_bad_rows, embed_catalog
-from index.build.gate import GateThresholds
+from index.build.gate import GateThresholds, gate_change
 from index.build.lifecycle import compact_if_due
 from index.config import BuildConfig
 from index.embedder import OnnxEmbedder
 from index.search.filters import parse_filterable, specs_of
-from index.versions.segments import (
-    MAX_DELETED_FRACTION,
-    MAX_SEGMENTS,
-    ChangeReport,
-    UnitChange,
-    gate_change,
-    publish_change,
-)
+from index.versions.change import ChangeReport, publish_change
+from index.versions.segments import MAX_DELETED_FRACTION, MAX_SEGMENTS, UnitChange
 from index.versions.sharding import shard_keys, shard_of
 from index.versions.version import IndexVersion
 
@@ -40,12 +34,12 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     """Publish a new version = the live one + the catalog rows it lacks, embedding only those.
 
     The live version's segments are hard-linked and the new rows written as one new segment a
-    shard they touch (`index.versions.segments`: IVF/PQ rows coded by the version's trained quantiser),
+    shard they touch (`index.versions.change`: IVF/PQ rows coded by the version's trained quantiser),
     so an add writes the new rows and a few kilobytes, whatever the catalog's size. Rows whose
     id is already indexed are skipped and counted, not re-embedded — or, with `upsert`, replace
     the indexed ones: those are tombstoned as a removal tombstones them and come back in the
     new segment with their new vector and metadata. The gate measures the new rows
-    (`index.versions.segments.gate_change`); compaction follows when a shard passes its segment count or
+    (`index.build.gate.gate_change`); compaction follows when a shard passes its segment count or
     deleted share (`index.build.lifecycle.compact_if_due`).
     The live version's model (unless --model names another directory of it), factory, search
     parameters and filterable fields hold for the rows it gains.

@@ -2,7 +2,7 @@
 
 A removal publishes a version holding the live one's rows less the removed ones, writing only
 tombstones: the live version's segments are hard-linked, and each shard that loses rows gets a
-new `deleted.npy` (`index.versions.segments`), masked inside every search — a takedown writes kilobytes
+new `deleted.npy` (`index.versions.change`), masked inside every search — a takedown writes kilobytes
 whatever the catalog's size, and a version of the older formats becomes segmented on its first
 removal without copying a row. Past `max_deleted_fraction` of a shard's rows deleted, or with
 `compact`, the shards it touches are compacted: their live rows in one segment, an HNSW graph
@@ -37,15 +37,9 @@ from core import artifacts
 from core.artifacts import utc_now
 from core.config import option
 from core.manifests import IndexManifest
-from index.versions.segments import (
-    MAX_DELETED_FRACTION,
-    MAX_SEGMENTS,
-    ChangeReport,
-    Superseded,
-    UnitChange,
-    publish_change,
-    wants_compaction,
-)
+from index.versions.change import ChangeReport, publish_change
+from index.versions.rebase import Superseded
+from index.versions.segments import MAX_DELETED_FRACTION, MAX_SEGMENTS, UnitChange, wants_compaction
 from index.versions.version import IndexVersion
 
 log = logging.getLogger(__name__)
@@ -243,7 +237,7 @@ def compact_version(
     version is read as a snapshot (pinned, so no writer prunes it meanwhile) and the merged
     segments written without the root's writer lock, which is taken only to publish. What was
     published meanwhile is kept — the segments adds appended linked after the merged one, rows
-    removed still deleted (`segments._rebased`) — unless the live version no longer grew from
+    removed still deleted (`index.versions.rebase`) — unless the live version no longer grew from
     the snapshot (a rollback, another compaction, a rebuild): then the compaction is superseded,
     says so in one line and publishes nothing (the next add or removal past the thresholds
     compacts what is live then). `staged`: called between the two (tests pause here). `units`:

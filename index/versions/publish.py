@@ -1,22 +1,24 @@
-"""Publishing an index version: build → tune → gate → write. The faiss index is built (unless
-given) from the recipe, its search effort tuned, the quality gate applied, and the version's
-files, `neighbours.png` among them, written and made live atomically through the one writer
-(`index.versions.version_writer`) — the one publish path of `index build`, `add` and `rebuild`."""
+"""A version built from a catalog's rows: stage → tune → gate → publish. The version's units are
+staged from the recipe — one index (the one-unit case) or its shards — its search effort tuned,
+its quality measured and gated on the staged version and `neighbours.png` drawn; its manifest is
+written and the version made live by `index.versions.version_writer.publish_units`, the one
+publish path that every add, removal, upsert, ingest and compaction takes too
+(`index.versions.change`)."""
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
 from PIL import Image
 
-from core.artifacts import utc_now
 from core.catalog import Catalog
 from core.items import ItemTable
 from core.manifests import IndexManifest, QualityGate, QualityReport, RowCounts, ShardEntry
@@ -44,24 +46,16 @@ from index.search.faiss_index import (
 )
 from index.search.filters import FieldSpec, FilterIndex, column_values, declared_json
 from index.search.grouping import Groups
-from index.versions.sharding import (
-    ID_KEY,
-    ShardPart,
-    build_shards,
-    check_shard_count,
-    partition,
-    shard_keys,
-    write_parts,
-)
+from index.versions.sharding import ID_KEY, build_shards, check_shard_count, partition, shard_keys
 from index.versions.version import IndexVersion
-from index.versions.version_writer import VersionWriter
+from index.versions.version_writer import StagedUnits, VersionWriter, publish_units
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class NewVersion:
-    """What `index build`, `add` and `rebuild` each hand to `publish_index_version`."""
+    """What `index build` and `rebuild` each hand to `publish_index_version`."""
 
     model_id: str
     embeddings: np.ndarray  # the exact vectors, row for row with `items`
@@ -70,12 +64,7 @@ class NewVersion:
     rows: RowCounts
     started: float  # time.perf_counter() when the command started
     embed_seconds: float
-    index: faiss.Index | None = None  # None: built from `embeddings` with the recipe's factory
-    parent_version: str | None = None  # `index add`: the version it extends
     engine: dict | None = None  # `index rebuild`: what embedded the catalog
-    deleted: np.ndarray | None = None  # rows removed but kept in the index (HNSW tombstones)
-    # `index add` to a sharded version: each shard's new rows, or its parent folder where unchanged.
-    shard_parts: list[ShardPart] | None = None
     # A sharded `index rebuild`: what builds and writes the shards (on Ray Data, from the
     # embedding files) given the writer, recipe, device and fields; `embeddings` is then empty.
     shard_builder: Callable[[VersionWriter, IndexRecipe, str, list[FieldSpec]], list[ShardEntry]] | None = None
@@ -140,200 +129,140 @@ def publish_index_version(
     item_field: str | None,
     target: PublishTarget,
 ) -> Path:
-    """Build the faiss index (unless given), tune its search effort, gate it on quality, and
-    write and publish a new version of `target.index_root`: the one publish path of build, add
-    and rebuild; returns its directory."""
+    """A new version of `target.index_root` from `new`'s rows: its units staged — one index
+    (the one-unit case), or `recipe.shards` shards — then its search effort tuned and its
+    quality measured and gated on the staged version, and its manifest written and published
+    through `publish_units`, as every change's is; returns its directory."""
     device = select_device(recipe.device)
-    if recipe.shards > 1 or new.shard_parts is not None:
-        return _publish_sharded(new, recipe, device, gate, probe, filterable, item_field, target)
-    index = new.index
-    if index is None:
-        index = build_index(new.embeddings, recipe.factory, recipe.search_params, recipe.train_size, device)
-    table, labels = version_table(new.items)
-    # Built from the new version's own rows, whichever command made them (build, add, rebuild,
-    # a removal's subset), so a version's structure always describes its rows.
-    filter_index = FilterIndex.build(table, filterable) if filterable else None
-    searched, search_params, quality, quality_gate = _measure(
-        index, new.embeddings, table.ids, labels, filter_index, recipe, gate, probe, item_field, target, new.model_id
-    )
-
-    if new.parent_version is None:  # a build from a whole catalog
-        warn_of_returning_items(target.index_root, table.ids)
-    deleted = new.deleted if new.deleted is not None else np.zeros(0, np.int64)
+    sharded = recipe.shards > 1
+    # One index is trained and filled before the root is taken; shards are, in the staging folder.
+    index = None if sharded else build_index(new.embeddings, recipe.factory, recipe.search_params,
+                                             recipe.train_size, device)  # fmt: skip
     with VersionWriter(target.index_root, target.keep) as writer:
-        writer.write_index(index)
-        writer.write_vectors(new.embeddings)
-        writer.write_deleted(deleted)
-        writer.write_items(table)
-        writer.write_filters(filter_index)
-        writer.write_contact_sheet(draw_contact_sheet(searched, new.embeddings, table, item_field))
-        manifest = _manifest(
-            new,
-            writer.name_version(),
-            index,
-            recipe.factory,
-            device,
-            search_params,
-            quality,
-            quality_gate,
-            len(deleted),
-            filterable,
-            item_field,
-            target,
-        )
-        published = writer.publish(manifest, parent=new.parent_version)
-    masked = f", +{manifest.deleted_rows} removed, masked" if manifest.deleted_rows else ""
-    log.info("published index %s (%d items%s) at %s", manifest.version, manifest.live_size, masked, published)
+        if sharded:
+            units = _stage_shards(writer, new, recipe, device, filterable, item_field)
+        else:
+            units = _stage_rows(writer, new, filterable)
+        measure = functools.partial(_measure, recipe=recipe, gate=gate, probe=probe, target=target, writer=writer,
+                                    started=new.started, built=index)  # fmt: skip
+        described = _described(new, recipe, device, filterable, item_field, target)
+        published, manifest = publish_units(writer, units, described, new.rows, measure=measure)
+    if sharded:
+        log.info("published index %s (%d items in %d shards) at %s", manifest.version, manifest.live_size,
+                 len(units.shards or []), published)  # fmt: skip
+    else:
+        log.info("published index %s (%d items) at %s", manifest.version, manifest.live_size, published)
     return published
+
+
+def _stage_rows(writer: VersionWriter, new: NewVersion, filterable: list[FieldSpec]) -> StagedUnits:
+    """A version of one index: its row files at the staging folder's top level, its filters built
+    from its own rows — its index file written once its search effort is tuned (`_measure`)."""
+    table, _ = version_table(new.items)
+    writer.write_vectors(new.embeddings)
+    writer.write_items(table)
+    writer.write_filters(FilterIndex.build(table, filterable) if filterable else None)
+    return StagedUnits(size=len(table))
+
+
+def _stage_shards(
+    writer: VersionWriter,
+    new: NewVersion,
+    recipe: IndexRecipe,
+    device: str,
+    filterable: list[FieldSpec],
+    item_field: str | None,
+) -> StagedUnits:
+    """A sharded version's shards written into the staging folder: built on Ray from the trained
+    empty index (or by `new.shard_builder`, a rebuild's, on Ray Data from its embedding files)."""
+    if new.shard_builder is not None:
+        entries = new.shard_builder(writer, recipe, device, list(filterable))
+    else:
+        table, _ = version_table(new.items)
+        check_shard_count(recipe.shards, len(table))
+        parts = partition(shard_keys(table, item_field), recipe.shards)
+        started = time.perf_counter()
+        trained = trained_index(new.embeddings, recipe.factory, recipe.train_size, device)
+        trained_at = time.perf_counter()
+        entries = build_shards(writer, trained, new.embeddings, table, parts, filterable)
+        log.info(
+            "%d shards (%s rows): trained once in %.1f s, added in parallel in %.1f s",
+            len(entries), "/".join(str(e.rows) for e in entries), trained_at - started,
+            time.perf_counter() - trained_at,
+        )  # fmt: skip
+    return StagedUnits.of_shards(entries, item_field or ID_KEY)
 
 
 def _measure(
-    index: faiss.Index,
-    embeddings: np.ndarray,
-    ids: list[str],
-    labels: list[str] | None,
-    filter_index: FilterIndex | None,
+    folder: Path,
+    manifest: IndexManifest,
     recipe: IndexRecipe,
     gate: GateThresholds,
     probe: ProbeCatalog | None,
-    item_field: str | None,
     target: PublishTarget,
-    model_id: str,
-) -> tuple[faiss.Index | ExactRerank, dict[str, float], QualityReport, QualityGate]:
-    """Tune the search effort, measure the quality figures and apply the gate (QualityGateError
-    when it refuses): the index as searched, its search parameters, figures and verdict. Both
-    samples (the tuning's and the gate's) are chosen by the rows' `ids`, not their order."""
-    searched, search_params, tuning = _tune(index, embeddings, ids, recipe, gate)
-    rows = len(ids)
-    item_groups = Groups.of(item_field, filter_index.fields[item_field], rows) if item_field and filter_index else None
-    quality = quality_figures(searched, embeddings, ids, labels, gate, item_groups, probe)
+    writer: VersionWriter,
+    started: float,
+    built: faiss.Index | None,
+) -> dict[str, Any]:
+    """The staged version's search effort tuned, its quality figures measured and the gate
+    applied (QualityGateError when it refuses), its contact sheet drawn: what its manifest
+    records of them. Both samples (the tuning's and the gate's) are chosen by the rows' ids,
+    not their order. A sharded version is measured on its shards' merged search; one index
+    (`built`) as built, and written once tuned (its file keeps the search effort tuned)."""
+    staged = IndexVersion(folder, manifest)
+    index = built if built is not None else staged.read_index()
+    embeddings, table, item_field = staged.vectors, staged.items, manifest.item_field
+    labels = list(table.labels) if table.labelled else None
+    searched, search_params, tuning = _tune(index, embeddings, table.ids, recipe, gate)
+    filters = staged.filters
+    item_groups = Groups.of(item_field, filters.fields[item_field], len(table)) if item_field and filters else None
+    quality = quality_figures(searched, embeddings, table.ids, labels, gate, item_groups, probe)
     quality.search_tuning = tuning.to_dict() if tuning is not None else None
     log.info("quality: %s; search parameters %s", describe_quality(quality), search_params or "none")
-    return searched, search_params, quality, _gate(quality, gate, target.index_root, model_id)
+    quality_gate = _gate(quality, gate, target.index_root, manifest.model_id)
+    if built is not None:
+        writer.write_index(built)
+    warn_of_returning_items(target.index_root, table.ids)  # a build from a catalog
+    writer.write_contact_sheet(draw_contact_sheet(searched, embeddings, table, item_field))
+    return {
+        "search_params": search_params,
+        "quality": quality,
+        "quality_gate": quality_gate,
+        "build_seconds": time.perf_counter() - started,
+    }
 
 
-def _publish_sharded(
+def _described(
     new: NewVersion,
     recipe: IndexRecipe,
     device: str,
-    gate: GateThresholds,
-    probe: ProbeCatalog | None,
-    filterable: list[FieldSpec],
-    item_field: str | None,
-    target: PublishTarget,
-) -> Path:
-    """A sharded version: its shards written into the staging folder (built on Ray from the
-    trained empty index, or, for `index add`, the parts given), then tuned, gated and measured
-    on their merged search, as one index is — and published by one rename."""
-    with VersionWriter(target.index_root, target.keep) as writer:
-        if new.shard_parts is not None:
-            entries = write_parts(writer, new.shard_parts, filterable)
-        elif new.shard_builder is not None:
-            entries = new.shard_builder(writer, recipe, device, list(filterable))
-        else:
-            table, _ = version_table(new.items)
-            check_shard_count(recipe.shards, len(table))
-            parts = partition(shard_keys(table, item_field), recipe.shards)
-            started = time.perf_counter()
-            trained = trained_index(new.embeddings, recipe.factory, recipe.train_size, device)
-            trained_at = time.perf_counter()
-            entries = build_shards(writer, trained, new.embeddings, table, parts, filterable)
-            log.info(
-                "%d shards (%s rows): trained once in %.1f s, added in parallel in %.1f s",
-                len(entries), "/".join(str(e.rows) for e in entries), trained_at - started,
-                time.perf_counter() - trained_at,
-            )  # fmt: skip
-        staged = IndexVersion(
-            writer.staging,
-            IndexManifest(
-                index_id="staging",
-                version=writer.staging.name,
-                model_id=new.model_id,
-                size=sum(entry.rows for entry in entries),
-                dimension=int(new.embeddings.shape[1]),
-                factory=recipe.factory,
-                search_params=dict(recipe.search_params),
-                deleted_rows=sum(entry.deleted_rows for entry in entries),
-                filterable=declared_json(filterable),
-                item_field=item_field,
-                shards=entries,
-            ),
-        )
-        index, embeddings, table = staged.read_index(), staged.vectors, staged.items
-        labels = list(table.labels) if table.labelled else None
-        searched, search_params, quality, quality_gate = _measure(
-            index, embeddings, table.ids, labels, staged.filters, recipe, gate, probe, item_field, target,
-            new.model_id,
-        )  # fmt: skip
-        if new.parent_version is None:
-            warn_of_returning_items(target.index_root, table.ids)
-        writer.write_contact_sheet(draw_contact_sheet(searched, embeddings, table, item_field))
-        manifest = _manifest(
-            new,
-            writer.name_version(shards=entries),
-            index,
-            recipe.factory,
-            device,
-            search_params,
-            quality,
-            quality_gate,
-            staged.manifest.deleted_rows,
-            filterable,
-            item_field,
-            target,
-        )
-        manifest.shards, manifest.shard_key = entries, item_field or ID_KEY
-        published = writer.publish(manifest, parent=new.parent_version)
-    log.info("published index %s (%d items in %d shards) at %s", manifest.version, manifest.live_size,
-             len(entries), published)  # fmt: skip
-    return published
-
-
-def _manifest(
-    new: NewVersion,
-    names: tuple[str, str],
-    index: faiss.Index,
-    factory: str,
-    device: str,
-    search_params: dict[str, float],
-    quality: QualityReport,
-    quality_gate: QualityGate,
-    deleted_rows: int,
     filterable: list[FieldSpec],
     item_field: str | None,
     target: PublishTarget,
 ) -> IndexManifest:
-    """The new version's manifest; `names`: its index id and version name (the writer's)."""
-    index_id, version = names
-    manifest = IndexManifest(
-        index_id=index_id,
-        version=version,
+    """What the new version's manifest says of its model, recipe, catalog and command (its
+    names, units, figures and rows are `publish_units`' to set)."""
+    return IndexManifest(
+        index_id="",
+        version="",
         model_id=new.model_id,
         model_dir=str(Path(target.model_dir).resolve()),
-        factory=factory,
+        factory=recipe.factory,
         metric="inner_product",
         normalized=True,
-        size=int(index.ntotal),
-        dimension=int(index.d),
-        search_params=search_params,
+        size=0,
+        dimension=int(new.embeddings.shape[1]),
+        search_params=dict(recipe.search_params),
         built_on=device,
-        build_seconds=time.perf_counter() - new.started,
         embed_seconds=new.embed_seconds,
-        created=utc_now(),
         catalog=str(Path(new.catalog).resolve()),
-        quality=quality,
-        quality_gate=quality_gate,
         config=target.config,
-        parent_version=new.parent_version,
         engine=new.engine,
-        deleted_rows=deleted_rows,
         filterable=declared_json(filterable),
         item_field=item_field,
         text_model_id=target.text_model_id,
         text_model_dir=target.text_model_dir,
     )
-    manifest.rows = dataclasses.replace(new.rows, indexed=manifest.live_size)
-    return manifest
 
 
 def version_table(items: Catalog | ItemTable) -> tuple[ItemTable, list[str] | None]:

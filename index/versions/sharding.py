@@ -16,12 +16,10 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import faiss
 import numpy as np
 
-from core import artifacts
 from core.items import ItemTable
 from core.manifests import ShardEntry
 from index.search.faiss_index import l2_normalized
@@ -71,18 +69,6 @@ class ShardRows:
     deleted: np.ndarray
 
 
-@dataclass
-class ShardPart:
-    """One shard of a version made from a sharded one: its new rows, or (`rows` None) the
-    parent's shard unchanged, its files to be hard-linked."""
-
-    rows: ShardRows | None
-    parent_folder: Path | None = None
-    parent_entry: ShardEntry | None = None
-    # With `rows` None: the parent's row files linked, these its tombstones (an HNSW takedown).
-    deleted: np.ndarray | None = None
-
-
 def write_shard(writer: ShardWriter, rows: ShardRows, specs: Sequence[FieldSpec], row_offset: int) -> ShardEntry:
     """Write one shard's files (its filters built from its own items) and account for them."""
     writer.write_index(rows.index)
@@ -91,32 +77,6 @@ def write_shard(writer: ShardWriter, rows: ShardRows, specs: Sequence[FieldSpec]
     writer.write_items(rows.items)
     writer.write_filters(FilterIndex.build(rows.items, specs) if specs else None)
     return writer.entry(len(rows.items), len(rows.deleted), row_offset)
-
-
-def write_parts(writer: VersionWriter, parts: list[ShardPart], specs: Sequence[FieldSpec]) -> list[ShardEntry]:
-    """Each shard of a version made from a sharded one, through `writer`: rewritten where its
-    rows changed, hard-linked from the parent's shard where they did not; their entries."""
-    entries: list[ShardEntry] = []
-    offset = 0
-    for number, part in enumerate(parts):
-        shard = writer.shard(number)
-        if part.rows is not None:
-            entries.append(write_shard(shard, part.rows, specs, offset))
-        else:
-            if part.parent_folder is None or part.parent_entry is None:
-                raise ValueError(f"shard {shard.name}: neither new rows nor a parent shard to link")
-            linked = dict(part.parent_entry.files)
-            if part.deleted is None:
-                shard.link_shard(part.parent_folder)
-                deleted_rows = part.parent_entry.deleted_rows
-            else:
-                shard.link_rows(part.parent_folder)
-                shard.write_deleted(part.deleted)
-                deleted_rows = len(part.deleted)
-                linked.pop(artifacts.DELETED_FILE, None)  # written anew
-            entries.append(shard.entry(part.parent_entry.rows, deleted_rows, offset, linked))
-        offset += entries[-1].rows
-    return entries
 
 
 def _build_shard(

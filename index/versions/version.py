@@ -21,17 +21,16 @@ A sharded version (`index build --shards S`) holds those row files once per shar
 file's sha256). `shard(i)` opens one shard as a version of its own (what a shard server loads);
 the version opened whole is the merged view — one faiss index over the shards' (faiss's own
 merge of their top k) and their items, vectors, filters and tombstones concatenated in shard
-order — so everything that searches one index searches a sharded version unchanged.
+order — so everything that searches one index searches a sharded version unchanged. Its shards
+and segments are opened, and their folders checked, by its base `index.versions.parts.VersionParts`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import threading
-import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -41,21 +40,16 @@ import numpy as np
 from core import artifacts
 from core.artifacts import ArtifactError
 from core.items import ItemTable
-from core.manifests import IndexManifest, SegmentEntry
+from core.manifests import IndexManifest
 from core.metrics import stable_key, stable_order
 from core.vectors import RowBlocks
 from index.search.faiss_index import ExactRerank, apply_search_params, load_index, searchable
 from index.search.filters import FilterIndex
 from index.search.grouping import Groups
 from index.search.merge import MergedIndex
-from index.versions.units import Unit, units_for_id, units_of
+from index.versions.parts import VersionParts
 
 T = TypeVar("T")
-
-# Segments open in this process, by content (their files' sha256 and how they are searched): a
-# version that keeps a segment of one already open shares its index, vectors and items.
-_OPEN_SEGMENTS: weakref.WeakValueDictionary[tuple, IndexVersion] = weakref.WeakValueDictionary()
-_OPEN_SEGMENTS_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: it holds an array
@@ -108,7 +102,7 @@ def sampled_items(
     return picked
 
 
-class IndexVersion:
+class IndexVersion(VersionParts):
     """One published index version. `index`, `items` and `vectors` are read on first use, each
     a missing or damaged file reported as an `ArtifactError` naming it; `load()` reads all three
     and checks they agree."""
@@ -132,140 +126,6 @@ class IndexVersion:
         self._shards: dict[int, IndexVersion] = {}
         self._segments: dict[int, IndexVersion] = {}
         self._shards_lock = threading.Lock()
-
-    # -- shards ---------------------------------------------------------------------------------
-
-    @property
-    def shard_names(self) -> list[str]:
-        """The shards' names in order ("000", "001", ...); [] for a version of one index."""
-        return [entry.name for entry in self.manifest.shards or []]
-
-    @property
-    def shard_offsets(self) -> np.ndarray:
-        """Each shard's first global row: global row = shard_offsets[i] + the shard's own row."""
-        return np.asarray([entry.row_offset for entry in self.manifest.shards or []], dtype=np.int64)
-
-    def shard(self, number: int) -> IndexVersion:
-        """Shard `number` as a version of its own: its files, and its version's manifest with the
-        shard's row counts (factory, search parameters, fields, item field and model the
-        version's). Its files' checksums are checked as they are read."""
-        entries = self.manifest.shards
-        if not entries:
-            raise ValueError(f"version {self.name} is not sharded")
-        if not 0 <= number < len(entries):
-            raise IndexError(f"version {self.name} has {len(entries)} shards, not shard {number}")
-        with self._shards_lock:
-            found = self._shards.get(number)
-            if found is None:
-                found = self._shards[number] = self._shard_view(number)
-            return found
-
-    def _shard_view(self, number: int) -> IndexVersion:
-        entry = (self.manifest.shards or [])[number]
-        view = dataclasses.replace(
-            self.manifest,
-            size=entry.rows,
-            deleted_rows=entry.deleted_rows,
-            shards=None,
-            shard_key=None,
-            segments=entry.segments,
-        )
-        return IndexVersion(
-            self.directory / artifacts.SHARDS / entry.name,
-            view,
-            checksums=dict(entry.files),
-            shard_label=f"shard {entry.name} of version {self.name}",
-        )
-
-    def rows_of_ids(self, ids: Iterable[str]) -> dict[str, int | None]:
-        """Each id's live row (None: this version does not hold it). A sharded version's are
-        looked up a shard at a time, each shard's items dropped after unless the version already
-        holds them, and only in the shards the ids can be in (placed by id: the ones they name):
-        never as the whole version's items — what an admin write in a sharded server's ingress,
-        which holds no rows, reads for its call."""
-        found: dict[str, int | None] = dict.fromkeys(ids)
-        if not self.manifest.shards:
-            return {item_id: self.row_of(item_id) for item_id in found}
-        homes = {i: units_for_id(self.manifest, i) for i in found}
-        for unit in self.units():
-            wanted = [i for i, row in found.items() if row is None and unit.number in homes[i]]
-            if not wanted:
-                continue
-            with self._shards_lock:
-                shard = self._shards.get(unit.number) or self._shard_view(unit.number)
-            for item_id in wanted:
-                row = shard.row_of(item_id)
-                found[item_id] = None if row is None else unit.offset + row
-        return found
-
-    # -- units: what a change writes apart and a shard replica serves (index.versions.units) --------------
-
-    def units(self) -> list[Unit]:
-        """Its units, from the manifest alone: each shard, or itself when it is one index."""
-        return units_of(self.manifest)
-
-    def unit(self, number: int) -> IndexVersion:
-        """Unit `number` as a version of its own: shard `number`, or this version (0) when it is
-        one index."""
-        if self.manifest.shards:
-            return self.shard(number)
-        if number != 0:
-            raise IndexError(f"version {self.name} is one index, not {number + 1} shards")
-        return self
-
-    def units_for_id(self, item_id: str) -> list[int]:
-        """The units that may hold `item_id` (index.versions.units.units_for_id)."""
-        return units_for_id(self.manifest, item_id)
-
-    def _shard_versions(self) -> list[IndexVersion]:
-        return [self.shard(number) for number in range(len(self.shard_names))]
-
-    # -- segments -------------------------------------------------------------------------------
-
-    @property
-    def segment_entries(self) -> list[SegmentEntry]:
-        """This version's (or shard's) segments in row order; [] when its rows are not segmented."""
-        return list(self.manifest.segments or [])
-
-    def segment(self, number: int) -> IndexVersion:
-        """Segment `number` as a version of its own (its rows, none deleted: the tombstones are
-        this version's). The same segment, by content, is one object in a process, whichever
-        version opened it first: its index, vectors and items are read once."""
-        entries = self.segment_entries
-        if not 0 <= number < len(entries):
-            raise IndexError(f"{self._what} has {len(entries)} segments, not segment {number}")
-        entry = entries[number]
-        directory = self.directory / artifacts.SEGMENTS / entry.name
-        key = (tuple(sorted(entry.files.items())), json.dumps(self.manifest.search_params, sort_keys=True))
-        with _OPEN_SEGMENTS_LOCK:
-            found = self._segments.get(number) or _OPEN_SEGMENTS.get(key)
-            if found is not None:
-                if not found.directory.is_dir():  # its first version was pruned: read the rest from here
-                    found.directory = directory
-                self._segments[number] = found  # held while this version is
-                return found
-            view = dataclasses.replace(
-                self.manifest, size=entry.rows, deleted_rows=0, shards=None, shard_key=None, segments=None
-            )
-            label = f"segment {entry.name} of {self._what}"
-            found = IndexVersion(directory, view, checksums=dict(entry.files), shard_label=label)
-            _OPEN_SEGMENTS[key] = self._segments[number] = found
-            return found
-
-    @property
-    def _what(self) -> str:
-        return self._label or f"version {self.name}"
-
-    def _parts(self) -> tuple[list[IndexVersion], np.ndarray] | None:
-        """The versions this one's rows are made of — its shards, or its segments — and each
-        one's first row; None for one index."""
-        if self.manifest.shards:
-            return self._shard_versions(), self.shard_offsets
-        if self.manifest.segments:
-            entries = self.segment_entries
-            offsets = np.asarray([entry.row_offset for entry in entries], dtype=np.int64)
-            return [self.segment(number) for number in range(len(entries))], offsets
-        return None
 
     def _path(self, name: str) -> Path:
         """The file `name` of this version; a shard's checked against its checksum when first
@@ -291,6 +151,9 @@ class IndexVersion:
         if self._label is None or str(exc).startswith(self._label):
             return exc
         return ArtifactError(f"{self._label}: {exc}")
+
+    def _opened(self, directory: Path, manifest: IndexManifest, checksums: dict[str, str], label: str) -> IndexVersion:
+        return IndexVersion(directory, manifest, checksums=checksums, shard_label=label)
 
     @classmethod
     def open(cls, root: str | Path, version: str | None = None) -> IndexVersion:
@@ -456,64 +319,6 @@ class IndexVersion:
         except ArtifactError as exc:
             raise self._named(exc) from exc
 
-    def _check_segments(self, dim: int | None) -> None:
-        """The segment folders are those the manifest lists, their rows add up, and each loads."""
-        entries = self.segment_entries
-        folder = self.directory / artifacts.SEGMENTS
-        present = {p.name for p in folder.iterdir() if p.is_dir()} if folder.is_dir() else set()
-        missing = [entry.name for entry in entries if entry.name not in present]
-        if missing:
-            raise ArtifactError(f"{self._what}: segment {', '.join(missing)} is missing from {folder}")
-        offset = _contiguous(entries, "segment", self._what)
-        if offset != self.manifest.size:
-            raise ArtifactError(f"{self._what}: the manifest counts {self.manifest.size} rows; its segments {offset}")
-        for number in range(len(entries)):
-            self.segment(number).load(dim)
-
-    def _check_shards(self, dim: int | None) -> None:
-        """The shard folders are those the manifest lists, their row counts add up, and each
-        shard loads."""
-        self.check_shard_list()
-        for shard in self._shard_versions():
-            shard.load(dim)
-
-    def check_shard_list(self) -> None:
-        """The shard folders are those the manifest lists, and their row counts add up to its own
-        (what can be checked of a sharded version without reading a row)."""
-        entries = self.manifest.shards or []
-        folder = self.directory / artifacts.SHARDS
-        present = sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
-        listed = [entry.name for entry in entries]
-        missing = [name for name in listed if name not in present]
-        unlisted = [name for name in present if name not in listed]
-        if missing or unlisted:
-            raise ArtifactError(
-                f"{self.directory}: the manifest lists {len(listed)} shards, {folder} holds {len(present)}"
-                + (f"; shard {', '.join(missing)} is missing" if missing else "")
-                + (f"; shard {', '.join(unlisted)} is not in the manifest" if unlisted else "")
-            )
-        offset = _contiguous(entries, "shard", str(self.directory))
-        deleted = sum(entry.deleted_rows for entry in entries)
-        if (offset, deleted) != (self.manifest.size, self.manifest.deleted_rows):
-            raise ArtifactError(
-                f"{self.directory}: the manifest counts {self.manifest.size} rows, {self.manifest.deleted_rows} "
-                f"deleted; its shards {offset}, {deleted} deleted"
-            )
-
-    def _check_shard_files(self) -> None:
-        """A shard holds exactly the files its version's manifest lists, each as summed there."""
-        present = {p.name for p in self.directory.iterdir() if p.is_file()} if self.directory.is_dir() else set()
-        listed = set(self._checksums or {})
-        if not self.directory.is_dir():
-            raise ArtifactError(f"{self._label}: {self.directory} is missing")
-        for name in sorted(listed - present):
-            raise ArtifactError(f"{self._label}: {self.directory / name} is missing")
-        if present - listed:
-            extra = sorted(present - listed)
-            raise ArtifactError(f"{self._label}: {self.directory} holds {extra}, which the manifest does not list")
-        for name in sorted(listed):
-            self._path(name)
-
     def _load(self, dim: int | None) -> IndexVersion:
         index, items, vectors, deleted, filters = self.index, self.items, self.vectors, self.deleted, self.filters
         if filters is not None and (filters.size != len(items) or set(filters.fields) != set(self.manifest.filterable)):
@@ -551,20 +356,6 @@ class IndexVersion:
         scores = np.asarray(self.vectors @ query, dtype=np.float32)
         scores[self.deleted] = -np.inf
         return scores
-
-
-def _contiguous(entries: list, kind: str, where: str) -> int:
-    """The rows of `entries` (shards or segments), each starting where the ones before it end
-    (ArtifactError naming the first that does not); their total."""
-    offset = 0
-    for entry in entries:
-        if entry.row_offset != offset:
-            raise ArtifactError(
-                f"{where}: {kind} {entry.name} starts at row {entry.row_offset}; "
-                f"the {kind}s before it hold {offset} rows"
-            )
-        offset += entry.rows
-    return offset
 
 
 def _map_vectors(path: Path) -> np.ndarray:

@@ -8,6 +8,13 @@ after its index file's hash, writes the manifest, publishes it (CURRENT must sti
 parent) and prunes old versions. Any failure before the publish removes the staging folder, so
 a crash mid-write leaves the previous version live.
 
+Every version's manifest is written by one function, `publish_units`: a path stages its units
+(one index's row files, shards, or segments), says what they hold (`StagedUnits`), and hands
+over what the manifest says besides — a build's recipe and command, or a change's parent — and
+how the staged version is measured (a build's tuning and gate, a change's gate); the version is
+named, measured, counted and published by the one rename. A version of one index is the
+one-unit case.
+
 A sharded version's shard files go through its `shard(i)` writer (`ShardWriter`): the same file
 names in `shards/<NNN>/` of the staging folder, written there by whichever process builds the
 shard (a Ray task: the writer is a path, and pickles), and summed up as the manifest's
@@ -21,16 +28,20 @@ import dataclasses
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import faiss
 import numpy as np
 from PIL import Image
 
 from core import artifacts
+from core.artifacts import utc_now
 from core.items import ItemTable
-from core.manifests import IndexManifest, SegmentEntry, ShardEntry
+from core.manifests import IndexManifest, RowCounts, SegmentEntry, ShardEntry
 from index.search.faiss_index import save_index
 from index.search.filters import FilterIndex
 
@@ -259,6 +270,70 @@ class VersionWriter(_FolderWriter):
         target = artifacts.publish_version(self.root, self.staging, manifest.version, parent=parent)
         artifacts.prune_versions(self.root, self.keep)
         return target
+
+
+@dataclass(frozen=True)
+class StagedUnits:
+    """The manifest's account of a new version's units as staged: its rows and deleted rows, and
+    where they lie — `shards` (placed by `shard_key`), the version's own `segments`, or neither
+    (one index's row files at the version's top level: a build's). `index_id`: given (a change's,
+    from its segments' and tombstones' hashes), else the version is named after the index
+    file(s) written (`VersionWriter.name_version`)."""
+
+    size: int
+    deleted_rows: int = 0
+    shards: list[ShardEntry] | None = None
+    shard_key: str | None = None
+    segments: list[SegmentEntry] | None = None
+    index_id: str | None = None
+
+    @classmethod
+    def of_shards(cls, entries: list[ShardEntry], shard_key: str | None, index_id: str | None = None) -> StagedUnits:
+        size, deleted = sum(entry.rows for entry in entries), sum(entry.deleted_rows for entry in entries)
+        return cls(size, deleted, shards=entries, shard_key=shard_key, index_id=index_id)
+
+
+# Given the staging folder and its manifest (its units set: the version as staged, opened as
+# `IndexVersion(folder, manifest)`), the manifest fields its measure sets: a build's
+# quality figures, tuned search parameters, gate and build time; a change's gate's verdict.
+Measure = Callable[[Path, IndexManifest], dict[str, Any]]
+
+
+def publish_units(
+    writer: VersionWriter,
+    units: StagedUnits,
+    described: IndexManifest,
+    rows: RowCounts | None = None,
+    parent: str | None = None,
+    measure: Measure | None = None,
+) -> tuple[Path, IndexManifest]:
+    """Write the manifest of the version `writer` staged and publish it: the one place a
+    manifest is assembled, for a build (one index or shards), an add, a removal, an upsert, an
+    ingest and a compaction alike. `described`: what the manifest says besides its units — a
+    build's model, recipe, catalog and command, or a change's parent manifest — its units,
+    names, rows and creation time set here; `measure` (given the staged version) the fields it
+    measures, before the version is named; `rows` the catalog's counts (None: the parent's catalog count), `indexed` the
+    version's live rows. Published by the one rename, CURRENT still naming `parent` (None: a
+    build, whatever is live); returns the version's directory and manifest."""
+    manifest = dataclasses.replace(
+        described,
+        index_id="staging",
+        version=writer.staging.name,
+        size=units.size,
+        deleted_rows=units.deleted_rows,
+        shards=units.shards,
+        shard_key=units.shard_key,
+        segments=units.segments,
+    )
+    if measure is not None:
+        manifest = dataclasses.replace(manifest, **measure(writer.staging, manifest))
+    # Named once measured: a build's one index is written once its search effort is tuned.
+    manifest.index_id, manifest.version = writer.name_version(units.index_id, units.shards)
+    manifest.created = utc_now()
+    if rows is None:
+        rows = RowCounts(catalog=described.rows.catalog if described.rows else manifest.live_size, indexed=0)
+    manifest.rows = dataclasses.replace(rows, indexed=manifest.live_size)
+    return writer.publish(manifest, parent=parent), manifest
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

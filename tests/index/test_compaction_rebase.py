@@ -1,5 +1,5 @@
-"""Compaction beside other writers (index/build/lifecycle.py: compact_version; index/versions/segments.py:
-_rebased): it merges a pinned snapshot of the live version without the root's writer lock, and
+"""Compaction beside other writers (index/build/lifecycle.py: compact_version; index/versions/rebase.py):
+it merges a pinned snapshot of the live version without the root's writer lock, and
 takes the lock only to publish — rebased onto what adds and removals published meanwhile (their
 segments kept after the merged one, their removals still removed), or not at all when a
 rollback superseded the snapshot. Real faiss, real files; the compaction runs in a thread paused
@@ -118,7 +118,7 @@ def _answers_as_exact_search(version: IndexVersion, expected: dict[str, np.ndarr
 def _unsegmented(root: Path, shards: int) -> tuple[dict[str, np.ndarray], list[str]]:
     """A version of N rows in the format from before segments (schema 1, or 2 sharded: its row
     files at the version's — or each shard's — top level, no segments listed) holding
-    tombstones as that format's takedowns wrote them (`NewVersion.deleted`, `ShardPart.deleted`):
+    tombstones as that format's takedowns wrote them:
     `deleted.npy` beside the row files, counted in the manifest (and in each shard's entry,
     with its sha256). Every 15th row of each unit is deleted. Its live rows, id → vector, and
     the deleted ids."""
