@@ -40,8 +40,8 @@ from core.vectors import exact_search
 from index.build.add import add_vectors
 from index.build.gate import GateThresholds
 from index.build.lifecycle import compact_version, remove_items
+from index.build.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
 from index.search.faiss_index import l2_normalized, recall_with_ties, scores_of_rows, search_live
-from index.versions.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
 from index.versions.version import IndexVersion
 
 FACTORIES = {"flat": ("Flat", {}), "ivf-pq": ("IVF{lists},PQ32", {"rerank": 10})}  # name → factory, parameters

@@ -297,8 +297,8 @@ def publish_vectors(
     from core.items import ItemTable
     from core.manifests import ModelManifest, RowCounts
     from index.build.gate import GateThresholds
+    from index.build.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
     from index.search.filters import parse_filterable
-    from index.versions.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
 
     rows = len(vectors)
     fields = [{"item": f"item{i // 3}", "shade": str(i % 3)} for i in range(rows)] if grouped else [{}] * rows

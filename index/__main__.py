@@ -8,10 +8,10 @@ import sys
 from core.cli import add_config_flag, add_progress_flag, add_verbose_flag, run_cli
 from core.config import add_options, from_cli
 from core.manifests import IndexManifest
+from index.build.config import BuildConfig
+from index.build.duplicates import DuplicatesConfig
 from index.build.lifecycle import CompactConfig, RemoveConfig
 from index.build.rebuild import RebuildConfig
-from index.config import BuildConfig
-from index.search.duplicates import DuplicatesConfig
 from index.versions.units import segment_counts
 
 # command → (help, configuration class, its options this command does not take)
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("build", "add"):
             from index.build.add import run_add
             from index.build.build import run_build
-            from index.config import BuildConfig
+            from index.build.config import BuildConfig
 
             progress = args.progress
             del args.progress
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = from_cli(RebuildConfig, args)
             print(run_rebuild(cfg, progress=progress))
         elif args.command == "duplicates":
-            from index.search.duplicates import run_duplicates
+            from index.build.duplicates import run_duplicates
 
             progress = args.progress
             del args.progress

@@ -14,9 +14,9 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
-from serving.admin import AdminService
+from serving.api.admin_service import AdminService
+from serving.api.search_service import SearchService
 from serving.config import EVENT_LOOPS, ServerConfig
-from serving.search.service import SearchService
 from serving.transport.auth import Tokens
 from serving.transport.calls import CallRecorder
 from serving.transport.servicer import (

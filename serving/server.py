@@ -9,8 +9,9 @@ Embedding and search run in the batcher's inference threads (a batch per stream)
 the loop's default executor. `SearchApp` owns the parts — engine, batcher, decode pool, recall
 monitor and its probe runner, the service layer and its thin servicers, health, the metrics
 endpoint — and reloads (on request, or when CURRENT changes); the servicers only translate
-(`serving.transport.servicer`), the logic is plain classes (`serving.search.service`, `serving.admin`). What it is
-told to do is `serving.config.ServerConfig`; where it listens, `serving.listen`.
+(`serving.transport.servicer`), the logic is plain classes (`serving.api.search_service`,
+`serving.api.admin_service`). What it is told to do is `serving.config.ServerConfig`; where it
+listens, `serving.listen`.
 """
 
 from __future__ import annotations
@@ -37,19 +38,19 @@ from core.manifests import IndexManifest
 from index.build.add import add_vectors
 from index.build.lifecycle import RemovalReport, RollbackReport, remove_items, rollback
 from index.versions.segments import MAX_DELETED_FRACTION, compaction_due
-from serving.admin import AdminService, Ingested
+from serving.api.admin_service import AdminService, Ingested
+from serving.api.search_service import SearchService
 from serving.config import ServerConfig
 from serving.errors import FailedPrecondition
 from serving.listen import PortInUse, bind_grpc, claim_port, loop_factory, new_grpc_server
 from serving.memory import reclaim, steady_heap
-from serving.monitoring.history import TrafficHistory
-from serving.monitoring.metrics import ServiceMetrics
 from serving.monitoring.monitor import RecallMonitor
 from serving.monitoring.probe import ProbeRunner
 from serving.search.batching import DynamicBatcher
 from serving.search.checks import CheckedImage
 from serving.search.engine import SearchEngine, ServingPair
-from serving.search.service import SearchService
+from serving.telemetry.history import TrafficHistory
+from serving.telemetry.metrics import ServiceMetrics
 from serving.transport.auth import Tokens
 from serving.transport.calls import CallRecorder
 from serving.transport.http import HttpApi, tls_context

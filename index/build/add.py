@@ -16,10 +16,10 @@ from core.catalog import Catalog, CatalogError, read_catalog
 from core.items import ItemTable
 from core.manifests import IndexManifest, RowCounts, check_model_index_pair
 from core.vectors import unit_rows
+from index.build.config import BuildConfig
 from index.build.embed import check_bad_rows, embed_catalog
 from index.build.gate import GateThresholds, gate_change
 from index.build.lifecycle import compact_if_due
-from index.config import BuildConfig
 from index.embedder import OnnxEmbedder
 from index.search.filters import parse_filterable, specs_of
 from index.versions.change import ChangeReport, publish_change

@@ -1,5 +1,5 @@
 """`index build`: embed a catalog in this process with the model artifact, then build, gate and
-publish a new index version (`index.versions.publish`)."""
+publish a new index version (`index.build.publish`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 from core.catalog import read_catalog
 from core.manifests import ModelManifest
+from index.build.config import DEFAULT_MODEL, BuildConfig, default_catalog
 from index.build.embed import check_bad_rows, embed_catalog
-from index.config import DEFAULT_MODEL, BuildConfig, default_catalog
+from index.build.publish import NewVersion
 from index.embedder import OnnxEmbedder
-from index.versions.publish import NewVersion
 
 
 def run_build(cfg: BuildConfig, progress: bool = True) -> Path:

@@ -62,7 +62,7 @@ def contact_sheet(
     scores, framed green when a neighbour has the query's label and red when not (grey where
     the query or the neighbour has none). Rows of -1 (fewer neighbours than asked) stay empty.
     The "labels" are whatever defines a match, named by `match` — an index's item field, or the
-    class label (`index.versions.publish.draw_contact_sheet` decides).
+    class label (`index.build.publish.draw_contact_sheet` decides).
 
     `titles`: each row's caption under its query (default `match` and the query's value); `notes`: text
     in a column after the last neighbour (what the row leaves out, "+377 more"), added when any

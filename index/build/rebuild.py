@@ -36,11 +36,11 @@ from core.cli import init_ray
 from core.config import option
 from core.manifests import ModelManifest, ShardEntry
 from core.preprocess import ImageDecodeError, RegionError, load_image
+from index.build.config import DEFAULT_MODEL, BuildConfig, default_catalog
 from index.build.embed import check_bad_rows
-from index.config import DEFAULT_MODEL, BuildConfig, default_catalog
+from index.build.publish import IndexRecipe, NewVersion, version_table
 from index.search.faiss_index import empty_index, trained_index
 from index.search.filters import FieldSpec
-from index.versions.publish import IndexRecipe, NewVersion, version_table
 from index.versions.sharding import build_shard_group, check_shard_count, empty_shard, shard_keys, shard_of
 from index.versions.version_writer import VersionWriter
 

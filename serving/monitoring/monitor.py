@@ -42,9 +42,9 @@ from index.search.faiss_index import recall_with_ties
 from index.search.filters import Filter
 from index.search.grouping import Groups, exact_group_scores
 from protos.simsearch.v1 import search_pb2 as pb
-from serving.monitoring.metrics import ServiceMetrics
 from serving.search.answers import EVERY_ROW, Exclusion, Hit, Scope
 from serving.search.engine import ServingPair
+from serving.telemetry.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 

@@ -8,15 +8,15 @@ import asyncio
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
 from core.catalog import read_probe_catalog
 from core.metrics import stable_order
 from protos.simsearch.v1 import search_pb2 as pb
-from serving.monitoring.monitor import probe_recall
+from serving.monitoring.monitor import RecallMonitor, probe_recall
 from serving.search.engine import SearchEngine, ServingPair
-from serving.search.service import SearchService
 
 
 def _read(path: str | Path) -> bytes:
@@ -28,12 +28,22 @@ def _read(path: str | Path) -> bytes:
         return f.read()
 
 
+class ProbedService(Protocol):
+    """What a probe round asks of the search service (`serving.api.search_service.SearchService`,
+    which sits above this room): its queries answered as a client's are, and the monitor they
+    report to."""
+
+    monitor: RecallMonitor
+
+    async def search_many(self, requests: list[pb.SearchRequest], timeout: float | None) -> list[pb.SearchResponse]: ...
+
+
 class ProbeRunner:
     """One probe round on demand: `run(loop)` from any thread but the loop's own."""
 
     def __init__(
         self,
-        service: SearchService,
+        service: ProbedService,
         engine: SearchEngine,
         ks: Sequence[int],
         probe_size: int,

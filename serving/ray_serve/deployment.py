@@ -46,13 +46,13 @@ from index.versions.version import IndexVersion
 from serving.config import ServerConfig
 from serving.logs import Sink, failure_reason, relay, shard_label, ship_records
 from serving.memory import arena_environment
-from serving.monitoring.metrics import ServiceMetrics
 from serving.ray_serve.cluster import check_ports, connect_ray
 from serving.ray_serve.handles import RayShards, RemoteEmbedder, RemoteTextEncoder
 from serving.ray_serve.ingress_version import IngressVersion
 from serving.ray_serve.replicas import EMBEDDER, EmbedderReplica, EmbedderSettings, ShardReplica, shard_deployment
 from serving.search.engine import ServingPair, text_model_dir
 from serving.shards.fanout import ShardedEngine, ShardedSearch
+from serving.telemetry.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 

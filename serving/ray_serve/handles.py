@@ -23,9 +23,9 @@ from core.text import TOKENIZER_FILE, TextTokenizer
 from index.versions.version import ItemLocation
 from serving.errors import Unavailable, image_error
 from serving.logs import failure_reason, shard_label
-from serving.monitoring.metrics import ServiceMetrics
 from serving.search.engine import UndecodedImages
 from serving.shards.messages import ShardAnswer, ShardRequest
+from serving.telemetry.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 

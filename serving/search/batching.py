@@ -44,10 +44,10 @@ runs sharing one intra-op pool would fight over it.
 from __future__ import annotations
 
 from serving.errors import Unavailable
-from serving.monitoring.metrics import ServiceMetrics
 from serving.search.engine import SearchEngine
 from serving.search.executors import BatchedExecutor, DecodePlacement, DirectExecutor, SchedulingPolicy
 from serving.search.inference import Inference, Query, Result, Work
+from serving.telemetry.metrics import ServiceMetrics
 
 
 class DynamicBatcher:

@@ -14,9 +14,9 @@ from PIL import Image
 
 from core.preprocess import EncodedImage, Region
 from serving.errors import ServiceError
-from serving.monitoring.metrics import ServiceMetrics
 from serving.search.answers import EVERY_ROW, NOTHING_EXCLUDED, Exclusion, Hit, Scope
 from serving.search.engine import SearchEngine, ServingPair, UndecodedImages
+from serving.telemetry.metrics import ServiceMetrics
 
 
 # Slots: built for every query on the loop, where a frozen dataclass without them costs twice as much.

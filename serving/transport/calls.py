@@ -9,8 +9,8 @@ import grpc
 
 from serving.errors import status_of
 from serving.logs import REQUEST_ID
-from serving.monitoring.history import TrafficHistory
-from serving.monitoring.metrics import ServiceMetrics
+from serving.telemetry.history import TrafficHistory
+from serving.telemetry.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 

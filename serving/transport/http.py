@@ -32,9 +32,9 @@ from google.protobuf.message import Message
 
 from core.catalog import parse_bbox
 from protos.simsearch.v1 import search_pb2 as pb
-from serving.admin import AdminService
+from serving.api.admin_service import AdminService
+from serving.api.search_service import SearchService
 from serving.errors import InvalidArgument, PayloadTooLarge, ServiceError, json_name, status_of
-from serving.search.service import SearchService
 from serving.transport.auth import Tokens, token_fingerprint
 from serving.transport.calls import CallRecorder
 from serving.transport.openapi import Served, openapi_document

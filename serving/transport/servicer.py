@@ -1,5 +1,5 @@
 """The gRPC servicers, thin in the shape of grpc's own asyncio examples: protobuf in, a call on
-the service layer (`serving.search.service`, `serving.admin`), protobuf or a status code out. Every
+the service layer (`serving.api.search_service`, `serving.api.admin_service`), protobuf or a status code out. Every
 RPC, Reload included, goes through `RpcCall`: one error mapping (`serving.errors.status_of`), and
 the `CallRecorder` the HTTP routes share (`serving.transport.calls`: one count in
 `simsearch_requests_total{method,code,protocol}`, one latency observation).
@@ -16,9 +16,9 @@ import grpc
 
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
-from serving.admin import AdminService
+from serving.api.admin_service import AdminService
+from serving.api.search_service import SearchService
 from serving.errors import ServiceError
-from serving.search.service import SearchService
 from serving.transport.auth import Scope, Tokens, token_fingerprint
 from serving.transport.calls import CallRecorder
 

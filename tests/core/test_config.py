@@ -22,7 +22,7 @@ from core.config import (
     section,
     to_jsonable,
 )
-from index.config import BuildConfig
+from index.build.config import BuildConfig
 
 
 @dataclass

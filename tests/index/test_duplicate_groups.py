@@ -13,10 +13,10 @@ from PIL import Image
 
 from core.items import ItemTable
 from core.manifests import RowCounts
+from index.build.config import BuildConfig
 from index.build.contact_sheet import CAPTION, PAD, THUMB
-from index.config import BuildConfig
-from index.search.duplicates import CHAINING_MEMBERS, SHEET_MEMBERS, DuplicatesConfig, run_duplicates
-from index.versions.publish import NewVersion, publish_index_version
+from index.build.duplicates import CHAINING_MEMBERS, SHEET_MEMBERS, DuplicatesConfig, run_duplicates
+from index.build.publish import NewVersion, publish_index_version
 
 DIM, CHAIN, OTHERS = 16, 60, 200
 STEP = np.radians(2.0)  # cosine 0.9994 between neighbours along the chain; its ends are 118° apart
@@ -47,7 +47,7 @@ def publish_chain(root: Path) -> None:
 
 def test_a_chaining_threshold_is_reported_and_groups_png_says_what_each_row_is(tmp_path, caplog):
     publish_chain(tmp_path)
-    with caplog.at_level(logging.INFO, logger="index.search.duplicates"):
+    with caplog.at_level(logging.INFO, logger="index.build.duplicates"):
         out = run_duplicates(DuplicatesConfig(index_root=str(tmp_path), min_score=0.998), progress=False)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["groups"] == 2 and summary["largest_group"] == CHAIN >= CHAINING_MEMBERS
@@ -66,7 +66,7 @@ def test_a_chaining_threshold_is_reported_and_groups_png_says_what_each_row_is(t
 
 def test_copies_alone_raise_no_warning(tmp_path, caplog):
     publish_chain(tmp_path)
-    with caplog.at_level(logging.INFO, logger="index.search.duplicates"):
+    with caplog.at_level(logging.INFO, logger="index.build.duplicates"):
         out = run_duplicates(DuplicatesConfig(index_root=str(tmp_path), min_score=0.99999), progress=False)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["largest_group"] == 2 and summary["largest_group_least_cosine_to_lead"] > 0.99999

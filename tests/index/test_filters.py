@@ -15,7 +15,7 @@ from core.catalog import read_catalog
 from core.items import ItemTable
 from index.build.add import run_add
 from index.build.build import run_build
-from index.config import BuildConfig
+from index.build.config import BuildConfig
 from index.search.faiss_index import (
     EXACT,
     INDEX,

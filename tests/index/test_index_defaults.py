@@ -18,10 +18,10 @@ from core import artifacts
 from core.artifacts import ArtifactError
 from core.items import ItemTable
 from core.manifests import IndexManifest, RowCounts
+from index.build.config import BuildConfig
 from index.build.gate import QualityGateError
-from index.config import BuildConfig
+from index.build.publish import NewVersion, publish_index_version
 from index.search.faiss_index import build_index
-from index.versions.publish import NewVersion, publish_index_version
 from index.versions.version import IndexVersion
 from tests.support.index import write_images, write_tiny_model
 
@@ -51,7 +51,7 @@ def publish(root: Path, vectors: np.ndarray, **options) -> IndexVersion:
 
 
 def test_ivf_without_nprobe_gets_the_least_that_meets_the_recall_target(tmp_path, clustered, caplog):
-    with caplog.at_level(logging.INFO, logger="index.versions.publish"):
+    with caplog.at_level(logging.INFO, logger="index.build.publish"):
         version = publish(tmp_path, clustered, factory="IVF256,Flat")
     manifest = version.manifest
     nprobe = manifest.search_params["nprobe"]

@@ -12,7 +12,7 @@ from core import artifacts
 from core.artifacts import read_manifest
 from core.catalog import read_catalog
 from index.build.build import run_build
-from index.config import BuildConfig
+from index.build.config import BuildConfig
 from protos.simsearch.v1 import search_pb2 as pb
 from tests.support.server import start
 

@@ -16,10 +16,10 @@ import pytest
 from core import artifacts
 from core.items import ItemTable
 from core.manifests import RowCounts
+from index.build.config import BuildConfig
 from index.build.lifecycle import AUDIT_LOG, remove_items, returning_takedowns, rollback
-from index.config import BuildConfig
+from index.build.publish import NewVersion, publish_index_version
 from index.search.filters import Condition, Filter, Range
-from index.versions.publish import NewVersion, publish_index_version
 from index.versions.version import IndexVersion
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from index.search.duplicates import find_groups
+from index.build.duplicates import find_groups
 from index.search.faiss_index import ExactRerank, build_index, searchable, with_default_rerank
 from index.search.range_search import by_range_search, reaching
 

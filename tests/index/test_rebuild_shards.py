@@ -13,8 +13,8 @@ import pytest
 
 from core import artifacts
 from index.build.build import run_build
+from index.build.config import BuildConfig
 from index.build.rebuild import RebuildConfig, run_rebuild
-from index.config import BuildConfig
 from index.search.faiss_index import search
 from index.versions.sharding import shard_of
 from index.versions.version import IndexVersion

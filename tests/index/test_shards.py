@@ -23,13 +23,13 @@ from core.metrics import stable_sample
 from core.vectors import RowBlocks, exact_search
 from index.__main__ import main as index_main
 from index.build.build import run_build
+from index.build.config import BuildConfig
 from index.build.gate import GateThresholds
 from index.build.lifecycle import remove_items
-from index.config import BuildConfig
+from index.build.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
 from index.search.faiss_index import ann_recall, l2_normalized, search, search_within
 from index.search.filters import parse_filterable
 from index.search.grouping import search_groups
-from index.versions.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
 from index.versions.sharding import partition, shard_keys, shard_of
 from index.versions.version import IndexVersion
 from tests.support.index import write_images, write_tiny_model

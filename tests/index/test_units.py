@@ -18,7 +18,7 @@ from index.build.add import add_vectors
 from index.versions.sharding import shard_of
 from index.versions.units import units_for_id
 from index.versions.version import IndexVersion
-from serving.admin import AdminService
+from serving.api.admin_service import AdminService
 from tests.support import shards as support
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,10 +9,10 @@ import pytest
 
 from index.search.faiss_index import apply_search_params, build_index, l2_normalized
 from index.versions.version import IndexVersion
-from serving.monitoring.metrics import ServiceMetrics
 from serving.monitoring.monitor import EXACT_DEPTH, MonitorConfig, RecallMonitor, SampledQuery
 from serving.search.answers import EVERY_ROW, NOTHING_EXCLUDED
 from serving.search.engine import SearchEngine, ServingPair
+from serving.telemetry.metrics import ServiceMetrics
 from tests.support import shards as support
 
 N, DIM, ITEMS, COPIES = 600, 16, 200, 60

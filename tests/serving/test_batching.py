@@ -15,13 +15,13 @@ from PIL import Image
 from core.catalog import read_catalog
 from core.preprocess import load_image
 from serving.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
-from serving.monitoring.metrics import ServiceMetrics
 from serving.search.answers import NOTHING_EXCLUDED
 from serving.search.batching import DynamicBatcher
 from serving.search.checks import RequestChecks
 from serving.search.engine import Limits, SearchEngine, load_pair
 from serving.search.executors import DecodePlacement
 from serving.search.inference import Query, Result
+from serving.telemetry.metrics import ServiceMetrics
 from tests.support.images import encode
 
 CHECKS = RequestChecks(Limits())  # what the service checks before a query reaches the batcher

@@ -20,7 +20,7 @@ from PIL import Image
 from core.catalog import CatalogError, read_catalog
 from core.manifests import IndexManifest
 from index.build.build import run_build
-from index.config import BuildConfig
+from index.build.config import BuildConfig
 from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient

@@ -30,9 +30,9 @@ from core import artifacts
 from core.catalog import read_catalog
 from core.manifests import IndexManifest
 from index.build.build import run_build
+from index.build.config import BuildConfig
+from index.build.duplicates import DuplicatesConfig, run_duplicates
 from index.build.lifecycle import audit_entries
-from index.config import BuildConfig
-from index.search.duplicates import DuplicatesConfig, run_duplicates
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient, condition
 from serving.config import ServerConfig

@@ -412,9 +412,9 @@ def test_cors_is_off_unless_an_origin_is_named(demo_run):
 def test_a_thumbnail_is_upright_and_a_missing_file_is_not_found(tmp_path):
     """A phone photo stored sideways (EXIF orientation 6) is shown upright, as the model sees it;
     an item whose file has gone since the build is 404, not the request's fault."""
+    from serving.api.search_service import thumbnail_of
     from serving.errors import NotFound
     from serving.search.engine import Limits
-    from serving.search.service import thumbnail_of
 
     sideways = tmp_path / "phone.jpg"
     exif = Image.Exif()

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from serving import logs
-from serving.monitoring.history import TrafficHistory
-from serving.monitoring.metrics import ServiceMetrics
+from serving.telemetry.history import TrafficHistory
+from serving.telemetry.metrics import ServiceMetrics
 from serving.transport.calls import CallRecorder
 
 

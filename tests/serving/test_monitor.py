@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from serving.monitoring.metrics import ServiceMetrics
 from serving.monitoring.monitor import MonitorConfig, RecallMonitor
 from serving.search.engine import load_pair
+from serving.telemetry.metrics import ServiceMetrics
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ import pytest
 
 from core.catalog import read_catalog
 from index.build.build import run_build
-from index.config import BuildConfig
+from index.build.config import BuildConfig
 from serving.__main__ import target_address
 from serving.client import SearchClient
 from serving.config import ServerConfig

@@ -631,7 +631,7 @@ def _labelled_sharded_root(folder: Path) -> Path:
     import csv
 
     from index.build.build import run_build
-    from index.config import BuildConfig
+    from index.build.config import BuildConfig
     from tests.support.index import write_images, write_tiny_model
 
     paths = write_images(folder / "images", 96)

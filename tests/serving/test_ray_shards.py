@@ -10,11 +10,11 @@ import pytest
 from index.versions.version import ItemLocation
 from serving.errors import Unavailable
 from serving.logs import failure_reason, shard_label
-from serving.monitoring.metrics import ServiceMetrics
 from serving.ray_serve.deployment import _cause
 from serving.ray_serve.handles import RayShards
 from serving.ray_serve.replicas import shard_deployment
 from serving.shards.messages import ShardRequest, ShardScope
+from serving.telemetry.metrics import ServiceMetrics
 from tests.support.shards import Answered
 
 

@@ -16,7 +16,6 @@ from index.build.lifecycle import remove_items
 from index.search.faiss_index import l2_normalized
 from index.search.filters import Condition, Filter
 from index.versions.version import IndexVersion
-from serving.monitoring.metrics import ServiceMetrics
 from serving.monitoring.monitor import MonitorConfig, RecallMonitor
 from serving.ray_serve.handles import RayShards
 from serving.ray_serve.ingress_version import IngressVersion
@@ -24,6 +23,7 @@ from serving.search.answers import NOTHING_EXCLUDED, Exclusion, Hit, Scope
 from serving.search.engine import SearchEngine, ServingPair
 from serving.shards.fanout import LocalShards, ShardedSearch
 from serving.shards.searcher import ShardSearcher
+from serving.telemetry.metrics import ServiceMetrics
 from tests.support import shards as support
 
 N, DIM, ITEMS = 1200, 16, 400

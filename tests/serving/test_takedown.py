@@ -20,8 +20,8 @@ from core import artifacts
 from core.catalog import read_catalog
 from core.items import ItemTable
 from index.build.build import run_build
+from index.build.config import BuildConfig
 from index.build.lifecycle import AUDIT_LOG
-from index.config import BuildConfig
 from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from tests.support.server import start

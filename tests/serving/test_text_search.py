@@ -19,7 +19,7 @@ from core.artifacts import ArtifactError
 from core.vectors import exact_search
 from index.__main__ import describe_version
 from index.build.build import run_build
-from index.config import BuildConfig
+from index.build.config import BuildConfig
 from index.embedder import OnnxTextEmbedder
 from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb

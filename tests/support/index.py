@@ -71,7 +71,7 @@ def write_catalog_index(tmp: Path, items: int = 12, per_item: int = 2, text: boo
     import csv
 
     from index.build.build import run_build
-    from index.config import BuildConfig
+    from index.build.config import BuildConfig
 
     paths = write_images(tmp / "images", items * per_item)
     catalog = tmp / "images" / "catalog.csv"  # paths in it are relative to it

@@ -12,10 +12,10 @@ import numpy as np
 from core.items import ItemTable
 from core.manifests import ModelManifest, RowCounts, TextModelManifest
 from index.build.gate import GateThresholds
+from index.build.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
 from index.search.faiss_index import build_index, l2_normalized
 from index.search.filters import parse_filterable
 from index.search.merge import MergedIndex
-from index.versions.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
 from index.versions.version import IndexVersion
 from tests.support.index import write_tiny_model
 

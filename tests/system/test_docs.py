@@ -38,7 +38,7 @@ def test_the_list_counts_the_guide_advises_are_the_builds_own():
 
 def test_where_item_field_is_explained_it_says_a_folder_per_class_gives_label():
     from core.config import options
-    from index.config import BuildConfig
+    from index.build.config import BuildConfig
 
     (item_field,) = (opt for opt in options(BuildConfig) if opt.name == "item_field")
     assert "a folder per class gives its images the field label" in item_field.help

@@ -1,7 +1,7 @@
 """The IndexAdmin service and the console's admin pages: Reload, RemoveItems, AddItems and make
 live, and what the index root holds — its versions with their manifests' figures, a version's
 contact sheet, the takedown audit log, the live version's duplicate groups. Plain classes,
-protobuf messages in and out, as `serving.search.service`; the app (`serving.server`) does the loading."""
+protobuf messages in and out, as `serving.api.search_service`; the app (`serving.server`) does the loading."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from core import artifacts
 from core.artifacts import ArtifactError
 from core.items import ItemTable
 from core.manifests import IndexManifest
+from index.build.duplicates import GROUPS_FILE, SUMMARY_FILE, runs_of
 from index.build.lifecycle import RemovalReport, RollbackReport, audit_entries
-from index.search.duplicates import GROUPS_FILE, SUMMARY_FILE, runs_of
 from index.versions.units import segment_counts
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable

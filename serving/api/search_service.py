@@ -6,7 +6,7 @@ servicer turns into a status).
 the rest of the path trusts), prepares its query (where its image decodes, its parts combined),
 hands it to the batcher, and builds the answer (neighbours, stage timings, what the recall
 monitor and the Feedback log, `serving.monitoring.feedback`, keep of it). Reload, takedowns and the index
-root's versions are `serving.admin.AdminService`'s.
+root's versions are `serving.api.admin_service.AdminService`'s.
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ from protos.simsearch.v1 import search_pb2 as pb
 from serving.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable, at_place, image_errors
 from serving.logs import REQUEST_ID
 from serving.monitoring.feedback import FeedbackLog
-from serving.monitoring.history import TrafficHistory
-from serving.monitoring.metrics import ServiceMetrics
 from serving.monitoring.monitor import RecallMonitor
 from serving.search.answers import EVERY_ROW, NOTHING_EXCLUDED, Exclusion, Scope
 from serving.search.batching import DynamicBatcher
@@ -41,6 +39,8 @@ from serving.search.checks import CheckedImage, CheckedPart, CheckedSearch, Requ
 from serving.search.engine import Limits, SearchEngine, ServingPair
 from serving.search.executors import DecodePlacement
 from serving.search.inference import Query, Result
+from serving.telemetry.history import TrafficHistory
+from serving.telemetry.metrics import ServiceMetrics
 
 # An AddItems call's images in the queue at once: one batch's worth (the default
 # --max-batch-size), where a thousand at once would fill the queue the queries need.

@@ -14,9 +14,9 @@ from core.config import DEVICES, option, to_jsonable
 from core.manifests import ModelManifest, TextModelManifest, check_text_model_pair
 from core.preprocess import DEFAULT_MAX_PIXELS
 from index.build.gate import GateThresholds, ProbeCatalog
+from index.build.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
 from index.search.faiss_index import check_trainable, empty_index, select_device
 from index.search.filters import FieldSpec, check_catalog_fields, parse_filterable
-from index.versions.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
 from index.versions.sharding import check_shard_count
 
 DEFAULT_MODEL = "runs/model"
