@@ -348,3 +348,126 @@ def test_a_private_import_is_found_however_it_is_written(tmp_path):
         "pkg/a.py:2: from pkg.b import _helper",
         "pkg/a.py:6: from .b import _other",
     ]
+
+
+# -- rooms: which room of a package may import which, read from the source --------------------
+
+# A room is a folder of a package (`serving/search/`) or one module of its top folder
+# (`serving/errors.py`); docs/architecture.md's map names each. Inside a package a module may
+# import its own room and the rooms listed for it here, nothing else, so the rooms stack from
+# the bottom up; a command's entry point (`__main__`, "*") may import any room of its package.
+# Between packages the package rule above holds. Listed bottom first.
+_SERVING_LEAVES = {"serving.errors", "serving.logs", "serving.memory"}
+_SERVING_ROOMS = {"serving.telemetry", "serving.search", "serving.monitoring", "serving.shards", "serving.api"}
+_SERVING_APP = {"serving.config", "serving.listen", "serving.server"}
+ROOMS: dict[str, set[str]] = {
+    "core": set(),
+    "index": set(),  # the package's __init__
+    "index.embedder": set(),
+    "index.search": set(),
+    "index.versions": {"index.search"},
+    "index.build": {"index.embedder", "index.search", "index.versions"},
+    "index.__main__": {"*"},
+    "serving": set(),
+    "serving.errors": set(),
+    "serving.logs": set(),
+    "serving.memory": set(),
+    "serving.client": set(),
+    "serving.telemetry": _SERVING_LEAVES,
+    "serving.search": _SERVING_LEAVES | {"serving.telemetry"},
+    "serving.monitoring": _SERVING_LEAVES | {"serving.telemetry", "serving.search"},
+    "serving.shards": _SERVING_LEAVES | {"serving.telemetry", "serving.search", "serving.monitoring"},
+    "serving.api": _SERVING_LEAVES | {"serving.telemetry", "serving.search", "serving.monitoring"},
+    "serving.transport": _SERVING_LEAVES | {"serving.telemetry", "serving.search", "serving.api"},
+    # the app: its options, where it listens, the server that wires every room above
+    "serving.config": _SERVING_LEAVES | _SERVING_ROOMS,
+    "serving.listen": _SERVING_LEAVES | _SERVING_ROOMS | {"serving.transport", "serving.config"},
+    "serving.server": _SERVING_LEAVES | _SERVING_ROOMS | {"serving.transport", "serving.config", "serving.listen"},
+    "serving.ray_serve": _SERVING_LEAVES | _SERVING_ROOMS | _SERVING_APP | {"serving.transport"},
+    "serving.__main__": {"*"},
+    "training": {"training.losses"},
+    "training.losses": set(),
+}
+
+
+def room_of(module: str, rooms: dict[str, set[str]] = ROOMS) -> str | None:
+    """The room holding `module`: the longest room name that is the module or a package above it."""
+    found = [room for room in rooms if module == room or module.startswith(room + ".")]
+    return max(found, key=len, default=None)
+
+
+def room_edges(root: Path, packages: tuple[str, ...], rooms: dict[str, set[str]]) -> tuple[list[str], list[str]]:
+    """(modules in no room, imports a room may not make as "a (file:line) imports b"), over every
+    module of `packages` under `root`, function-level imports included."""
+    homeless, wrong = [], []
+    for package in packages:
+        files = module_files(root, package)
+        for name, path in files.items():
+            here = room_of(name, rooms)
+            if here is None:
+                homeless.append(name)
+                continue
+            for imported, line in module_imports(name, path, set(files)).items():
+                there = room_of(imported, rooms)
+                if there != here and there not in rooms[here] and "*" not in rooms[here]:
+                    wrong.append(f"{here} ({path.relative_to(root)}:{line}) imports {there} ({imported})")
+    return homeless, wrong
+
+
+def test_each_room_imports_only_the_rooms_below_it():
+    homeless, wrong = room_edges(REPO, ("core", "index", "serving", "training"), ROOMS)
+    assert not homeless, "modules in no room (add the room to ROOMS and to docs/architecture.md's map):\n" + "\n".join(
+        homeless
+    )
+    assert not wrong, "imports across rooms the map does not allow:\n" + "\n".join(sorted(wrong))
+
+
+def test_every_room_the_map_names_exists():
+    """A room in ROOMS, and every module docs/architecture.md's map of rooms and its request paths
+    name, is a folder or module of the code: the map cannot go stale."""
+    missing = [
+        room
+        for room in ROOMS
+        if not (REPO / room.replace(".", "/")).is_dir() and not (REPO / (room.replace(".", "/") + ".py")).is_file()
+    ]
+    assert not missing, f"ROOMS names what does not exist: {missing}"
+    named = mapped_modules((REPO / "docs" / "architecture.md").read_text())
+    assert len(named) > 40  # not vacuous: the map and the paths name the rooms' modules
+    missing = [name for name in named if not (REPO / name).exists()]
+    assert not missing, f"docs/architecture.md's map names what does not exist: {missing}"
+
+
+def mapped_modules(doc: str) -> list[str]:
+    """The files and folders the map of rooms and the request paths name (the document's part
+    before its first `## Purpose`): each `path/to/module.py` or `package/room/`, and each dotted
+    `package.room.module` written as a path."""
+    import re
+
+    head = doc.split("\n## Purpose", 1)[0]
+    found = []
+    for token in re.findall(r"`([a-z_][\w./]*)`", head):
+        if token.endswith((".py", "/")) and "/" in token:
+            found.append(token.rstrip("/"))
+        elif re.fullmatch(r"(core|index|serving|training)(\.\w+)+", token):
+            path = token.replace(".", "/")
+            found.append(path if (REPO / path).is_dir() else path + ".py")
+    return found
+
+
+def test_a_room_breach_and_a_homeless_module_are_found(tmp_path):
+    """Not vacuous: an import up the stack and a module no room holds are reported; imports
+    within a room and down the stack are not."""
+    package = tmp_path / "pkg"
+    for folder in ("low", "high"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "low" / "a.py").write_text("from pkg.low import b\n\n\ndef f():\n    from pkg.high import c\n")
+    (package / "low" / "b.py").write_text("")
+    (package / "high" / "c.py").write_text("from pkg.low import a\n")
+    (package / "stray.py").write_text("")
+    rooms = {"pkg.low": set(), "pkg.high": {"pkg.low"}}
+    homeless, wrong = room_edges(tmp_path, ("pkg",), rooms)
+    assert sorted(homeless) == ["pkg", "pkg.stray"]
+    assert wrong == ["pkg.low (pkg/low/a.py:5) imports pkg.high (pkg.high.c)"]
+    assert room_of("pkg.low.a", rooms) == "pkg.low" and room_of("pkg.lowly", rooms) is None
