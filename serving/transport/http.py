@@ -109,7 +109,43 @@ def parse_json(text: bytes, message: Message, bounded: FieldChecks | None = None
     try:
         return json_format.ParseDict(value, message)
     except json_format.ParseError as exc:
-        raise InvalidArgument(f"body is not a {name} in proto3 JSON: {exc}") from None
+        both = one_of_twice(value, message.DESCRIPTOR)
+        raise InvalidArgument(both or f"body is not a {name} in proto3 JSON: {exc}") from None
+
+
+# How to ask what a body with two query fields means to ask, by the message that has them.
+COMBINE_HINT = {
+    "SearchRequest": '; to combine them (an image with words, say), send each as one of parts: {"parts": '
+    '[{"image": …}, {"text": …}]}',
+    "QueryPart": "; send each as a part of its own",
+}
+
+
+def one_of_twice(value: dict, descriptor: Descriptor, place: str = "") -> str | None:
+    """The message for a JSON object (or one nested in it: a batch's `requests[3]`) that sets more
+    than one field of a oneof, naming the fields it set; None when none does. json_format's own
+    names the oneof and the message type, not the fields: `should not have multiple "query"
+    oneof fields`."""
+    for oneof in descriptor.oneofs:
+        given = [f.json_name for f in oneof.fields if f.json_name in value or f.name in value]
+        if len(given) > 1:
+            named = " and ".join(given) if len(given) == 2 else f"{', '.join(given[:-1])} and {given[-1]}"
+            choices = [f.json_name for f in oneof.fields]
+            return (
+                f"{place}{named} are {'both' if len(given) == 2 else 'all'} set: a {descriptor.name} takes one "
+                f"{oneof.name} ({', '.join(choices[:-1])} or {choices[-1]}){COMBINE_HINT.get(descriptor.name, '')}"
+            )
+    for field in descriptor.fields:
+        given = value.get(field.json_name, value.get(field.name))
+        if field.message_type is None or given is None:
+            continue
+        nested = given if field.is_repeated and isinstance(given, list) else [given]
+        for i, part in enumerate(nested):
+            if isinstance(part, dict):
+                where = f"{place}{field.json_name}[{i}]: " if field.is_repeated else f"{place}{field.json_name}: "
+                if found := one_of_twice(part, field.message_type, where):
+                    return found
+    return None
 
 
 def _whole_number(value: object) -> int | None:
