@@ -234,11 +234,21 @@ def add_progress_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# What a shell reports for a writer that a closed pipe's SIGPIPE ended (`yes | head`): Python
+# ignores SIGPIPE and raises BrokenPipeError instead, so a command exits with it itself.
+CLOSED_PIPE_EXIT = 128 + 13
+
+
 def run_cli(command: Callable[[], None], verbose: bool = False) -> int:
-    """Run a command; print user errors without a traceback (exit 2), keep tracebacks for bugs."""
+    """Run a command; print user errors without a traceback (exit 2), keep tracebacks for bugs.
+    A reader that stops early (`| head`) ends it quietly."""
     configure_logging(verbose)
     try:
         command()
+        sys.stdout.flush()  # a pipe its reader closed fails here, inside the handler, not at exit
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return CLOSED_PIPE_EXIT
     except USER_ERRORS as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -252,3 +262,11 @@ def run_cli(command: Callable[[], None], verbose: bool = False) -> int:
         logging.getLogger("simsearch").exception("unexpected failure")
         return 1
     return 0
+
+
+def _stdout_to_devnull() -> None:
+    """Python's documented way out of a closed pipe: what is still buffered for stdout goes
+    nowhere, so the interpreter's flush at exit does not raise the error a second time."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

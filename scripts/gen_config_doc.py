@@ -24,7 +24,15 @@ Every stage resolves its configuration as dataclass defaults ← `--config FILE`
 JSON; a key is an option's config key, nested in its section or flat) ← flags. The resolved
 configuration is written next to the artifact. Every command also takes `--verbose` (show
 third-party log lines: faiss, Ray, ONNX); long stages take `--progress/--no-progress`.
+
+Commands are named as the `simsearch` command `pip install` puts on PATH runs them; each is also
+its package's `python -m` form: `simsearch train` is `python -m training train`, `simsearch index
+build` is `python -m index build`, `simsearch serve` is `python -m serving serve`.
 """
+
+# How `simsearch` names each package's commands (simsearch/cli.py): training's and serving's by
+# their own names, index's under `index`.
+PREFIXES = (("simsearch", "training"), ("simsearch index", "index"), ("simsearch", "serving"))
 
 
 def command_tables() -> list[tuple[str, str, type, tuple[str, ...]]]:
@@ -34,11 +42,7 @@ def command_tables() -> list[tuple[str, str, type, tuple[str, ...]]]:
     from training.__main__ import commands as training_commands
 
     rows = []
-    for prefix, commands in (
-        ("python -m training", training_commands()),
-        ("python -m index", INDEX),
-        ("python -m serving", SERVING),
-    ):
+    for (prefix, _), commands in zip(PREFIXES, (training_commands(), INDEX, SERVING), strict=True):
         for name, (text, cls, exclude) in commands.items():
             rows.append((f"{prefix} {name}", text, cls, tuple(exclude)))
     return rows
@@ -53,11 +57,8 @@ def plain_commands() -> list[tuple[str, str, argparse.ArgumentParser]]:
 
     with_tables = {command for command, *_ in command_tables()}
     rows = []
-    for prefix, module in (
-        ("python -m training", training.__main__),
-        ("python -m index", index.__main__),
-        ("python -m serving", serving.__main__),
-    ):
+    modules = (training.__main__, index.__main__, serving.__main__)
+    for (prefix, _), module in zip(PREFIXES, modules, strict=True):
         subparsers = next(a for a in module._parser()._actions if isinstance(a, argparse._SubParsersAction))
         helps = {choice.dest: choice.help for choice in subparsers._choices_actions}
         for name, parser in subparsers.choices.items():

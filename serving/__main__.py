@@ -223,8 +223,19 @@ def _query_requests(args: argparse.Namespace) -> list[tuple[str, object]]:
         request = pb.SearchRequest()
         request.CopyFrom(common)
         request.text = text
-        queries.append((f"text {text!r}", request))
+        queries.append((f"text {quoted(text)}", request))
     return queries
+
+
+QUOTED_CHARS = 80
+
+
+def quoted(text: str) -> str:
+    """A phrase as the command names it: whole when short; a long one (a pasted page) by its
+    first QUOTED_CHARS characters and its length, so the error about it stays one readable line."""
+    if len(text) <= QUOTED_CHARS:
+        return repr(text)
+    return f"{text[:QUOTED_CHARS]!r}… ({len(text):,} characters)"
 
 
 def _query(args: argparse.Namespace) -> None:

@@ -8,6 +8,7 @@ COPY core/ core/
 COPY index/ index/
 COPY serving/ serving/
 COPY protos/ protos/
+COPY simsearch/ simsearch/
 COPY deploy/healthcheck.py deploy/healthcheck.py
 # The GPU builds replace the CPU wheels; the code picks CUDA when it sees a GPU.
 RUN pip3 install --no-cache-dir . && pip3 uninstall -y onnxruntime faiss-cpu \

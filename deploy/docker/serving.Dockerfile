@@ -7,6 +7,7 @@ COPY core/ core/
 COPY index/ index/
 COPY serving/ serving/
 COPY protos/ protos/
+COPY simsearch/ simsearch/
 COPY deploy/healthcheck.py deploy/healthcheck.py
 # Base dependencies only (no `train` extra): a serving image carries no torch. At the lock's pins
 # (python:3.11 on x86_64, what the lock was resolved for).

@@ -13,6 +13,7 @@ COPY core/ core/
 COPY index/ index/
 COPY serving/ serving/
 COPY protos/ protos/
+COPY simsearch/ simsearch/
 COPY scripts/ scripts/
 RUN pip3 install --no-cache-dir "torch==2.14.1" "torchvision==0.29.1" && pip3 install --no-cache-dir ".[train]" \
     && pip3 uninstall -y onnxruntime faiss-cpu \

@@ -13,6 +13,7 @@ COPY core/ core/
 COPY index/ index/
 COPY serving/ serving/
 COPY protos/ protos/
+COPY simsearch/ simsearch/
 COPY scripts/ scripts/
 # At the lock's pins (python:3.11 on x86_64, what the lock was resolved for).
 RUN pip install --no-cache-dir -c requirements.lock "torch==2.14.1" "torchvision==0.29.1" \

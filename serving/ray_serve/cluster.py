@@ -138,6 +138,25 @@ def _cluster_errors_as_records() -> None:
     worker.print_to_stdstream = as_records
 
 
+# `serve.shutdown` ends Serve's controller with `ray.kill`; the calls this process still has
+# pending on it (Serve's long poll for changes, the shutdown call itself) are then published by
+# Ray as failed tasks "to be retried", one `ray.raylet` warning each. At that moment they are
+# what a shutdown is, not a fault: dropped then, and only then (a controller that dies while
+# serving is still reported).
+SERVE_SHUTDOWN_NOISE = (
+    "Task ServeController.listen_for_change failed.",
+    "Task ServeController.graceful_shutdown failed.",
+)
+
+
+def quiet_serve_shutdown() -> None:
+    """Before `serve.shutdown`: its controller's expected death is not reported (--verbose reports it)."""
+    from core.cli import KnownNoise, verbose
+
+    if not verbose():
+        logging.getLogger("ray.raylet").addFilter(KnownNoise(SERVE_SHUTDOWN_NOISE))
+
+
 class _core_warnings_held:
     """Ray's core (C++) writes a warning to file descriptor 2 for every failed try to reach a
     cluster, a score of lines before the Python error: held here while Ray starts or joins, and

@@ -46,7 +46,7 @@ from index.versions.version import IndexVersion
 from serving.config import ServerConfig
 from serving.logs import Sink, failure_reason, relay, shard_label, ship_records
 from serving.memory import arena_environment
-from serving.ray_serve.cluster import check_ports, connect_ray
+from serving.ray_serve.cluster import check_ports, connect_ray, quiet_serve_shutdown
 from serving.ray_serve.handles import RayShards, RemoteEmbedder, RemoteTextEncoder
 from serving.ray_serve.ingress_version import IngressVersion
 from serving.ray_serve.replicas import EMBEDDER, EmbedderReplica, EmbedderSettings, ShardReplica, shard_deployment
@@ -324,5 +324,6 @@ def _leave_cluster() -> None:
         serve.delete(APP)
     with contextlib.suppress(BaseException):
         if not os.environ.get("RAY_ADDRESS"):
+            quiet_serve_shutdown()
             serve.shutdown()
         ray.shutdown()

@@ -86,6 +86,15 @@ def left_out(excluded_ids: frozenset[str], own: list[tuple[str, ItemLocation]]) 
     return Exclusion(ids=excluded_ids | {item_id for item_id, _ in own}, groups=groups)
 
 
+def check_item_count(count: int) -> None:
+    """An AddItems call's number of items, 1..MAX_ADD_ITEMS: checked before any item is read, so
+    a call over the limit is refused at once, not after its images are decoded."""
+    if not count:
+        raise InvalidArgument("items: empty; give the items to add")
+    if count > MAX_ADD_ITEMS:
+        raise InvalidArgument(f"{count} items exceed the limit of {MAX_ADD_ITEMS} a call; send them in several calls")
+
+
 class RequestChecks:
     """A request's parts against the server's limits and the live pair."""
 
@@ -178,12 +187,7 @@ class RequestChecks:
         MAX_ADD_ITEMS, each with an id and an image (opened, its header only) or an embedding (a
         unit vector of the live model's dimension), labelled all or none. What they are, in
         order: a checked image to embed, or the embedding's unit vector."""
-        if not items:
-            raise InvalidArgument("items: empty; give the items to add")
-        if len(items) > MAX_ADD_ITEMS:
-            raise InvalidArgument(
-                f"{len(items)} items exceed the limit of {MAX_ADD_ITEMS} a call; send them in several calls"
-            )
+        check_item_count(len(items))
         checked: list[CheckedImage | np.ndarray] = []
         for i, item in enumerate(items):
             with at_place(i, "items"):

@@ -35,6 +35,7 @@ from protos.simsearch.v1 import search_pb2 as pb
 from serving.api.admin_service import AdminService
 from serving.api.search_service import SearchService
 from serving.errors import InvalidArgument, PayloadTooLarge, ServiceError, json_name, status_of
+from serving.search.checks import check_item_count
 from serving.transport.auth import Tokens, token_fingerprint
 from serving.transport.calls import CallRecorder
 from serving.transport.openapi import Served, openapi_document
@@ -89,9 +90,16 @@ def to_json(message: Message) -> dict[str, Any]:
     return json_format.MessageToDict(message, always_print_fields_with_no_presence=True)
 
 
-def parse_json(text: bytes, message: Message, bounded: FieldChecks | None = None) -> Message:
+def parse_json(
+    text: bytes,
+    message: Message,
+    bounded: FieldChecks | None = None,
+    before: Callable[[dict], None] | None = None,
+) -> Message:
     """A JSON body as `message`; `bounded`: SearchRequest fields whose numbers past int32 are
-    refused by their own check (`past_int32`) rather than by json_format, which names no range."""
+    refused by their own check (`past_int32`) rather than by json_format, which names no range;
+    `before`: a check of the JSON object that runs before json_format decodes it (every bytes
+    field's base64, every number one by one), for what can be refused without that work."""
     if not text.strip():
         raise InvalidArgument(f"empty body: send a {message.DESCRIPTOR.name} as JSON")
     name = message.DESCRIPTOR.name
@@ -106,10 +114,48 @@ def parse_json(text: bytes, message: Message, bounded: FieldChecks | None = None
         raise InvalidArgument(f"body is not a {name}: a JSON object is expected, got {type(value).__name__}")
     if bounded:
         past_int32(value, message.DESCRIPTOR, bounded)
+    if before is not None:
+        before(value)
     try:
         return json_format.ParseDict(value, message)
     except json_format.ParseError as exc:
-        raise InvalidArgument(f"body is not a {name} in proto3 JSON: {exc}") from None
+        both = one_of_twice(value, message.DESCRIPTOR)
+        raise InvalidArgument(both or f"body is not a {name} in proto3 JSON: {exc}") from None
+
+
+# How to ask what a body with two query fields means to ask, by the message that has them.
+COMBINE_HINT = {
+    "SearchRequest": '; to combine them (an image with words, say), send each as one of parts: {"parts": '
+    '[{"image": …}, {"text": …}]}',
+    "QueryPart": "; send each as a part of its own",
+}
+
+
+def one_of_twice(value: dict, descriptor: Descriptor, place: str = "") -> str | None:
+    """The message for a JSON object (or one nested in it: a batch's `requests[3]`) that sets more
+    than one field of a oneof, naming the fields it set; None when none does. json_format's own
+    names the oneof and the message type, not the fields: `should not have multiple "query"
+    oneof fields`."""
+    for oneof in descriptor.oneofs:
+        given = [f.json_name for f in oneof.fields if f.json_name in value or f.name in value]
+        if len(given) > 1:
+            named = " and ".join(given) if len(given) == 2 else f"{', '.join(given[:-1])} and {given[-1]}"
+            choices = [f.json_name for f in oneof.fields]
+            return (
+                f"{place}{named} are {'both' if len(given) == 2 else 'all'} set: a {descriptor.name} takes one "
+                f"{oneof.name} ({', '.join(choices[:-1])} or {choices[-1]}){COMBINE_HINT.get(descriptor.name, '')}"
+            )
+    for field in descriptor.fields:
+        given = value.get(field.json_name, value.get(field.name))
+        if field.message_type is None or given is None:
+            continue
+        nested = given if field.is_repeated and isinstance(given, list) else [given]
+        for i, part in enumerate(nested):
+            if isinstance(part, dict):
+                where = f"{place}{field.json_name}[{i}]: " if field.is_repeated else f"{place}{field.json_name}: "
+                if found := one_of_twice(part, field.message_type, where):
+                    return found
+    return None
 
 
 def _whole_number(value: object) -> int | None:
@@ -149,6 +195,14 @@ def past_int32(value: dict, descriptor: Descriptor, bounded: FieldChecks, place:
                     bounded[field.name](number)
                 except ServiceError as exc:
                     raise type(exc)(f"{place}{exc.message}", exc.field) from None
+
+
+def _count_items(body: dict) -> None:
+    """An AddItems body's items counted in its JSON: json_format would first decode every image's
+    base64 and every embedding's numbers, seconds for a call refused by its count alone."""
+    items = body.get("items")
+    if isinstance(items, list):  # anything else is json_format's to refuse, naming the field
+        check_item_count(len(items))
 
 
 def _query_number(request: web.Request, name: str) -> int | None:
@@ -319,11 +373,13 @@ class HttpApi:
             raise InvalidArgument(f"{TIMEOUT_HEADER} must be a positive number of seconds, got {text}")
         return timeout
 
-    async def _message(self, request: web.Request, message: Message) -> Message:
+    async def _message(
+        self, request: web.Request, message: Message, before: Callable[[dict], None] | None = None
+    ) -> Message:
         kind = request.content_type
         if request.can_read_body and kind not in ("application/json", "application/octet-stream"):
             raise UnsupportedMediaType(f"Content-Type {kind!r}: send application/json")
-        return parse_json(await request.read(), message, self.bounded)
+        return parse_json(await request.read(), message, self.bounded, before)
 
     async def _image(self, request: web.Request) -> bytes:
         """The image of a request: its raw body, or the `image` field of a multipart upload."""
@@ -456,7 +512,7 @@ class HttpApi:
         return await self.admin.remove_items(message, self._caller(request), "http")
 
     async def add_items(self, request: web.Request, route: Route) -> Message:
-        message = await self._message(request, pb.AddItemsRequest())
+        message = await self._message(request, pb.AddItemsRequest(), _count_items)
         return await self.admin.add_items(message, self._caller(request), "http")
 
     async def versions(self, request: web.Request, route: Route) -> web.Response:

@@ -97,6 +97,32 @@ def test_every_command_has_help():
         assert proc.returncode == 0 and "usage:" in proc.stdout
 
 
+# A command's output, more than a pipe holds, into `head`: run_cli as every command runs it.
+LONG_OUTPUT = """
+import sys
+from core.cli import run_cli
+
+sys.exit(run_cli(lambda: [print(f"line {n}") for n in range(100_000)]))
+"""
+
+
+def test_a_command_piped_into_head_exits_quietly():
+    """`serving info … | head -5` ended in `ERROR simsearch: unexpected failure` and a
+    BrokenPipeError traceback: a reader that stops early ends a command without a word, with the
+    status a pipe's writer has when the pipe's signal ends it (128 + SIGPIPE)."""
+    from core.cli import CLOSED_PIPE_EXIT
+
+    proc = subprocess.run(
+        ["bash", "-c", '"$0" -c "$1" | head -n 2; exit "${PIPESTATUS[0]}"', sys.executable, LONG_OUTPUT],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (proc.returncode, proc.stdout, proc.stderr) == (CLOSED_PIPE_EXIT, "line 0\nline 1\n", "")
+
+
 # Run in a Ray worker, as Ray Train's controller runs: the autoscaling coordinator's client with
 # its 5 s wait cut to nothing, as a busy machine makes it run out (Ray offers no knob for it).
 COORDINATOR_TIMEOUT = """

@@ -197,6 +197,21 @@ def test_every_bad_input_is_refused_naming_the_item_and_the_fault_on_both_transp
     assert artifacts.current_version(root) == before.index_version  # nothing was published
 
 
+def test_too_many_items_are_refused_by_their_count_before_any_is_decoded(served):
+    """1,001 items to /v1/admin/add-items were refused for their count only after 39.8 s: every
+    image's base64 was decoded first. Here no item could be decoded at all (not base64 over HTTP,
+    not an image over gRPC), and the answer is the count's."""
+    server, client, base, root = served
+    says = f"{MAX_ADD_ITEMS + 1} items exceed the limit of {MAX_ADD_ITEMS} a call; send them in several calls"
+    body = {"items": [{"id": f"junk-{i}", "image": "not base64!"} for i in range(MAX_ADD_ITEMS + 1)]}
+    answer = post(base, "/v1/admin/add-items", body)
+    assert answer.status_code == 400 and answer.json()["error"] == {"code": "INVALID_ARGUMENT", "message": says}
+    items = [pb.NewItem(id=f"junk-{i}", image=b"not an image") for i in range(MAX_ADD_ITEMS + 1)]
+    with pytest.raises(grpc.RpcError) as refused:
+        client.add_items(items)
+    assert (refused.value.code(), refused.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, says)
+
+
 def test_a_call_without_the_admin_token_is_refused(served):
     server, client, base, root = served
     item = pb.NewItem(id="sneaky", embedding=pb.Embedding(values=unit(6)))

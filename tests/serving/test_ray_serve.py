@@ -684,6 +684,32 @@ def test_serve_ray_on_its_own_ray_measures_its_probe_and_stops_on_a_terminals_si
             os.killpg(process.pid, signal.SIGKILL)
 
 
+def test_serve_ray_on_its_own_ray_stops_on_sigterm_without_a_warning(cluster, tmp_path):
+    """A stop of the command alone (SIGTERM, as `kill PID` sends): the application deleted, Serve
+    and the local Ray it started stopped, exit 0, and no warning. Every such stop logged Ray's
+    report of Serve's controller, killed by serve.shutdown, as two failed tasks "to be retried"
+    (`WARNING ray.raylet: Task ServeController.listen_for_change failed. There are infinite
+    retries remaining … killed by `ray.kill``)."""
+    root = _labelled_sharded_root(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    command = [sys.executable, "-m", "serving", "serve", "--ray", "--index-root", str(root), "--port", "0",
+               "--metrics-port", "none", "--probe-interval-s", "0", "--log-format", "text"]  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert json.loads(process.stdout.readline())["shards"] == 2
+        process.terminate()
+        _, log = process.communicate(timeout=120)
+        assert process.returncode == 0, log[-3000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    stopping = log[log.index("deleting the Serve application") :]
+    assert not re.search(r"\b(WARNING|ERROR|CRITICAL) \S+: ", stopping), stopping
+    assert "ServeController" not in log, log
+
+
 def test_watch_current_on_an_empty_root_waits_as_serve_does(cluster, tmp_path):
     """Without --watch-current an empty root is one error line (as for `serve`); with it, the
     command waits for a first version (saying so once), as `serve` does."""

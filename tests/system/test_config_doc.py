@@ -35,10 +35,10 @@ def test_every_command_has_a_section_and_every_argument_a_row():
     text = (ROOT / "docs" / "configuration.md").read_text()
     plain = gen_config_doc.plain_commands()
     assert {
-        "python -m serving query",
-        "python -m serving info",
-        "python -m index list",
-        "python -m index rollback",
+        "simsearch query",
+        "simsearch info",
+        "simsearch index list",
+        "simsearch index rollback",
     } <= {command for command, _, _ in plain}
     for command, _, parser in plain:
         section = text.split(f"## `{command}`", 1)[1].split("\n## ", 1)[0]

@@ -148,15 +148,19 @@ def test_core_imports_nothing_above_it_and_no_torch():
 
 # -- the package rule, read from the source -------------------------------------------------------
 
-PACKAGES = ("core", "index", "training", "serving", "protos")
+PACKAGES = ("core", "index", "training", "serving", "protos", "simsearch")
 # Which project packages each may import: core at the bottom, index over it, training and serving
-# each over index and never each other, the generated protos for serving alone.
+# each over index and never each other, the generated protos for serving alone. `simsearch`, the
+# one command over them all, imports none: it names the package a command runs in and imports
+# that one when the command runs (`test_the_simsearch_command_loads_only_the_package_it_runs`);
+# and no package imports it.
 ALLOWED = {
     "core": set(),
     "index": {"core"},
     "training": {"core", "index"},
     "serving": {"core", "index", "protos"},
     "protos": {"protos"},
+    "simsearch": set(),
 }
 
 
@@ -187,6 +191,32 @@ def test_each_package_imports_only_the_layers_below_it():
     assert not wrong, "\n".join(f"{a} imports {b}: {', '.join(where[:3])}" for (a, b), where in sorted(wrong.items()))
     # The rule is not vacuous: the edges it allows are there.
     assert {("index", "core"), ("training", "index"), ("serving", "index"), ("serving", "protos")} <= set(edges)
+
+
+LOADED_BY = """
+import json, sys
+from simsearch.cli import main
+try:
+    main({argv!r})
+except SystemExit:  # --help
+    pass
+print(json.dumps(sorted({{m.split(".")[0] for m in sys.modules}} & {{"training", "serving", "torch"}})))
+"""
+
+
+def test_the_simsearch_command_loads_only_the_package_it_runs():
+    """`simsearch serve` imports serving, never training or torch; `simsearch train` training (and
+    torch), never serving; `simsearch index` neither: the command over every package keeps them apart."""
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(REPO)}
+    loaded = {}
+    for argv in (["serve", "--help"], ["train", "--help"], ["index", "list", "--help"]):
+        code = LOADED_BY.format(argv=argv)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        loaded[argv[0]] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert loaded == {"serve": ["serving"], "train": ["torch", "training"], "index": []}
 
 
 # -- circles inside a package, read from the source -----------------------------------------------
@@ -296,7 +326,7 @@ def test_an_import_circle_is_found_however_it_is_written(tmp_path):
 # -- private names stay private, read from the source ---------------------------------------------
 
 # The code the private-name rule covers: the product's packages, its benchmarks and scripts.
-PRODUCT_CODE = ("core", "index", "serving", "training", "benchmarks", "scripts")
+PRODUCT_CODE = ("core", "index", "serving", "training", "simsearch", "benchmarks", "scripts")
 
 
 def is_private(name: str) -> bool:
@@ -326,8 +356,8 @@ def private_imports(root: Path, folder: str) -> list[str]:
 def test_no_module_imports_another_modules_private_name():
     """A name with one leading underscore is its module's own: another module that imports it
     (`from x import _name`) depends on what its owner may change without notice — the name shared
-    is made public, or moved where both read it. Covers core, index, serving, training, benchmarks
-    and scripts. Tests under tests/ are exempt: a test may reach into a module's internals to check
+    is made public, or moved where both read it. Covers core, index, serving, training, simsearch,
+    benchmarks and scripts. Tests under tests/ are exempt: a test may reach into a module's internals to check
     them."""
     assert all(any((REPO / folder).rglob("*.py")) for folder in PRODUCT_CODE)  # not vacuous
     found = [where for folder in PRODUCT_CODE for where in private_imports(REPO, folder)]

@@ -1,0 +1,1 @@
+"""The `simsearch` command: every stage's commands under one name (`simsearch.cli`)."""
