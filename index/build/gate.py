@@ -14,7 +14,8 @@ from core.manifests import IndexManifest, QualityReport
 from core.metrics import recall_at_k, recall_from_neighbor_labels, stable_sample, wilson_interval
 from index.build.embed import embed_catalog
 from index.embedder import OnnxEmbedder
-from index.search.faiss_index import ann_recall, search, search_leaving_out_self
+from index.search.ann_recall import ann_recall
+from index.search.faiss_search import search, search_leaving_out_self
 from index.search.grouping import Groups, item_recall_at_k
 
 

@@ -31,17 +31,9 @@ from index.build.gate import (
     quality_figures,
 )
 from index.build.lifecycle import warn_of_returning_items
-from index.search.faiss_index import (
-    EffortChoice,
-    ExactRerank,
-    build_index,
-    search_effort,
-    searchable,
-    select_device,
-    trained_index,
-    tune_search_effort,
-    with_default_rerank,
-)
+from index.search.ann_recall import EffortChoice, search_effort, tune_search_effort
+from index.search.faiss_index import build_index, select_device, trained_index, with_default_rerank
+from index.search.faiss_search import ExactRerank, searchable
 from index.search.filters import FieldSpec, FilterIndex, column_values, declared_json
 from index.search.grouping import Groups
 from index.versions.sharding import (

@@ -39,17 +39,10 @@ from core.artifacts import utc_now
 from core.items import ItemTable, string_hashes
 from core.manifests import IndexManifest, QualityGate, RowCounts, SegmentEntry, ShardEntry
 from core.metrics import stable_sample
-from core.vectors import exact_search
-from index.search.faiss_index import (
-    build_index,
-    emptied_index,
-    empty_index,
-    index_family,
-    l2_normalized,
-    load_index,
-    recall_against,
-    search,
-)
+from core.vectors import exact_search, l2_normalized
+from index.search.ann_recall import recall_against
+from index.search.faiss_index import build_index, emptied_index, empty_index, load_index
+from index.search.faiss_search import index_family, search
 from index.search.filters import FieldSpec, FilterIndex, specs_of
 from index.versions.units import segment_counts
 from index.versions.version import IndexVersion

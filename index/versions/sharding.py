@@ -24,7 +24,7 @@ import numpy as np
 from core import artifacts
 from core.items import ItemTable
 from core.manifests import ShardEntry
-from index.search.faiss_index import l2_normalized
+from core.vectors import l2_normalized
 from index.search.filters import FieldSpec, FilterIndex, column_values
 from index.versions.version_writer import ShardWriter, VersionWriter
 

@@ -44,7 +44,8 @@ from core.items import ItemTable
 from core.manifests import IndexManifest, SegmentEntry
 from core.metrics import stable_key, stable_order
 from core.vectors import RowBlocks
-from index.search.faiss_index import ExactRerank, apply_search_params, load_index, searchable
+from index.search.faiss_index import apply_search_params, load_index
+from index.search.faiss_search import ExactRerank, searchable
 from index.search.filters import FilterIndex
 from index.search.grouping import Groups
 from index.search.merge import MergedIndex

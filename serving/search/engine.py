@@ -38,7 +38,7 @@ from core.preprocess import DEFAULT_MAX_PIXELS, EncodedImage, Region, decode
 from core.ranking import best_k
 from core.text import TextTokenizer
 from index.search import range_search
-from index.search.faiss_index import OVERFETCH_DELETED, ExactRerank, search_live, search_within
+from index.search.faiss_search import OVERFETCH_DELETED, ExactRerank, search_live, search_within
 from index.search.filters import Filter
 from index.search.grouping import Groups, search_groups
 from index.versions.version import IndexVersion

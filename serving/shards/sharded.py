@@ -46,7 +46,7 @@ from core import artifacts
 from core.artifacts import ArtifactError
 from core.items import ItemTable
 from core.ranking import best_k, ranked
-from index.search.faiss_index import exact_within
+from index.search.faiss_search import exact_within
 from index.search.filters import Filter
 from index.search.grouping import EXACT_PASS, Groups, exact_groups, filled_groups
 from index.versions.version import IndexVersion, ItemLocation, SampledItem
