@@ -38,8 +38,8 @@ import torch
 
 from core.catalog import read_catalog
 from core.cli import configure_logging
-from core.manifests import ModelManifest
 from core.metrics import recall_at_k
+from core.model_manifests import ModelManifest
 from core.preprocess import InputContract, load_image
 from index.embedder import OnnxEmbedder, session_options
 from training.export import ExportError, export_onnx, parity_check

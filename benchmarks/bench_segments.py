@@ -34,8 +34,8 @@ import faiss
 import numpy as np
 import psutil
 
+from core.index_manifest import RowCounts
 from core.items import ItemTable
-from core.manifests import RowCounts
 from core.vectors import exact_search, l2_normalized
 from index.build.add import add_vectors
 from index.build.gate import GateThresholds

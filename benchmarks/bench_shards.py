@@ -296,8 +296,9 @@ def publish_vectors(
     """`vectors` published (live) as a version of `shards` shards in `root`, the search effort
     fixed (`params`), for `model` (else no model); with `grouped`, items of three rows (`item`)
     and a `shade` field to filter by, both declared filterable."""
+    from core.index_manifest import RowCounts
     from core.items import ItemTable
-    from core.manifests import ModelManifest, RowCounts
+    from core.model_manifests import ModelManifest
     from index.build.gate import GateThresholds
     from index.search.filters import parse_filterable
     from index.versions.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version

@@ -24,7 +24,7 @@ from core.artifacts import MODEL_FILE, ArtifactError, file_sha256, staging_direc
 from core.catalog import Catalog, read_catalog
 from core.cli import verbose
 from core.config import option
-from core.manifests import ModelManifest
+from core.model_manifests import ModelManifest
 from core.preprocess import ImageDecodeError, InputContract, load_image
 from index.embedder import OnnxEmbedder
 from training.backbone_specs import ALL_POOLINGS

@@ -23,7 +23,7 @@ import torch
 
 from core.artifacts import file_sha256, staging_directory, utc_now
 from core.cli import verbose
-from core.manifests import TextModelManifest
+from core.model_manifests import TextModelManifest
 from core.text import TEXT_INPUT, TEXT_MODEL_FILE, TOKENIZER_FILE, TextInputError, TextTokenizer
 from index.embedder import OnnxTextEmbedder
 from training.parity import DEFAULT_OPSET, MIN_PARITY_COSINE, cosine_parity
@@ -84,7 +84,7 @@ def export_text_model(
     - `evaluation`: text → image figures of the tower, into the manifest (None: not measured).
 
     Writes `text.onnx` (opset `opset`, checked by `onnx.checker`), `tokenizer.json` (CLIP BPE) and
-    `manifest.json` (`core.manifests.TextModelManifest`: `text_model_id` is the sha256 of
+    `manifest.json` (`core.model_manifests.TextModelManifest`: `text_model_id` is the sha256 of
     `text.onnx`, first 16 hex digits; the sha256 of each file; the tokenizer; the parity figures).
     """
     texts = list(parity_texts)

@@ -67,8 +67,8 @@ import torch
 from core.artifacts import MANIFEST, MODEL_FILE, staging_directory, utc_now, write_json_atomic
 from core.catalog import COLUMNS, LABEL, Catalog, read_catalog
 from core.config import DEVICES, option, to_jsonable
-from core.manifests import ModelManifest
 from core.metrics import query_gallery_recall_at_k, stable_order
+from core.model_manifests import ModelManifest
 from core.text import TOKENIZER_FILE, TextTokenizer
 from index.build.embed import check_bad_rows, embed_catalog
 from index.embedder import OnnxEmbedder

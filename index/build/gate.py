@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from core.catalog import read_probe_catalog
-from core.manifests import IndexManifest, QualityReport
+from core.index_manifest import IndexManifest, QualityReport
 from core.metrics import recall_at_k, recall_from_neighbor_labels, stable_sample, wilson_interval
 from index.build.embed import embed_catalog
 from index.embedder import OnnxEmbedder

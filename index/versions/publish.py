@@ -18,8 +18,8 @@ from PIL import Image
 
 from core.artifacts import utc_now
 from core.catalog import Catalog
+from core.index_manifest import IndexManifest, QualityGate, QualityReport, RowCounts, ShardEntry
 from core.items import ItemTable
-from core.manifests import IndexManifest, QualityGate, QualityReport, RowCounts, ShardEntry
 from core.metrics import stable_sample
 from index.build.contact_sheet import contact_sheet, sample_neighbours
 from index.build.gate import (

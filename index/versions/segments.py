@@ -36,8 +36,8 @@ import numpy as np
 
 from core import artifacts
 from core.artifacts import utc_now
+from core.index_manifest import IndexManifest, QualityGate, RowCounts, SegmentEntry, ShardEntry
 from core.items import ItemTable, string_hashes
-from core.manifests import IndexManifest, QualityGate, RowCounts, SegmentEntry, ShardEntry
 from core.metrics import stable_sample
 from core.vectors import exact_search, l2_normalized
 from index.search.ann_recall import recall_against

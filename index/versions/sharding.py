@@ -22,8 +22,8 @@ import faiss
 import numpy as np
 
 from core import artifacts
+from core.index_manifest import ShardEntry
 from core.items import ItemTable
-from core.manifests import ShardEntry
 from core.vectors import l2_normalized
 from index.search.filters import FieldSpec, FilterIndex, column_values
 from index.versions.version_writer import ShardWriter, VersionWriter

@@ -40,8 +40,8 @@ import numpy as np
 
 from core import artifacts
 from core.artifacts import ArtifactError
+from core.index_manifest import IndexManifest, SegmentEntry
 from core.items import ItemTable
-from core.manifests import IndexManifest, SegmentEntry
 from core.metrics import stable_key, stable_order
 from core.vectors import RowBlocks
 from index.search.faiss_index import apply_search_params, load_index

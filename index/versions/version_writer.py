@@ -29,8 +29,8 @@ import numpy as np
 from PIL import Image
 
 from core import artifacts
+from core.index_manifest import IndexManifest, SegmentEntry, ShardEntry
 from core.items import ItemTable
-from core.manifests import IndexManifest, SegmentEntry, ShardEntry
 from index.search.faiss_index import save_index
 from index.search.filters import FilterIndex
 

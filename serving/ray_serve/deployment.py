@@ -47,7 +47,8 @@ import numpy as np
 
 from core import artifacts
 from core.artifacts import ArtifactError
-from core.manifests import ModelManifest, TextModelManifest, check_model_index_pair
+from core.index_manifest import check_model_index_pair
+from core.model_manifests import ModelManifest, TextModelManifest
 from core.preprocess import DEFAULT_MAX_PIXELS, EncodedImage, pixels_of
 from core.text import TOKENIZER_FILE, TextTokenizer
 from index.versions.version import IndexVersion, ItemLocation, SampledItem

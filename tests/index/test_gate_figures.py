@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.manifests import QualityReport
+from core.index_manifest import QualityReport
 from core.metrics import stable_sample, wilson_interval
 from core.vectors import exact_search, l2_normalized
 from index.build.gate import GateThresholds, describe_quality, quality_figures

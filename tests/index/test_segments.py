@@ -15,8 +15,8 @@ import pytest
 
 from core import artifacts
 from core.artifacts import ArtifactError
+from core.index_manifest import IndexManifest
 from core.items import ItemTable
-from core.manifests import IndexManifest
 from core.vectors import RowBlocks, l2_normalized
 from index.build.add import add_vectors
 from index.build.lifecycle import compact_version, remove_items

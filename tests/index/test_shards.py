@@ -17,8 +17,8 @@ import pytest
 
 from core import artifacts
 from core.artifacts import ArtifactError
+from core.index_manifest import IndexManifest, RowCounts
 from core.items import ItemTable
-from core.manifests import IndexManifest, RowCounts
 from core.metrics import stable_sample
 from core.vectors import RowBlocks, exact_search, l2_normalized
 from index.__main__ import main as index_main

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
+from core.index_manifest import RowCounts
 from core.items import ItemTable
-from core.manifests import ModelManifest, RowCounts, TextModelManifest
+from core.model_manifests import ModelManifest, TextModelManifest
 from core.vectors import l2_normalized
 from index.build.gate import GateThresholds
 from index.search.faiss_index import build_index

@@ -13,7 +13,7 @@ import torch
 
 from core.artifacts import file_sha256
 from core.config import from_cli
-from core.manifests import TextModelManifest
+from core.model_manifests import TextModelManifest
 from core.text import TEXT_MODEL_FILE, TOKENIZER_FILE, TextInputError
 from index.embedder import OnnxTextEmbedder
 from training import text_export
@@ -211,7 +211,7 @@ def test_open_clip_towers_exported_equal_open_clip(tiny_clip, no_network, tmp_pa
     from open_clip.tokenizer import SimpleTokenizer
     from safetensors.torch import save_file
 
-    from core.manifests import ModelManifest
+    from core.model_manifests import ModelManifest
     from core.preprocess import load_image
     from index.embedder import OnnxEmbedder
 

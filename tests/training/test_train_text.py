@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from core.catalog import read_catalog
-from core.manifests import ModelManifest
+from core.model_manifests import ModelManifest
 from tests.support import ROOT
 from tests.support.index import write_tiny_model
 from tests.support.training import finish, kill_run, start_training, wait_for_checkpoint
