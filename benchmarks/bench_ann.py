@@ -25,16 +25,11 @@ import faiss
 import numpy as np
 
 from core.catalog import read_catalog
+from core.vectors import exact_search, l2_normalized
 from index.build.embed import embed_catalog
 from index.embedder import OnnxEmbedder
-from index.search.faiss_index import (
-    apply_search_params,
-    build_index,
-    exact_search,
-    l2_normalized,
-    search,
-    searchable,
-)
+from index.search.faiss_index import apply_search_params, build_index
+from index.search.faiss_search import search, searchable
 
 ROOT = Path(__file__).resolve().parents[1]
 

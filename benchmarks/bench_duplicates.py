@@ -306,7 +306,8 @@ def scale_timings(rows: int, dim: int = 256, min_score: float = 0.9, seed: int =
     import faiss
 
     from core.vectors import exact_search
-    from index.search.faiss_index import build_index, searchable, with_default_rerank
+    from index.search.faiss_index import build_index, with_default_rerank
+    from index.search.faiss_search import searchable
     from index.search.range_search import by_range_search, reaching
 
     # One faiss thread throughout: on a busy machine OpenMP's waiting threads cost more than a

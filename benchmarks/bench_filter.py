@@ -10,7 +10,7 @@ sizes: every row gets a rank in a random permutation (an int field declared filt
 independently of where they lie (no correlation between filter and neighbourhoods, the case
 where a graph walk or a list probe finds matches least often). Masks come from the real
 value → rows structure (`index/search/filters.py`), searches from the function the server calls
-(`index/search/faiss_index.py: search_within`): all queries of one filter in one call, as the engine
+(`index/search/faiss_search.py: search_within`): all queries of one filter in one call, as the engine
 groups a batch's queries that share a filter, and as the unfiltered baseline searches.
 """
 
@@ -30,17 +30,11 @@ import numpy as np
 
 from benchmarks.bench_ann import grown_glyph_embeddings
 from core.items import ItemTable
+from core.vectors import l2_normalized
 from index.embedder import OnnxEmbedder
-from index.search import faiss_index
-from index.search.faiss_index import (
-    EXACT_BELOW,
-    apply_search_params,
-    build_index,
-    exact_within,
-    index_family,
-    l2_normalized,
-    search_within,
-)
+from index.search import faiss_search
+from index.search.faiss_index import apply_search_params, build_index
+from index.search.faiss_search import EXACT_BELOW, exact_within, index_family, search_within
 from index.search.filters import Condition, Filter, FilterIndex, Range, parse_filterable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,13 +99,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per figure (median)")
     parser.add_argument("--cache", type=Path, default=None, help="folder to keep the rendered embeddings in")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--widen-power", type=float, default=faiss_index.WIDEN_POWER)
+    parser.add_argument("--widen-power", type=float, default=faiss_search.WIDEN_POWER)
     parser.add_argument("--json", type=Path, default=None, help="write every figure here too")
     parser.add_argument("--selectivities", default=",".join(map(str, SELECTIVITIES)))
     parser.add_argument("--factories", default="Flat,IVF,HNSW", help="which of Flat, IVF, HNSW to measure")
     args = parser.parse_args()
     faiss.omp_set_num_threads(args.threads)
-    faiss_index.WIDEN_POWER = args.widen_power
+    faiss_search.WIDEN_POWER = args.widen_power
     n, k = args.size, 10
     started = time.perf_counter()
     data = vectors_of(n, args.queries, ROOT / args.run, args.cache)

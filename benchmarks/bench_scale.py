@@ -397,7 +397,7 @@ def main() -> None:
                 "start_test_recall_at_1": train["untrained"]["recall_at_k"]["1"],
             }
         if stage == "export":
-            from core.manifests import ModelManifest
+            from core.model_manifests import ModelManifest
 
             parity = ModelManifest.read(out / "model").parity
             run["parity_images"] = parity["images"] if parity else 0

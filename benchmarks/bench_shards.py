@@ -35,7 +35,9 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from index.search.faiss_index import ExactRerank, l2_normalized, trained_index
+from core.vectors import l2_normalized
+from index.search.faiss_index import trained_index
+from index.search.faiss_search import ExactRerank
 
 CENTRES = 1000  # clusters in the synthetic data: an IVF's lists have real structure to find
 DEFAULT_FACTORIES = ["IVF1024,Flat", "HNSW32", "Flat"]
@@ -294,8 +296,9 @@ def publish_vectors(
     """`vectors` published (live) as a version of `shards` shards in `root`, the search effort
     fixed (`params`), for `model` (else no model); with `grouped`, items of three rows (`item`)
     and a `shade` field to filter by, both declared filterable."""
+    from core.index_manifest import RowCounts
     from core.items import ItemTable
-    from core.manifests import ModelManifest, RowCounts
+    from core.model_manifests import ModelManifest
     from index.build.gate import GateThresholds
     from index.build.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
     from index.search.filters import parse_filterable
@@ -326,7 +329,7 @@ def _share_equal(first: list, second: list) -> float:
 def flat_equality(pair: list, queries: np.ndarray) -> dict[str, float]:
     """Flat single index against its S shards' merged search: the share of queries answered with
     the same ids in the same order, plain, filtered and grouped by the item."""
-    from index.search.faiss_index import search, search_within
+    from index.search.faiss_search import search, search_within
     from index.search.grouping import search_groups
 
     plain, within, grouped = [], [], []
@@ -350,7 +353,7 @@ def run_merge(rows: int, dim: int, shards: int, count: int) -> dict:
     Flat answers equal (ids and order) plain, filtered and grouped by the item; recall@10 against
     exact search of IVF-Flat, IVF-PQ (re-ranked) and HNSW at the same nprobe / efSearch."""
     from core.vectors import exact_search
-    from index.search.faiss_index import search
+    from index.search.faiss_search import search
     from index.versions.version import IndexVersion
 
     vectors = np.concatenate([clustered_part(p, rows // 4, dim) for p in range(4)])

@@ -28,7 +28,7 @@ import numpy as np
 from benchmarks import harness
 from core import artifacts
 from core.catalog import read_catalog
-from core.manifests import ModelManifest
+from core.model_manifests import ModelManifest
 from core.vectors import exact_search
 from index.embedder import OnnxTextEmbedder
 from index.versions.version import IndexVersion

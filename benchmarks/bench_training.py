@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 from training.benchmark import BenchmarkConfig, markdown_table, run_benchmark
-from training.train import RESULTS_FILE, TrainConfig, run_training
+from training.config import TrainConfig
+from training.train import RESULTS_FILE, run_training
 
 LOSSES = ["raw_vthm", "pml_multi_similarity", "proxy_anchor", "pml_proxy_anchor"]
 

@@ -7,7 +7,7 @@ import sys
 
 from core.cli import add_config_flag, add_progress_flag, add_verbose_flag, run_cli
 from core.config import add_options, from_cli
-from core.manifests import IndexManifest
+from core.index_manifest import IndexManifest
 from index.build.config import BuildConfig
 from index.build.duplicates import DuplicatesConfig
 from index.build.lifecycle import CompactConfig, RemoveConfig

@@ -12,7 +12,7 @@ import onnxruntime as ort
 
 from core.artifacts import MANIFEST, MODEL_FILE, ArtifactError
 from core.config import DEVICES
-from core.manifests import ModelManifest, TextModelManifest
+from core.model_manifests import ModelManifest, TextModelManifest
 from core.preprocess import InputContract, rows_per_pass
 from core.text import TEXT_INPUT, TEXT_MODEL_FILE, TOKENIZER_FILE, TextTokenizer
 

@@ -1,7 +1,7 @@
 """The GPU paths, run where a GPU exists (a lent CUDA machine): what selects CUDA, and whether
 the numbers it gives match the CPU's. Prints one JSON report (and writes it to --out).
 
-1. Selection: `training.train.resolve_use_gpu` with the machine's GPU count (what Ray Train's
+1. Selection: `training.ray_run.resolve_use_gpu` with the machine's GPU count (what Ray Train's
    `use_gpu` gets), `index.embedder.select_providers` with ONNX Runtime's providers, and faiss's
    GPU count where faiss is installed.
 2. Training on CUDA: for each backbone, the same initial weights and C×K batch through the model
@@ -26,7 +26,7 @@ import torch
 
 from training.losses import build_loss
 from training.models import EmbeddingNet
-from training.train import resolve_use_gpu
+from training.ray_run import resolve_use_gpu
 
 BACKBONES = ("mobilenet_v2", "resnet50", "vit_small_patch16", "convnext_tiny")
 LOSSES = {"raw_vthm": {}, "proxy_anchor": {"num_classes": 16, "embedding_dim": 128}}

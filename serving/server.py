@@ -33,8 +33,8 @@ from grpc_health.v1 import health, health_pb2
 
 from core import artifacts
 from core.artifacts import ArtifactError
+from core.index_manifest import IndexManifest
 from core.items import ItemTable
-from core.manifests import IndexManifest
 from index.build.add import add_vectors
 from index.build.lifecycle import RemovalReport, RollbackReport, remove_items, rollback
 from index.versions.segments import MAX_DELETED_FRACTION, compaction_due

@@ -23,9 +23,9 @@ HELP = {
 def commands() -> dict[str, tuple[str, type, tuple[str, ...]]]:
     """command → (help, configuration class, its options this command does not take)."""
     from training.benchmark import BenchmarkConfig
+    from training.config import TrainConfig
     from training.export import ExportConfig
-    from training.train import TrainConfig
-    from training.train_text import TrainTextConfig
+    from training.text_config import TrainTextConfig
 
     return {
         "train": (HELP["train"], TrainConfig, ()),
@@ -56,7 +56,7 @@ def _parser(wanted: str | None = None) -> argparse.ArgumentParser:
         add_options(command, cls, exclude=exclude)
         if name == "benchmark":  # and the protocol: training's options, but those set per run
             from training.benchmark import PER_RUN_FIELDS
-            from training.train import TrainConfig
+            from training.config import TrainConfig
 
             add_options(command, TrainConfig, exclude=PER_RUN_FIELDS)
     add_verbose_flag(sub)
@@ -76,12 +76,14 @@ def main(argv: list[str] | None = None) -> int:
             build = {"glyphs": build_glyph_dataset, "icons": build_icon_dataset}[args.data_set]
             print(build(args.data_dir or f"data/{args.data_set}"))
         elif args.command == "train":
-            from training.train import TrainConfig, run_training
+            from training.config import TrainConfig
+            from training.train import run_training
 
             out = run_training(from_cli(TrainConfig, args))
             print(json.dumps({"run": str(out), **_summary(out)}, indent=2))
         elif args.command == "train-text":
-            from training.train_text import TrainTextConfig, run_text_training
+            from training.text_config import TrainTextConfig
+            from training.train_text import run_text_training
 
             out = run_text_training(from_cli(TrainTextConfig, args))
             results = json.loads((out / "results.json").read_text())
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "benchmark":
             from core.config import explicit_args, flag_spellings, load_config_file
             from training.benchmark import BenchmarkConfig, run_benchmark
-            from training.train import TrainConfig
+            from training.config import TrainConfig
 
             flags = explicit_args(args)
             values = {**(load_config_file(args.config) if args.config else {}), **flags}

@@ -27,8 +27,10 @@ from typing import Any
 from core.artifacts import write_json_atomic
 from core.cli import init_ray
 from core.config import ConfigError, option, resolve_config, to_jsonable
+from training.config import TrainConfig
 from training.losses import available_losses, get_loss_class
-from training.train import RESULTS_FILE, TrainConfig, build_loss_for
+from training.train import RESULTS_FILE
+from training.trainable import build_loss_for
 
 log = logging.getLogger(__name__)
 

@@ -63,7 +63,7 @@ the readers are tested without the real data.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -71,6 +71,19 @@ import numpy as np
 
 from core.catalog import Catalog, CatalogError
 from core.registry import Registry
+from training.annotation_files import (
+    Row,
+    annotation_rows,
+    keyed_rows,
+    load_mat,
+    locate_annotations,
+    mat_int,
+    mat_text,
+    parse_int,
+    preview,
+    read_lines,
+    split_catalogs,
+)
 from training.weight_files import key_mismatch
 
 log = logging.getLogger(__name__)
@@ -106,11 +119,8 @@ class BenchmarkDataset:
 
     def locate(self, root: Path) -> Path:
         """The folder under `root` holding every annotation file, or a CatalogError saying which is missing."""
-        return _locate(self.title, root, self.subdirs, self.annotation_files)
+        return locate_annotations(self.title, root, self.subdirs, self.annotation_files)
 
-
-# (split, id, image path, label, metadata): one image as every reader produces it.
-_Row = tuple[str, str, Path, str, dict[str, str]]
 
 _DatasetT = TypeVar("_DatasetT", bound=type[BenchmarkDataset])
 
@@ -149,114 +159,6 @@ def load_benchmark(name: str, root: str | Path) -> dict[str, Catalog]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared parsing helpers
-
-
-def _check_root(title: str, root: Path) -> Path:
-    if not root.exists():
-        raise CatalogError(f"{title}: dataset root not found: {root}")
-    if not root.is_dir():
-        raise CatalogError(f"{title}: dataset root is not a folder: {root}")
-    return root
-
-
-def _locate(title: str, root: Path, subdirs: Sequence[str], required: Sequence[str]) -> Path:
-    _check_root(title, root)
-    candidates = [root / sub if sub else root for sub in subdirs]
-    best: Path | None = None
-    best_found = 0
-    for folder in candidates:
-        found = sum((folder / f).is_file() for f in required)
-        if found == len(required):
-            return folder
-        if found > best_found:
-            best, best_found = folder, found
-    if best is not None:
-        # Some of the files are there: name exactly the ones that are not.
-        missing = [f for f in required if not (best / f).is_file()]
-        raise CatalogError(
-            f"{title}: annotation file(s) {', '.join(missing)} not found in {best} "
-            f"(which has the dataset's other annotation files)"
-        )
-    looked = ", ".join(str(c) for c in candidates)
-    raise CatalogError(f"{title}: annotation file(s) {', '.join(required)} not found; looked in {looked}")
-
-
-def _read_lines(path: Path) -> list[str]:
-    try:
-        return path.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise CatalogError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from exc
-    except OSError as exc:
-        raise CatalogError(f"{path}: cannot read: {exc.strerror or exc}") from exc
-
-
-def _rows(
-    path: Path, columns: Sequence[str], lines: list[str] | None = None, start: int = 0
-) -> Iterator[tuple[int, list[str]]]:
-    """(line number, fields) of every non-blank line from `start`, each with exactly len(columns) fields.
-
-    The published files never have spaces inside a field, so a line with more fields is
-    malformed rather than a name with a space in it.
-    """
-    lines = _read_lines(path) if lines is None else lines
-    for index in range(start, len(lines)):
-        fields = lines[index].split()
-        if not fields:
-            continue
-        if len(fields) != len(columns):
-            raise CatalogError(
-                f"{path}:{index + 1}: expected {len(columns)} fields ({' '.join(columns)}), "
-                f"got {len(fields)}: {lines[index].strip()!r}"
-            )
-        yield index + 1, fields
-
-
-def _int(path: Path, lineno: int, column: str, value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise CatalogError(f"{path}:{lineno}: {column} {value!r} is not an integer") from None
-
-
-def _keyed(path: Path, columns: Sequence[str]) -> dict[int, tuple[int, list[str]]]:
-    """Rows keyed by their integer first column: key -> (line number, other fields)."""
-    table: dict[int, tuple[int, list[str]]] = {}
-    for lineno, fields in _rows(path, columns):
-        key = _int(path, lineno, columns[0], fields[0])
-        if key in table:
-            raise CatalogError(f"{path}:{lineno}: {columns[0]} {key} already on line {table[key][0]}")
-        table[key] = (lineno, fields[1:])
-    return table
-
-
-def _catalogs(
-    title: str,
-    splits: Sequence[str],
-    rows: list[_Row],
-    source: Path | dict[str, Path],
-) -> dict[str, Catalog]:
-    """Group (split, id, path, label, metadata) rows into one Catalog per split.
-
-    `source` is the annotation file the rows came from, or one per split.
-    """
-    sources = source if isinstance(source, dict) else dict.fromkeys(splits, source)
-    columns: dict[str, tuple[list, list, list, list]] = {s: ([], [], [], []) for s in splits}
-    for split, item_id, path, label, meta in rows:
-        ids, paths, labels, metadata = columns[split]
-        ids.append(item_id)
-        paths.append(path)
-        labels.append(label)
-        metadata.append(meta)
-    empty = [s for s in splits if not columns[s][0]]
-    if empty:
-        # An empty split makes every later stage fail obscurely; say here which one and why.
-        files = ", ".join(sorted({str(sources[s]) for s in empty}))
-        raise CatalogError(f"{title}: {files} gives no images to split(s) {', '.join(empty)}")
-    return {s: Catalog(*columns[s], source=f"{sources[s]} [{s}]") for s in splits}
-
-
-# ---------------------------------------------------------------------------------------------
 # CUB-200-2011
 
 
@@ -270,17 +172,19 @@ class CUB200(BenchmarkDataset):
     def load(self, root: Path) -> dict[str, Catalog]:
         folder = self.locate(root)
         images_file, labels_file, classes_file = (folder / f for f in self.annotation_files)
-        class_names = {key: fields[0] for key, (_, fields) in _keyed(classes_file, ("class_id", "class_name")).items()}
-        images = _keyed(images_file, ("image_id", "path"))
-        labels = _keyed(labels_file, ("image_id", "class_id"))
+        class_names = {
+            key: fields[0] for key, (_, fields) in keyed_rows(classes_file, ("class_id", "class_name")).items()
+        }
+        images = keyed_rows(images_file, ("image_id", "path"))
+        labels = keyed_rows(labels_file, ("image_id", "class_id"))
 
         unlabelled = sorted(images.keys() - labels.keys())
         orphans = sorted(labels.keys() - images.keys())
         parts = key_mismatch(
             unlabelled,
             orphans,
-            lambda ids: f"image_id(s) {_preview(ids)} of {images_file.name} have no class in {labels_file}",
-            lambda ids: f"image_id(s) {_preview(ids)} of {labels_file.name} are not in {images_file}",
+            lambda ids: f"image_id(s) {preview(ids)} of {images_file.name} have no class in {labels_file}",
+            lambda ids: f"image_id(s) {preview(ids)} of {labels_file.name} are not in {images_file}",
         )
         if parts:
             raise CatalogError(f"{self.title}: " + "; ".join(parts))
@@ -288,15 +192,15 @@ class CUB200(BenchmarkDataset):
         boxes: dict[int, tuple[int, list[str]]] = {}
         boxes_file = folder / "bounding_boxes.txt"
         if boxes_file.is_file():
-            boxes = _keyed(boxes_file, ("image_id", "x", "y", "width", "height"))
+            boxes = keyed_rows(boxes_file, ("image_id", "x", "y", "width", "height"))
 
         # First half of the class list trains: classes 1-100 of the published 200.
         ordered = sorted(class_names)
         train_classes = set(ordered[: len(ordered) // 2])
-        rows: list[_Row] = []
+        rows: list[Row] = []
         for image_id, (lineno, (relative,)) in images.items():
             label_line, (class_text,) = labels[image_id]
-            class_id = _int(labels_file, label_line, "class_id", class_text)
+            class_id = parse_int(labels_file, label_line, "class_id", class_text)
             if class_id not in class_names:
                 raise CatalogError(f"{labels_file}:{label_line}: class_id {class_id} is not in {classes_file}")
             # The class folder is a second statement of the label; disagreement means the
@@ -314,49 +218,12 @@ class CUB200(BenchmarkDataset):
                 meta["box_xywh"] = " ".join(boxes[image_id][1])
             split = "train" if class_id in train_classes else "test"
             rows.append((split, relative, folder / "images" / relative, str(class_id), meta))
-        return _catalogs(self.title, self.splits, rows, images_file)
-
-
-def _preview(values: Sequence[Any], limit: int = 5) -> str:
-    shown = ", ".join(str(v) for v in values[:limit])
-    return shown + (f" (+{len(values) - limit} more)" if len(values) > limit else "")
+        return split_catalogs(self.title, self.splits, rows, images_file)
 
 
 # ---------------------------------------------------------------------------------------------
 # Cars196
 _CARS_BBOX = ("bbox_x1", "bbox_y1", "bbox_x2", "bbox_y2")
-
-
-def _loadmat(path: Path) -> dict[str, Any]:
-    try:
-        from scipy.io import loadmat
-    except ImportError as exc:
-        raise ImportError(
-            f"reading Cars196's {path.name} needs scipy (pip install scipy); it is not installed"
-        ) from exc
-    try:
-        return loadmat(str(path))
-    except NotImplementedError as exc:  # MATLAB v7.3 (HDF5) files
-        raise CatalogError(f"{path}: unsupported MATLAB file version ({exc}); expected the published v5 file") from exc
-    except Exception as exc:  # noqa: BLE001 - scipy raises several types for a damaged file
-        raise CatalogError(f"{path}: not a readable MATLAB file: {exc}") from exc
-
-
-def _mat_text(value: Any) -> str | None:
-    array = np.asarray(value)
-    if array.dtype.kind not in "US":
-        return None
-    return "".join(str(v) for v in array.ravel())
-
-
-def _mat_int(value: Any) -> int | None:
-    array = np.asarray(value)
-    if array.size != 1 or array.dtype.kind not in "iuf":
-        return None
-    number = array.item()
-    if isinstance(number, float) and not number.is_integer():  # also rejects NaN and inf
-        return None
-    return int(number)
 
 
 @register_dataset("cars196")
@@ -369,7 +236,7 @@ class Cars196(BenchmarkDataset):
     def load(self, root: Path) -> dict[str, Catalog]:
         folder = self.locate(root)
         mat_file = folder / "cars_annos.mat"
-        mat = _loadmat(mat_file)
+        mat = load_mat(mat_file)
         annotations = mat.get("annotations")
         if not isinstance(annotations, np.ndarray) or annotations.dtype.names is None:
             found = ", ".join(k for k in mat if not k.startswith("__")) or "none"
@@ -385,20 +252,20 @@ class Cars196(BenchmarkDataset):
 
         parsed: list[tuple[int, str, int, dict[str, str]]] = []
         for number, record in enumerate(records, 1):
-            relative = _mat_text(record["relative_im_path"])
+            relative = mat_text(record["relative_im_path"])
             if not relative:
                 raise CatalogError(f"{mat_file}: annotations({number}).relative_im_path is not a non-empty string")
-            class_id = _mat_int(record["class"])
+            class_id = mat_int(record["class"])
             if class_id is None or class_id < 1:
                 raise CatalogError(f"{mat_file}: annotations({number}).class is not a positive integer")
             meta = {}
             if all(f in annotations.dtype.names for f in _CARS_BBOX):
-                box = [_mat_int(record[f]) for f in _CARS_BBOX]
+                box = [mat_int(record[f]) for f in _CARS_BBOX]
                 if any(v is None for v in box):
                     raise CatalogError(f"{mat_file}: annotations({number}) has a non-integer bbox field")
                 meta["box_x1y1x2y2"] = " ".join(str(v) for v in box)  # annotation, not a crop (see CUB)
             if "test" in annotations.dtype.names:
-                flag = _mat_int(record["test"])
+                flag = mat_int(record["test"])
                 if flag is not None:
                     meta["test_flag"] = str(flag)
             parsed.append((number, relative, class_id, meta))
@@ -417,11 +284,11 @@ class Cars196(BenchmarkDataset):
         # First half of the classes trains: 1-98 of the published 196 (the `test` flag is the
         # classification split and is deliberately not used).
         n_train = n_classes // 2
-        rows: list[_Row] = []
+        rows: list[Row] = []
         for _, relative, class_id, meta in parsed:
             split = "train" if class_id <= n_train else "test"
             rows.append((split, relative, folder / relative, str(class_id), meta))
-        return _catalogs(self.title, self.splits, rows, mat_file)
+        return split_catalogs(self.title, self.splits, rows, mat_file)
 
     @staticmethod
     def _class_names(mat_file: Path, value: Any) -> list[str] | None:
@@ -429,7 +296,7 @@ class Cars196(BenchmarkDataset):
             return None
         names = []
         for number, cell in enumerate(np.asarray(value, dtype=object).ravel(), 1):
-            text = _mat_text(cell)
+            text = mat_text(cell)
             if text is None:
                 raise CatalogError(f"{mat_file}: class_names{{{number}}} is not a string")
             names.append(text)
@@ -453,7 +320,7 @@ class StanfordOnlineProducts(BenchmarkDataset):
     def load(self, root: Path) -> dict[str, Catalog]:
         folder = self.locate(root)
         files = {split: folder / name for split, name in zip(self.splits, self.annotation_files, strict=True)}
-        rows: list[_Row] = []
+        rows: list[Row] = []
         class_lines: dict[str, dict[int, int]] = {split: {} for split in self.splits}
         for split, path in files.items():
             rows.extend(self._read_split(path, split, folder, class_lines[split]))
@@ -461,25 +328,27 @@ class StanfordOnlineProducts(BenchmarkDataset):
         if shared:
             c = shared[0]
             raise CatalogError(
-                f"{self.title}: class_id(s) {_preview(shared)} appear in both splits, e.g. {c} on "
+                f"{self.title}: class_id(s) {preview(shared)} appear in both splits, e.g. {c} on "
                 f"{files['train']}:{class_lines['train'][c]} and {files['test']}:{class_lines['test'][c]}; "
                 "the splits must be class-disjoint"
             )
-        return _catalogs(self.title, self.splits, rows, files)
+        return split_catalogs(self.title, self.splits, rows, files)
 
     @staticmethod
-    def _read_split(path: Path, split: str, folder: Path, first_line_of_class: dict[int, int]) -> list[_Row]:
-        lines = _read_lines(path)
+    def _read_split(path: Path, split: str, folder: Path, first_line_of_class: dict[int, int]) -> list[Row]:
+        lines = read_lines(path)
         header_index = next((i for i, line in enumerate(lines) if line.strip()), None)
         if header_index is None or tuple(lines[header_index].split()) != _SOP_HEADER:
             raise CatalogError(f"{path}:{(header_index or 0) + 1}: expected the header line {' '.join(_SOP_HEADER)!r}")
         super_of_class: dict[int, int] = {}
         seen: dict[str, int] = {}
-        rows: list[_Row] = []
-        for lineno, (image_text, class_text, super_text, relative) in _rows(path, _SOP_HEADER, lines, header_index + 1):
-            image_id = _int(path, lineno, "image_id", image_text)
-            class_id = _int(path, lineno, "class_id", class_text)
-            super_id = _int(path, lineno, "super_class_id", super_text)
+        rows: list[Row] = []
+        for lineno, (image_text, class_text, super_text, relative) in annotation_rows(
+            path, _SOP_HEADER, lines, header_index + 1
+        ):
+            image_id = parse_int(path, lineno, "image_id", image_text)
+            class_id = parse_int(path, lineno, "class_id", class_text)
+            super_id = parse_int(path, lineno, "super_class_id", super_text)
             if relative in seen:
                 raise CatalogError(f"{path}:{lineno}: path {relative!r} already on line {seen[relative]}")
             seen[relative] = lineno
@@ -525,19 +394,19 @@ class InShop(BenchmarkDataset):
             dataset_folder / "Img" if eval_folder.name == "Eval" else dataset_folder,
         )
 
-        lines = _read_lines(path)
+        lines = read_lines(path)
         content = [(i, line) for i, line in enumerate(lines) if line.strip()]
         if len(content) < 2:
             raise CatalogError(f"{path}: expected an image count line and a header line, the file is too short")
         (count_index, count_line), (header_index, header_line) = content[0], content[1]
-        declared = _int(path, count_index + 1, "image count", count_line.strip())
+        declared = parse_int(path, count_index + 1, "image count", count_line.strip())
         if tuple(header_line.split()) != _INSHOP_HEADER:
             raise CatalogError(f"{path}:{header_index + 1}: expected the header line {' '.join(_INSHOP_HEADER)!r}")
 
-        rows: list[_Row] = []
+        rows: list[Row] = []
         seen: dict[str, int] = {}
         item_lines: dict[str, dict[str, int]] = {"train": {}, "test": {}}
-        for lineno, (relative, item_id, status) in _rows(path, _INSHOP_HEADER, lines, header_index + 1):
+        for lineno, (relative, item_id, status) in annotation_rows(path, _INSHOP_HEADER, lines, header_index + 1):
             if status not in self.splits:
                 raise CatalogError(
                     f"{path}:{lineno}: evaluation_status {status!r} is not one of {', '.join(self.splits)}"
@@ -556,10 +425,10 @@ class InShop(BenchmarkDataset):
         if shared:
             item = shared[0]
             raise CatalogError(
-                f"{path}: item_id(s) {_preview(shared)} are in train and in query/gallery, e.g. {item} on lines "
+                f"{path}: item_id(s) {preview(shared)} are in train and in query/gallery, e.g. {item} on lines "
                 f"{item_lines['train'][item]} and {item_lines['test'][item]}; the split must be item-disjoint"
             )
-        catalogs = _catalogs(self.title, self.splits, rows, path)
+        catalogs = split_catalogs(self.title, self.splits, rows, path)
         # Not an error: the evaluation simply has no right answer for such a query.
         lonely = set(catalogs["query"].labels) - set(catalogs["gallery"].labels)
         if lonely:

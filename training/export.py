@@ -24,16 +24,17 @@ from core.artifacts import MODEL_FILE, ArtifactError, file_sha256, staging_direc
 from core.catalog import Catalog, read_catalog
 from core.cli import verbose
 from core.config import option
-from core.manifests import ModelManifest
+from core.model_manifests import ModelManifest
 from core.preprocess import ImageDecodeError, InputContract, load_image
 from index.embedder import OnnxEmbedder
 from training.backbone_specs import ALL_POOLINGS
+from training.checkpoints import CHECKPOINT_FILE
 from training.data import load_images
 from training.evaluate import embed_images
 from training.models import EmbeddingNet, check_backbone, input_contract
 from training.open_clip_models import OpenClipTowers, config_name, is_open_clip, load_open_clip, open_clip_contract
 from training.parity import DEFAULT_OPSET, MIN_PARITY_COSINE, ExportError, cosine_parity
-from training.train import CHECKPOINT_FILE, RESULTS_FILE
+from training.train import RESULTS_FILE
 from training.train_text import RUN_CHECKPOINT
 from training.weight_files import WEIGHTS_HELP, resolve_weights
 

@@ -23,7 +23,7 @@ import torch
 
 from core.artifacts import file_sha256, staging_directory, utc_now
 from core.cli import verbose
-from core.manifests import TextModelManifest
+from core.model_manifests import TextModelManifest
 from core.text import TEXT_INPUT, TEXT_MODEL_FILE, TOKENIZER_FILE, TextInputError, TextTokenizer
 from index.embedder import OnnxTextEmbedder
 from training.parity import DEFAULT_OPSET, MIN_PARITY_COSINE, cosine_parity
@@ -84,7 +84,7 @@ def export_text_model(
     - `evaluation`: text → image figures of the tower, into the manifest (None: not measured).
 
     Writes `text.onnx` (opset `opset`, checked by `onnx.checker`), `tokenizer.json` (CLIP BPE) and
-    `manifest.json` (`core.manifests.TextModelManifest`: `text_model_id` is the sha256 of
+    `manifest.json` (`core.model_manifests.TextModelManifest`: `text_model_id` is the sha256 of
     `text.onnx`, first 16 hex digits; the sha256 of each file; the tokenizer; the parity figures).
     """
     texts = list(parity_texts)
@@ -103,26 +103,8 @@ def export_text_model(
             raise TextInputError(f"parity texts: {exc}") from None
         reference = _torch_embeddings(net, ids)
         export_text_onnx(net, tokenizer.encode(TRACE_TEXTS), staging / TEXT_MODEL_FILE, opset)
-        onnx_sha = file_sha256(staging / TEXT_MODEL_FILE)
-        start_id, end_id = tokenizer.token_ids("a")[0], tokenizer.token_ids("a")[-1]
-        manifest = TextModelManifest(
-            text_model_id=onnx_sha[:16],
-            image_model_id=image_model_id,
-            embedding_dim=int(reference.shape[1]),
-            context_length=net.context_length,
-            source=source,
-            tokenizer={
-                **tokenizer_info,
-                "file": TOKENIZER_FILE,
-                "sha256": file_sha256(staging / TOKENIZER_FILE),
-                "start_id": start_id,
-                "end_id": end_id,
-            },
-            files={TEXT_MODEL_FILE: onnx_sha, TOKENIZER_FILE: file_sha256(staging / TOKENIZER_FILE)},
-            opset=opset,
-            created=utc_now(),
-            exporter={"torch": torch.__version__, "onnx": onnx.__version__, "python": platform.python_version()},
-            evaluation=evaluation,
+        manifest = text_manifest(
+            staging, net, tokenizer, tokenizer_info, reference, image_model_id, source, opset, evaluation
         )
         manifest.write(staging)
         # Serving's own reader: the tokenizer file, the manifest's context length and the graph
@@ -132,6 +114,43 @@ def export_text_model(
         manifest.write(staging)
     log.info("exported text model %s to %s (parity %s)", manifest.text_model_id, out, manifest.parity)
     return out
+
+
+def text_manifest(
+    staging: Path,
+    net: TextEmbeddingNet,
+    tokenizer: TextTokenizer,
+    tokenizer_info: dict[str, Any],
+    reference: np.ndarray,
+    image_model_id: str,
+    source: dict[str, Any],
+    opset: int,
+    evaluation: dict[str, Any] | None,
+) -> TextModelManifest:
+    """The manifest of the text model staged in `staging` (its parity not yet measured):
+    `text_model_id` the sha256 of text.onnx, first 16 hex digits; each file's sha256; the
+    tokenizer with its start and end ids."""
+    onnx_sha = file_sha256(staging / TEXT_MODEL_FILE)
+    start_id, end_id = tokenizer.token_ids("a")[0], tokenizer.token_ids("a")[-1]
+    return TextModelManifest(
+        text_model_id=onnx_sha[:16],
+        image_model_id=image_model_id,
+        embedding_dim=int(reference.shape[1]),
+        context_length=net.context_length,
+        source=source,
+        tokenizer={
+            **tokenizer_info,
+            "file": TOKENIZER_FILE,
+            "sha256": file_sha256(staging / TOKENIZER_FILE),
+            "start_id": start_id,
+            "end_id": end_id,
+        },
+        files={TEXT_MODEL_FILE: onnx_sha, TOKENIZER_FILE: file_sha256(staging / TOKENIZER_FILE)},
+        opset=opset,
+        created=utc_now(),
+        exporter={"torch": torch.__version__, "onnx": onnx.__version__, "python": platform.python_version()},
+        evaluation=evaluation,
+    )
 
 
 def _torch_embeddings(net: TextEmbeddingNet, ids: np.ndarray) -> np.ndarray:

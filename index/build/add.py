@@ -13,8 +13,8 @@ import numpy as np
 from core import artifacts
 from core.artifacts import ArtifactError
 from core.catalog import Catalog, CatalogError, read_catalog
+from core.index_manifest import IndexManifest, RowCounts, check_model_index_pair
 from core.items import ItemTable
-from core.manifests import IndexManifest, RowCounts, check_model_index_pair
 from core.vectors import unit_rows
 from index.build.config import BuildConfig
 from index.build.embed import check_bad_rows, embed_catalog

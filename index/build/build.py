@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from core.catalog import read_catalog
-from core.manifests import ModelManifest
+from core.model_manifests import ModelManifest
 from index.build.config import DEFAULT_MODEL, BuildConfig, default_catalog
 from index.build.embed import check_bad_rows, embed_catalog
 from index.build.publish import NewVersion

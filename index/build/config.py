@@ -11,7 +11,7 @@ import faiss
 from core.artifacts import MANIFEST, ArtifactError
 from core.catalog import ITEM_COLUMN, Catalog, CatalogError, read_probe_catalog
 from core.config import DEVICES, option, to_jsonable
-from core.manifests import ModelManifest, TextModelManifest, check_text_model_pair
+from core.model_manifests import ModelManifest, TextModelManifest, check_text_model_pair
 from core.preprocess import DEFAULT_MAX_PIXELS
 from index.build.gate import GateThresholds, ProbeCatalog
 from index.build.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 
-from index.search.faiss_index import search_leaving_out_self
+from index.search.faiss_search import search_leaving_out_self
 
 THUMB = 96
 PAD = 6

@@ -12,13 +12,15 @@ import faiss
 import numpy as np
 
 from core.catalog import read_probe_catalog
+from core.index_manifest import IndexManifest, QualityGate, QualityReport, SegmentEntry
 from core.items import string_hashes
-from core.manifests import IndexManifest, QualityGate, QualityReport, SegmentEntry
 from core.metrics import recall_at_k, recall_from_neighbor_labels, stable_sample, wilson_interval
 from core.vectors import exact_search
 from index.build.embed import embed_catalog
 from index.embedder import OnnxEmbedder
-from index.search.faiss_index import ann_recall, empty_index, recall_against, search, search_leaving_out_self
+from index.search.ann_recall import ann_recall, recall_against
+from index.search.faiss_index import empty_index
+from index.search.faiss_search import search, search_leaving_out_self
 from index.search.grouping import Groups, item_recall_at_k
 from index.versions.segments import flat_until_compaction
 from index.versions.version import IndexVersion

@@ -20,8 +20,8 @@ import numpy as np
 from PIL import Image
 
 from core.catalog import Catalog
+from core.index_manifest import IndexManifest, QualityGate, QualityReport, RowCounts, ShardEntry
 from core.items import ItemTable
-from core.manifests import IndexManifest, QualityGate, QualityReport, RowCounts, ShardEntry
 from core.metrics import stable_sample
 from index.build.contact_sheet import contact_sheet, sample_neighbours
 from index.build.gate import (
@@ -33,17 +33,9 @@ from index.build.gate import (
     quality_figures,
 )
 from index.build.lifecycle import warn_of_returning_items
-from index.search.faiss_index import (
-    EffortChoice,
-    ExactRerank,
-    build_index,
-    search_effort,
-    searchable,
-    select_device,
-    trained_index,
-    tune_search_effort,
-    with_default_rerank,
-)
+from index.search.ann_recall import EffortChoice, search_effort, tune_search_effort
+from index.search.faiss_index import build_index, select_device, trained_index, with_default_rerank
+from index.search.faiss_search import ExactRerank, searchable
 from index.search.filters import FieldSpec, FilterIndex, column_values, declared_json
 from index.search.grouping import Groups
 from index.versions.sharding import ID_KEY, build_shards, check_shard_count, partition, shard_keys

@@ -34,7 +34,8 @@ from core.artifacts import utc_now, write_json_atomic
 from core.catalog import BBOX_COLUMN, Catalog, CatalogError, parse_bbox, read_catalog
 from core.cli import init_ray
 from core.config import option
-from core.manifests import ModelManifest, ShardEntry
+from core.index_manifest import ShardEntry
+from core.model_manifests import ModelManifest
 from core.preprocess import ImageDecodeError, RegionError, load_image
 from index.build.config import DEFAULT_MODEL, BuildConfig, default_catalog
 from index.build.embed import check_bad_rows

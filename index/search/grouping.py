@@ -27,7 +27,7 @@ import faiss
 import numpy as np
 
 from core.ranking import best_k, ranked
-from index.search.faiss_index import EXACT, ExactRerank, index_family, inner_products, search_within, selector_params
+from index.search.faiss_search import EXACT, ExactRerank, index_family, inner_products, search_within, selector_params
 from index.search.filters import FieldRows, FieldSpec
 
 OVERFETCH = 4  # first round: 4 candidate rows per group wanted (catalog items hold a few photos)

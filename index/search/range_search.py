@@ -27,7 +27,8 @@ import faiss
 import numpy as np
 
 from core.ranking import best_k
-from index.search.faiss_index import ExactRerank, inner_index
+from index.search.faiss_index import inner_index
+from index.search.faiss_search import ExactRerank
 from index.search.merge import MergedIndex
 
 # The widened k-NN's first depth; it doubles from there. Near-duplicates are few: most queries

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from core import artifacts
-from core.manifests import IndexManifest, QualityGate, RowCounts, SegmentEntry, ShardEntry
+from core.index_manifest import IndexManifest, QualityGate, RowCounts, SegmentEntry, ShardEntry
 from index.search.filters import FieldSpec, specs_of
 from index.versions.rebase import onto_live
 from index.versions.segments import UnitChange, UnitWritten, write_unit

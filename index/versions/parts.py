@@ -23,7 +23,7 @@ import numpy as np
 
 from core import artifacts
 from core.artifacts import ArtifactError
-from core.manifests import IndexManifest, SegmentEntry
+from core.index_manifest import IndexManifest, SegmentEntry
 from index.versions.units import Unit, units_for_id, units_of
 
 # Segments open in this process, by content (their files' sha256 and how they are searched): a

@@ -36,16 +36,11 @@ import faiss
 import numpy as np
 
 from core import artifacts
+from core.index_manifest import IndexManifest, SegmentEntry
 from core.items import ItemTable
-from core.manifests import IndexManifest, SegmentEntry
-from index.search.faiss_index import (
-    build_index,
-    emptied_index,
-    empty_index,
-    index_family,
-    l2_normalized,
-    load_index,
-)
+from core.vectors import l2_normalized
+from index.search.faiss_index import build_index, emptied_index, empty_index, load_index
+from index.search.faiss_search import index_family
 from index.search.filters import FieldSpec, FilterIndex
 from index.versions.version import IndexVersion
 from index.versions.version_writer import VersionWriter, segment_name

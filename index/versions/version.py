@@ -39,11 +39,12 @@ import numpy as np
 
 from core import artifacts
 from core.artifacts import ArtifactError
+from core.index_manifest import IndexManifest
 from core.items import ItemTable
-from core.manifests import IndexManifest
 from core.metrics import stable_key, stable_order
 from core.vectors import RowBlocks
-from index.search.faiss_index import ExactRerank, apply_search_params, load_index, searchable
+from index.search.faiss_index import apply_search_params, load_index
+from index.search.faiss_search import ExactRerank, searchable
 from index.search.filters import FilterIndex
 from index.search.grouping import Groups
 from index.search.merge import MergedIndex

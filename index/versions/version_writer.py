@@ -40,8 +40,8 @@ from PIL import Image
 
 from core import artifacts
 from core.artifacts import utc_now
+from core.index_manifest import IndexManifest, RowCounts, SegmentEntry, ShardEntry
 from core.items import ItemTable
-from core.manifests import IndexManifest, RowCounts, SegmentEntry, ShardEntry
 from index.search.faiss_index import save_index
 from index.search.filters import FilterIndex
 

@@ -15,8 +15,8 @@ import numpy as np
 
 from core import artifacts
 from core.artifacts import ArtifactError
+from core.index_manifest import IndexManifest
 from core.items import ItemTable
-from core.manifests import IndexManifest
 from index.build.duplicates import GROUPS_FILE, SUMMARY_FILE, runs_of
 from index.build.lifecycle import RemovalReport, RollbackReport, audit_entries
 from index.versions.units import segment_counts

@@ -38,7 +38,7 @@ from google.protobuf import json_format
 from core.config import option
 from core.metrics import recall_from_neighbor_labels
 from core.ranking import best_k
-from index.search.faiss_index import recall_with_ties
+from index.search.ann_recall import recall_with_ties
 from index.search.filters import Filter
 from index.search.grouping import Groups, exact_group_scores
 from protos.simsearch.v1 import search_pb2 as pb

@@ -41,7 +41,8 @@ from typing import Any
 
 from core import artifacts
 from core.artifacts import ArtifactError
-from core.manifests import ModelManifest, check_model_index_pair
+from core.index_manifest import check_model_index_pair
+from core.model_manifests import ModelManifest
 from index.versions.version import IndexVersion
 from serving.config import ServerConfig
 from serving.logs import Sink, failure_reason, relay, shard_label, ship_records

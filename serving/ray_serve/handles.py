@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from core.artifacts import ArtifactError
-from core.manifests import ModelManifest, TextModelManifest
+from core.model_manifests import ModelManifest, TextModelManifest
 from core.preprocess import DEFAULT_MAX_PIXELS, EncodedImage, pixels_of
 from core.text import TOKENIZER_FILE, TextTokenizer
 from index.versions.version import ItemLocation

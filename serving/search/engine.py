@@ -23,17 +23,12 @@ from PIL import Image
 from core import artifacts
 from core.artifacts import ArtifactError
 from core.config import option
+from core.index_manifest import IndexManifest, check_model_index_pair
 from core.items import ItemTable
-from core.manifests import (
-    IndexManifest,
-    ModelManifest,
-    TextModelManifest,
-    check_model_index_pair,
-    check_text_model_pair,
-)
+from core.model_manifests import ModelManifest, TextModelManifest, check_text_model_pair
 from core.preprocess import DEFAULT_MAX_PIXELS, EncodedImage, Region, decode
 from core.text import TextTokenizer
-from index.search.faiss_index import ExactRerank
+from index.search.faiss_search import ExactRerank
 from index.versions.version import IndexVersion
 from serving.errors import ServiceError, Unavailable, image_errors
 from serving.search.answers import EVERY_ROW, Answer, Exclusion, Scope, described

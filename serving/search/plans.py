@@ -25,7 +25,7 @@ import numpy as np
 
 from core.ranking import best_k
 from index.search import range_search
-from index.search.faiss_index import OVERFETCH_DELETED, ExactRerank, search_live, search_within
+from index.search.faiss_search import OVERFETCH_DELETED, ExactRerank, search_live, search_within
 from index.search.grouping import search_groups
 from index.versions.version import IndexVersion
 from serving.search.answers import Answer, Hit, Scope

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 from core import artifacts
 from core.artifacts import ArtifactError
 from core.items import ItemTable
-from index.search.faiss_index import exact_within
+from index.search.faiss_search import exact_within
 from index.search.filters import Filter
 from index.search.grouping import Groups, exact_groups, filled_groups
 from index.versions.version import IndexVersion, ItemLocation, SampledItem

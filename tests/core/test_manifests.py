@@ -1,4 +1,5 @@
-"""core.manifests: typed model and index manifests read what the stages have always written."""
+"""core.manifests, model_manifests and index_manifest: typed model and index manifests read
+what the stages have always written."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import json
 import pytest
 
 from core.artifacts import MANIFEST, ArtifactError, write_json_atomic
-from core.manifests import SCHEMA_VERSION, IndexManifest, ModelManifest, QualityReport
+from core.index_manifest import IndexManifest, QualityReport
+from core.manifests import SCHEMA_VERSION
+from core.model_manifests import ModelManifest
 from core.preprocess import InputContract
 
 MODEL = {

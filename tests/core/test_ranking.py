@@ -13,7 +13,7 @@ import pytest
 
 from core.ranking import NO_ROW, SORT_BELOW, best_k, ranked
 from core.vectors import RowBlocks, exact_search, l2_normalized
-from index.search.faiss_index import ExactRerank, exact_within, inner_products
+from index.search.faiss_search import ExactRerank, exact_within, inner_products
 from index.search.grouping import Groups, exact_groups, filled_groups
 from index.search.merge import best_rows
 from serving.monitoring.monitor import _best

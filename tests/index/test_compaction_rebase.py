@@ -22,7 +22,7 @@ from core.items import ItemTable
 from core.vectors import l2_normalized
 from index.build.add import add_vectors
 from index.build.lifecycle import compact_version, remove_items, rollback
-from index.search.faiss_index import search_within
+from index.search.faiss_search import search_within
 from index.versions.units import segment_counts
 from index.versions.version import IndexVersion
 from tests.support import shards as support

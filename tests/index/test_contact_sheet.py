@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
+from core.vectors import l2_normalized
 from index.build.contact_sheet import CAPTION, PAD, QUERY, RIGHT, THUMB, WRONG, contact_sheet, sample_neighbours
-from index.search.faiss_index import build_index, l2_normalized
+from index.search.faiss_index import build_index
 
 CELL_W, CELL_H = THUMB + 2 * PAD, THUMB + 2 * PAD + CAPTION
 

@@ -1,4 +1,5 @@
-"""index.search.faiss_index: building and searching inner-product indexes on L2-normalised vectors."""
+"""index.search.faiss_index, faiss_search and ann_recall: building, searching and tuning
+inner-product indexes on L2-normalised vectors."""
 
 from __future__ import annotations
 
@@ -6,20 +7,17 @@ import faiss
 import numpy as np
 import pytest
 
+from core.vectors import as_float32_rows, exact_search, l2_normalized
 from index.search.faiss_index import (
     apply_search_params,
-    as_float32_rows,
     build_index,
-    exact_search,
-    l2_normalized,
     load_index,
     save_index,
-    search,
-    searchable,
     select_device,
     stores_exact_vectors,
     with_default_rerank,
 )
+from index.search.faiss_search import search, searchable
 
 DIM = 16
 

@@ -1,5 +1,5 @@
 """Filtered search: the value → rows structure and its filters (index/search/filters.py), the planner's
-two paths over every index type (index/search/faiss_index.py: search_within), and a real server on
+two paths over every index type (index/search/faiss_search.py: search_within), and a real server on
 loopback answering filtered queries over Flat, IVF-Flat, IVF-PQ (re-ranked) and HNSW versions
 built with `--filterable`."""
 
@@ -16,15 +16,8 @@ from core.items import ItemTable
 from index.build.add import run_add
 from index.build.build import run_build
 from index.build.config import BuildConfig
-from index.search.faiss_index import (
-    EXACT,
-    INDEX,
-    build_index,
-    exact_within,
-    search_within,
-    searchable,
-    with_default_rerank,
-)
+from index.search.faiss_index import build_index, with_default_rerank
+from index.search.faiss_search import EXACT, INDEX, exact_within, search_within, searchable
 from index.search.filters import (
     Condition,
     FieldSpec,

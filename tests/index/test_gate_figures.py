@@ -7,19 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.manifests import QualityReport
+from core.index_manifest import QualityReport
 from core.metrics import stable_sample, wilson_interval
+from core.vectors import exact_search, l2_normalized
 from index.build.gate import GateThresholds, describe_quality, quality_figures
-from index.search.faiss_index import (
-    TIE_TOLERANCE,
-    ann_recall,
-    apply_search_params,
-    build_index,
-    exact_search,
-    l2_normalized,
-    recall_with_ties,
-    search,
-)
+from index.search.ann_recall import TIE_TOLERANCE, ann_recall, recall_with_ties
+from index.search.faiss_index import apply_search_params, build_index
+from index.search.faiss_search import search
 from tests.support import shards as support
 
 N, DIM, COPIES, K = 2000, 32, 300, 10

@@ -8,7 +8,8 @@ import pytest
 
 from core.items import ItemTable
 from core.vectors import l2_normalized
-from index.search.faiss_index import build_index, searchable
+from index.search.faiss_index import build_index
+from index.search.faiss_search import searchable
 from index.search.filters import FieldRows, FieldSpec
 from index.search.grouping import EXACT_PASS, MAX_CANDIDATES, OVERFETCH, Groups, search_groups
 

@@ -16,8 +16,8 @@ import pytest
 
 from core import artifacts
 from core.artifacts import ArtifactError
+from core.index_manifest import IndexManifest, RowCounts
 from core.items import ItemTable
-from core.manifests import IndexManifest, RowCounts
 from index.build.config import BuildConfig
 from index.build.gate import QualityGateError
 from index.build.publish import NewVersion, publish_index_version

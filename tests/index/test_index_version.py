@@ -7,9 +7,10 @@ import pytest
 
 from core import artifacts
 from core.artifacts import ArtifactError
+from core.index_manifest import IndexManifest
 from core.items import ItemTable
-from core.manifests import IndexManifest
-from index.search.faiss_index import build_index, l2_normalized
+from core.vectors import l2_normalized
+from index.search.faiss_index import build_index
 from index.versions.version import IndexVersion
 from index.versions.version_writer import VersionWriter
 

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from core.items import ItemTable
+from core.ranking import NO_ROW
+from core.vectors import l2_normalized
 from index.build.add import add_vectors
-from index.search.faiss_index import build_index, l2_normalized
-from index.search.merge import NO_ROW, MergedIndex, best_rows
+from index.search.faiss_index import build_index
+from index.search.merge import MergedIndex, best_rows
 from index.search.range_search import by_range_search, reaching
 from index.versions.version import IndexVersion
 from serving.search.answers import NOTHING_EXCLUDED

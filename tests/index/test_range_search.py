@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from index.build.duplicates import find_groups
-from index.search.faiss_index import ExactRerank, build_index, searchable, with_default_rerank
+from index.search.faiss_index import build_index, with_default_rerank
+from index.search.faiss_search import ExactRerank, searchable
 from index.search.range_search import by_range_search, reaching
 
 FACTORIES = {

@@ -15,7 +15,7 @@ from core import artifacts
 from index.build.build import run_build
 from index.build.config import BuildConfig
 from index.build.rebuild import RebuildConfig, run_rebuild
-from index.search.faiss_index import search
+from index.search.faiss_search import search
 from index.versions.sharding import shard_of
 from index.versions.version import IndexVersion
 from tests.support.index import write_images, write_tiny_model

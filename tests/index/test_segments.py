@@ -15,12 +15,12 @@ import pytest
 
 from core import artifacts
 from core.artifacts import ArtifactError
+from core.index_manifest import IndexManifest
 from core.items import ItemTable
-from core.manifests import IndexManifest
-from core.vectors import RowBlocks
+from core.vectors import RowBlocks, l2_normalized
 from index.build.add import add_vectors
 from index.build.lifecycle import compact_version, remove_items
-from index.search.faiss_index import l2_normalized, search_within
+from index.search.faiss_search import search_within
 from index.search.filters import Condition, Filter
 from index.search.grouping import search_groups
 from index.versions import segments
@@ -238,16 +238,16 @@ def test_bad_rows_are_refused_precisely(tmp_path):
 def test_tombstones_are_dropped_from_an_answer_asked_deeper(tmp_path, monkeypatch, deleted):
     """A few tombstones: the index asked that much deeper and them dropped; many: the planner
     over the live rows. Either way, for Flat, the exact top k of the live rows."""
-    from index.search import faiss_index
+    from index.search import faiss_search
 
-    monkeypatch.setattr(faiss_index, "OVERFETCH_DELETED", 20)  # 10 deleted overfetch, 50 go to the planner
+    monkeypatch.setattr(faiss_search, "OVERFETCH_DELETED", 20)  # 10 deleted overfetch, 50 go to the planner
     _grown(tmp_path, "Flat", {}, 1, adds=1)
     root = tmp_path / "index"
     before = IndexVersion.open(root).load()
     queries = l2_normalized(np.asarray(before.vectors[:deleted]) + 0.01)  # each query's best row is deleted
     remove_items(root, list(before.items.ids)[:deleted], "test", max_deleted_fraction=1.0)
     version = IndexVersion.open(root).load()
-    scores, rows = faiss_index.search_live(
+    scores, rows = faiss_search.search_live(
         version.searchable(), version.vectors, queries, K, version.live_mask, len(version.deleted)
     )
     exact = np.asarray(version.vectors) @ queries.T

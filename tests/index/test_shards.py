@@ -17,17 +17,18 @@ import pytest
 
 from core import artifacts
 from core.artifacts import ArtifactError
+from core.index_manifest import IndexManifest, RowCounts
 from core.items import ItemTable
-from core.manifests import IndexManifest, RowCounts
 from core.metrics import stable_sample
-from core.vectors import RowBlocks, exact_search
+from core.vectors import RowBlocks, exact_search, l2_normalized
 from index.__main__ import main as index_main
 from index.build.build import run_build
 from index.build.config import BuildConfig
 from index.build.gate import GateThresholds
 from index.build.lifecycle import remove_items
 from index.build.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
-from index.search.faiss_index import ann_recall, l2_normalized, search, search_within
+from index.search.ann_recall import ann_recall
+from index.search.faiss_search import search, search_within
 from index.search.filters import parse_filterable
 from index.search.grouping import search_groups
 from index.versions.sharding import partition, shard_keys, shard_of

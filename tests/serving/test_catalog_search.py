@@ -18,7 +18,7 @@ import pytest
 from PIL import Image
 
 from core.catalog import CatalogError, read_catalog
-from core.manifests import IndexManifest
+from core.index_manifest import IndexManifest
 from index.build.build import run_build
 from index.build.config import BuildConfig
 from index.versions.version import IndexVersion

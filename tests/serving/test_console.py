@@ -28,7 +28,7 @@ import pytest
 
 from core import artifacts
 from core.catalog import read_catalog
-from core.manifests import IndexManifest
+from core.index_manifest import IndexManifest
 from index.build.build import run_build
 from index.build.config import BuildConfig
 from index.build.duplicates import DuplicatesConfig, run_duplicates

@@ -18,9 +18,10 @@ import pytest
 
 from core import artifacts
 from core.items import ItemTable
+from core.memory import return_free_heap
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
-from serving.memory import reclaim, return_free_heap
+from serving.memory import reclaim
 from tests.support.index import write_catalog_index
 from tests.support.server import SearchServer, config, derived_version, image_requests, start, wait_for
 

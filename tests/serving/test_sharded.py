@@ -12,8 +12,8 @@ import pickle
 import numpy as np
 import pytest
 
+from core.vectors import l2_normalized
 from index.build.lifecycle import remove_items
-from index.search.faiss_index import l2_normalized
 from index.search.filters import Condition, Filter
 from index.versions.version import IndexVersion
 from serving.monitoring.monitor import MonitorConfig, RecallMonitor

