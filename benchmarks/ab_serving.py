@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import harness
-from core.catalog import read_catalog
+from core.data.catalog import read_catalog
 
 
 def parse_config(text: str) -> tuple[str, tuple[str, ...]]:

@@ -24,8 +24,8 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from core.catalog import read_catalog
-from core.vectors import exact_search, l2_normalized
+from core.data.catalog import read_catalog
+from core.retrieval.vectors import exact_search, l2_normalized
 from index.build.embed import embed_catalog
 from index.embedder import OnnxEmbedder
 from index.search.faiss_index import apply_search_params, build_index
@@ -51,7 +51,7 @@ def factories(n: int) -> list[tuple[str, list[dict]]]:
 
 def grown_glyph_embeddings(embedder: OnnxEmbedder, total: int) -> tuple[np.ndarray, np.ndarray]:
     """Embeddings and labels of `total` glyph images rendered in memory (never written)."""
-    from training.glyphs import render_grown_glyphs
+    from training.data.glyphs import render_grown_glyphs
 
     vectors, labels = [], []
     for images, batch_labels in render_grown_glyphs(total):

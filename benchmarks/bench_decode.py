@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from core.preprocess import DEFAULT_REDUCING_GAP, InputContract, decode, open_image
+from core.data.preprocess import DEFAULT_REDUCING_GAP, InputContract, decode, open_image
 from index.embedder import OnnxEmbedder
-from training.models import input_contract
+from training.models.models import input_contract
 
 ROOT = Path(__file__).resolve().parents[1]
 

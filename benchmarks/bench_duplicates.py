@@ -1,6 +1,6 @@
 """Near-duplicate search measured: precision and recall of planted duplicates, threshold by threshold.
 
-The catalog is planted from the colour icon set's sources (`training/icons.py`: the installed
+The catalog is planted from the colour icon set's sources (`training/data/icons.py`: the installed
 Debian icon themes, nothing downloaded). Each picture is a 256-px collage of four icons drawn at
 random from all 1,663, each at a random size and place in its quarter, on a random light colour
 (distinct icon files can be near-identical drawings — one theme's `back` and `forward` are
@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 from PIL import ExifTags, Image, ImageOps
 
-from core.catalog import Catalog, read_catalog
-from core.preprocess import load_image
+from core.data.catalog import Catalog, read_catalog
+from core.data.preprocess import load_image
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +96,7 @@ def plant_catalog(out: Path, originals: int, seed: int = 0, distractors: int | N
     """Write the planted catalog under `out` (images/ and catalog.csv: id, path, label, family,
     kind; the label is the family, a distractor's its own id); returns the catalog's path.
     Deterministic for a seed and the installed icon themes."""
-    from training.icons import icon_classes
+    from training.data.icons import icon_classes
 
     drawings = sorted(d.path for ds in icon_classes().values() for d in ds)
     rng = np.random.default_rng(seed)
@@ -305,7 +305,7 @@ def scale_timings(rows: int, dim: int = 256, min_score: float = 0.9, seed: int =
     One faiss thread."""
     import faiss
 
-    from core.vectors import exact_search
+    from core.retrieval.vectors import exact_search
     from index.search.faiss_index import build_index, with_default_rerank
     from index.search.faiss_search import searchable
     from index.search.range_search import by_range_search, reaching

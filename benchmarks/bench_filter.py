@@ -29,8 +29,8 @@ import faiss
 import numpy as np
 
 from benchmarks.bench_ann import grown_glyph_embeddings
-from core.items import ItemTable
-from core.vectors import l2_normalized
+from core.data.items import ItemTable
+from core.retrieval.vectors import l2_normalized
 from index.embedder import OnnxEmbedder
 from index.search import faiss_search
 from index.search.faiss_index import apply_search_params, build_index

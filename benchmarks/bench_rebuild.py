@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from core.catalog import Catalog, read_catalog
-from core.preprocess import load_batch
+from core.data.catalog import Catalog, read_catalog
+from core.data.preprocess import load_batch
 from index.build.embed import embed_catalog
 from index.build.rebuild import embed_with_ray_data
 from index.embedder import OnnxEmbedder
@@ -75,7 +75,7 @@ def main() -> None:
 
         import torch
 
-        from training.export import load_trained_model
+        from training.export.export import load_trained_model
 
         model, _, contract = load_trained_model(run / "train")
         torch.set_num_threads(2)

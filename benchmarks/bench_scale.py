@@ -91,8 +91,8 @@ def _render_chunk(job: tuple[list[tuple[int, str, str, str]], int, int, str]) ->
 
 def write_catalog(out: Path, num_classes: int, per_class: int, size: int) -> Path:
     """The catalog (cached: re-running reuses the images already written)."""
-    from core.catalog import Catalog
-    from training.glyphs import CHARACTERS, discover_faces
+    from core.data.catalog import Catalog
+    from training.data.glyphs import CHARACTERS, discover_faces
 
     faces = discover_faces(CHARACTERS, max_faces=None)
     needed_faces = math.ceil(num_classes / len(CHARACTERS))
@@ -192,7 +192,7 @@ def run_stage(name: str, command: list[str], log_dir: Path) -> dict:
 
 def serve_stage(index_root: Path, catalog: Path, queries: int, concurrency: int) -> dict:
     """Start the server over the index, query it with catalog images and item ids, stop it."""
-    from core.catalog import read_catalog
+    from core.data.catalog import read_catalog
     from serving.client import SearchClient
 
     port, metrics_port = harness.free_port(), harness.free_port()
@@ -384,8 +384,8 @@ def main() -> None:
             config = json.loads((out / "train" / "config.json").read_text())
             from collections import Counter
 
-            from core.catalog import read_catalog
-            from training.warm_start import warm_start_per_class
+            from core.data.catalog import read_catalog
+            from training.models.warm_start import warm_start_per_class
 
             per_class = Counter(read_catalog(out / "train" / "splits" / "train.csv").labels).values()
             run["train_results"] = {
@@ -397,7 +397,7 @@ def main() -> None:
                 "start_test_recall_at_1": train["untrained"]["recall_at_k"]["1"],
             }
         if stage == "export":
-            from core.model_manifests import ModelManifest
+            from core.artifacts.model_manifests import ModelManifest
 
             parity = ModelManifest.read(out / "model").parity
             run["parity_images"] = parity["images"] if parity else 0

@@ -34,9 +34,9 @@ import faiss
 import numpy as np
 import psutil
 
-from core.index_manifest import RowCounts
-from core.items import ItemTable
-from core.vectors import exact_search, l2_normalized
+from core.artifacts.index_manifest import RowCounts
+from core.data.items import ItemTable
+from core.retrieval.vectors import exact_search, l2_normalized
 from index.build.add import add_vectors
 from index.build.gate import GateThresholds
 from index.build.lifecycle import compact_version, remove_items

@@ -51,8 +51,8 @@ from benchmarks.harness import (
     serve_and_load,
     serve_flags,
 )
-from core import artifacts
-from core.catalog import read_catalog
+from core.artifacts import layout as artifacts
+from core.data.catalog import read_catalog
 from serving.__main__ import server_config
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from core.vectors import l2_normalized
+from core.retrieval.vectors import l2_normalized
 from index.search.faiss_index import trained_index
 from index.search.faiss_search import ExactRerank
 
@@ -296,9 +296,9 @@ def publish_vectors(
     """`vectors` published (live) as a version of `shards` shards in `root`, the search effort
     fixed (`params`), for `model` (else no model); with `grouped`, items of three rows (`item`)
     and a `shade` field to filter by, both declared filterable."""
-    from core.index_manifest import RowCounts
-    from core.items import ItemTable
-    from core.model_manifests import ModelManifest
+    from core.artifacts.index_manifest import RowCounts
+    from core.artifacts.model_manifests import ModelManifest
+    from core.data.items import ItemTable
     from index.build.gate import GateThresholds
     from index.build.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
     from index.search.filters import parse_filterable
@@ -352,7 +352,7 @@ def run_merge(rows: int, dim: int, shards: int, count: int) -> dict:
     """The merged search of S shards against the single index on the same rows, `count` queries:
     Flat answers equal (ids and order) plain, filtered and grouped by the item; recall@10 against
     exact search of IVF-Flat, IVF-PQ (re-ranked) and HNSW at the same nprobe / efSearch."""
-    from core.vectors import exact_search
+    from core.retrieval.vectors import exact_search
     from index.search.faiss_search import search
     from index.versions.version import IndexVersion
 

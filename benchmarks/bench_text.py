@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import harness
-from core import artifacts
-from core.catalog import read_catalog
-from core.model_manifests import ModelManifest
-from core.vectors import exact_search
+from core.artifacts import layout as artifacts
+from core.artifacts.model_manifests import ModelManifest
+from core.data.catalog import read_catalog
+from core.retrieval.vectors import exact_search
 from index.embedder import OnnxTextEmbedder
 from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb

@@ -18,9 +18,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from training.benchmark import BenchmarkConfig, markdown_table, run_benchmark
-from training.config import TrainConfig
-from training.train import RESULTS_FILE, run_training
+from training.runs.benchmark import BenchmarkConfig, markdown_table, run_benchmark
+from training.runs.config import TrainConfig
+from training.runs.train import RESULTS_FILE, run_training
 
 LOSSES = ["raw_vthm", "pml_multi_similarity", "proxy_anchor", "pml_proxy_anchor"]
 

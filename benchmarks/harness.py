@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-from core import artifacts
-from core.catalog import read_catalog
-from core.preprocess import load_image
+from core.artifacts import layout as artifacts
+from core.data.catalog import read_catalog
+from core.data.preprocess import load_image
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.config import ServerConfig
 

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 import numpy as np
 
-from core.catalog import read_catalog
+from core.data.catalog import read_catalog
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 

@@ -77,7 +77,7 @@ import numpy as np
 import psutil
 
 from benchmarks import harness
-from core import artifacts
+from core.artifacts import layout as artifacts
 from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc

@@ -11,10 +11,10 @@ import sys
 import time
 from collections.abc import Callable
 
-from core.artifacts import ArtifactError
-from core.catalog import CatalogError
+from core.artifacts.layout import ArtifactError
 from core.config import ConfigError
-from core.preprocess import ImageDecodeError
+from core.data.catalog import CatalogError
+from core.data.preprocess import ImageDecodeError
 
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ArtifactError,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from core.artifacts.index_manifest import IndexManifest
 from core.cli import add_config_flag, add_progress_flag, add_verbose_flag, run_cli
 from core.config import add_options, from_cli
-from core.index_manifest import IndexManifest
 from index.build.config import BuildConfig
 from index.build.duplicates import DuplicatesConfig
 from index.build.lifecycle import CompactConfig, RemoveConfig
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
 
     def command() -> None:
-        from core import artifacts
+        from core.artifacts import layout as artifacts
 
         if args.command in ("list", "rollback"):
             artifacts.check_index_root(args.index_root)

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from core.artifacts import MANIFEST, MODEL_FILE, ArtifactError
+from core.artifacts.layout import MANIFEST, MODEL_FILE, ArtifactError
+from core.artifacts.model_manifests import ModelManifest, TextModelManifest
 from core.config import DEVICES
-from core.model_manifests import ModelManifest, TextModelManifest
-from core.preprocess import InputContract, rows_per_pass
-from core.text import TEXT_INPUT, TEXT_MODEL_FILE, TOKENIZER_FILE, TextTokenizer
+from core.data.preprocess import InputContract, rows_per_pass
+from core.data.text import TEXT_INPUT, TEXT_MODEL_FILE, TOKENIZER_FILE, TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -163,5 +163,5 @@ class OnnxTextEmbedder:
         return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """L2-normalised float32 embeddings of `texts`; core.text.TextInputError for one it cannot embed."""
+        """L2-normalised float32 embeddings of `texts`; core.data.text.TextInputError for one it cannot embed."""
         return self.embed_ids(self.tokenizer.encode(texts))

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from core import artifacts
-from core.catalog import read_catalog
-from core.metrics import recall_from_neighbor_labels
+from core.artifacts import layout as artifacts
+from core.data.catalog import read_catalog
+from core.retrieval.metrics import recall_from_neighbor_labels
 from serving.client import SearchClient
 
 KS = (1, 2, 4, 8)

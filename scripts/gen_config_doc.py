@@ -11,7 +11,7 @@ import sys
 
 from core.config import options_table
 from scripts.generated_doc import ROOT, write_or_check
-from training.benchmark import PER_RUN_FIELDS
+from training.runs.benchmark import PER_RUN_FIELDS
 
 DOC = ROOT / "docs" / "configuration.md"
 

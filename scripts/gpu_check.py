@@ -1,7 +1,7 @@
 """The GPU paths, run where a GPU exists (a lent CUDA machine): what selects CUDA, and whether
 the numbers it gives match the CPU's. Prints one JSON report (and writes it to --out).
 
-1. Selection: `training.ray_run.resolve_use_gpu` with the machine's GPU count (what Ray Train's
+1. Selection: `training.runs.ray_run.resolve_use_gpu` with the machine's GPU count (what Ray Train's
    `use_gpu` gets), `index.embedder.select_providers` with ONNX Runtime's providers, and faiss's
    GPU count where faiss is installed.
 2. Training on CUDA: for each backbone, the same initial weights and C×K batch through the model
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from training.losses import build_loss
-from training.models import EmbeddingNet
-from training.ray_run import resolve_use_gpu
+from training.models.models import EmbeddingNet
+from training.runs.ray_run import resolve_use_gpu
 
 BACKBONES = ("mobilenet_v2", "resnet50", "vit_small_patch16", "convnext_tiny")
 LOSSES = {"raw_vthm": {}, "proxy_anchor": {"num_classes": 16, "embedding_dim": 128}}
@@ -108,7 +108,7 @@ def onnx_runtime(work: Path) -> dict:
     from PIL import Image
 
     from index.embedder import OnnxEmbedder
-    from training.export import ExportConfig, run_export
+    from training.export.export import ExportConfig, run_export
 
     torch.manual_seed(0)
     weights = work / "mobilenet_v2.pth"  # a torchvision state dict, as a user's file would be
@@ -122,8 +122,8 @@ def onnx_runtime(work: Path) -> dict:
     run_export(
         ExportConfig(out=str(model), backbone="mobilenet_v2", pretrained=str(weights), parity_catalog=str(images))
     )
-    from core.catalog import read_catalog
-    from core.preprocess import load_batch
+    from core.data.catalog import read_catalog
+    from core.data.preprocess import load_batch
 
     catalog = read_catalog(images)
     report = {}

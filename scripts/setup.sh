@@ -14,7 +14,7 @@ DEB_PACKAGES=(fonts-noto-core fonts-urw-base35 fonts-liberation fonts-liberation
   fonts-texgyre fonts-lato fonts-open-sans fonts-roboto-unhinted fonts-crosextra-carlito
   fonts-crosextra-caladea fonts-linuxlibertine fonts-ebgaramond fonts-cantarell
   prometheus docker-compose nghttp2-client  # promtool + a real Prometheus; compose validation; h2load
-  # the colour icon set (training/icons.py THEMES): fine-tuning measured on real colour images
+  # the colour icon set (training/data/icons.py THEMES): fine-tuning measured on real colour images
   adwaita-icon-theme faenza-icon-theme moka-icon-theme elementary-xfce-icon-theme gnome-icon-theme
   oxygen-icon-theme lxde-icon-theme paper-icon-theme
   chromium chromium-driver)  # the web console's browser tests: Selenium drives the system Chromium

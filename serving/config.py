@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core import artifacts
-from core.catalog import read_probe_catalog
+from core.artifacts import layout as artifacts
 from core.config import DEVICES, option, resolve_config, section
+from core.data.catalog import read_probe_catalog
 from index.versions.segments import MAX_SEGMENTS
 from serving.monitoring.monitor import MonitorConfig
 from serving.search.engine import Limits, ServingPair, load_pair

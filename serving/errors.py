@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import grpc
 
-from core.preprocess import ImageDecodeError, ImageTooLarge
+from core.data.preprocess import ImageDecodeError, ImageTooLarge
 
 
 class ServiceError(Exception):

@@ -31,10 +31,10 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2
 
-from core import artifacts
-from core.artifacts import ArtifactError
-from core.index_manifest import IndexManifest
-from core.items import ItemTable
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import IndexManifest
+from core.artifacts.layout import ArtifactError
+from core.data.items import ItemTable
 from index.build.add import add_vectors
 from index.build.lifecycle import RemovalReport, RollbackReport, remove_items, rollback
 from index.versions.segments import MAX_DELETED_FRACTION, compaction_due

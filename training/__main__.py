@@ -22,10 +22,10 @@ HELP = {
 
 def commands() -> dict[str, tuple[str, type, tuple[str, ...]]]:
     """command → (help, configuration class, its options this command does not take)."""
-    from training.benchmark import BenchmarkConfig
-    from training.config import TrainConfig
-    from training.export import ExportConfig
-    from training.text_config import TrainTextConfig
+    from training.export.export import ExportConfig
+    from training.runs.benchmark import BenchmarkConfig
+    from training.runs.config import TrainConfig
+    from training.text.text_config import TrainTextConfig
 
     return {
         "train": (HELP["train"], TrainConfig, ()),
@@ -55,8 +55,8 @@ def _parser(wanted: str | None = None) -> argparse.ArgumentParser:
         _, cls, exclude = commands()[name]
         add_options(command, cls, exclude=exclude)
         if name == "benchmark":  # and the protocol: training's options, but those set per run
-            from training.benchmark import PER_RUN_FIELDS
-            from training.config import TrainConfig
+            from training.runs.benchmark import PER_RUN_FIELDS
+            from training.runs.config import TrainConfig
 
             add_options(command, TrainConfig, exclude=PER_RUN_FIELDS)
     add_verbose_flag(sub)
@@ -70,20 +70,20 @@ def main(argv: list[str] | None = None) -> int:
 
     def command() -> None:
         if args.command == "data":
-            from training.glyphs import build_glyph_dataset
-            from training.icons import build_icon_dataset
+            from training.data.glyphs import build_glyph_dataset
+            from training.data.icons import build_icon_dataset
 
             build = {"glyphs": build_glyph_dataset, "icons": build_icon_dataset}[args.data_set]
             print(build(args.data_dir or f"data/{args.data_set}"))
         elif args.command == "train":
-            from training.config import TrainConfig
-            from training.train import run_training
+            from training.runs.config import TrainConfig
+            from training.runs.train import run_training
 
             out = run_training(from_cli(TrainConfig, args))
             print(json.dumps({"run": str(out), **_summary(out)}, indent=2))
         elif args.command == "train-text":
-            from training.text_config import TrainTextConfig
-            from training.train_text import run_text_training
+            from training.text.text_config import TrainTextConfig
+            from training.text.train_text import run_text_training
 
             out = run_text_training(from_cli(TrainTextConfig, args))
             results = json.loads((out / "results.json").read_text())
@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"run": str(out), **trained_on, "text_to_image": results["evaluation"]}, indent=2))
         elif args.command == "benchmark":
             from core.config import explicit_args, flag_spellings, load_config_file
-            from training.benchmark import BenchmarkConfig, run_benchmark
-            from training.config import TrainConfig
+            from training.runs.benchmark import BenchmarkConfig, run_benchmark
+            from training.runs.config import TrainConfig
 
             flags = explicit_args(args)
             values = {**(load_config_file(args.config) if args.config else {}), **flags}
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print((out / "table.md").read_text())
         elif args.command == "export":
-            from training.export import ExportConfig, run_export
+            from training.export.export import ExportConfig, run_export
 
             cfg = from_cli(ExportConfig, args)
             print(run_export(cfg))

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
-from core import artifacts
-from core.artifacts import ArtifactError
-from core.catalog import Catalog, CatalogError, read_catalog
-from core.index_manifest import IndexManifest, RowCounts, check_model_index_pair
-from core.items import ItemTable
-from core.vectors import unit_rows
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import IndexManifest, RowCounts, check_model_index_pair
+from core.artifacts.layout import ArtifactError
+from core.data.catalog import Catalog, CatalogError, read_catalog
+from core.data.items import ItemTable
+from core.retrieval.vectors import unit_rows
 from index.build.config import BuildConfig
 from index.build.embed import check_bad_rows, embed_catalog
 from index.build.gate import GateThresholds, gate_change

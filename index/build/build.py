@@ -7,8 +7,8 @@ import dataclasses
 import time
 from pathlib import Path
 
-from core.catalog import read_catalog
-from core.model_manifests import ModelManifest
+from core.artifacts.model_manifests import ModelManifest
+from core.data.catalog import read_catalog
 from index.build.config import DEFAULT_MODEL, BuildConfig, default_catalog
 from index.build.embed import check_bad_rows, embed_catalog
 from index.build.publish import NewVersion

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import faiss
 
-from core.artifacts import MANIFEST, ArtifactError
-from core.catalog import ITEM_COLUMN, Catalog, CatalogError, read_probe_catalog
+from core.artifacts.layout import MANIFEST, ArtifactError
+from core.artifacts.model_manifests import ModelManifest, TextModelManifest, check_text_model_pair
 from core.config import DEVICES, option, to_jsonable
-from core.model_manifests import ModelManifest, TextModelManifest, check_text_model_pair
-from core.preprocess import DEFAULT_MAX_PIXELS
+from core.data.catalog import ITEM_COLUMN, Catalog, CatalogError, read_probe_catalog
+from core.data.preprocess import DEFAULT_MAX_PIXELS
 from index.build.gate import GateThresholds, ProbeCatalog
 from index.build.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
 from index.search.faiss_index import check_trainable, empty_index, select_device

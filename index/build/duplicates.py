@@ -31,11 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-from core import artifacts
-from core.artifacts import utc_now
+from core.artifacts import layout as artifacts
+from core.artifacts.layout import utc_now
 from core.config import option, to_jsonable
 from core.progress import Progress
-from core.ranking import best_k
+from core.retrieval.ranking import best_k
 from index.build.contact_sheet import contact_sheet
 from index.search.range_search import by_range_search, reaching
 from index.versions.version import IndexVersion

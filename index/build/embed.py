@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from core.catalog import Catalog, CatalogError
-from core.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, RegionError, load_image
+from core.data.catalog import Catalog, CatalogError
+from core.data.preprocess import DEFAULT_MAX_PIXELS, ImageDecodeError, RegionError, load_image
 from core.progress import FIRST_ESTIMATE_S, Progress
 from index.embedder import OnnxEmbedder
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from core.catalog import read_probe_catalog
-from core.index_manifest import IndexManifest, QualityGate, QualityReport, SegmentEntry
-from core.items import string_hashes
-from core.metrics import recall_at_k, recall_from_neighbor_labels, stable_sample, wilson_interval
-from core.vectors import exact_search
+from core.artifacts.index_manifest import IndexManifest, QualityGate, QualityReport, SegmentEntry
+from core.data.catalog import read_probe_catalog
+from core.data.items import string_hashes
+from core.retrieval.metrics import recall_at_k, recall_from_neighbor_labels, stable_sample, wilson_interval
+from core.retrieval.vectors import exact_search
 from index.build.embed import embed_catalog
 from index.embedder import OnnxEmbedder
 from index.search.ann_recall import ann_recall, recall_against

@@ -33,10 +33,10 @@ from typing import TypeVar
 
 import numpy as np
 
-from core import artifacts
-from core.artifacts import utc_now
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import IndexManifest
+from core.artifacts.layout import utc_now
 from core.config import option
-from core.index_manifest import IndexManifest
 from index.versions.change import ChangeReport, publish_change
 from index.versions.rebase import Superseded
 from index.versions.segments import MAX_DELETED_FRACTION, MAX_SEGMENTS, UnitChange, wants_compaction

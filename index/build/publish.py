@@ -19,10 +19,10 @@ import faiss
 import numpy as np
 from PIL import Image
 
-from core.catalog import Catalog
-from core.index_manifest import IndexManifest, QualityGate, QualityReport, RowCounts, ShardEntry
-from core.items import ItemTable
-from core.metrics import stable_sample
+from core.artifacts.index_manifest import IndexManifest, QualityGate, QualityReport, RowCounts, ShardEntry
+from core.data.catalog import Catalog
+from core.data.items import ItemTable
+from core.retrieval.metrics import stable_sample
 from index.build.contact_sheet import contact_sheet, sample_neighbours
 from index.build.gate import (
     GateThresholds,

@@ -1,7 +1,7 @@
 """Batch index rebuild on Ray Data: read the catalog, decode and embed on the cluster, publish.
 
 The catalog becomes a Ray Dataset; `map_batches` decodes and preprocesses with the one
-preprocessing implementation (`core.preprocess`), an actor pool embeds with ONNX Runtime
+preprocessing implementation (`core.data.preprocess`), an actor pool embeds with ONNX Runtime
 (one GPU per actor when the cluster has GPUs, CPU actors otherwise), and the embeddings are
 written as Parquet shards to a work directory keyed by catalog and model. The driver then
 builds the faiss index and publishes it through the same quality gate and atomic publish as
@@ -30,13 +30,13 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from core.artifacts import utc_now, write_json_atomic
-from core.catalog import BBOX_COLUMN, Catalog, CatalogError, parse_bbox, read_catalog
+from core.artifacts.index_manifest import ShardEntry
+from core.artifacts.layout import utc_now, write_json_atomic
+from core.artifacts.model_manifests import ModelManifest
 from core.cli import init_ray
 from core.config import option
-from core.index_manifest import ShardEntry
-from core.model_manifests import ModelManifest
-from core.preprocess import ImageDecodeError, RegionError, load_image
+from core.data.catalog import BBOX_COLUMN, Catalog, CatalogError, parse_bbox, read_catalog
+from core.data.preprocess import ImageDecodeError, RegionError, load_image
 from index.build.config import DEFAULT_MODEL, BuildConfig, default_catalog
 from index.build.embed import check_bad_rows
 from index.build.publish import IndexRecipe, NewVersion, version_table

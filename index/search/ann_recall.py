@@ -11,7 +11,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from core.vectors import RowBlocks, exact_search, unit_rows
+from core.retrieval.vectors import RowBlocks, exact_search, unit_rows
 from index.search.faiss_index import apply_search_params, inner_index, ivf_of
 from index.search.faiss_search import MAX_EF_SEARCH, ExactRerank, search
 

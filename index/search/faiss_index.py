@@ -13,7 +13,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from core.vectors import l2_normalized
+from core.retrieval.vectors import l2_normalized
 from index.search.merge import MergedIndex
 
 log = logging.getLogger(__name__)

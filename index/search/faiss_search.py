@@ -10,8 +10,8 @@ import functools
 import faiss
 import numpy as np
 
-from core.ranking import best_k
-from core.vectors import RowBlocks, as_float32_rows, l2_normalized
+from core.retrieval.ranking import best_k
+from core.retrieval.vectors import RowBlocks, as_float32_rows, l2_normalized
 from index.search.faiss_index import RERANK, inner_index, rerank_factor
 
 # `ExactRerank.score_slack`: rows sampled, candidates each, and the margin over the largest

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from core.items import ItemTable
+from core.data.items import ItemTable
 
 FIELD_TYPES = ("string", "int", "float")
 LABEL = "label"  # the items table's own label column, filterable like a metadata field

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from core.ranking import best_k, ranked
+from core.retrieval.ranking import best_k, ranked
 from index.search.faiss_search import EXACT, ExactRerank, index_family, inner_products, search_within, selector_params
 from index.search.filters import FieldRows, FieldSpec
 

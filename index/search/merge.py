@@ -1,7 +1,7 @@
 """The one merge of a version's parts: segments in one process, shards across processes.
 
 A part answers its own best rows for a query, as global rows and their scores. The version's
-answer is the best k of every part's, in the one order of hits (`core.ranking`: score
+answer is the best k of every part's, in the one order of hits (`core.retrieval.ranking`: score
 descending, then row ascending), so rows that tie answer in the same order whichever parts
 hold them and however many there are. `best_rows` takes that top k for a batch of queries at once.
 
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import faiss
 import numpy as np
 
-from core.ranking import NO_ROW, best_k
+from core.retrieval.ranking import NO_ROW, best_k
 
 
 def best_rows(rows: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from core.ranking import best_k
+from core.retrieval.ranking import best_k
 from index.search.faiss_index import inner_index
 from index.search.faiss_search import ExactRerank
 from index.search.merge import MergedIndex

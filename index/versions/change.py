@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from core import artifacts
-from core.index_manifest import IndexManifest, QualityGate, RowCounts, SegmentEntry, ShardEntry
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import IndexManifest, QualityGate, RowCounts, SegmentEntry, ShardEntry
 from index.search.filters import FieldSpec, specs_of
 from index.versions.rebase import onto_live
 from index.versions.segments import UnitChange, UnitWritten, write_unit

@@ -21,9 +21,9 @@ from typing import Self
 
 import numpy as np
 
-from core import artifacts
-from core.artifacts import ArtifactError
-from core.index_manifest import IndexManifest, SegmentEntry
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import IndexManifest, SegmentEntry
+from core.artifacts.layout import ArtifactError
 from index.versions.units import Unit, units_for_id, units_of
 
 # Segments open in this process, by content (their files' sha256 and how they are searched): a

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from core import artifacts
-from core.index_manifest import SegmentEntry
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import SegmentEntry
 from index.versions.segments import UnitWritten, unit_files
 from index.versions.version import IndexVersion
 from index.versions.version_writer import ShardWriter, VersionWriter, rows_as_segment, segment_name

@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 import faiss
 import numpy as np
 
-from core import artifacts
-from core.index_manifest import IndexManifest, SegmentEntry
-from core.items import ItemTable
-from core.vectors import l2_normalized
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import IndexManifest, SegmentEntry
+from core.data.items import ItemTable
+from core.retrieval.vectors import l2_normalized
 from index.search.faiss_index import build_index, emptied_index, empty_index, load_index
 from index.search.faiss_search import index_family
 from index.search.filters import FieldSpec, FilterIndex

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import faiss
 import numpy as np
 
-from core.index_manifest import ShardEntry
-from core.items import ItemTable
-from core.vectors import l2_normalized
+from core.artifacts.index_manifest import ShardEntry
+from core.data.items import ItemTable
+from core.retrieval.vectors import l2_normalized
 from index.search.filters import FieldSpec, FilterIndex, column_values
 from index.versions.version_writer import ShardWriter, VersionWriter
 

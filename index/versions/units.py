@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.index_manifest import IndexManifest
+from core.artifacts.index_manifest import IndexManifest
 from index.versions.sharding import ID_KEY, shard_of
 
 

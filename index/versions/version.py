@@ -37,12 +37,12 @@ from typing import TypeVar
 import faiss
 import numpy as np
 
-from core import artifacts
-from core.artifacts import ArtifactError
-from core.index_manifest import IndexManifest
-from core.items import ItemTable
-from core.metrics import stable_key, stable_order
-from core.vectors import RowBlocks
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import IndexManifest
+from core.artifacts.layout import ArtifactError
+from core.data.items import ItemTable
+from core.retrieval.metrics import stable_key, stable_order
+from core.retrieval.vectors import RowBlocks
 from index.search.faiss_index import apply_search_params, load_index
 from index.search.faiss_search import ExactRerank, searchable
 from index.search.filters import FilterIndex
@@ -81,7 +81,7 @@ class SampledItem:
 def sampled_items(
     items: ItemTable, live: np.ndarray | None, size: int, groups: Groups | None = None, order: np.ndarray | None = None
 ) -> list[SampledItem]:
-    """The first `size` rows in the ids' stable order (`core.metrics.stable_order`; `order`, when
+    """The first `size` rows in the ids' stable order (`core.retrieval.metrics.stable_order`; `order`, when
     already ranked): the same items whatever the rows' order. With `groups` (the item field's),
     the first `size` live rows whose item has another row, with their item. Rows of one catalog
     sampled in parts (shards) merge by `key` into the sample of the whole."""
@@ -286,7 +286,7 @@ class IndexVersion(VersionParts):
 
     @property
     def labelled(self) -> bool:
-        """Whether its rows have labels (all do or none: `core.items.ItemTable.labelled`); a
+        """Whether its rows have labels (all do or none: `core.data.items.ItemTable.labelled`); a
         sharded version's, from its first shard with rows (its other shards' items unread)."""
         if self.manifest.shards and "items" not in self.__dict__:
             number = next((n for n, e in enumerate(self.manifest.shards) if e.rows), None)

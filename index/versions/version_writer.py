@@ -2,7 +2,7 @@
 
 `index build`, `add`, `rebuild`, takedowns and compaction (and a rollback that re-applies
 takedowns, which is a takedown) all write a version through `VersionWriter`: it stages the
-folder inside the index root, writes each file under its one name (`core.artifacts`, where
+folder inside the index root, writes each file under its one name (`core.artifacts.layout`, where
 `IndexVersion` reads them too) or hard-links it from the parent version, names the version
 after its index file's hash, writes the manifest, publishes it (CURRENT must still name the
 parent) and prunes old versions. Any failure before the publish removes the staging folder, so
@@ -38,10 +38,10 @@ import faiss
 import numpy as np
 from PIL import Image
 
-from core import artifacts
-from core.artifacts import utc_now
-from core.index_manifest import IndexManifest, RowCounts, SegmentEntry, ShardEntry
-from core.items import ItemTable
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import IndexManifest, RowCounts, SegmentEntry, ShardEntry
+from core.artifacts.layout import utc_now
+from core.data.items import ItemTable
 from index.search.faiss_index import save_index
 from index.search.filters import FilterIndex
 

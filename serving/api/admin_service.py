@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from core import artifacts
-from core.artifacts import ArtifactError
-from core.index_manifest import IndexManifest
-from core.items import ItemTable
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import IndexManifest
+from core.artifacts.layout import ArtifactError
+from core.data.items import ItemTable
 from index.build.duplicates import GROUPS_FILE, SUMMARY_FILE, runs_of
 from index.build.lifecycle import RemovalReport, RollbackReport, audit_entries
 from index.versions.units import segment_counts

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from core.preprocess import EncodedImage, ImageNotFound, load_pixels, open_image
+from core.data.preprocess import EncodedImage, ImageNotFound, load_pixels, open_image
 from index.search import filters
 from index.search.grouping import EXACT_PASS
 from protos.simsearch.v1 import search_pb2 as pb

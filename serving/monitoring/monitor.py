@@ -36,8 +36,8 @@ import numpy as np
 from google.protobuf import json_format
 
 from core.config import option
-from core.metrics import recall_from_neighbor_labels
-from core.ranking import best_k
+from core.retrieval.metrics import recall_from_neighbor_labels
+from core.retrieval.ranking import best_k
 from index.search.ann_recall import recall_with_ties
 from index.search.filters import Filter
 from index.search.grouping import Groups, exact_group_scores

@@ -12,8 +12,8 @@ from typing import Protocol
 
 import numpy as np
 
-from core.catalog import read_probe_catalog
-from core.metrics import stable_order
+from core.data.catalog import read_probe_catalog
+from core.retrieval.metrics import stable_order
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.monitoring.monitor import RecallMonitor, probe_recall
 from serving.search.engine import SearchEngine, ServingPair

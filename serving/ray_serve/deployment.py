@@ -39,10 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from core import artifacts
-from core.artifacts import ArtifactError
-from core.index_manifest import check_model_index_pair
-from core.model_manifests import ModelManifest
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import check_model_index_pair
+from core.artifacts.layout import ArtifactError
+from core.artifacts.model_manifests import ModelManifest
 from index.versions.version import IndexVersion
 from serving.config import ServerConfig
 from serving.logs import Sink, failure_reason, relay, shard_label, ship_records

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from core.artifacts import ArtifactError
-from core.model_manifests import ModelManifest, TextModelManifest
-from core.preprocess import DEFAULT_MAX_PIXELS, EncodedImage, pixels_of
-from core.text import TOKENIZER_FILE, TextTokenizer
+from core.artifacts.layout import ArtifactError
+from core.artifacts.model_manifests import ModelManifest, TextModelManifest
+from core.data.preprocess import DEFAULT_MAX_PIXELS, EncodedImage, pixels_of
+from core.data.text import TOKENIZER_FILE, TextTokenizer
 from index.versions.version import ItemLocation
 from serving.errors import Unavailable, image_error
 from serving.logs import failure_reason, shard_label

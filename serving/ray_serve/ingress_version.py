@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from core.index_manifest import IndexManifest
+from core.artifacts.index_manifest import IndexManifest
 from index.versions.units import Unit, units_for_id, units_of
 from index.versions.version import IndexVersion, ItemLocation, SampledItem
 

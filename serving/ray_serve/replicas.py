@@ -21,7 +21,7 @@ from serving.logs import Sink, shard_label, ship_records
 T = TypeVar("T")
 
 if TYPE_CHECKING:
-    from core.preprocess import EncodedImage, ImageDecodeError
+    from core.data.preprocess import EncodedImage, ImageDecodeError
     from index.embedder import OnnxTextEmbedder
     from index.versions.version import ItemLocation, SampledItem
     from serving.config import ServerConfig
@@ -163,7 +163,7 @@ class EmbedderReplica:
         """Embeddings of encoded images, decoded here beside each other (Pillow decodes and
         resizes without the GIL), and the error of each that did not decode, by its place (its
         row zeros)."""
-        from core.preprocess import ImageDecodeError, decode, open_image
+        from core.data.preprocess import ImageDecodeError, decode, open_image
 
         embedder = self._embedder(model_dir)
 
@@ -183,7 +183,7 @@ class EmbedderReplica:
 
     def embed(self, model_dir: str, batch: np.ndarray, side_by_side: bool = False) -> np.ndarray:
         """Embeddings of a batch of model inputs, or of the uint8 pixels they are made of."""
-        from core.preprocess import scaled_pixels
+        from core.data.preprocess import scaled_pixels
 
         embedder = self._embedder(model_dir)
         if batch.dtype == np.uint8:

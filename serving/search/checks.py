@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from core.preprocess import Region, RegionError, open_image, region_box, upright_size
-from core.text import TextInputError
+from core.data.preprocess import Region, RegionError, open_image, region_box, upright_size
+from core.data.text import TextInputError
 from index.search.grouping import Groups
 from index.versions.version import ItemLocation
 from protos.simsearch.v1 import search_pb2 as pb

@@ -20,14 +20,14 @@ import faiss
 import numpy as np
 from PIL import Image
 
-from core import artifacts
-from core.artifacts import ArtifactError
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import IndexManifest, check_model_index_pair
+from core.artifacts.layout import ArtifactError
+from core.artifacts.model_manifests import ModelManifest, TextModelManifest, check_text_model_pair
 from core.config import option
-from core.index_manifest import IndexManifest, check_model_index_pair
-from core.items import ItemTable
-from core.model_manifests import ModelManifest, TextModelManifest, check_text_model_pair
-from core.preprocess import DEFAULT_MAX_PIXELS, EncodedImage, Region, decode
-from core.text import TextTokenizer
+from core.data.items import ItemTable
+from core.data.preprocess import DEFAULT_MAX_PIXELS, EncodedImage, Region, decode
+from core.data.text import TextTokenizer
 from index.search.faiss_search import ExactRerank
 from index.versions.version import IndexVersion
 from serving.errors import ServiceError, Unavailable, image_errors

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
-from core.preprocess import EncodedImage, Region
+from core.data.preprocess import EncodedImage, Region
 from serving.errors import ServiceError
 from serving.search.answers import EVERY_ROW, NOTHING_EXCLUDED, Exclusion, Hit, Scope
 from serving.search.engine import SearchEngine, ServingPair, UndecodedImages

@@ -23,7 +23,7 @@ from typing import Protocol
 import faiss
 import numpy as np
 
-from core.ranking import best_k
+from core.retrieval.ranking import best_k
 from index.search import range_search
 from index.search.faiss_search import OVERFETCH_DELETED, ExactRerank, search_live, search_within
 from index.search.grouping import search_groups

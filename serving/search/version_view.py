@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from core.index_manifest import IndexManifest
+from core.artifacts.index_manifest import IndexManifest
 from index.search.filters import FilterIndex
 from index.search.grouping import Groups
 from index.versions.units import Unit

@@ -3,7 +3,7 @@
 The ingress's `ShardedSearch` has the contract of `SearchEngine.search` (a list of `Answer`;
 `ShardedEngine` is the one-index engine with its search this fan-out) and merges the shards'
 answers (`serving.shards.messages.ShardAnswer`) exactly, in the order a version's segments are
-merged in one process (`core.ranking`): the best k of their rows (score descending, then row);
+merged in one process (`core.retrieval.ranking`): the best k of their rows (score descending, then row);
 grouped, each shard's best k groups, of which the best k (a group's score is its best row's),
 groups told apart by value.
 Rows are placed by their item, so grouped by the item field (the shard key) a group lives in
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from core.ranking import best_k, ranked
+from core.retrieval.ranking import best_k, ranked
 from index.search.grouping import EXACT_PASS
 from serving.logs import failure_reason
 from serving.search.answers import EVERY_ROW, Answer, Exclusion, Hit, Scope

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 
-from core import artifacts
-from core.artifacts import ArtifactError
-from core.items import ItemTable
+from core.artifacts import layout as artifacts
+from core.artifacts.layout import ArtifactError
+from core.data.items import ItemTable
 from index.search.faiss_search import exact_within
 from index.search.filters import Filter
 from index.search.grouping import Groups, exact_groups, filled_groups

@@ -20,7 +20,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from core.index_manifest import IndexManifest
+from core.artifacts.index_manifest import IndexManifest
 
 LATENCY_BUCKETS = (
     0.0005,

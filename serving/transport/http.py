@@ -30,7 +30,7 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
 
-from core.catalog import parse_bbox
+from core.data.catalog import parse_bbox
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.api.admin_service import AdminService
 from serving.api.search_service import SearchService

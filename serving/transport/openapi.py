@@ -11,8 +11,8 @@ from typing import Any
 from apispec import APISpec
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
 
-from core.preprocess import MIN_REGION_SIDE
-from core.text import MAX_TEXT_CHARS
+from core.data.preprocess import MIN_REGION_SIDE
+from core.data.text import MAX_TEXT_CHARS
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.search.checks import DEFAULT_K, MAX_ADD_ITEMS, MIN_SCORE_RANGE
 from serving.search.engine import Limits
@@ -122,7 +122,7 @@ def _rules(served: Served) -> dict[str, dict[str, dict[str, Any]]]:
     }  # fmt: skip
 
 
-# A query's text: what `core.text.check_text` checks; its tokens against the text model's context
+# A query's text: what `core.data.text.check_text` checks; its tokens against the text model's context
 # (GetInfo's textContextLength) are the one rule a schema cannot count.
 TEXT_RULES: dict[str, Any] = {
     "minLength": 1,

@@ -1,4 +1,4 @@
-"""core.artifacts: atomic publishing, manifests and the index CURRENT pointer.
+"""core.artifacts.layout: atomic publishing, manifests and the index CURRENT pointer.
 
 The kill tests run a real writer process and SIGKILL it mid-write: whatever was published
 before must still be there, complete and readable.
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from core import artifacts
-from core.artifacts import (
+from core.artifacts import layout as artifacts
+from core.artifacts.layout import (
     ArtifactError,
     current_version,
     file_sha256,
@@ -276,8 +276,8 @@ def test_a_held_staging_folder_and_a_pinned_version_outlive_other_writers_turns(
 WRITER_PRELUDE = """
 import sys, time, itertools
 from pathlib import Path
-from core import artifacts
-from core.artifacts import *
+from core.artifacts import layout as artifacts
+from core.artifacts.layout import *
 ready = Path(sys.argv[1]); target = Path(sys.argv[2])
 """
 

@@ -1,4 +1,4 @@
-"""core.catalog: CSV/JSONL/Parquet catalogs and folder-per-class trees."""
+"""core.data.catalog: CSV/JSONL/Parquet catalogs and folder-per-class trees."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from core.catalog import Catalog, CatalogError, read_catalog, read_class_folders
+from core.data.catalog import Catalog, CatalogError, read_catalog, read_class_folders
 
 
 def write_csv(path: Path, text: str) -> Path:
@@ -277,7 +277,7 @@ def test_classes_sort_numeric_labels_numerically():
 def test_class_order_does_not_depend_on_the_hash_seed():
     # Label codes must agree between processes (e.g. Ray workers), whose string hashes differ.
     code = (
-        "from pathlib import Path; from core.catalog import Catalog; "
+        "from pathlib import Path; from core.data.catalog import Catalog; "
         "labels = ['nan', '3', '1', '01', 'b', 'a', '10', '2', '1.0', 'inf', 'NaN']; "
         "print(Catalog([str(i) for i in range(len(labels))], [Path('p')] * len(labels), labels)"
         ".classes)"

@@ -1,4 +1,4 @@
-"""core.manifests, model_manifests and index_manifest: typed model and index manifests read
+"""core.artifacts.manifests, model_manifests and index_manifest: typed model and index manifests read
 what the stages have always written."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from core.artifacts import MANIFEST, ArtifactError, write_json_atomic
-from core.index_manifest import IndexManifest, QualityReport
-from core.manifests import SCHEMA_VERSION
-from core.model_manifests import ModelManifest
-from core.preprocess import InputContract
+from core.artifacts.index_manifest import IndexManifest, QualityReport
+from core.artifacts.layout import MANIFEST, ArtifactError, write_json_atomic
+from core.artifacts.manifests import SCHEMA_VERSION
+from core.artifacts.model_manifests import ModelManifest
+from core.data.preprocess import InputContract
 
 MODEL = {
     "model_id": "0123456789abcdef",

@@ -1,11 +1,11 @@
-"""core.metrics' sampling and intervals: a sample chosen by ids, and the Wilson score interval."""
+"""core.retrieval.metrics' sampling and intervals: a sample chosen by ids, and the Wilson score interval."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from core.metrics import stable_order, stable_sample, wilson_interval
+from core.retrieval.metrics import stable_order, stable_sample, wilson_interval
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""core.preprocess: the one decode → model-input implementation every stage calls."""
+"""core.data.preprocess: the one decode → model-input implementation every stage calls."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import ExifTags, Image
 
-from core.preprocess import (
+from core.data.preprocess import (
     DEFAULT_MAX_PIXELS,
     DEFAULT_REDUCING_GAP,
     ImageDecodeError,
@@ -223,7 +223,7 @@ def test_colour_modes_are_converted():
 def test_grey_image_for_rgb_model_equals_converting_first(size):
     # Grey sources are resized as one channel and replicated: the numbers must be exactly
     # those of converting to RGB before resizing, upscaled or downscaled, cropped or not.
-    from core.preprocess import to_model_input
+    from core.data.preprocess import to_model_input
 
     grey = Image.fromarray(np.random.default_rng(0).integers(0, 256, size[::-1], dtype=np.uint8), mode="L")
     contract = InputContract(height=24, width=24, channels=3, resize=32)
@@ -468,7 +468,7 @@ def test_a_batch_travels_as_the_pixels_it_was_made_of(in_graph):
     """`pixels_of` gives the uint8 pixels a batch of model inputs was decoded from, and
     `scaled_pixels` of them is the batch bit for bit (the sharded server sends its embedder a
     quarter of the bytes); a batch not made of whole pixels is None (it travels as floats)."""
-    from core.preprocess import pixels_of, scaled_pixels, to_model_input
+    from core.data.preprocess import pixels_of, scaled_pixels, to_model_input
 
     contract = InputContract(
         32, 32, 3, normalize_in_graph=in_graph, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)

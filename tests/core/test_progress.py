@@ -68,7 +68,7 @@ def test_the_first_estimate_comes_after_the_first_batches_not_a_whole_interval_i
 
 
 def test_index_build_embeds_with_an_early_estimate(tmp_path, caplog, monkeypatch):
-    from core.catalog import read_catalog
+    from core.data.catalog import read_catalog
     from index.build import embed
     from index.embedder import OnnxEmbedder
     from tests.support.index import write_images, write_tiny_model

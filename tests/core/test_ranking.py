@@ -1,4 +1,4 @@
-"""The one order of search hits (core/ranking.py): score descending, ties to the lower id (no ids:
+"""The one order of search hits (core/retrieval/ranking.py): score descending, ties to the lower id (no ids:
 the earlier place); NaN last, a NO_ROW place as -inf. `best_k` is `ranked`'s first k however the
 partition under it splits a tie at the k-th place; and every place that orders hits answers in
 that order for scores that tie."""
@@ -11,8 +11,8 @@ import faiss
 import numpy as np
 import pytest
 
-from core.ranking import NO_ROW, SORT_BELOW, best_k, ranked
-from core.vectors import RowBlocks, exact_search, l2_normalized
+from core.retrieval.ranking import NO_ROW, SORT_BELOW, best_k, ranked
+from core.retrieval.vectors import RowBlocks, exact_search, l2_normalized
 from index.search.faiss_search import ExactRerank, exact_within, inner_products
 from index.search.grouping import Groups, exact_groups, filled_groups
 from index.search.merge import best_rows

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.items import ItemTable
+from core.data.items import ItemTable
 from index.build.add import add_vectors
 from index.build.gate import GateThresholds, QualityGateError
 from index.versions import segments

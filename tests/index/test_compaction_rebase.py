@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core import artifacts
-from core.items import ItemTable
-from core.vectors import l2_normalized
+from core.artifacts import layout as artifacts
+from core.data.items import ItemTable
+from core.retrieval.vectors import l2_normalized
 from index.build.add import add_vectors
 from index.build.lifecycle import compact_version, remove_items, rollback
 from index.search.faiss_search import search_within

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from core.vectors import l2_normalized
+from core.retrieval.vectors import l2_normalized
 from index.build.contact_sheet import CAPTION, PAD, QUERY, RIGHT, THUMB, WRONG, contact_sheet, sample_neighbours
 from index.search.faiss_index import build_index
 
@@ -66,8 +66,8 @@ def test_rows_carry_titles_ids_and_what_they_leave_out(tmp_path):
 def test_a_catalog_with_items_and_no_labels_is_framed_by_item(tmp_path):
     """neighbours.png of an index with an item field but no label was all grey (issue 40, item
     11): the item field defines a match, as for grouped answers and item Recall@K."""
-    from core import artifacts
-    from core.items import ItemTable
+    from core.artifacts import layout as artifacts
+    from core.data.items import ItemTable
     from tests.support.index import write_catalog_index
 
     root = write_catalog_index(tmp_path)  # 12 items of 2 images each, an `item` column, no labels

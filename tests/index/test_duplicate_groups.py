@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from core.index_manifest import RowCounts
-from core.items import ItemTable
+from core.artifacts.index_manifest import RowCounts
+from core.data.items import ItemTable
 from index.build.config import BuildConfig
 from index.build.contact_sheet import CAPTION, PAD, THUMB
 from index.build.duplicates import CHAINING_MEMBERS, SHEET_MEMBERS, DuplicatesConfig, run_duplicates

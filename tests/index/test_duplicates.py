@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 from benchmarks.bench_duplicates import KINDS, grouped_pairs, plant_catalog, planted_pairs
-from core import artifacts
-from core.catalog import read_catalog
+from core.artifacts import layout as artifacts
+from core.data.catalog import read_catalog
 from index.build.contact_sheet import CAPTION, PAD, THUMB
 
 pytestmark = pytest.mark.slow

@@ -92,8 +92,8 @@ def test_servers_share_the_threads_among_the_runs_they_make_at_once_unless_told_
 def test_a_session_with_a_share_of_the_threads_for_runs_side_by_side_only_where_it_differs(demo_run):
     import numpy as np
 
-    from core.catalog import read_catalog
-    from core.preprocess import load_batch
+    from core.data.catalog import read_catalog
+    from core.data.preprocess import load_batch
     from serving.search.query_embedder import QueryEmbedder
 
     model = demo_run / "model"

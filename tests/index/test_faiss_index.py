@@ -7,7 +7,7 @@ import faiss
 import numpy as np
 import pytest
 
-from core.vectors import as_float32_rows, exact_search, l2_normalized
+from core.retrieval.vectors import as_float32_rows, exact_search, l2_normalized
 from index.search.faiss_index import (
     apply_search_params,
     build_index,

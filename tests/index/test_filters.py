@@ -11,8 +11,8 @@ import grpc
 import numpy as np
 import pytest
 
-from core.catalog import read_catalog
-from core.items import ItemTable
+from core.data.catalog import read_catalog
+from core.data.items import ItemTable
 from index.build.add import run_add
 from index.build.build import run_build
 from index.build.config import BuildConfig

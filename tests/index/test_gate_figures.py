@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.index_manifest import QualityReport
-from core.metrics import stable_sample, wilson_interval
-from core.vectors import exact_search, l2_normalized
+from core.artifacts.index_manifest import QualityReport
+from core.retrieval.metrics import stable_sample, wilson_interval
+from core.retrieval.vectors import exact_search, l2_normalized
 from index.build.gate import GateThresholds, describe_quality, quality_figures
 from index.search.ann_recall import TIE_TOLERANCE, ann_recall, recall_with_ties
 from index.search.faiss_index import apply_search_params, build_index

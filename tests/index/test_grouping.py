@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.items import ItemTable
-from core.vectors import l2_normalized
+from core.data.items import ItemTable
+from core.retrieval.vectors import l2_normalized
 from index.search.faiss_index import build_index
 from index.search.faiss_search import searchable
 from index.search.filters import FieldRows, FieldSpec

@@ -14,10 +14,10 @@ import faiss
 import numpy as np
 import pytest
 
-from core import artifacts
-from core.artifacts import ArtifactError
-from core.index_manifest import IndexManifest, RowCounts
-from core.items import ItemTable
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import IndexManifest, RowCounts
+from core.artifacts.layout import ArtifactError
+from core.data.items import ItemTable
 from index.build.config import BuildConfig
 from index.build.gate import QualityGateError
 from index.build.publish import NewVersion, publish_index_version

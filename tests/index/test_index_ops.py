@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core import artifacts
-from core.catalog import read_catalog
-from core.items import ItemTable
+from core.artifacts import layout as artifacts
+from core.data.catalog import read_catalog
+from core.data.items import ItemTable
 from index.versions.version import IndexVersion
 
 pytestmark = pytest.mark.slow
@@ -90,7 +90,7 @@ def test_build_killed_at_random_moments_leaves_previous_version_live(demo_run, t
     live_manifest = artifacts.read_manifest(artifacts.version_dir(root))
     # A catalog big enough that the build is still running when the kill comes.
     base = read_catalog(demo_run / "train" / "splits" / "test.csv")
-    from core.catalog import Catalog
+    from core.data.catalog import Catalog
 
     big = Catalog(
         ids=[f"{i}-{copy}" for copy in range(20) for i in base.ids],

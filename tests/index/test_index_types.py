@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from core import artifacts
-from core.artifacts import read_manifest
-from core.catalog import read_catalog
+from core.artifacts import layout as artifacts
+from core.artifacts.layout import read_manifest
+from core.data.catalog import read_catalog
 from index.build.build import run_build
 from index.build.config import BuildConfig
 from protos.simsearch.v1 import search_pb2 as pb

@@ -13,9 +13,9 @@ import faiss
 import numpy as np
 import pytest
 
-from core import artifacts
-from core.index_manifest import RowCounts
-from core.items import ItemTable
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import RowCounts
+from core.data.items import ItemTable
 from index.build.config import BuildConfig
 from index.build.lifecycle import AUDIT_LOG, remove_items, returning_takedowns, rollback
 from index.build.publish import NewVersion, publish_index_version

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.items import ItemTable
-from core.ranking import NO_ROW
-from core.vectors import l2_normalized
+from core.data.items import ItemTable
+from core.retrieval.ranking import NO_ROW
+from core.retrieval.vectors import l2_normalized
 from index.build.add import add_vectors
 from index.search.faiss_index import build_index
 from index.search.merge import MergedIndex, best_rows

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from core import artifacts
-from core.catalog import read_catalog
+from core.artifacts import layout as artifacts
+from core.data.catalog import read_catalog
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from core import artifacts
-from core.catalog import Catalog, read_catalog
-from core.items import ItemTable
+from core.artifacts import layout as artifacts
+from core.data.catalog import Catalog, read_catalog
+from core.data.items import ItemTable
 from index.build.rebuild import embed_actor_resources, read_shards
 from tests.support.images import png_header_only
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core import artifacts
+from core.artifacts import layout as artifacts
 from index.build.build import run_build
 from index.build.config import BuildConfig
 from index.build.rebuild import RebuildConfig, run_rebuild

@@ -13,11 +13,11 @@ import faiss
 import numpy as np
 import pytest
 
-from core import artifacts
-from core.artifacts import ArtifactError
-from core.index_manifest import IndexManifest
-from core.items import ItemTable
-from core.vectors import RowBlocks, l2_normalized
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import IndexManifest
+from core.artifacts.layout import ArtifactError
+from core.data.items import ItemTable
+from core.retrieval.vectors import RowBlocks, l2_normalized
 from index.build.add import add_vectors
 from index.build.lifecycle import compact_version, remove_items
 from index.search.faiss_search import search_within

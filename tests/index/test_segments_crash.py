@@ -19,8 +19,8 @@ import numpy as np
 import psutil
 import pytest
 
-from core import artifacts
-from core.items import ItemTable
+from core.artifacts import layout as artifacts
+from core.data.items import ItemTable
 from index.build.add import add_vectors
 from index.versions.version import IndexVersion
 from tests.support import shards as support
@@ -34,8 +34,8 @@ WRITER = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from core.items import ItemTable
-    from core.vectors import l2_normalized
+    from core.data.items import ItemTable
+    from core.retrieval.vectors import l2_normalized
     from index.build.add import add_vectors
     from index.build.lifecycle import compact_version, remove_items
 

@@ -15,12 +15,12 @@ import faiss
 import numpy as np
 import pytest
 
-from core import artifacts
-from core.artifacts import ArtifactError
-from core.index_manifest import IndexManifest, RowCounts
-from core.items import ItemTable
-from core.metrics import stable_sample
-from core.vectors import RowBlocks, exact_search, l2_normalized
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import IndexManifest, RowCounts
+from core.artifacts.layout import ArtifactError
+from core.data.items import ItemTable
+from core.retrieval.metrics import stable_sample
+from core.retrieval.vectors import RowBlocks, exact_search, l2_normalized
 from index.__main__ import main as index_main
 from index.build.build import run_build
 from index.build.config import BuildConfig

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.items import ItemTable
+from core.data.items import ItemTable
 from index.build.add import add_vectors
 from index.versions.sharding import shard_of
 from index.versions.units import units_for_id

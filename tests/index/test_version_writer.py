@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core import artifacts
-from core.index_manifest import IndexManifest
-from core.items import ItemTable
-from core.vectors import l2_normalized
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import IndexManifest
+from core.data.items import ItemTable
+from core.retrieval.vectors import l2_normalized
 from index.search.faiss_index import build_index
 from index.versions.version import IndexVersion
 from index.versions.version_writer import VersionWriter

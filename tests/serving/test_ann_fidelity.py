@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.vectors import l2_normalized
+from core.retrieval.vectors import l2_normalized
 from index.search.faiss_index import apply_search_params, build_index
 from index.versions.version import IndexVersion
 from serving.monitoring.monitor import EXACT_DEPTH, MonitorConfig, RecallMonitor, SampledQuery

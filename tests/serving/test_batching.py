@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from core.catalog import read_catalog
-from core.preprocess import load_image
+from core.data.catalog import read_catalog
+from core.data.preprocess import load_image
 from serving.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from serving.search.answers import NOTHING_EXCLUDED
 from serving.search.batching import DynamicBatcher

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from core.catalog import CatalogError, read_catalog
-from core.index_manifest import IndexManifest
+from core.artifacts.index_manifest import IndexManifest
+from core.data.catalog import CatalogError, read_catalog
 from index.build.build import run_build
 from index.build.config import BuildConfig
 from index.versions.version import IndexVersion

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from core import artifacts
-from core.catalog import read_catalog
-from core.index_manifest import IndexManifest
+from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import IndexManifest
+from core.data.catalog import read_catalog
 from index.build.build import run_build
 from index.build.config import BuildConfig
 from index.build.duplicates import DuplicatesConfig, run_duplicates
@@ -38,7 +38,7 @@ from serving.client import SearchClient, condition
 from serving.config import ServerConfig
 from tests.support.index import write_tiny_text_model
 from tests.support.server import SearchServer
-from training.glyphs import character_name
+from training.data.glyphs import character_name
 
 ROOT = Path(__file__).resolve().parents[2]
 SHOTS = ROOT / os.environ.get("SIMSEARCH_SCREENSHOTS", "runs/console-screenshots")
@@ -106,7 +106,7 @@ class Console:
         self.client = client
         self.root = root
         self.old, self.new = versions
-        self.catalog = catalog  # core.catalog of the new version
+        self.catalog = catalog  # core.data.catalog of the new version
         self.labels = dict(zip(catalog.ids, catalog.labels, strict=True))
         self.paths = dict(zip(catalog.ids, catalog.paths, strict=True))
         self.url = f"http://127.0.0.1:{server.http_port}"

@@ -18,8 +18,8 @@ import pytest
 import requests
 from PIL import Image
 
-from core import artifacts
-from core.catalog import read_catalog
+from core.artifacts import layout as artifacts
+from core.data.catalog import read_catalog
 from serving.client import SearchClient
 from serving.config import ServerConfig
 from tests.support.server import SearchServer

@@ -15,7 +15,7 @@ import pytest
 import requests
 from PIL import Image
 
-from core import artifacts
+from core.artifacts import layout as artifacts
 from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.search.checks import MAX_ADD_ITEMS

@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from core.vectors import l2_normalized
+from core.retrieval.vectors import l2_normalized
 from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.errors import NotFound

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from core.items import ItemTable
+from core.data.items import ItemTable
 from index.versions.version import SampledItem, sampled_items
 from serving.monitoring.probe import ProbeRunner
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from core import artifacts
-from core.items import ItemTable
+from core.artifacts import layout as artifacts
+from core.data.items import ItemTable
 from serving.client import SearchClient
 from serving.config import ServerConfig
 from tests.support.dashboards import SERVER_DASHBOARDS

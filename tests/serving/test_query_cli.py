@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from core.catalog import read_catalog
+from core.data.catalog import read_catalog
 from index.build.build import run_build
 from index.build.config import BuildConfig
 from serving.__main__ import target_address

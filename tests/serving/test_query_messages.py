@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from core.cli import CLOSED_PIPE_EXIT
-from core.text import MAX_TEXT_CHARS
+from core.data.text import MAX_TEXT_CHARS
 from tests.support.index import write_catalog_index
 from tests.support.server import start
 

@@ -37,8 +37,8 @@ import grpc
 import numpy as np
 import pytest
 
-from core import artifacts
-from core.vectors import exact_search, l2_normalized
+from core.artifacts import layout as artifacts
+from core.retrieval.vectors import exact_search, l2_normalized
 from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc

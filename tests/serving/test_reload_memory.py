@@ -16,8 +16,8 @@ import grpc
 import pyarrow as pa
 import pytest
 
-from core import artifacts
-from core.items import ItemTable
+from core.artifacts import layout as artifacts
+from core.data.items import ItemTable
 from core.memory import return_free_heap
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
@@ -106,7 +106,7 @@ def test_large_buffers_keep_their_own_mapping_once_a_reload_has_freed_one():
 # do; prints, after each read, the MiB resident in mappings marked for transparent huge pages.
 ITEMS_READS = """
 import sys, tempfile, threading
-from core.items import ItemTable
+from core.data.items import ItemTable
 
 def marked_mib():
     marked = rss = 0

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from core.catalog import read_catalog
-from core.preprocess import load_batch
+from core.data.catalog import read_catalog
+from core.data.preprocess import load_batch
 from index.embedder import CPU, CUDA, OnnxEmbedder, measures_run_rows
 from serving.config import ServerConfig
 from serving.search.engine import load_pair
@@ -163,7 +163,7 @@ def test_the_largest_run_is_a_batch_or_one_query(tmp_path):
 
 
 def test_a_cpu_run_holds_at_most_a_pass_of_224_px_images():
-    from core.preprocess import CPU_PASS_PIXELS, rows_per_pass
+    from core.data.preprocess import CPU_PASS_PIXELS, rows_per_pass
 
     assert rows_per_pass(224, 224) == 32 and rows_per_pass(28, 28) == CPU_PASS_PIXELS // 784
     assert rows_per_pass(4000, 4000) == 1  # never zero

@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from PIL import Image
 
-from core.catalog import read_catalog
+from core.data.catalog import read_catalog
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from tests.support.images import encode, png_header_only

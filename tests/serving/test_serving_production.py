@@ -32,8 +32,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from core import artifacts
-from core.items import ItemTable
+from core.artifacts import layout as artifacts
+from core.data.items import ItemTable
 from index.search.faiss_index import build_index, save_index
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient

@@ -12,7 +12,7 @@ import pickle
 import numpy as np
 import pytest
 
-from core.vectors import l2_normalized
+from core.retrieval.vectors import l2_normalized
 from index.build.lifecycle import remove_items
 from index.search.filters import Condition, Filter
 from index.versions.version import IndexVersion

@@ -16,9 +16,9 @@ import grpc
 import numpy as np
 import pytest
 
-from core import artifacts
-from core.catalog import read_catalog
-from core.items import ItemTable
+from core.artifacts import layout as artifacts
+from core.data.catalog import read_catalog
+from core.data.items import ItemTable
 from index.build.build import run_build
 from index.build.config import BuildConfig
 from index.build.lifecycle import AUDIT_LOG

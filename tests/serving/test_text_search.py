@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import requests
 
-from core.artifacts import ArtifactError
-from core.vectors import exact_search
+from core.artifacts.layout import ArtifactError
+from core.retrieval.vectors import exact_search
 from index.__main__ import describe_version
 from index.build.build import run_build
 from index.build.config import BuildConfig

@@ -1,7 +1,7 @@
 """Miniature copies of the four benchmarks in their published layouts, for the readers' tests.
 
 `write_replica` writes one under a folder (tiny solid-colour images, real annotation files; Cars196:
-a real MATLAB struct written with scipy), so `training.datasets` can be tried and tested without the
+a real MATLAB struct written with scipy), so `training.data.datasets` can be tried and tested without the
 real data. Only tests use it, so it lives here rather than in the training package.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from training.datasets import _CARS_BBOX, _INSHOP_HEADER, _SOP_HEADER, get_dataset
+from training.data.datasets import _CARS_BBOX, _INSHOP_HEADER, _SOP_HEADER, get_dataset
 
 __all__ = ["REPLICAS", "write_replica"]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from core.model_manifests import ModelManifest
-from core.preprocess import InputContract
+from core.artifacts.model_manifests import ModelManifest
+from core.data.preprocess import InputContract
 
 SIDE = 8
 
@@ -97,11 +97,11 @@ def write_tiny_text_model(out: Path, model_dir: Path, context_length: int = 16, 
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    from core.artifacts import file_sha256
-    from core.model_manifests import TextModelManifest
-    from core.text import TEXT_INPUT, TEXT_MODEL_FILE, TOKENIZER_FILE
-    from training.text_models import CLIP_VOCAB_SIZE
-    from training.text_tokenizer import write_clip_bpe
+    from core.artifacts.layout import file_sha256
+    from core.artifacts.model_manifests import TextModelManifest
+    from core.data.text import TEXT_INPUT, TEXT_MODEL_FILE, TOKENIZER_FILE
+    from training.models.text_models import CLIP_VOCAB_SIZE
+    from training.models.text_tokenizer import write_clip_bpe
 
     dim = ModelManifest.read(model_dir).embedding_dim
     table = np.random.default_rng(seed).standard_normal((CLIP_VOCAB_SIZE, dim)).astype(np.float32)

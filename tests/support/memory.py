@@ -9,8 +9,8 @@ import psutil
 import torch
 from PIL import Image
 
-from training.data import LazyImages, _collate_eval
-from training.models import input_contract
+from training.data.splits import LazyImages, _collate_eval
+from training.models.models import input_contract
 
 IMAGES = 1024
 

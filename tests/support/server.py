@@ -14,8 +14,8 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import TypeVar
 
-from core import artifacts
-from core.items import ItemTable
+from core.artifacts import layout as artifacts
+from core.data.items import ItemTable
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient
 from serving.config import EVENT_LOOPS, ServerConfig

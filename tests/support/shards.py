@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from core.index_manifest import RowCounts
-from core.items import ItemTable
-from core.model_manifests import ModelManifest, TextModelManifest
-from core.vectors import l2_normalized
+from core.artifacts.index_manifest import RowCounts
+from core.artifacts.model_manifests import ModelManifest, TextModelManifest
+from core.data.items import ItemTable
+from core.retrieval.vectors import l2_normalized
 from index.build.gate import GateThresholds
 from index.build.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
 from index.search.faiss_index import build_index

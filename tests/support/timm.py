@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from training.models import (
+from training.models.models import (
     BACKBONES,
     register_backbone,
 )
-from training.timm_backbones import timm_backbone
+from training.models.timm_backbones import timm_backbone
 
 TINY_VIT = {"depth": 2, "embed_dim": 64, "num_heads": 2}
 

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from core.artifacts import read_manifest, version_dir
-from core.catalog import read_catalog
-from core.preprocess import load_batch
+from core.artifacts.layout import read_manifest, version_dir
+from core.data.catalog import read_catalog
+from core.data.preprocess import load_batch
 from index.embedder import OnnxEmbedder
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from core import artifacts
+from core.artifacts import layout as artifacts
 from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from tests.support.index import write_images

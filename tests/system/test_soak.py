@@ -128,7 +128,7 @@ def test_the_server_log_keeps_what_the_bad_input_does_not_explain(tmp_path):
         "code=INVALID_ARGUMENT\n"
         "2026-11-28 08:40:03,000 ERROR ray.serve: Request failed. deployment=shard-000\n"
         "Traceback (most recent call last):\n"
-        "core.artifacts.ArtifactError: shard 000 of version v-damaged: index.faiss is damaged\n"
+        "core.artifacts.layout.ArtifactError: shard 000 of version v-damaged: index.faiss is damaged\n"
         "2026-11-28 08:40:04,000 ERROR serving.monitoring.monitor: ANN fidelity check failed deployment=ingress\n"
         "Traceback (most recent call last):\n"
         '  File "serving/monitoring/monitor.py", line 381, in check_ann_remote\n'

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from training.benchmark import BenchmarkConfig, markdown_table, resolve_losses
 from training.losses import available_losses
+from training.runs.benchmark import BenchmarkConfig, markdown_table, resolve_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 SLICE = ["--epochs", "1", "--max-classes", "30", "--max-per-class", "10", "--classes-per-batch", "8"]
@@ -87,7 +87,7 @@ def test_benchmark_trains_tabulates_and_resumes(tmp_path):
 
 
 def test_table_from_runs_with_a_failed_seed():
-    from training.benchmark import summarize
+    from training.runs.benchmark import summarize
 
     cfg = BenchmarkConfig.from_values({"losses": ["raw_vthm", "proxy_anchor"], "seeds": 2})
 

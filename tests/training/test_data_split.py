@@ -1,4 +1,4 @@
-"""training.data: class-disjoint splits and decoding catalogs into memory."""
+"""training.data.splits: class-disjoint splits and decoding catalogs into memory."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from core.catalog import Catalog, read_catalog
-from core.preprocess import InputContract, load_image
-from training.data import class_disjoint_split, load_images, prepare_splits
+from core.data.catalog import Catalog, read_catalog
+from core.data.preprocess import InputContract, load_image
+from training.data.splits import class_disjoint_split, load_images, prepare_splits
 
 CLASSES = [f"k{i:02d}" for i in range(20)]
 
@@ -132,7 +132,7 @@ def test_load_images_decodes_with_the_inference_contract(image_catalog):
 
 def test_load_images_skips_and_counts_unreadable_files(image_catalog, caplog):
     image_catalog.paths[3].write_bytes(b"\x89PNG\r\n\x1a\n truncated garbage")
-    with caplog.at_level(logging.WARNING, logger="training.data"):
+    with caplog.at_level(logging.WARNING, logger="training.data.splits"):
         loaded = load_images(image_catalog, CONTRACT, max_bad_fraction=0.1)
     assert loaded.skipped == 1
     assert loaded.ids == [f"im{i}" for i in range(10) if i != 3]

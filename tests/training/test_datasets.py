@@ -1,4 +1,4 @@
-"""Benchmark readers (training/datasets.py) on miniature replicas in the published layouts.
+"""Benchmark readers (training/data/datasets.py) on miniature replicas in the published layouts.
 
 The replicas are written by `write_replica` with real annotation files (Cars196: a real MATLAB
 file), so each test exercises the same parsing as the real data would. Malformed inputs are
@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.catalog import Catalog, CatalogError, read_catalog
+from core.data.catalog import Catalog, CatalogError, read_catalog
 from tests.support.datasets import write_replica
-from training.datasets import (
+from training.data.datasets import (
     BenchmarkDataset,
     available_datasets,
     get_dataset,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from core import artifacts
-from core.artifacts import read_manifest
-from core.catalog import read_catalog
+from core.artifacts import layout as artifacts
+from core.artifacts.layout import read_manifest
+from core.data.catalog import read_catalog
 from index.build.gate import NO_PROBE
 
 pytestmark = pytest.mark.slow

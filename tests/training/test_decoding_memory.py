@@ -18,7 +18,7 @@ MEASURE = """
 import json, sys
 from pathlib import Path
 from tests.support.memory import worker_growth_mb, write_pictures
-from training.data import decoding_worker_init
+from training.data.splits import decoding_worker_init
 paths = write_pictures(Path(sys.argv[1]))
 print(json.dumps({"pinned": worker_growth_mb(paths, decoding_worker_init), "dynamic": worker_growth_mb(paths, None)}))
 """

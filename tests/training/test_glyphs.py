@@ -1,4 +1,4 @@
-"""training.glyphs: the embedded glyph set, rendered from the installed fonts and cached."""
+"""training.data.glyphs: the embedded glyph set, rendered from the installed fonts and cached."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from core.catalog import read_catalog
-from training.glyphs import IMAGE_SIZE, build_glyph_dataset
+from core.data.catalog import read_catalog
+from training.data.glyphs import IMAGE_SIZE, build_glyph_dataset
 
 CHARACTERS = "AB"
 FACES = 3
@@ -92,7 +92,7 @@ def test_no_usable_fonts_is_a_clear_error(tmp_path):
 
 
 def test_grown_glyphs_repeat_pairs_with_jitter():
-    from training.glyphs import ACCENTED_LATIN, CHARACTERS, discover_faces, render_grown_glyphs
+    from training.data.glyphs import ACCENTED_LATIN, CHARACTERS, discover_faces, render_grown_glyphs
 
     faces = discover_faces(max_faces=2)
     chars = "Aé"

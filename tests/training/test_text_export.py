@@ -11,20 +11,20 @@ import numpy as np
 import pytest
 import torch
 
-from core.artifacts import file_sha256
+from core.artifacts.layout import file_sha256
+from core.artifacts.model_manifests import TextModelManifest
 from core.config import from_cli
-from core.model_manifests import TextModelManifest
-from core.text import TEXT_MODEL_FILE, TOKENIZER_FILE, TextInputError
+from core.data.text import TEXT_MODEL_FILE, TOKENIZER_FILE, TextInputError
 from index.embedder import OnnxTextEmbedder
-from training import text_export
 from training.__main__ import _parser, main
-from training.export import ExportConfig, run_export
-from training.parity import ExportError
-from training.text_export import export_text_model
-from training.text_models import LitTowerSpec, TextEmbeddingNet, build_lit_tower
-from training.text_tokenizer import CLIP_END_ID
-from training.train import RESULTS_FILE
-from training.train_text import RUN_CHECKPOINT
+from training.export import text_export
+from training.export.export import ExportConfig, run_export
+from training.export.parity import ExportError
+from training.export.text_export import export_text_model
+from training.models.text_models import LitTowerSpec, TextEmbeddingNet, build_lit_tower
+from training.models.text_tokenizer import CLIP_END_ID
+from training.runs.train import RESULTS_FILE
+from training.text.train_text import RUN_CHECKPOINT
 
 SMALL = LitTowerSpec(context_length=16, width=64, heads=2, layers=2)
 TEXTS = ["latin capital letter a", "DIGIT ONE", "a red  circle", "document-open", "ß ü é"]
@@ -102,7 +102,7 @@ def test_refuses_parity_text_longer_than_context(tmp_path):
 
 
 def write_text_run(run: Path, net: TextEmbeddingNet, spec: LitTowerSpec) -> None:
-    """A run directory as `training train-text` publishes it (training/train_text.py's contract)."""
+    """A run directory as `training train-text` publishes it (training/text/train_text.py's contract)."""
     run.mkdir(parents=True)
     torch.save(
         {
@@ -212,8 +212,8 @@ def test_open_clip_towers_exported_equal_open_clip(tiny_clip, no_network, tmp_pa
     from open_clip.tokenizer import SimpleTokenizer
     from safetensors.torch import save_file
 
-    from core.model_manifests import ModelManifest
-    from core.preprocess import load_image
+    from core.artifacts.model_manifests import ModelManifest
+    from core.data.preprocess import load_image
     from index.embedder import OnnxEmbedder
 
     model, _ = tiny_clip
@@ -320,7 +320,7 @@ def test_open_clip_option_refusals(tiny_clip, tmp_path, capsys):
 
 
 def test_open_clip_tag_sets_the_contract():
-    from training.open_clip_models import open_clip_contract
+    from training.models.open_clip_models import open_clip_contract
 
     laion = open_clip_contract("open_clip:ViT-L-14", "laion2b_s32b_b82k")
     assert (laion.mean, laion.std, laion.height, laion.resize) == ((0.5,) * 3, (0.5,) * 3, 224, 224)

@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from core.preprocess import InputContract
+from core.data.preprocess import InputContract
 from tests.support.timm import register_tiny
-from training.models import (
+from training.models.models import (
     BACKBONES,
     TIMM_SHORT_NAMES,
     EmbeddingNet,
@@ -294,7 +294,7 @@ def test_a_timm_trunk_without_weights_says_it_starts_random_and_how_to_give_weig
                      "a Hugging Face / timm folder (model.safetensors + config.json)",
                      "docs/architecture.md, 'Weights for timm trunks'"):  # fmt: skip
         assert fragment in notices[0], notices[0]
-    from training.models import random_start_notice
+    from training.models.models import random_start_notice
 
     assert random_start_notice("vit_small_patch16", "weights/vit.safetensors") is None
     assert random_start_notice("resnet50", None) is None  # torchvision's trunks: no hub to expect

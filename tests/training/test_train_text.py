@@ -18,20 +18,20 @@ import numpy as np
 import pytest
 import torch
 
-from core.catalog import read_catalog
-from core.model_manifests import ModelManifest
+from core.artifacts.model_manifests import ModelManifest
+from core.data.catalog import read_catalog
 from tests.support import ROOT
 from tests.support.index import write_tiny_model
 from tests.support.training import finish, kill_run, start_training, wait_for_checkpoint
-from training.glyphs import CHARACTERS, build_glyph_dataset, character_name
-from training.icons import icon_caption
+from training.data.glyphs import CHARACTERS, build_glyph_dataset, character_name
+from training.data.icons import icon_caption
 from training.losses.image_text import ImageTextContrastiveLoss
-from training.text_config import TrainTextConfig
-from training.text_data import DistinctCaptionBatches, heldout_rows, label_caption, prepare_data
-from training.text_evaluation import chance_recall, embed_texts, text_to_image_recall
-from training.text_models import build_lit_tower
-from training.train_text import RUN_CHECKPOINT, RUN_KEYS, build_optimizer, load_text_run, train_one_epoch
-from training.trainable import Trainable
+from training.models.text_models import build_lit_tower
+from training.runs.trainable import Trainable
+from training.text.text_config import TrainTextConfig
+from training.text.text_data import DistinctCaptionBatches, heldout_rows, label_caption, prepare_data
+from training.text.text_evaluation import chance_recall, embed_texts, text_to_image_recall
+from training.text.train_text import RUN_CHECKPOINT, RUN_KEYS, build_optimizer, load_text_run, train_one_epoch
 
 CLASSES, FACES = 24, 12  # 10 train + 2 val classes (seen), 12 test classes (unseen)
 SMALL_TOWER = ["--tower-width", "64", "--tower-layers", "2", "--context-length", "16", "--batch-size", "12"]

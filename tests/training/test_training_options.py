@@ -11,12 +11,11 @@ import pytest
 import torch
 from PIL import Image
 
-from core.catalog import Catalog
-from core.metrics import query_gallery_recall_at_k
-from core.preprocess import InputContract
+from core.data.catalog import Catalog
+from core.data.preprocess import InputContract
+from core.retrieval.metrics import query_gallery_recall_at_k
 from tests.support.datasets import write_replica
-from training.config import TrainConfig
-from training.data import (
+from training.data.splits import (
     EvalImages,
     LazyImages,
     MemoryImages,
@@ -25,11 +24,12 @@ from training.data import (
     prepare_splits,
     train_dataset,
 )
-from training.evaluate import histogram_overlap, kmeans_schedule, nmi, pair_similarities
 from training.losses import build_loss
-from training.models import EmbeddingNet
-from training.ray_run import work_directory
-from training.trainable import build_optimizer, learning_rates
+from training.models.models import EmbeddingNet
+from training.runs.config import TrainConfig
+from training.runs.evaluate import histogram_overlap, kmeans_schedule, nmi, pair_similarities
+from training.runs.ray_run import work_directory
+from training.runs.trainable import build_optimizer, learning_rates
 
 GREY = InputContract(height=16, width=16, channels=1, mean=(0.5,), std=(0.5,), normalize_in_graph=True)
 
@@ -138,7 +138,7 @@ def test_lazy_images_skip_and_count_unreadable_ones(tmp_path):
 def test_benchmark_splits_keep_the_published_split_and_carve_validation(tmp_path, name):
     root = write_replica(name, tmp_path / "data")
     splits = prepare_splits(None, tmp_path / "work", dataset=name, data_root=root, val_fraction=0.1)
-    from core.catalog import read_catalog
+    from core.data.catalog import read_catalog
 
     catalogs = {k: read_catalog(v) for k, v in splits.items()}
     if name == "cub":
@@ -228,8 +228,8 @@ def test_recall_ks_follow_the_dataset(tmp_path):
 
 
 def test_checkpoint_selection_uses_validation_recall_or_else_the_last_epoch():
-    from training.telemetry import epoch_line
-    from training.train import selection_score
+    from training.runs.telemetry import epoch_line
+    from training.runs.train import selection_score
 
     assert selection_score({"val_recall_at_1": 0.9}, epoch=3) == pytest.approx(0.9)
     # A tie goes to the earlier epoch, the untrained start (-1) included.

