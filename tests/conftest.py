@@ -15,6 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # CPU hog) they get a few percent of a core, and the two-minute training chain takes an hour.
 # Every Ray run the tests start (the demo chain, training runs) inherits this: a fair share.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# The code under test is this checkout's, in every process the tests start: Ray's workers and the
+# commands run as subprocesses import the project by path, not through the venv's editable install
+# (which names one checkout — another worktree's, on a machine with several).
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
 # A slice big enough that training must beat the untrained network on unseen classes.
 SLICE = ["--max-classes", "40", "--max-per-class", "40", "--epochs", "4", "--classes-per-batch", "10"]
 
