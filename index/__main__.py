@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from core.artifacts.index_manifest import IndexManifest
-from core.cli import add_config_flag, add_progress_flag, add_verbose_flag, run_cli
+from core.cli import COMMAND, add_config_flag, add_progress_flag, add_verbose_flag, run_cli
 from core.config import add_options, from_cli
 from index.build.config import BuildConfig
 from index.build.duplicates import DuplicatesConfig
@@ -54,7 +54,7 @@ COMMANDS = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m index", description=__doc__)
+    parser = argparse.ArgumentParser(prog=f"{COMMAND} index", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     for name, (text, cls, exclude) in COMMANDS.items():
