@@ -183,6 +183,8 @@ def test_add_of_unlabelled_images_to_a_root_grouped_by_label_names_the_root_not_
         "--item-field", "label", "--factory", "Flat", "--no-progress",
     )  # fmt: skip
     assert built.returncode == 0, built.stderr
+    # Where to look first (issue 63): the build says where it drew its sample queries' neighbours.
+    assert f"sample queries and their neighbours: {built.stdout.strip()}/neighbours.png" in built.stderr
     done = index_cli("add", "--catalog", str(photos), "--index-root", str(root), "--no-progress")
     assert done.returncode == 2, done.stderr
     assert [line for line in done.stderr.splitlines() if " INFO " not in line] == [
