@@ -212,6 +212,11 @@ def _stop_failed_start(exc: BaseException) -> None:
         frame = frame.tb_next
 
 
+# The name `pip install` puts on PATH: every parser's usage line starts with it (`simsearch index
+# build …`), the command a user types, though `python -m PACKAGE` runs the same parser.
+COMMAND = "simsearch"
+
+
 def add_verbose_flag(subparsers: argparse._SubParsersAction) -> None:
     """`--verbose` on every subcommand (after the command name, where people type it)."""
     for parser in subparsers.choices.values():

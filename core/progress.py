@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -107,3 +108,19 @@ def track(
         for item in items:
             yield item
             progress.update()
+
+
+@contextmanager
+def stage(desc: str, enabled: bool = True, logger: logging.Logger | None = None) -> Iterator[None]:
+    """A long step with nothing to count (loading weights, tracing a graph): a line as it starts
+    and one with its time as it ends, on a terminal and in a log alike — a bar of one step says
+    no more, and without the first line a user sees only silence."""
+    if not enabled:
+        yield
+        return
+    out = logger or log
+    out.info("%s …", desc)
+    started = time.monotonic()
+    yield
+    elapsed = time.monotonic() - started
+    out.info("%s — done in %s", desc, f"{elapsed:.1f}s" if elapsed < 60 else _duration(elapsed))

@@ -5,14 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from core.artifacts.index_manifest import IndexManifest
-from core.cli import add_config_flag, add_progress_flag, add_verbose_flag, run_cli
+from core.cli import COMMAND, add_config_flag, add_progress_flag, add_verbose_flag, run_cli
 from core.config import add_options, from_cli
 from index.build.config import BuildConfig
 from index.build.duplicates import DuplicatesConfig
 from index.build.lifecycle import CompactConfig, RemoveConfig
 from index.build.rebuild import RebuildConfig
-from index.versions.units import segment_counts
 
 # command → (help, configuration class, its options this command does not take)
 COMMANDS = {
@@ -54,7 +52,7 @@ COMMANDS = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m index", description=__doc__)
+    parser = argparse.ArgumentParser(prog=f"{COMMAND} index", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     for name, (text, cls, exclude) in COMMANDS.items():
@@ -77,24 +75,6 @@ def _parser() -> argparse.ArgumentParser:
     rollback.add_argument("--keep", type=int, default=5, help="versions to retain when takedowns are re-applied")
     add_verbose_flag(sub)
     return parser
-
-
-def describe_version(m: IndexManifest) -> str:
-    """A version in one line of `index list`: '-' for a figure it has not got (no labels, no probe)."""
-    removed = f" (+{m.deleted_rows} removed, masked)" if m.deleted_rows else ""
-    params = ",".join(f"{k}={v:g}" for k, v in m.search_params.items()) or "-"
-    quality = m.quality
-    ann = f"ann_R@{quality.ann_k}={quality.ann_recall_at_k:.4f}" if quality is not None else "ann_R@10=-"
-    probe = quality.probe_recall_at_1 if quality is not None else None
-    # A sharded version: its shard count and each shard's rows (deleted ones included).
-    shards = f"  shards={len(m.shards)} ({'/'.join(str(e.rows) for e in m.shards)})" if m.shards else ""
-    if m.segmented:  # how many segments each unit holds: what compaction would merge
-        shards += f"  segments={'/'.join(map(str, segment_counts(m)))}"
-    text = f"  text_model={m.text_model_id}" if m.text_model_id else ""  # it answers words
-    return (
-        f"{m.version}  size={m.live_size}{removed}{shards}  factory={m.factory}  search={params}  model={m.model_id}"
-        f"{text}  {ann}  probe_R@1={'-' if probe is None else f'{probe:.4f}'}"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,12 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             del args.progress
             print(run_duplicates(from_cli(DuplicatesConfig, args), progress=progress))
         elif args.command == "list":
-            live = artifacts.current_version(args.index_root)
-            for version in artifacts.list_versions(args.index_root):
-                print(
-                    ("* " if version == live else "  ")
-                    + describe_version(IndexManifest.read(artifacts.version_dir(args.index_root, version)))
-                )
+            from index.build.listing import list_versions
+
+            for line in list_versions(args.index_root):
+                print(line)
         elif args.command == "rollback":
             versions = artifacts.list_versions(args.index_root)
             live = artifacts.current_version(args.index_root)

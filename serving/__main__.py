@@ -16,7 +16,7 @@ from pathlib import Path  # noqa: E402
 
 import grpc  # noqa: E402
 
-from core.cli import add_config_flag, add_verbose_flag, run_cli  # noqa: E402
+from core.cli import COMMAND, add_config_flag, add_verbose_flag, run_cli  # noqa: E402
 from core.config import add_options, from_cli  # noqa: E402
 from serving.config import ServerConfig  # noqa: E402
 
@@ -25,7 +25,7 @@ COMMANDS = {"serve": ("serve similarity search over gRPC", ServerConfig, ())}
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m serving", description=__doc__)
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help=COMMANDS["serve"][0])

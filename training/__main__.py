@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from core.cli import add_config_flag, add_verbose_flag, run_cli
+from core.cli import COMMAND, add_config_flag, add_verbose_flag, run_cli
 from core.config import add_options, from_cli
 
 # The configuration classes live beside torch and Ray (4 s to import): only the command that runs
@@ -37,7 +37,7 @@ def commands() -> dict[str, tuple[str, type, tuple[str, ...]]]:
 
 def _parser(wanted: str | None = None) -> argparse.ArgumentParser:
     """The parser; the options of `wanted` only (the command about to run), the others bare."""
-    parser = argparse.ArgumentParser(prog="python -m training", description=__doc__)
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     data = sub.add_parser("data", help="render a built-in data set (cached) and print its catalog path")

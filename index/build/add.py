@@ -53,7 +53,7 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     embedder = OnnxEmbedder(cfg.model, provider=cfg.provider)
     check_model_index_pair(embedder.manifest, live.manifest)
     catalog = read_catalog(cfg.catalog)
-    cfg.check_catalog(catalog, trains_index=False)  # the live index is trained already
+    cfg.check_catalog(catalog, trains_index=False, root_fixes_fields=True)  # the live index is trained already
     _check_labelled_alike(catalog, live)
     new_rows, _, already = _rows_to_embed(cfg, catalog, live)
     fresh = catalog.subset(new_rows)

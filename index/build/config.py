@@ -16,7 +16,7 @@ from core.data.preprocess import DEFAULT_MAX_PIXELS
 from index.build.gate import GateThresholds, ProbeCatalog
 from index.build.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
 from index.search.faiss_index import check_trainable, empty_index, select_device
-from index.search.filters import FieldSpec, check_catalog_fields, parse_filterable
+from index.search.filters import LABEL, FieldSpec, check_catalog_fields, parse_filterable
 from index.versions.sharding import check_shard_count
 
 DEFAULT_MODEL = "runs/model"
@@ -227,14 +227,15 @@ class BuildConfig:
         self.text_model_manifest()
         self.factory_index()
 
-    def check_catalog(self, catalog: Catalog, trains_index: bool = True) -> None:
+    def check_catalog(self, catalog: Catalog, trains_index: bool = True, root_fixes_fields: bool = False) -> None:
         """Before any of its images is embedded: the catalog has every declared filterable field,
         and its numeric ones parse (CatalogError naming the column and first bad row); and, for a
         new index (`trains_index`), it has the vectors the factory's training needs (an IVF's
-        lists, a PQ's codes), or --train-size does."""
+        lists, a PQ's codes), or --train-size does. `root_fixes_fields`: the fields came from the
+        live version (index add), so a missing one is named as the root's, not as a flag."""
         try:
             if self.item_field is not None:  # with_item_field declared it filterable: named by its own flag first
-                check_catalog_fields([FieldSpec(self.item_field)], catalog.labels, catalog.metadata, "--item-field")
+                self._check_item_field(catalog, root_fixes_fields)
             check_catalog_fields(self.filterable_fields, catalog.labels, catalog.metadata)
         except ValueError as exc:
             raise CatalogError(f"{catalog.source}: {exc}") from None
@@ -250,6 +251,20 @@ class BuildConfig:
                     f", --train-size {self.train_size})" if vectors < len(catalog) else ")"
                 )
                 raise ValueError(f"{source}: {exc}") from None
+
+    def _check_item_field(self, catalog: Catalog, root_fixes_fields: bool) -> None:
+        field = str(self.item_field)
+        try:
+            check_catalog_fields([FieldSpec(field)], catalog.labels, catalog.metadata, "--item-field")
+        except ValueError:
+            if not root_fixes_fields:
+                raise
+            # The user of `index add` never typed --item-field: the root's first build did.
+            raise ValueError(
+                f"the versions of {self.index_root} group their items by the item field {field!r}, set when the "
+                f"root was built (--item-field {field}), and this catalog has no {field} column: give its rows "
+                f"{'labels (a folder per class)' if field == LABEL else f'a {field} column'}"
+            ) from None
 
 
 def default_catalog(model_manifest: ModelManifest) -> str:

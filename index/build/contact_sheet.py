@@ -32,11 +32,37 @@ def _thumbnail(path: str | Path) -> Image.Image:
     return tile
 
 
-def _font() -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
+def caption_font() -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
+    """The font every caption of a sheet is drawn in."""
     try:
         return ImageFont.load_default(size=12)
     except TypeError:  # Pillow without FreeType: the fixed bitmap font
         return ImageFont.load_default()
+
+
+def caption_lines(
+    text: str, font: ImageFont.ImageFont | ImageFont.FreeTypeFont, width: float, most: int = 3
+) -> list[str]:
+    """`text` wrapped to lines `width` pixels wide — at spaces, else within a word (a label such
+    as `0035-fe0f-20e3` has none) — at most `most` of them, the last ending in '…' when more
+    is left: a caption cut at a fixed count of characters lost the label's end."""
+    lines: list[str] = []
+    rest = text.strip()
+    while rest and len(lines) < most:
+        end = len(rest)
+        while end > 1 and font.getlength(rest[:end]) > width:
+            end -= 1
+        space = rest.rfind(" ", 0, end + 1)
+        if end < len(rest) and space > 0:
+            end = space  # a whole word to the next line rather than one cut in two
+        lines.append(rest[:end].rstrip())
+        rest = rest[end:].lstrip()
+    if rest:  # more than `most` lines' worth: the last says so
+        last = lines[-1]
+        while last and font.getlength(last + "…") > width:
+            last = last[:-1]
+        lines[-1] = last + "…"
+    return lines or [""]
 
 
 def _tail(text: str, width: int = 16) -> str:
@@ -71,26 +97,30 @@ def contact_sheet(
     queries, depth = neighbour_rows.shape
     with_ids = query_ids is not None and item_ids is not None
     note_column = notes is not None and any(notes)
-    cell_w, cell_h = THUMB + 2 * PAD, THUMB + 2 * PAD + CAPTION * (2 if with_ids else 1)
+    font = caption_font()
+    # Each query's caption wrapped to its tile's width; the rows are as tall as the longest needs.
+    wrapped = [caption_lines(_title(q, query_labels, titles, match), font, THUMB + PAD) for q in range(queries)]
+    title_lines = max(map(len, wrapped), default=1)
+    cell_w, cell_h = THUMB + 2 * PAD, THUMB + 2 * PAD + CAPTION * (title_lines + (1 if with_ids else 0))
     columns = depth + 1 + (1 if note_column else 0)
     sheet = Image.new("RGB", (cell_w * columns, cell_h * queries), (255, 255, 255))
-    draw, font = ImageDraw.Draw(sheet), _font()
+    draw = ImageDraw.Draw(sheet)
 
-    def place(column: int, row: int, path: str | Path, frame: tuple[int, int, int], caption: str, item_id: str) -> None:
+    def place(
+        column: int, row: int, path: str | Path, frame: tuple[int, int, int], caption: list[str], item_id: str
+    ) -> None:
         x, y = column * cell_w, row * cell_h
         draw.rectangle([x + 1, y + 1, x + cell_w - 2, y + THUMB + 2 * PAD - 2], outline=frame, width=4)
         sheet.paste(_thumbnail(path), (x + PAD, y + PAD))
-        draw.text((x + PAD, y + THUMB + 2 * PAD), caption, fill=(0, 0, 0), font=font)
+        for n, line in enumerate(caption):
+            draw.text((x + PAD, y + THUMB + 2 * PAD + n * CAPTION), line, fill=(0, 0, 0), font=font)
         if with_ids:
-            draw.text((x + PAD, y + THUMB + 2 * PAD + CAPTION), _tail(item_id), fill=(90, 90, 90), font=font)
+            id_y = y + THUMB + 2 * PAD + CAPTION * title_lines
+            draw.text((x + PAD, id_y), _tail(item_id), fill=(90, 90, 90), font=font)
 
     for q in range(queries):
         label = query_labels[q] if query_labels is not None else None
-        if titles is not None:
-            title = titles[q]
-        else:
-            title = "query" if label is None else f"{match} {label}"[:16]
-        place(0, q, query_paths[q], QUERY, title, query_ids[q] if with_ids else "")
+        place(0, q, query_paths[q], QUERY, wrapped[q], query_ids[q] if with_ids else "")
         for n in range(depth):
             item = int(neighbour_rows[q, n])
             if item < 0:
@@ -99,11 +129,19 @@ def contact_sheet(
                 frame = PLAIN
             else:
                 frame = RIGHT if item_labels[item] == label else WRONG
-            caption = f"{float(neighbour_scores[q, n]):.3f}"
+            caption = [f"{float(neighbour_scores[q, n]):.3f}"]
             place(n + 1, q, item_paths[item], frame, caption, item_ids[item] if with_ids else "")
         if note_column and notes[q]:
             draw.text((cell_w * (depth + 1) + PAD, q * cell_h + PAD + THUMB // 2), notes[q], fill=(0, 0, 0), font=font)
     return sheet
+
+
+def _title(q: int, query_labels: Sequence[str] | None, titles: Sequence[str] | None, match: str) -> str:
+    """Row `q`'s caption under its query: its title, else `match` and the query's value."""
+    if titles is not None:
+        return titles[q]
+    label = query_labels[q] if query_labels is not None else None
+    return "query" if label is None else f"{match} {label}"
 
 
 def sample_neighbours(index, embeddings: np.ndarray, queries: int = 12, depth: int = 8, seed: int = 0):

@@ -23,8 +23,10 @@ def embed_catalog(
     threads: int = 4,
     max_pixels: int = DEFAULT_MAX_PIXELS,
     progress: bool = True,
+    desc: str = "embed",
 ) -> tuple[np.ndarray, list[int], dict[str, int]]:
-    """Embeddings of every decodable row, the rows kept, and counts of skipped rows by reason."""
+    """Embeddings of every decodable row, the rows kept, and counts of skipped rows by reason
+    (`desc`: what the progress lines call the work)."""
     skipped: dict[str, int] = {}
     bad_regions: list[tuple[int, str]] = []
     counting = threading.Lock()  # decode threads skip rows at once: a get-then-set could lose one
@@ -47,7 +49,7 @@ def embed_catalog(
     parts, kept = [], []
     with (
         ThreadPoolExecutor(max_workers=threads) as pool,
-        Progress(len(catalog), "embed", "img", "auto" if progress else "off", first_s=FIRST_ESTIMATE_S) as bar,
+        Progress(len(catalog), desc, "img", "auto" if progress else "off", first_s=FIRST_ESTIMATE_S) as bar,
     ):
         for start in range(0, len(catalog), batch_size):
             rows = range(start, min(start + batch_size, len(catalog)))

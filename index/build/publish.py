@@ -20,6 +20,7 @@ import numpy as np
 from PIL import Image
 
 from core.artifacts.index_manifest import IndexManifest, QualityGate, QualityReport, RowCounts, ShardEntry
+from core.artifacts.layout import NEIGHBOURS_FILE
 from core.data.catalog import Catalog
 from core.data.items import ItemTable
 from core.retrieval.metrics import stable_sample
@@ -144,6 +145,8 @@ def publish_index_version(
                  len(units.shards or []), published)  # fmt: skip
     else:
         log.info("published index %s (%d items) at %s", manifest.version, manifest.live_size, published)
+    # Where to look first: the sheet says at a glance whether neighbours make sense.
+    log.info("sample queries and their neighbours: %s", published / NEIGHBOURS_FILE)
     return published
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from core.progress import Progress, track
+from core.progress import Progress, stage, track
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,6 +34,19 @@ def test_quiet_between_intervals_and_off_means_off(caplog):
     assert not caplog.records
     with pytest.raises(ValueError, match="progress mode must be"):
         Progress(1, "x", mode="loud")
+
+
+def test_a_stage_without_a_count_says_when_it_starts_and_how_long_it_took(caplog):
+    caplog.set_level(logging.INFO, logger="simsearch.progress")
+    with stage("export: tracing the model to ONNX"):
+        pass
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "export: tracing the model to ONNX …"
+    assert lines[1].startswith("export: tracing the model to ONNX — done in ") and lines[1].endswith("s")
+    caplog.clear()
+    with stage("quiet", enabled=False):
+        pass
+    assert not caplog.records
 
 
 def test_auto_is_lines_when_stderr_is_not_a_terminal():

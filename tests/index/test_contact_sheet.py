@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageDraw
 
 from core.retrieval.vectors import l2_normalized
-from index.build.contact_sheet import CAPTION, PAD, QUERY, RIGHT, THUMB, WRONG, contact_sheet, sample_neighbours
+from index.build.contact_sheet import (
+    CAPTION,
+    PAD,
+    QUERY,
+    RIGHT,
+    THUMB,
+    WRONG,
+    caption_font,
+    caption_lines,
+    contact_sheet,
+    sample_neighbours,
+)
 from index.search.faiss_index import build_index
 
 CELL_W, CELL_H = THUMB + 2 * PAD, THUMB + 2 * PAD + CAPTION
@@ -78,3 +89,23 @@ def test_a_catalog_with_items_and_no_labels_is_framed_by_item(tmp_path):
     frames = [frame_colour(sheet, column, row) for row in range(12) for column in range(1, 9)]
     assert set(frames) <= {RIGHT, WRONG}, set(frames)  # no grey: every neighbour is judged
     assert RIGHT in frames and WRONG in frames
+
+
+def test_a_long_label_is_wrapped_to_fit_its_tile_not_cut(tmp_path):
+    """`label 0035-fe0f-` was all a row showed of `0035-fe0f-20e3` (issue 63): a caption is wrapped
+    to the tile's width, whole, and the rows grow to hold it."""
+    font, width = caption_font(), THUMB + PAD
+    label = "0035-fe0f-20e3"
+    lines = caption_lines(f"label {label}", font, width)
+    assert lines == ["label", label] or "".join(lines).replace(" ", "") == f"label{label}", lines
+    assert all(ImageDraw.Draw(Image.new("RGB", (1, 1))).textlength(line, font=font) <= width for line in lines)
+    long = caption_lines("x" * 200, font, width, most=2)
+    assert len(long) == 2 and long[-1].endswith("…") and all(font.getlength(line) <= width for line in long)
+
+    path = str(tmp_path / "0.png")
+    Image.new("RGB", (40, 30), (255, 0, 0)).save(path)
+    rows, scores = np.array([[0]]), np.array([[0.9]], dtype=np.float32)
+    sheet = contact_sheet([path], [label], rows, scores, [path], [label])
+    assert sheet.size == (2 * CELL_W, CELL_H + (len(lines) - 1) * CAPTION)
+    last_line = sheet.crop((PAD, CELL_H - CAPTION + (len(lines) - 1) * CAPTION, CELL_W, sheet.size[1]))
+    assert np.asarray(last_line.convert("L")).min() < 128  # the label's end is drawn, under its first line

@@ -172,6 +172,28 @@ def test_an_item_field_the_catalog_lacks_is_named_by_its_own_flag(model, photos,
     assert done.stderr.strip().splitlines() == [f"error: {photos}: --item-field {field}: the catalog has {missing}"]
 
 
+def test_add_of_unlabelled_images_to_a_root_grouped_by_label_names_the_root_not_a_flag(model, photos, tmp_path):
+    """`index add` said `--item-field label: the catalog has no label column` to a user who never
+    typed the flag: the root's first build did (issue 63)."""
+    for n, kind in enumerate(("circle", "square")):
+        write_images(tmp_path / "classes" / kind, 20, seed=n)
+    root = tmp_path / "index"
+    built = index_cli(
+        "build", "--model", str(model), "--catalog", str(tmp_path / "classes"), "--index-root", str(root),
+        "--item-field", "label", "--factory", "Flat", "--no-progress",
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    # Where to look first (issue 63): the build says where it drew its sample queries' neighbours.
+    assert f"sample queries and their neighbours: {built.stdout.strip()}/neighbours.png" in built.stderr
+    done = index_cli("add", "--catalog", str(photos), "--index-root", str(root), "--no-progress")
+    assert done.returncode == 2, done.stderr
+    assert [line for line in done.stderr.splitlines() if " INFO " not in line] == [
+        f"error: {photos}: the versions of {root} group their items by the item field 'label', set when the root "
+        "was built (--item-field label), and this catalog has no label column: give its rows labels (a folder per "
+        "class)"
+    ]
+
+
 def test_list_and_rollback_on_a_folder_without_index_versions_say_so(model, tmp_path):
     """`index list` on a model folder exited 0 printing nothing (issue 40, item 13)."""
     for command in ("list", "rollback"):

@@ -17,9 +17,9 @@ import requests
 
 from core.artifacts.layout import ArtifactError
 from core.retrieval.vectors import exact_search
-from index.__main__ import describe_version
 from index.build.build import run_build
 from index.build.config import BuildConfig
+from index.build.listing import describe_version
 from index.embedder import OnnxTextEmbedder
 from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb

@@ -80,3 +80,42 @@ def test_a_pretrained_export_says_what_its_parity_check_ran_on(tmp_path):
     from_folder = run_export(ExportConfig(out=str(tmp_path / "folder"), parity_catalog=str(plain), **pretrained))
     parity = json.loads((from_folder / "manifest.json").read_text())["parity"]
     assert parity["source"] == str(plain.resolve()) and parity["images"] == 4
+
+
+def test_a_pretrained_export_says_what_it_is_doing_in_a_log(tmp_path):
+    """`export --backbone … --pretrained …` was silent ~37 s before its parity line (issue 63):
+    piped, as in CI or `| tee`, it says each stage as it starts and how long it took."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "training",
+            "export",
+            "--backbone",
+            "mobilenet_v2",
+            "--pretrained",
+            WEIGHTS,
+            "--image-size",
+            "32",
+            "--parity-images",
+            "4",
+            "--out",
+            str(tmp_path / "model"),
+        ],  # fmt: skip
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line.split(": ", 1)[1] for line in done.stderr.splitlines() if " simsearch.progress: " in line]
+    stages = [
+        f"export: loading mobilenet_v2 with the weights {WEIGHTS}",
+        "export: tracing the model to ONNX (opset 18) and checking the graph",
+        "export: parity check, PyTorch and ONNX Runtime embedding 4 images",
+    ]
+    assert [line for line in said if line.endswith(" …")] == [f"{s} …" for s in stages], done.stderr
+    assert all(any(line.startswith(f"{s} — done in ") for line in said) for s in stages), done.stderr

@@ -22,7 +22,7 @@ from core.artifacts.model_manifests import ModelManifest
 from core.data.catalog import read_catalog
 from tests.support import ROOT
 from tests.support.index import write_tiny_model
-from tests.support.training import finish, kill_run, start_training, wait_for_checkpoint
+from tests.support.training import finish, kill_run, output_of_run, start_training, wait_for_checkpoint
 from training.data.glyphs import CHARACTERS, build_glyph_dataset, character_name
 from training.data.icons import icon_caption
 from training.losses.image_text import ImageTextContrastiveLoss
@@ -228,6 +228,22 @@ def test_train_text_publishes_a_tower_that_finds_its_captions_images(model, text
     assert run.evaluation == results["evaluation"]
     ids = np.zeros((1, 16), np.int64)
     assert run.net(torch.from_numpy(ids)).shape == (1, 32)
+
+
+@pytest.mark.slow
+def test_train_text_says_how_far_the_embedding_is_in_a_log(text_run):
+    """It printed nothing for 20 minutes while it embedded the catalog, its progress off by default
+    (issue 63): in a log (not a terminal) each catalog's embedding says how far it got."""
+    said = [
+        line.split(" simsearch.progress: ", 1)[1]
+        for line in output_of_run(text_run).splitlines()
+        if " simsearch.progress: " in line
+    ]
+    for name, images in (("seen", 12 * FACES), ("unseen", 12 * FACES)):
+        done = [
+            line for line in said if line.startswith(f"train-text: embedding the {name} images: {images}/{images} img")
+        ]
+        assert len(done) == 1 and done[0].endswith("— done"), said
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from core.cli import verbose
 from core.config import option
 from core.data.catalog import Catalog, read_catalog
 from core.data.preprocess import ImageDecodeError, InputContract, load_image
+from core.progress import stage
 from index.embedder import OnnxEmbedder
 from training.data.splits import load_images
 from training.export.parity import DEFAULT_OPSET, MIN_PARITY_COSINE, ExportError, cosine_parity
@@ -327,16 +328,19 @@ def run_export(cfg: ExportConfig) -> Path:
     if cfg.text:
         return run_text_export(cfg)
     towers = None
-    if is_open_clip(cfg.backbone):
-        towers = load_open_clip(cfg.backbone, cfg.pretrained, cfg.open_clip_tag)
-        model, contract, fields, test_split = _open_clip_source(cfg, towers)
-    else:
-        source = _pretrained_source if cfg.pretrained else _trained_source
-        model, contract, fields, test_split = source(cfg)
+    # Loading, tracing and the parity check each take seconds to a minute: each says so.
+    with stage(f"export: loading {_what(cfg)}"):
+        if is_open_clip(cfg.backbone):
+            towers = load_open_clip(cfg.backbone, cfg.pretrained, cfg.open_clip_tag)
+            model, contract, fields, test_split = _open_clip_source(cfg, towers)
+        else:
+            source = _pretrained_source if cfg.pretrained else _trained_source
+            model, contract, fields, test_split = source(cfg)
     parity_catalog = Path(cfg.parity_catalog) if cfg.parity_catalog else test_split
     out = Path(cfg.out)
     with staging_directory(out) as staging:
-        export_onnx(model, contract, staging / MODEL_FILE, cfg.opset)
+        with stage(f"export: tracing the model to ONNX (opset {cfg.opset}) and checking the graph"):
+            export_onnx(model, contract, staging / MODEL_FILE, cfg.opset)
         model_id = file_sha256(staging / MODEL_FILE)[:16]
         config = fields.pop("config")
         manifest = ModelManifest(
@@ -364,7 +368,8 @@ def run_export(cfg: ExportConfig) -> Path:
                 why = "the run records no test split" if parity_catalog is None else f"{parity_catalog} is missing"
             source = f"random pixels ({why})"
         # What the check ran on, in the manifest and the log: random pixels are not real images.
-        manifest.parity = {**parity_check(model, staging, images, cfg.min_cosine), "source": source}
+        with stage(f"export: parity check, PyTorch and ONNX Runtime embedding {len(images)} images"):
+            manifest.parity = {**parity_check(model, staging, images, cfg.min_cosine), "source": source}
         manifest.write(staging)
         if towers is not None:
             # Inside the image model's staging: a text tower that fails its parity publishes
@@ -376,6 +381,13 @@ def run_export(cfg: ExportConfig) -> Path:
     for name in cfg.variants:
         export_variant(out, name, Path(cfg.parity_catalog) if cfg.pretrained else test_split, ks)
     return out
+
+
+def _what(cfg: ExportConfig) -> str:
+    """What `run_export` loads, in the words of its first progress line."""
+    if cfg.pretrained:
+        return f"{cfg.backbone} with the weights {cfg.pretrained}"
+    return f"the trained model of {cfg.run}"
 
 
 def _export_open_clip_text(cfg: ExportConfig, towers: OpenClipTowers, model_id: str, pretrained: dict) -> Path:

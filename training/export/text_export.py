@@ -25,6 +25,7 @@ from core.artifacts.layout import file_sha256, staging_directory, utc_now
 from core.artifacts.model_manifests import TextModelManifest
 from core.cli import verbose
 from core.data.text import TEXT_INPUT, TEXT_MODEL_FILE, TOKENIZER_FILE, TextInputError, TextTokenizer
+from core.progress import stage
 from index.embedder import OnnxTextEmbedder
 from training.export.parity import DEFAULT_OPSET, MIN_PARITY_COSINE, cosine_parity
 from training.models.text_models import TextEmbeddingNet
@@ -102,7 +103,8 @@ def export_text_model(
         except TextInputError as exc:
             raise TextInputError(f"parity texts: {exc}") from None
         reference = _torch_embeddings(net, ids)
-        export_text_onnx(net, tokenizer.encode(TRACE_TEXTS), staging / TEXT_MODEL_FILE, opset)
+        with stage(f"export: tracing the text tower to ONNX (opset {opset}) and checking the graph"):
+            export_text_onnx(net, tokenizer.encode(TRACE_TEXTS), staging / TEXT_MODEL_FILE, opset)
         manifest = text_manifest(
             staging, net, tokenizer, tokenizer_info, reference, image_model_id, source, opset, evaluation
         )

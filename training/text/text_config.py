@@ -52,7 +52,9 @@ class TrainTextConfig:
     max_bad_fraction: float = option(0.01, help="fail when more of the images than this cannot be read")
     max_failures: int = option(2, help="worker failures Ray Train recovers from (from the last checkpoint)")
     resume: bool = option(False, help="continue the stopped run that left its work directory beside --out")
-    progress: bool = option(False, help="a progress bar while the images are embedded")
+    progress: bool = option(
+        True, help="while the images are embedded: a bar on a terminal, a line every ~30 s otherwise (default: on)"
+    )
     plots: bool = option(True, help="write the loss and recall plot beside the results")
 
     def __post_init__(self) -> None:

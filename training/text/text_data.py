@@ -192,9 +192,12 @@ def tokenize(texts: Sequence[str], tokenizer: TextTokenizer) -> np.ndarray:
     return tokenizer.encode(list(texts))
 
 
-def embed(catalog: Catalog, embedder: OnnxEmbedder, cfg: TrainTextConfig) -> tuple[Catalog, np.ndarray]:
-    """The locked image model's embeddings of a catalog's readable images, and those rows."""
-    embeddings, kept, skipped = embed_catalog(catalog, embedder, progress=cfg.progress)
+def embed(catalog: Catalog, embedder: OnnxEmbedder, cfg: TrainTextConfig, name: str) -> tuple[Catalog, np.ndarray]:
+    """The locked image model's embeddings of a catalog's readable images (the `name`d classes'),
+    and those rows."""
+    embeddings, kept, skipped = embed_catalog(
+        catalog, embedder, progress=cfg.progress, desc=f"train-text: embedding the {name} images"
+    )
     check_bad_rows(len(catalog), len(kept), skipped, cfg.max_bad_fraction)
     return catalog.subset(kept), embeddings
 
@@ -222,7 +225,7 @@ def prepare_data(
 
     catalogs: dict[str, Catalog] = {}
     embedder = OnnxEmbedder(cfg.model, provider=cfg.device)
-    seen_kept, seen_embeddings = embed(with_captions(seen, captions["seen"]), embedder, cfg)
+    seen_kept, seen_embeddings = embed(with_captions(seen, captions["seen"]), embedder, cfg, "seen")
     held = heldout_rows(seen_kept, cfg.heldout_fraction, cfg.split_seed)
     if not held.any():
         raise ValueError(f"{seen.source}: no seen class has two images, so none can be held out to measure on")
@@ -232,7 +235,8 @@ def prepare_data(
     )
     parts = {"heldout": (catalogs["heldout"], seen_embeddings[held])}
     if unseen is not None:
-        catalogs["unseen"], unseen_embeddings = embed(with_captions(unseen, captions["unseen"]), embedder, cfg)
+        unseen_captioned = with_captions(unseen, captions["unseen"])
+        catalogs["unseen"], unseen_embeddings = embed(unseen_captioned, embedder, cfg, "unseen")
         parts["unseen"] = (catalogs["unseen"], unseen_embeddings)
 
     def texts_of(catalog: Catalog) -> np.ndarray:
