@@ -20,8 +20,10 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -314,6 +316,8 @@ class SearchApp:
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stop taking RPCs, let in-flight ones finish (up to `grace` seconds), then stop workers."""
         self._stopping.set()
+        # First: a probe round the batcher's stop fails below must read as the stop, not as an error.
+        self.monitor.stop()
         if self._watcher is not None:
             self._watcher.cancel()
         self.writes.cancel()
@@ -321,12 +325,36 @@ class SearchApp:
         await asyncio.gather(self.grpc_server.stop(grace), self.http.stop(grace))
         await self.batcher.stop()
         self.decode_pool.shutdown(wait=False, cancel_futures=True)
-        self.monitor.stop()
+
+
+# SIGTERM's drain: in-flight calls get SHUTDOWN_GRACE_S to finish, and the process is gone
+# SHUTDOWN_DEADLINE_S after the signal whatever is still running — a batch in an inference
+# thread, a load or an ingest in the loop's executor, which the interpreter's exit would
+# otherwise wait for (a SIGTERM on a loaded machine once took 113 s).
+SHUTDOWN_GRACE_S = 10.0
+SHUTDOWN_DEADLINE_S = 15.0
+
+
+def exit_by(deadline_s: float) -> threading.Thread:
+    """A daemon thread that ends the process (status 0: it was asked to stop) `deadline_s` from
+    now if it is still alive, logging what it cut short."""
+
+    def cut() -> None:
+        time.sleep(deadline_s)
+        busy = sorted(t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread())
+        log.warning("stop took past its %.0f s deadline: exiting with %s still running", deadline_s, busy or "nothing")
+        logging.shutdown()  # flush the handlers: os._exit skips them
+        os._exit(0)
+
+    thread = threading.Thread(target=cut, name="exit-deadline", daemon=True)
+    thread.start()
+    return thread
 
 
 async def serve(config: ServerConfig) -> None:
-    """Serve until SIGTERM or SIGINT, then drain: in-flight calls get 10 s to finish. Prints the
-    ports, one JSON line, once listening."""
+    """Serve until SIGTERM or SIGINT, then drain: in-flight calls get SHUTDOWN_GRACE_S to
+    finish, and the process exits within SHUTDOWN_DEADLINE_S of the signal. Prints the ports,
+    one JSON line, once listening."""
     app = SearchApp(config)
     await app.start()
     print(
@@ -343,7 +371,12 @@ async def serve(config: ServerConfig) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, shutdown, signum)
     await stopped.wait()
-    await app.stop(grace=10.0)
+    exit_by(SHUTDOWN_DEADLINE_S)  # armed first: what follows, and the interpreter's exit, are bounded by it
+    try:
+        async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
+            await app.stop(grace=SHUTDOWN_GRACE_S)
+    except TimeoutError:
+        log.warning("stop took past its %.0f s deadline: exiting", SHUTDOWN_DEADLINE_S)
 
 
 def run(config: ServerConfig) -> None:

@@ -288,7 +288,13 @@ class RecallMonitor:
         """One probe round, published unless the live pair changed while it ran (its answers
         may then come from either pair; the reload's own round follows)."""
         live = self._live
-        values = probe()
+        try:
+            values = probe()
+        except Exception:
+            if self._stop.is_set():  # the server stopped under the round: not a failure of the round
+                log.info("probe round ended unfinished: the server is stopping")
+                return None
+            raise
         return values if self._keep_probe("probe", live, values) else None
 
     def record_item_probe(self, pair: ServingPair, values: dict[int, float] | None) -> bool:
