@@ -40,6 +40,7 @@ from serving.api.writes import IndexWrites, WriteOptions
 from serving.config import ServerConfig
 from serving.listen import PortInUse, bind_grpc, claim_port, loop_factory, new_grpc_server
 from serving.memory import reclaim, steady_heap
+from serving.monitoring.lineage import grew_from
 from serving.monitoring.monitor import RecallMonitor
 from serving.monitoring.probe import ProbeRunner
 from serving.search.batching import DynamicBatcher
@@ -210,11 +211,16 @@ class SearchApp:
                 raise
             finally:
                 engine.loading = None
+            # Under a stream of ingests the monitor keeps what it measured: a version grown from
+            # the live one by changes alone is still described by its figures.
+            grown = previous is not None and await asyncio.get_running_loop().run_in_executor(
+                None, grew_from, self.config.index_root, previous.manifest, new.manifest
+            )
             old = self.engine.swap(new)
         self.metrics.reloads.inc()
         self.metrics.set_live(new.version, new.index_id, new.model_id, new.manifest.factory, new.index_version.size)
         self.metrics.set_build_figures(new.manifest)
-        self.monitor.reset(new)
+        self.monitor.reset(new, grown)
         await self._set_health(True)
         log.info(
             "serving index %s with model %s (%d items)",
@@ -223,7 +229,8 @@ class SearchApp:
             new.index_version.size,
             extra={"index_version": new.version, "model_id": new.model_id},
         )
-        if old is not None and self.monitor.config.probes:  # probe_interval_s 0: probes are off
+        # probe_interval_s 0: probes are off; a grown version keeps the last round's figures until the next
+        if old is not None and not grown and self.monitor.config.probes:
             threading.Thread(target=self._probe_now, name="probe-after-reload", daemon=True).start()
         if old is not None:  # its memory goes back to the OS once the requests that took it finish
             released = weakref.ref(old)
