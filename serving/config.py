@@ -207,6 +207,11 @@ class ServerConfig:
         help="AddItems: compact a shard (merge its segments, drop deleted rows) once it holds more segments, "
         "as index add --max-segments",
     )
+    ingest_window_ms: float = option(
+        150.0,
+        help="AddItems/RemoveItems calls arriving within this long of each other are published as one segment "
+        "and one version (0: each call its own)",
+    )
     transport: Transport = section(Transport, help="address, TLS, tokens, connection lifetime")
     limits: Limits = section(Limits, help="what one request may ask")
     batching: Batching = section(Batching, help="dynamic batching")
@@ -228,6 +233,8 @@ class ServerConfig:
             raise ValueError(f"keep_versions must be at least 1, got {self.keep_versions}")
         if self.max_segments < 1:
             raise ValueError(f"max_segments must be at least 1, got {self.max_segments}")
+        if not 0 <= self.ingest_window_ms < float("inf"):
+            raise ValueError(f"ingest_window_ms must be ≥ 0 milliseconds, got {self.ingest_window_ms}")
         if not 0 < self.drain_timeout_s < float("inf"):
             raise ValueError(f"drain_timeout_s must be > 0 seconds, got {self.drain_timeout_s}")
 

@@ -20,34 +20,30 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import signal
-import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health, health_pb2
 
 from core.artifacts import layout as artifacts
-from core.artifacts.index_manifest import IndexManifest
 from core.artifacts.layout import ArtifactError
-from core.data.items import ItemTable
-from index.build.add import add_vectors
-from index.build.lifecycle import RemovalReport, RollbackReport, remove_items, rollback
-from index.versions.segments import MAX_DELETED_FRACTION, compaction_due
-from serving.api.admin_service import AdminService, Ingested
+from index.build.lifecycle import RollbackReport, rollback
+from serving.api.admin_service import AdminService
 from serving.api.search_service import SearchService
+from serving.api.writes import IndexWrites, WriteOptions
 from serving.config import ServerConfig
-from serving.errors import FailedPrecondition
 from serving.listen import PortInUse, bind_grpc, claim_port, loop_factory, new_grpc_server
 from serving.memory import reclaim, steady_heap
+from serving.monitoring.lineage import grew_from
 from serving.monitoring.monitor import RecallMonitor
 from serving.monitoring.probe import ProbeRunner
 from serving.search.batching import DynamicBatcher
-from serving.search.checks import CheckedImage
 from serving.search.engine import SearchEngine, ServingPair
 from serving.telemetry.history import TrafficHistory
 from serving.telemetry.metrics import ServiceMetrics
@@ -79,6 +75,7 @@ class SearchApp:
         self.metrics = metrics or ServiceMetrics()
         self.engine = engine or SearchEngine(config.limits)
         self._load = load or config.load
+        self._stopping = threading.Event()  # ends the reclaim threads' and compactions' waits
         self._wire_search()
         self._wire_front()
         self.health = health.aio.HealthServicer()
@@ -86,10 +83,6 @@ class SearchApp:
         self.port: int | None = None
         self.http_port: int | None = None
         self._reload_lock = asyncio.Lock()
-        self._remove_lock = asyncio.Lock()
-        self._compaction: asyncio.Task | None = None  # `index compact` after an ingest, in its own process
-        self._compact_again = False  # an ingest came while it ran: it runs once more
-        self._stopping = threading.Event()  # ends the reclaim threads' waits
         self._watcher: asyncio.Task | None = None
         self._watched_failure: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop it serves on, once bound
@@ -134,14 +127,22 @@ class SearchApp:
         """What the transports answer with: tokens, the call recorder, the admin service, the HTTP API."""
         config = self.config
         self.tokens = Tokens(config.transport.admin_token, config.transport.search_token)
+        options = WriteOptions(
+            config.index_root,
+            config.keep_versions,
+            config.max_segments,
+            config.drain_timeout_s,
+            config.ingest_window_ms / 1e3,
+        )
+        self.writes = IndexWrites(options, self.reload, self.service, self.metrics, self._stopping)
         self.recorder = CallRecorder(self.metrics, TrafficHistory(), config.access_log)
         self.admin = AdminService(
             self.reload,
-            self.remove_items,
+            self.writes.remove_items,
             config.index_root,
             rollback=self.rollback,
             live=lambda: self.engine.pair if self.engine.loaded else None,
-            add=self.add_items,
+            add=self.writes.add_items,
             checks=self.service.checks,
         )
         self.http = HttpApi(
@@ -210,11 +211,16 @@ class SearchApp:
                 raise
             finally:
                 engine.loading = None
+            # Under a stream of ingests the monitor keeps what it measured: a version grown from
+            # the live one by changes alone is still described by its figures.
+            grown = previous is not None and await asyncio.get_running_loop().run_in_executor(
+                None, grew_from, self.config.index_root, previous.manifest, new.manifest
+            )
             old = self.engine.swap(new)
         self.metrics.reloads.inc()
         self.metrics.set_live(new.version, new.index_id, new.model_id, new.manifest.factory, new.index_version.size)
         self.metrics.set_build_figures(new.manifest)
-        self.monitor.reset(new)
+        self.monitor.reset(new, grown)
         await self._set_health(True)
         log.info(
             "serving index %s with model %s (%d items)",
@@ -223,127 +229,13 @@ class SearchApp:
             new.index_version.size,
             extra={"index_version": new.version, "model_id": new.model_id},
         )
-        if old is not None and self.monitor.config.probes:  # probe_interval_s 0: probes are off
+        # probe_interval_s 0: probes are off; a grown version keeps the last round's figures until the next
+        if old is not None and not grown and self.monitor.config.probes:
             threading.Thread(target=self._probe_now, name="probe-after-reload", daemon=True).start()
         if old is not None:  # its memory goes back to the OS once the requests that took it finish
             released = weakref.ref(old)
             threading.Thread(target=reclaim, args=(released, 60.0, self._stopping), name="reclaim", daemon=True).start()
         return old, new
-
-    async def remove_items(self, ids: list[str], who: str, reason: str, via: str) -> RemovalReport:
-        """A takedown: the version CURRENT names less `ids`, published (the previous one stays for
-        rollback), swapped in, and returned once no request still answers from the old pair. Off
-        the loop; takedowns run one at a time. `via`: the transport that asked, for the audit log.
-        A compaction it makes due runs after the answer, as an ingest's does (`_compact_soon`)."""
-        async with self._remove_lock:
-            remove = functools.partial(
-                remove_items, self.config.index_root, ids, who, reason, via=via, keep=self.config.keep_versions,
-                compact_when_due=False,
-            )  # fmt: skip
-            report = await asyncio.get_running_loop().run_in_executor(None, remove)
-            self.metrics.items_removed.inc(report.removed)
-            if report.version is None:
-                return report
-            _, new = await self.reload(report.version)
-            if not await self.service.drained(new.serial, self.config.drain_timeout_s):
-                log.warning(
-                    "takedown %s: requests still answering from an earlier version after %.0f s",
-                    report.version,
-                    self.config.drain_timeout_s,
-                )
-            if compaction_due(new.index_version, self.config.max_segments, MAX_DELETED_FRACTION):
-                self._compact_soon()
-            return report
-
-    async def add_items(
-        self, pair: ServingPair, checked: list[CheckedImage | np.ndarray], rows: ItemTable, upsert: bool, who: str,
-        via: str,
-    ) -> Ingested:  # fmt: skip
-        """An ingest: the items' images embedded by `pair`'s model (in the batches queries share),
-        added to the version CURRENT names as one segment (`index.build.add.add_vectors`, which refuses
-        them unless that version was built with this model), published, and loaded before it
-        returns. One at a time with takedowns, off the loop."""
-        vectors = await self.service.item_vectors(pair, checked)
-        # Once published, the version is loaded even if the caller has gone: a server left behind
-        # CURRENT would answer without the items the root now holds.
-        return await asyncio.shield(self._publish_added(pair, vectors, rows, upsert, who, via))
-
-    async def _publish_added(
-        self, pair: ServingPair, vectors: np.ndarray, rows: ItemTable, upsert: bool, who: str, via: str
-    ) -> Ingested:
-        async with self._remove_lock:
-            config = self.config
-            add = functools.partial(
-                add_vectors, config.index_root, vectors, rows, upsert=upsert, keep=config.keep_versions,
-                max_segments=config.max_segments, model_id=pair.model_id, compact=False,
-            )  # fmt: skip
-            loop = asyncio.get_running_loop()
-            report = await loop.run_in_executor(None, add)
-            published = await loop.run_in_executor(None, IndexManifest.read, report.version)
-            self.metrics.items_added.inc(len(rows))
-            log.info(
-                "%s added %d items via %s: version %s", who, len(rows), via, published.version,
-                extra={"index_version": published.version},
-            )  # fmt: skip
-            try:
-                _, new = await self.reload(published.version)
-            except Exception as exc:
-                raise FailedPrecondition(
-                    f"the items were added as version {published.version}, but loading it failed and the server "
-                    f"still serves {self.engine.pair.version}: {exc}"
-                ) from None
-            # An upsert, as a takedown, answers once no request still answers with the rows it replaced.
-            if upsert and not await self.service.drained(new.serial, self.config.drain_timeout_s):
-                log.warning("ingest %s: requests still answering from an earlier version", published.version)
-            counts = published.rows
-            added = counts.added if counts is not None else len(rows)
-            replaced = (counts.replaced or 0) if counts is not None else 0
-            # Decided from what the server holds: an ingest that makes nothing due starts no
-            # `index compact` process (a second of CPU each, beside the searches).
-            if compaction_due(new.index_version, self.config.max_segments, MAX_DELETED_FRACTION):
-                self._compact_soon()
-            return Ingested(published.parent_version or "", new.version, added, replaced, new.index_version.size)
-
-    def _compact_soon(self) -> None:
-        """Compaction of the shards an ingest took past --max-segments, after the call has its answer:
-        `index compact` in a process of its own (the merge holds about three times a shard's rows,
-        which a server must not keep; on a Ray cluster, RAY_ADDRESS set, a task a shard), then the
-        version it published loaded. One at a time: an ingest meanwhile has it run once more after."""
-        self._compact_again = True
-        if self._compaction is None or self._compaction.done():
-            self._compaction = asyncio.get_running_loop().create_task(self._compactions(), name="compaction")
-
-    async def _compactions(self) -> None:
-        while self._compact_again and not self._stopping.is_set():
-            self._compact_again = False
-            await self._compacted()
-
-    async def _compacted(self) -> None:
-        config = self.config
-        command = [
-            sys.executable, "-m", "index", "compact", "--index-root", str(config.index_root),
-            "--max-segments", str(config.max_segments), "--keep", str(config.keep_versions), "--no-progress",
-        ]  # fmt: skip
-        before = artifacts.current_version(config.index_root)
-        process = await asyncio.create_subprocess_exec(
-            *command, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
-        )
-        _, stderr = await process.communicate()
-        if process.returncode != 0:
-            said = stderr.decode(errors="replace").strip().splitlines()
-            log.warning("compaction after an ingest failed (exit %d): %s", process.returncode, said[-1] if said else "")
-            return
-        if artifacts.current_version(config.index_root) == before or self._stopping.is_set():
-            return
-        async with self._remove_lock:
-            # Read under the lock: an ingest that waited for it has published (and loaded) a
-            # version made from the compacted one, which the compaction's must not replace.
-            after = artifacts.current_version(config.index_root)
-            if self.engine.loaded and self.engine.pair.version != after:
-                try:
-                    await self.reload(after)
-                except Exception as exc:  # noqa: BLE001 — the live version keeps serving; say why
-                    log.warning("compacted version %s was published but not loaded: %s", after, exc)
 
     async def rollback(
         self, version: str, model_dir: str | None, who: str, via: str, restore: bool, make_current: bool
@@ -351,7 +243,7 @@ class SearchApp:
         """Serve `version` again without republishing what was taken down since it was built
         (`index.build.lifecycle.rollback`: re-applied as a new version, or restored when asked), then
         load what it left live. One at a time with takedowns, off the loop."""
-        async with self._remove_lock:
+        async with self.writes.lock:
             roll = functools.partial(
                 rollback,
                 self.config.index_root,
@@ -431,20 +323,45 @@ class SearchApp:
     async def stop(self, grace: float | None = 5.0) -> None:
         """Stop taking RPCs, let in-flight ones finish (up to `grace` seconds), then stop workers."""
         self._stopping.set()
+        # First: a probe round the batcher's stop fails below must read as the stop, not as an error.
+        self.monitor.stop()
         if self._watcher is not None:
             self._watcher.cancel()
-        if self._compaction is not None:
-            self._compaction.cancel()
+        self.writes.cancel()
         await self.health.enter_graceful_shutdown()
         await asyncio.gather(self.grpc_server.stop(grace), self.http.stop(grace))
         await self.batcher.stop()
         self.decode_pool.shutdown(wait=False, cancel_futures=True)
-        self.monitor.stop()
+
+
+# SIGTERM's drain: in-flight calls get SHUTDOWN_GRACE_S to finish, and the process is gone
+# SHUTDOWN_DEADLINE_S after the signal whatever is still running — a batch in an inference
+# thread, a load or an ingest in the loop's executor, which the interpreter's exit would
+# otherwise wait for (a SIGTERM on a loaded machine once took 113 s).
+SHUTDOWN_GRACE_S = 10.0
+SHUTDOWN_DEADLINE_S = 15.0
+
+
+def exit_by(deadline_s: float) -> threading.Thread:
+    """A daemon thread that ends the process (status 0: it was asked to stop) `deadline_s` from
+    now if it is still alive, logging what it cut short."""
+
+    def cut() -> None:
+        time.sleep(deadline_s)
+        busy = sorted(t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread())
+        log.warning("stop took past its %.0f s deadline: exiting with %s still running", deadline_s, busy or "nothing")
+        logging.shutdown()  # flush the handlers: os._exit skips them
+        os._exit(0)
+
+    thread = threading.Thread(target=cut, name="exit-deadline", daemon=True)
+    thread.start()
+    return thread
 
 
 async def serve(config: ServerConfig) -> None:
-    """Serve until SIGTERM or SIGINT, then drain: in-flight calls get 10 s to finish. Prints the
-    ports, one JSON line, once listening."""
+    """Serve until SIGTERM or SIGINT, then drain: in-flight calls get SHUTDOWN_GRACE_S to
+    finish, and the process exits within SHUTDOWN_DEADLINE_S of the signal. Prints the ports,
+    one JSON line, once listening."""
     app = SearchApp(config)
     await app.start()
     print(
@@ -461,7 +378,12 @@ async def serve(config: ServerConfig) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, shutdown, signum)
     await stopped.wait()
-    await app.stop(grace=10.0)
+    exit_by(SHUTDOWN_DEADLINE_S)  # armed first: what follows, and the interpreter's exit, are bounded by it
+    try:
+        async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
+            await app.stop(grace=SHUTDOWN_GRACE_S)
+    except TimeoutError:
+        log.warning("stop took past its %.0f s deadline: exiting", SHUTDOWN_DEADLINE_S)
 
 
 def run(config: ServerConfig) -> None:

@@ -12,6 +12,7 @@ root's versions are `serving.api.admin_service.AdminService`'s.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import time
@@ -214,8 +215,12 @@ class SearchService:
 
     # -- answers ----------------------------------------------------------------------------
 
-    async def _answer(self, search: CheckedSearch, deadline: float | None, received: float) -> pb.SearchResponse:
+    async def _answer(
+        self, search: CheckedSearch, deadline: float | None, received: float, background: bool = False
+    ) -> pb.SearchResponse:
         query = await self._prepare(search, deadline, received)
+        if background:
+            query = dataclasses.replace(query, background=True)
         return self._respond(search, query, await self.batcher.run(query))
 
     def _respond(self, search: CheckedSearch, query: Query, result: Result) -> pb.SearchResponse:
@@ -283,11 +288,12 @@ class SearchService:
     # -- the calls --------------------------------------------------------------------------
 
     async def search_many(
-        self, requests: list[pb.SearchRequest], timeout: float | None, named: bool = False
+        self, requests: list[pb.SearchRequest], timeout: float | None, named: bool = False, background: bool = False
     ) -> list[pb.SearchResponse]:
         """Queries answered on one pair (the one live when they arrived), batched with others;
         every one is checked before any is answered. `named`: a request's own error names its
-        place in the list (`requests[3]: …`)."""
+        place in the list (`requests[3]: …`). `background`: the server's own queries (a probe
+        round's), batched only while no user query waits (`serving.search.executors`)."""
         pair = self.engine.pair
         received = time.perf_counter()
         checked = self.checks.search_batch(requests, pair, named)
@@ -295,7 +301,9 @@ class SearchService:
         try:
             async with _deadline(timeout) as deadline:
                 answers = [
-                    self._answer_at(i, c, deadline, received) if named else self._answer(c, deadline, received)
+                    self._answer_at(i, c, deadline, received)
+                    if named
+                    else self._answer(c, deadline, received, background)
                     for i, c in enumerate(checked)
                 ]
                 if len(answers) == 1:
@@ -369,12 +377,16 @@ class SearchService:
     async def info(self) -> pb.GetInfoResponse:
         pair = self.engine.pair
         limits = self.engine.limits
+        samples = self.monitor.samples()
         recall = [
-            pb.RecallFigure(source=source, k=k, value=v)
+            pb.RecallFigure(source=source, k=k, value=v, samples=samples.get(source, {}).get(k, 0))
             for source, values in self.monitor.figures().items()
             for k, v in values.items()
         ]
-        ann = [pb.RecallFigure(source="ann", k=k, value=v) for k, v in self.monitor.ann_values().items()]
+        ann = [
+            pb.RecallFigure(source="ann", k=k, value=v, samples=samples["ann"].get(k, 0))
+            for k, v in self.monitor.ann_values().items()
+        ]
         return pb.GetInfoResponse(
             model_id=pair.model_id,
             index_version=pair.version,
@@ -434,7 +446,9 @@ class SearchService:
             }
         recall = {source: {str(k): v for k, v in values.items()} for source, values in self.monitor.figures().items()}
         recall["ann"] = {str(k): v for k, v in self.monitor.ann_values().items()}
+        samples = {source: {str(k): n for k, n in counts.items()} for source, counts in self.monitor.samples().items()}
         return {
+            "samples": samples,  # what each recall figure is a mean over
             "intervalS": traffic.interval_s,
             "points": [{"t": p.t, "qps": p.qps, "p50Ms": p.p50_ms, "p99Ms": p.p99_ms} for p in traffic.points()],
             "recall": recall,

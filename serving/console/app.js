@@ -906,7 +906,7 @@
     const i = info.status === "fulfilled" ? info.value : null;
     if (!h && history.reason) showError(history.reason, "health history");
     renderLiveCards(h, i);
-    renderRecall(recallBySource(h, i));
+    renderRecall(recallBySource(h, i), samplesBySource(h, i));
     const points = (h && h.points) || [];
     const now = Date.now() / 1000;
     const interval = (h && h.intervalS) || 10;
@@ -941,6 +941,22 @@
     return out;
   }
 
+  /** {source: {k: n}}: what each figure is a mean over (answers, probe queries, exact re-runs). */
+  function samplesBySource(history, info) {
+    const out = {};
+    if (info) {
+      for (const f of [...(info.recallAtK || []), ...(info.annRecallAtK || [])]) {
+        (out[f.source] = out[f.source] || {})[f.k] = f.samples || 0;
+      }
+    }
+    if (history && history.samples) {
+      for (const [source, counts] of Object.entries(history.samples)) {
+        if (!out[source] && counts) out[source] = { ...counts };
+      }
+    }
+    return out;
+  }
+
   function renderLiveCards(history, info) {
     const live = (history && history.live) || {};
     const points = (history && history.points) || [];
@@ -966,7 +982,7 @@
     }
   }
 
-  function renderRecall(bySource) {
+  function renderRecall(bySource, samples) {
     const ks = new Set();
     for (const values of Object.values(bySource)) for (const k of Object.keys(values)) ks.add(Number(k));
     const sorted = [...ks].sort((a, b) => a - b);
@@ -1016,6 +1032,7 @@
               "td",
               { class: "num", "data-k": k, "data-value": v },
               el("div", null, fmtPct(v)),
+              el("div", { class: "muted small", "data-samples": (samples[source] || {})[k] ?? "" }, `n = ${fmtInt((samples[source] || {})[k] ?? 0)}`),
               el("meter", {
                 min: "0",
                 max: "1",

@@ -21,13 +21,12 @@ in-flight answer — is dropped rather than published beside the new pair's figu
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import queue
 import random
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -42,6 +41,7 @@ from index.search.ann_recall import recall_with_ties
 from index.search.filters import Filter
 from index.search.grouping import Groups, exact_group_scores
 from protos.simsearch.v1 import search_pb2 as pb
+from serving.monitoring.windows import SlidingRecall
 from serving.search.answers import EVERY_ROW, Exclusion, Hit, Scope
 from serving.search.engine import ServingPair
 from serving.telemetry.metrics import ServiceMetrics
@@ -100,42 +100,6 @@ class MonitorConfig:
         return self.probe_interval_s > 0
 
 
-class SlidingRecall:
-    """Recall@K over the last `window` scored answers: each answer's first-hit rank and length.
-    An answer counts towards Recall@K only for K within its length (a 3-row answer says nothing
-    of R@10), and a K no answer reaches has no figure. Answers scored under a key (Feedback's
-    request id) count once: scoring the same key again replaces its mark."""
-
-    def __init__(self, ks: Sequence[int], window: int) -> None:
-        self.ks = tuple(ks)
-        self.window = window
-        self._marks: OrderedDict[object, tuple[int, int]] = OrderedDict()  # key → (first-hit rank, length)
-        self._unkeyed = itertools.count()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._marks)
-
-    def add(self, first_hit_rank: int | None, length: int, key: object = None) -> None:
-        mark = (first_hit_rank if first_hit_rank is not None else 1 << 30, length)
-        with self._lock:
-            self._marks[key if key is not None else ("unkeyed", next(self._unkeyed))] = mark
-            while len(self._marks) > self.window:
-                self._marks.popitem(last=False)
-
-    def values(self) -> dict[int, float] | None:
-        with self._lock:
-            if not self._marks:
-                return None
-            ranks, lengths = np.array(list(self._marks.values()), dtype=np.int64).T
-        found = {k: float(np.mean(ranks[lengths >= k] < k)) for k in self.ks if np.any(lengths >= k)}
-        return found or None
-
-    def clear(self) -> None:
-        with self._lock:
-            self._marks.clear()
-
-
 ANN_BATCH = 64  # sampled queries a sharded server checks in one call to its shards
 ANN_GATHER_S = 0.5  # how long it gathers them (the figure is a window's mean: it can wait)
 # A sharded server's exact re-run lists the top EXACT_DEPTH×K: its scores are all the monitor
@@ -188,6 +152,11 @@ class RecallMonitor:
         self.probe: dict[int, float] | None = None
         self.probe_items: dict[int, float] | None = None  # item Recall@K of the probe round, where items exist
         self._live: ServingPair | None = None  # figures are kept for this pair only
+        # The loads whose records still count: the live one and those it grew from by ingests and
+        # takedowns alone (`reset(..., grown=True)`); bounded, as a stream reloads without end.
+        self._lineage: deque[int] = deque(maxlen=64)
+        self.probe_queries: dict[str, int] = {}  # queries behind each probe source's last round
+        self._round_queries = 0  # the running probe round's, once it has its answers
         self._lock = threading.Lock()  # a record checks the pair and publishes while no reset runs
         self._ann_jobs: queue.Queue = queue.Queue(maxsize=config.ann_queue)
         self._stop = threading.Event()
@@ -216,7 +185,7 @@ class RecallMonitor:
         return self._record(serial, "feedback", self.feedback, rank, len(returned_ids), request_id)
 
     def _is_live(self, serial: int) -> bool:
-        return self._live is not None and self._live.serial == serial
+        return serial in self._lineage
 
     def _record(
         self, serial: int, source: str, window: SlidingRecall, rank: int | None, length: int, key: object = None
@@ -250,10 +219,17 @@ class RecallMonitor:
         except queue.Full:
             pass  # the checker is behind; dropping a sample costs nothing but precision
 
-    def reset(self, pair: ServingPair) -> None:
-        """`pair` is live now: figures of the old one no longer describe what is served."""
+    def reset(self, pair: ServingPair, grown: bool = False) -> None:
+        """`pair` is live now: figures of the old one no longer describe what is served — unless
+        it only `grown` from the old one (`serving.monitoring.lineage.grew_from`: items added or
+        taken down), whose figures, the probe's last round and answers still in flight go on counting."""
         with self._lock:
+            if not grown:
+                self._lineage.clear()
+            self._lineage.append(pair.serial)
             self._live = pair
+            if grown:
+                return
             self.traffic.clear()
             self.feedback.clear()
             self.text.clear()
@@ -261,8 +237,10 @@ class RecallMonitor:
                 window.clear()
             self.probe = None
             self.probe_items = None
+            self.probe_queries.clear()
             self.metrics.recall_at_k.clear()
             self.metrics.ann_recall_at_k.clear()
+            self.metrics.recall_samples.clear()
 
     # -- background work --------------------------------------------------------------------
 
@@ -288,20 +266,35 @@ class RecallMonitor:
         """One probe round, published unless the live pair changed while it ran (its answers
         may then come from either pair; the reload's own round follows)."""
         live = self._live
-        values = probe()
-        return values if self._keep_probe("probe", live, values) else None
+        self._round_queries = 0
+        try:
+            values = probe()
+        except Exception:
+            if self._stop.is_set():  # the server stopped under the round: not a failure of the round
+                log.info("probe round ended unfinished: the server is stopping")
+                return None
+            raise
+        return values if self._keep_probe("probe", live, values, self._round_queries) else None
 
-    def record_item_probe(self, pair: ServingPair, values: dict[int, float] | None) -> bool:
-        """A probe round's item Recall@K (`ProbeRunner.item_round`), kept if `pair` is still live."""
-        return self._keep_probe("probe_items", pair, values)
+    def record_item_probe(self, pair: ServingPair, values: dict[int, float] | None, queries: int = 0) -> bool:
+        """A probe round's item Recall@K (`ProbeRunner.item_round`) over `queries`, kept if `pair`
+        is still live (or grew into the live one)."""
+        return self._keep_probe("probe_items", pair, values, queries)
 
-    def _keep_probe(self, source: str, pair: ServingPair | None, values: dict[int, float] | None) -> bool:
+    def probe_round_size(self, queries: int) -> None:
+        """The queries of the probe round now ending (`ProbeRunner.run`), for its figure's sample size."""
+        self._round_queries = queries
+
+    def _keep_probe(
+        self, source: str, pair: ServingPair | None, values: dict[int, float] | None, queries: int = 0
+    ) -> bool:
         """Keep and publish a probe round's figures as `source` (the attribute of that name)
-        while `pair`, the pair live when the round started, is still live."""
+        while `pair`, the pair live when the round started, is still live (or grew into it)."""
         with self._lock:
-            if values is None or self._live is not pair:
+            if values is None or pair is None or not self._is_live(pair.serial):
                 return False
             setattr(self, source, values)
+            self.probe_queries[source] = queries
             self._publish(source, values)
         return True
 
@@ -426,9 +419,21 @@ class RecallMonitor:
                     return
                 self.ann[k].append(fidelity)
                 self.metrics.ann_recall_at_k.labels(str(k)).set(float(np.mean(self.ann[k])))
+                self.metrics.recall_samples.labels(str(k), "ann").set(len(self.ann[k]))
 
     def ann_values(self) -> dict[int, float]:
         return {k: float(np.mean(v)) for k, v in self.ann.items() if v}
+
+    def samples(self) -> dict[str, dict[int, int]]:
+        """The sample behind each figure of `figures()` and `ann_values()`, by source and K:
+        answers in the window, a probe round's queries, exact re-runs."""
+        out = {source: {k: n for k in values} for source, n in self.probe_queries.items()
+               if (values := getattr(self, source))}  # fmt: skip
+        for source, window in (("traffic", self.traffic), ("text", self.text), ("feedback", self.feedback)):
+            if counts := window.counts():
+                out[source] = counts
+        out["ann"] = {k: len(v) for k, v in self.ann.items() if v}
+        return out
 
     def figures(self) -> dict[str, dict[int, float]]:
         out = {}
@@ -445,9 +450,11 @@ class RecallMonitor:
 
     def _publish(self, source: str, values: dict[int, float] | None) -> None:
         if values:
+            samples = self.samples().get(source, {})
             for k in self.config.ks:
                 if k in values:
                     self.metrics.recall_at_k.labels(str(k), source).set(values[k])
+                    self.metrics.recall_samples.labels(str(k), source).set(samples.get(k, 0))
                 else:  # no answer in the window reaches K any more: no figure rather than a stale one
                     with contextlib.suppress(KeyError):
                         self.metrics.recall_at_k.remove(str(k), source)

@@ -35,7 +35,9 @@ class ProbedService(Protocol):
 
     monitor: RecallMonitor
 
-    async def search_many(self, requests: list[pb.SearchRequest], timeout: float | None) -> list[pb.SearchResponse]: ...
+    async def search_many(
+        self, requests: list[pb.SearchRequest], timeout: float | None, named: bool = False, background: bool = False
+    ) -> list[pb.SearchResponse]: ...
 
 
 class ProbeRunner:
@@ -92,13 +94,16 @@ class ProbeRunner:
             for p, ex in zip(paths, excludes, strict=True)
         ]
         answers = self._answers(requests, loop)
+        self.service.monitor.probe_round_size(len(answers))
         return probe_recall([[n.label for n in a.neighbors] for a in answers], labels, self.ks)
 
     def _answers(self, requests: list[pb.SearchRequest], loop: asyncio.AbstractEventLoop) -> list[pb.SearchResponse]:
         answers = []
         for start in range(0, len(requests), self.max_batch_queries):
             chunk = requests[start : start + self.max_batch_queries]
-            answers += asyncio.run_coroutine_threadsafe(self.service.search_many(chunk, 60.0), loop).result()
+            # The probe's lane: a user query waiting is always batched first (issue 61).
+            answering = self.service.search_many(chunk, 60.0, background=True)
+            answers += asyncio.run_coroutine_threadsafe(answering, loop).result()
         return answers
 
     def item_round(self, loop: asyncio.AbstractEventLoop) -> dict[int, float] | None:
@@ -128,5 +133,5 @@ class ProbeRunner:
         values = {
             kk: float(np.mean([s.value in top[:kk] for s, top in zip(picked, firsts, strict=True)])) for kk in self.ks
         }
-        self.service.monitor.record_item_probe(pair, values)
+        self.service.monitor.record_item_probe(pair, values, len(picked))
         return values

@@ -130,6 +130,10 @@ class BatchedExecutor:
         self.max_queue = max_queue
         self._threads = ThreadPoolExecutor(policy.streams, thread_name_prefix="inference")
         self._queue: deque[Work] = deque()
+        # The probe's lane: its queries are batched only while no user query waits, one batch
+        # at a time, so a probe round never delays a user's query by more than a batch it began.
+        self._background: deque[Work] = deque()
+        self._background_running = False
         self._running = 0  # batches handed to the inference threads and not yet answered
         self._filling = False  # a batch waits for more queries before it starts
         self._arrived = asyncio.Event()  # binds to a loop on first use, not here
@@ -141,7 +145,7 @@ class BatchedExecutor:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return len(self._queue) + len(self._background)
 
     @property
     def decode_placement(self) -> DecodePlacement:
@@ -165,31 +169,42 @@ class BatchedExecutor:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        while self._queue:
-            work = self._queue.popleft()
+        while self._queue or self._background:
+            work = (self._queue or self._background).popleft()
             if not work.future.done():
                 work.future.set_exception(Unavailable("server is shutting down"))
         self._threads.shutdown(wait=False, cancel_futures=True)
 
     async def run(self, work: Work) -> None:
-        if len(self._queue) >= self.max_queue:
+        lane = self._background if work.query.background else self._queue
+        if len(lane) >= self.max_queue:
             raise ResourceExhausted(f"server overloaded: {self.max_queue} queries already queued")
         work.future = asyncio.get_running_loop().create_future()
-        self._queue.append(work)
-        self.inference.metrics.queue_depth.set(len(self._queue))
+        lane.append(work)
+        self.inference.metrics.queue_depth.set(self.queued)
         self._arrived.set()
         await work.future  # cancelled with the RPC; the batcher then skips the query
 
     # -- batching task ----------------------------------------------------------------------
 
+    def _lane(self, batch: list[Work]) -> deque[Work]:
+        """Where the batch takes its queries from: the users' queue, or — while it is empty, no
+        background batch runs and the batch has no user query — the probe's lane."""
+        if batch:
+            return self._background if batch[0].query.background else self._queue
+        if not self._queue and self._background and not self._background_running:
+            return self._background
+        return self._queue
+
     def _take_ready(self, batch: list[Work]) -> bool:
-        """Move queued queries of the batch's pair into it (up to its limit), oldest first;
-        whether the batch is full."""
+        """Move queued queries of the batch's pair and lane into it (up to its limit), oldest
+        first; whether the batch is full."""
         now = time.monotonic()
         kept: deque[Work] = deque()
-        limit = self.policy.limit(self._running, len(batch) + len(self._queue))
-        while self._queue and len(batch) < limit:
-            work = self._queue.popleft()
+        queue = self._lane(batch)
+        limit = self.policy.limit(self._running, len(batch) + len(queue))
+        while queue and len(batch) < limit:
+            work = queue.popleft()
             if work.future.done():  # its caller went away
                 continue
             if work.expired(now):
@@ -199,8 +214,8 @@ class BatchedExecutor:
                 kept.append(work)
                 continue
             batch.append(work)
-        self._queue.extendleft(reversed(kept))
-        return self.policy.is_full(len(batch), limit, len(self._queue))
+        queue.extendleft(reversed(kept))
+        return self.policy.is_full(len(batch), limit, len(queue))
 
     async def _take_batch(self) -> list[Work]:
         loop = asyncio.get_running_loop()
@@ -208,7 +223,7 @@ class BatchedExecutor:
         until: float | None = None
         while True:
             # Paused, no new batch starts; one already filling goes on filling.
-            may_start = not self._paused and self.policy.may_start(self._running, len(self._queue))
+            may_start = not self._paused and self.policy.may_start(self._running, len(self._lane(batch)))
             if (batch or may_start) and self._take_ready(batch):
                 break
             if batch:
@@ -230,11 +245,11 @@ class BatchedExecutor:
                 self._take_ready(batch)
                 break
             except asyncio.CancelledError:  # stopping: the queries go back, to be failed by stop()
-                self._queue.extendleft(reversed(batch))
+                self._lane(batch).extendleft(reversed(batch))
                 raise
             finally:
                 self._filling = False
-        self.inference.metrics.queue_depth.set(len(self._queue))
+        self.inference.metrics.queue_depth.set(self.queued)
         return batch
 
     async def _batches(self) -> None:
@@ -248,6 +263,7 @@ class BatchedExecutor:
         # Not inline in `_batches`: its locals would keep the last batch, and through it a
         # pair swapped out since, alive until the next batch forms.
         self._running += 1
+        self._background_running = self._background_running or bool(batch and batch[0].query.background)
         task = asyncio.get_running_loop().create_task(self._run_batch(batch))
         self._batch_tasks.add(task)
         task.add_done_callback(self._batch_tasks.discard)
@@ -271,6 +287,8 @@ class BatchedExecutor:
             return
         finally:
             self._running -= 1
+            if batch and batch[0].query.background:
+                self._background_running = False
             self._stream_freed.set()
             self._arrived.set()  # queries left waiting beside this batch may start now
         for work in batch:

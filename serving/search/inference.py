@@ -38,6 +38,7 @@ class Query:
     deadline: float | None = None  # time.monotonic() value
     received: float = field(default_factory=time.perf_counter)
     decode_s: float = 0.0  # spent decoding before it was submitted
+    background: bool = False  # the server's own (a probe round's): batched only when no user query waits
 
 
 @dataclass(eq=False, slots=True)

@@ -78,6 +78,9 @@ FAMILIES: tuple[tuple[str, type, str, str, tuple[str, ...], tuple[float, ...] | 
      "Online Recall@K by source (probe, traffic, text, feedback)", ("k", "source"), None),
     ("ann_recall_at_k", Gauge, "simsearch_ann_recall_at_k",
      "Overlap of ANN top-K with exact top-K on sampled live queries", ("k",), None),
+    ("recall_samples", Gauge, "simsearch_recall_samples",
+     "What each Recall@K figure is a mean over (answers, probe queries, exact re-runs), by source (ann too)",
+     ("k", "source"), None),
     ("reloads", Counter, "simsearch_reloads", "Successful model/index loads", (), None),
     ("items_removed", Counter, "simsearch_items_removed", "Items taken down by RemoveItems", (), None),
     ("items_added", Counter, "simsearch_items_added", "Items added by AddItems (with upsert, replaced ones too)",
@@ -116,6 +119,7 @@ class ServiceMetrics:
     index_info: Gauge
     recall_at_k: Gauge
     ann_recall_at_k: Gauge
+    recall_samples: Gauge
     reloads: Counter
     items_removed: Counter
     items_added: Counter

@@ -242,14 +242,16 @@ class Limits(_message.Message):
     def __init__(self, max_k: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_image_pixels: _Optional[int] = ..., max_batch_queries: _Optional[int] = ..., max_query_parts: _Optional[int] = ..., max_per_group: _Optional[int] = ...) -> None: ...
 
 class RecallFigure(_message.Message):
-    __slots__ = ("source", "k", "value")
+    __slots__ = ("source", "k", "value", "samples")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
     source: str
     k: int
     value: float
-    def __init__(self, source: _Optional[str] = ..., k: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    samples: int
+    def __init__(self, source: _Optional[str] = ..., k: _Optional[int] = ..., value: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
     __slots__ = ("model_id", "index_version", "index_id", "index_size", "embedding_dim", "factory", "limits", "recall_at_k", "ann_recall_at_k", "providers", "deleted_rows", "filterable", "item_field", "text_model_id", "text_context_length")

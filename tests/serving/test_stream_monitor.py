@@ -1,0 +1,119 @@
+"""The monitor keeps measuring under a stream (issue 61): probe queries wait in a lane of their
+own, behind every user query; a reload that only grew the live version (an ingest, a takedown)
+keeps the online figures, the probe's last round and their sample sizes, and starts no probe
+round of its own; a reload of an index that did not grow from it clears them."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+
+from core.artifacts import layout as artifacts
+from protos.simsearch.v1 import search_pb2 as pb
+from serving.search.executors import BatchedExecutor, SchedulingPolicy
+from serving.search.inference import Query, Result, Work
+from serving.telemetry.metrics import ServiceMetrics
+from tests.serving.test_ingest import ADMIN, unit
+from tests.support.index import write_catalog_index
+from tests.support.server import derived_version, start
+
+
+class Recorded:
+    """An inference thread's stand-in: records each batch's queries (by their `k`) and answers them."""
+
+    def __init__(self) -> None:
+        self.metrics = ServiceMetrics()
+        self.batches: list[list[int]] = []
+
+    def __call__(self, batch: list[Work], side_by_side: bool = False) -> None:
+        self.batches.append([work.query.k for work in batch])
+
+
+def test_a_user_query_is_batched_before_probe_queries_queued_ahead_of_it():
+    async def scenario() -> list[list[int]]:
+        inference = Recorded()
+        executor = BatchedExecutor(inference, SchedulingPolicy(max_batch_size=4, streams=1), max_queue=100)
+        executor.start()
+        executor.pause()
+        pair = object()  # one pair for all: a batch never mixes pairs
+        probes = [Work(Query(pair, k=100 + i, background=True), Result()) for i in range(6)]  # type: ignore[arg-type]
+        user = Work(Query(pair, k=1), Result())  # type: ignore[arg-type]
+        waiting = [asyncio.ensure_future(executor.run(work)) for work in probes]
+        await asyncio.sleep(0)
+        waiting.append(asyncio.ensure_future(executor.run(user)))
+        await asyncio.sleep(0)
+        assert executor.queued == 7
+        executor.resume()
+        await asyncio.wait_for(asyncio.gather(*waiting), 30)
+        await executor.stop()
+        return inference.batches
+
+    batches = asyncio.run(scenario())
+    assert batches[0] == [1]  # the user's query alone, first, though six probes queued before it
+    assert sorted(k for batch in batches[1:] for k in batch) == list(range(100, 106))
+    assert all(k >= 100 for batch in batches[1:] for k in batch)  # probe batches hold no user query
+
+
+def figures(info: pb.GetInfoResponse) -> dict[tuple[str, int], tuple[float, int]]:
+    return {(f.source, f.k): (round(f.value, 6), f.samples) for f in [*info.recall_at_k, *info.ann_recall_at_k]}
+
+
+@pytest.fixture
+def served(tmp_path):
+    root = write_catalog_index(tmp_path, items=12)
+    server, client = start(root, admin_token=ADMIN, ingest_window_ms=0, recall_ks=(1, 5))
+    yield server, client, root
+    client.close()
+    server.stop(grace=1)
+
+
+def marked(client, n: int) -> None:
+    """`n` answers marked by Feedback: the feedback figure, over n answers."""
+    for seed in range(n):
+        answer = client.search(pb.SearchRequest(embedding=pb.Embedding(values=unit(900 + seed)), k=5, group_by=""))
+        assert client.feedback(answer.request_id, [answer.neighbors[0].id]).accepted
+
+
+def test_a_reload_that_only_added_items_keeps_the_figures_and_their_samples_and_starts_no_probe_round(served):
+    server, client, root = served
+    marked(client, 3)
+    assert server.monitor.run_probe(server.run_probe) is None  # unlabelled: the item round only
+    before = figures(client.get_info())
+    assert before[("feedback", 1)] == (1.0, 3) and before[("probe_items", 1)][1] > 0
+    rounds = []
+    server.run_probe = lambda: rounds.append(1)  # a probe round after the reload would land here
+
+    client.add_items([pb.NewItem(id="streamed", embedding=pb.Embedding(values=unit(950)), metadata={"shade": "1"})])
+    after = client.get_info()
+    assert figures(after) == before  # same figures, same sample sizes
+    marked(client, 1)  # and the window goes on counting across the reload
+    assert figures(client.get_info())[("feedback", 1)] == (1.0, 4)
+    assert rounds == []
+    history = server.service.history(server.recorder.history)
+    assert history["samples"]["feedback"]["1"] == 4 and history["recall"]["feedback"]["1"] == 1.0
+    samples = {
+        (s.labels["source"], s.labels["k"]): s.value
+        for metric in server.metrics.registry.collect()
+        for s in metric.samples
+        if s.name == "simsearch_recall_samples"
+    }
+    assert samples[("feedback", "1")] == 4
+
+
+def test_a_reload_of_an_index_that_did_not_grow_from_the_live_one_clears_the_figures(served):
+    server, client, root = served
+    marked(client, 2)
+    assert figures(client.get_info())[("feedback", 1)] == (1.0, 2)
+
+    live = artifacts.version_dir(root)
+
+    def unrelated(staging, manifest):  # the same rows, but no lineage: a rebuild, as the monitor sees it
+        manifest["parent_version"] = None
+        for extra in live.iterdir():  # what derived_version leaves out (the filter structure)
+            if extra.is_file() and not (staging / extra.name).exists():
+                shutil.copy2(extra, staging / extra.name)
+
+    server.reload_now(derived_version(root, unrelated))
+    assert figures(client.get_info()) == {}
