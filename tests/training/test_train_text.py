@@ -30,7 +30,7 @@ from training.models.text_models import build_lit_tower
 from training.runs.trainable import Trainable
 from training.text.text_config import TrainTextConfig
 from training.text.text_data import DistinctCaptionBatches, heldout_rows, label_caption, prepare_data
-from training.text.text_evaluation import chance_recall, embed_texts, text_to_image_recall
+from training.text.text_evaluation import chance_recall, embed_texts, reading, text_to_image_recall
 from training.text.train_text import RUN_CHECKPOINT, RUN_KEYS, build_optimizer, load_text_run, train_one_epoch
 
 CLASSES, FACES = 24, 12  # 10 train + 2 val classes (seen), 12 test classes (unseen)
@@ -123,6 +123,19 @@ def test_chance_recall_of_a_random_ranking():
     assert chance[4] == 1.0
 
 
+def test_a_reading_says_what_the_figures_mean_against_chance():
+    """train-text prints beside its figures a line that reads them against chance (issue 63)."""
+    chance = {1: 0.001, 5: 0.005}
+    assert reading("unseen", {1: 0.08, 5: 0.2}, chance, 961) == (
+        "unseen: R@1 0.080 against 0.001 by chance (80×) on 961 classes' names it never saw"
+        " — well above chance but weak: the right image is in the top few only sometimes"
+    )
+    assert reading("seen", {1: 0.0012, 5: 0.006}, chance, 950).endswith(
+        "names it trained on — no better than chance: it has not learnt these words"
+    )
+    assert reading("seen", {1: 0.9, 5: 1.0}, chance, 950).endswith("— a useful ranker of these words")
+
+
 def test_steps_in_process_put_captions_near_their_images(model, tmp_path):
     """The worker's own steps, without Ray: seen-class Recall@1 climbs far above chance."""
     cfg = TrainTextConfig(model=str(model), tower_width=64, tower_layers=2, context_length=16, batch_size=12, lr=1e-3)
@@ -212,6 +225,7 @@ def test_train_text_publishes_a_tower_that_finds_its_captions_images(model, text
     assert (seen["classes"], seen["images"], seen["captions"]) == (12, 12 * 2, 12)  # 2 of 12 faces held out
     assert (unseen["classes"], unseen["images"]) == (12, 12 * FACES)
     assert seen["chance_recall_at_k"]["1"] == pytest.approx(1 / 12)
+    assert seen["reading"].startswith(f"seen: R@1 {seen['recall_at_k']['1']:.3f} against 0.083 by chance")
     assert (results["train_images"], results["train_captions"]) == (12 * FACES - seen["images"], 12)
     assert seen["recall_at_k"]["1"] >= 0.5, seen  # chance: 0.083
     assert [row["epoch"] for row in results["history"]] == [-1, 0, 1, 2, 3]  # -1: the untrained tower

@@ -57,17 +57,38 @@ def recall_columns(recalls: dict[str, dict[int, float]]) -> dict[str, float]:
     return {f"{name}_recall_at_{k}": v for name, by_k in recalls.items() for k, v in by_k.items()}
 
 
+def reading(gallery: str, recall: dict[int, float], chance: dict[int, float], classes: int) -> str:
+    """One line that says what a gallery's smallest-K recall means against chance: a tower trained
+    on a catalog's own captions is judged on names it saw and on names it never saw, and the
+    second is what a user's own words meet."""
+    k = min(recall)
+    found, random = recall[k], chance[k]
+    times = found / random if random > 0 else float("inf")
+    names = "names it trained on" if gallery == "seen" else "names it never saw"
+    if times < 2:
+        verdict = "no better than chance: it has not learnt these words"
+    elif found < 0.3:
+        verdict = "well above chance but weak: the right image is in the top few only sometimes"
+    else:
+        verdict = "a useful ranker of these words"
+    figures = f"R@{k} {found:.3f} against {random:.3f} by chance ({times:.0f}×)"
+    return f"{gallery}: {figures} on {classes} classes' {names} — {verdict}"
+
+
 def gallery_evaluation(net: torch.nn.Module, data: TextData, ks: Sequence[int]) -> dict[str, dict[str, Any]]:
-    """results.json's `evaluation`: each gallery's text → image Recall@K, a random ranking's, and
-    its captions, images and classes."""
+    """results.json's `evaluation`: each gallery's text → image Recall@K, a random ranking's, its
+    captions, images and classes, and a one-line reading of them."""
     final = text_to_image_recall(net, data, ks)
-    return {
-        name: {
+    evaluation = {}
+    for name, g in data.galleries.items():
+        chance = chance_recall(g.query_labels, g.labels, ks)
+        classes = len(np.unique(g.labels))
+        evaluation[name] = {
             "recall_at_k": {str(k): v for k, v in final[name].items()},
-            "chance_recall_at_k": {str(k): v for k, v in chance_recall(g.query_labels, g.labels, ks).items()},
+            "chance_recall_at_k": {str(k): v for k, v in chance.items()},
             "captions": len(g.query_texts),
             "images": len(g.labels),
-            "classes": len(np.unique(g.labels)),
+            "classes": classes,
+            "reading": reading(name, final[name], chance, classes),
         }
-        for name, g in data.galleries.items()
-    }
+    return evaluation

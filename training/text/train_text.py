@@ -40,7 +40,8 @@ as a `TextRun` (the tower built and loaded, and what its manifest needs):
   (`ModelManifest`); `parity_texts` — up to `PARITY_TEXTS` captions, seen then unseen, for the
   export's parity check; `temperature` — the learned one; `config` — the resolved `TrainTextConfig`.
 - `results.json`: `evaluation` (`{"seen": …, "unseen": …}`, each `recall_at_k`, `chance_recall_at_k`,
-  `captions`, `images`, `classes`; `unseen` absent without unseen classes), `history` (a row per
+  `captions`, `images`, `classes`, and `reading`: one line reading R@1 against chance, which
+  `train-text` prints beside its figures; `unseen` absent without unseen classes), `history` (a row per
   epoch, the first before training), `image_model`, `train_images`, `train_captions`,
   `train_seconds`, `use_gpu`, `resumed`.
 - `config.json`: the resolved options.
