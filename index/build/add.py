@@ -142,8 +142,8 @@ def add_vectors(
         )
     # After the lock is let go: a compaction takes the root only to publish.
     if compact and tiers is not None:
-        started = merge_after_change(index_root, keep, tiers)
-        report.merge_pid = started.pid if started is not None else None
+        merging = merge_after_change(index_root, keep, tiers)
+        report.merge_pid = merging.pid if merging is not None else None
         return report
     compacted = compact_if_due(index_root, keep, max_segments, max_deleted_fraction) if compact else None
     if compacted is not None:

@@ -169,8 +169,8 @@ def remove_items(
     if compact:
         done = compact_version(index_root, keep, units=set(report.touched))
     elif compact_when_due and report.version is not None and tiers is not None:
-        started = merge_after_change(index_root, keep, tiers)
-        report.merge_pid = started.pid if started is not None else None
+        merging = merge_after_change(index_root, keep, tiers)
+        report.merge_pid = merging.pid if merging is not None else None
     elif compact_when_due and report.version is not None:
         done = compact_if_due(index_root, keep, MAX_SEGMENTS, max_deleted_fraction)
     if done is not None:
