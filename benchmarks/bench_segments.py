@@ -52,7 +52,7 @@ GATE = GateThresholds(
 )
 
 
-def _items(first: int, count: int) -> ItemTable:
+def catalog_items(first: int, count: int) -> ItemTable:
     return ItemTable(
         ids=(f"item-{i}" for i in range(first, first + count)),
         labels=None,
@@ -61,13 +61,13 @@ def _items(first: int, count: int) -> ItemTable:
     )
 
 
-def _vectors(rng: np.random.Generator, count: int, dim: int) -> np.ndarray:
+def unit_vectors(rng: np.random.Generator, count: int, dim: int) -> np.ndarray:
     return l2_normalized(rng.standard_normal((count, dim), dtype=np.float32))
 
 
 def build(root: Path, vectors: np.ndarray, factory: str, params: dict, shards: int) -> float:
     started = time.perf_counter()
-    new = NewVersion("bench-model", vectors, _items(0, len(vectors)), "/catalog.csv",
+    new = NewVersion("bench-model", vectors, catalog_items(0, len(vectors)), "/catalog.csv",
                      RowCounts(len(vectors), len(vectors)), started, 0.0)  # fmt: skip
     (root / "model").mkdir(parents=True, exist_ok=True)
     recipe = IndexRecipe(factory, params, min(len(vectors), 100_000), "cpu", 0.9, shards)
@@ -120,14 +120,14 @@ def ids_of(version: IndexVersion, found: list[np.ndarray]) -> list[list[str]]:
 def measure(root: Path, args, factory: str, params: dict, shards: int, rng: np.random.Generator) -> dict:
     dim = args.dim
     row: dict = {"factory": factory, "shards": shards}
-    base = _vectors(rng, args.size, dim)
+    base = unit_vectors(rng, args.size, dim)
     row["build_s"] = build(root, base, factory, params, shards)
     live = IndexVersion.open(root).load()
     row["version_mb"] = version_bytes(live) / 1e6
     next_id = args.size
 
     # An add, then a removal: what each writes.
-    added = add_vectors(root, _vectors(rng, args.add, dim), _items(next_id, args.add), gate=GATE, keep=50,
+    added = add_vectors(root, unit_vectors(rng, args.add, dim), catalog_items(next_id, args.add), gate=GATE, keep=50,
                         max_segments=10_000)  # fmt: skip
     next_id += args.add
     row["add_s"], row["add_written_mb"] = added.seconds, added.bytes_written / 1e6
@@ -137,11 +137,11 @@ def measure(root: Path, args, factory: str, params: dict, shards: int, rng: np.r
 
     # More small segments; search them against the same rows compacted.
     for _ in range(args.segments - 1):
-        add_vectors(root, _vectors(rng, args.segment_rows, dim), _items(next_id, args.segment_rows), keep=50,
+        add_vectors(root, unit_vectors(rng, args.segment_rows, dim), catalog_items(next_id, args.segment_rows), keep=50,
                     max_segments=10_000)  # fmt: skip
         next_id += args.segment_rows
     segmented = IndexVersion.open(root).load()
-    queries = _vectors(rng, args.queries, dim)
+    queries = unit_vectors(rng, args.queries, dim)
     qps_seg, _, found_seg = searches(segmented, queries, args.concurrency)
     qps_seg, _, found_seg = searches(segmented, queries, args.concurrency)  # warm, then measured
 
@@ -186,7 +186,7 @@ def measure(root: Path, args, factory: str, params: dict, shards: int, rng: np.r
 
     # A reload after an add of --reload-rows rows, in this process that holds the compacted version.
     compacted.searchable()
-    add_vectors(root, _vectors(rng, args.reload_rows, dim), _items(next_id, args.reload_rows), keep=50,
+    add_vectors(root, unit_vectors(rng, args.reload_rows, dim), catalog_items(next_id, args.reload_rows), keep=50,
                 max_segments=10_000)  # fmt: skip
     rss = psutil.Process().memory_info().rss
     started = time.perf_counter()

@@ -7,9 +7,10 @@ import sys
 
 from core.cli import COMMAND, add_config_flag, add_progress_flag, add_verbose_flag, run_cli
 from core.config import add_options, from_cli
+from index.build.compact import CompactConfig
 from index.build.config import BuildConfig
 from index.build.duplicates import DuplicatesConfig
-from index.build.lifecycle import CompactConfig, RemoveConfig
+from index.build.lifecycle import RemoveConfig
 from index.build.rebuild import RebuildConfig
 
 # command → (help, configuration class, its options this command does not take)
@@ -101,11 +102,12 @@ def main(argv: list[str] | None = None) -> int:
             report = run_remove(from_cli(RemoveConfig, args))  # its summary is logged
             print(artifacts.version_dir(args.index_root, report.version))
         elif args.command == "compact":
-            from index.build.lifecycle import run_compact
+            from index.build.compact import run_compact
 
             del args.progress
             done = run_compact(from_cli(CompactConfig, args))
-            print(artifacts.version_dir(args.index_root, done.version.name if done else None))
+            if done is not None:  # nothing published: the log line says why, stdout stays empty
+                print(done.version)
         elif args.command == "rebuild":
             from index.build.rebuild import RebuildConfig, run_rebuild
 

@@ -19,10 +19,12 @@ from core.retrieval.vectors import unit_rows
 from index.build.config import BuildConfig
 from index.build.embed import check_bad_rows, embed_catalog
 from index.build.gate import GateThresholds, gate_change
-from index.build.lifecycle import compact_if_due
+from index.build.lifecycle import TIERED, compact_if_due
+from index.build.merges import merge_after_change
 from index.embedder import OnnxEmbedder
 from index.search.filters import parse_filterable, specs_of
 from index.versions.change import ChangeReport, publish_change
+from index.versions.merge_policy import TieredMergePolicy
 from index.versions.segments import MAX_DELETED_FRACTION, MAX_SEGMENTS, UnitChange
 from index.versions.sharding import shard_keys, shard_of
 from index.versions.version import IndexVersion
@@ -39,8 +41,9 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     id is already indexed are skipped and counted, not re-embedded — or, with `upsert`, replace
     the indexed ones: those are tombstoned as a removal tombstones them and come back in the
     new segment with their new vector and metadata. The gate measures the new rows
-    (`index.build.gate.gate_change`); compaction follows when a shard passes its segment count or
-    deleted share (`index.build.lifecycle.compact_if_due`).
+    (`index.build.gate.gate_change`); the merges the tiered policy has due then run in the
+    background (`index.build.merges`), or with `--merges whole` a shard past its segment count or
+    deleted share is compacted before it returns (`index.build.lifecycle.compact_if_due`).
     The live version's model (unless --model names another directory of it), factory, search
     parameters and filterable fields hold for the rows it gains.
     """
@@ -75,6 +78,7 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
         keep=cfg.keep,
         max_segments=cfg.max_segments,
         max_deleted_fraction=cfg.max_deleted_fraction,
+        tiers=TieredMergePolicy() if cfg.merges == TIERED else None,
         catalog_rows=len(catalog),
         skipped=skipped,
         already_indexed=already,
@@ -98,6 +102,7 @@ def add_vectors(
     already_indexed: int | None = None,
     model_id: str | None = None,
     compact: bool = True,
+    tiers: TieredMergePolicy | None = None,
 ) -> ChangeReport:
     """Publish the live version of `index_root` + these rows (embedded already: `vectors`, row
     for row with `items`) as one new segment a shard they touch, and compact the shards then
@@ -105,6 +110,8 @@ def add_vectors(
     unless `upsert`, which tombstones its old row. `gate`: the add's gate on its new rows
     (none: not gated). `model_id`: the model that embedded them, which the live version must
     have been built with. `compact=False`: the caller compacts (a server, after the call's answer).
+    `tiers`: the merges this policy has due run after, in a background process
+    (`report.merge_pid`), instead of a whole shard's compaction before the return.
     Writers of the root take their turns (`artifacts.writer_lock`): the
     live version is read, changed and published by this writer alone."""
     with artifacts.writer_lock(index_root):
@@ -134,6 +141,10 @@ def add_vectors(
             gate=verdict,
         )
     # After the lock is let go: a compaction takes the root only to publish.
+    if compact and tiers is not None:
+        merging = merge_after_change(index_root, keep, tiers)
+        report.merge_pid = merging.pid if merging is not None else None
+        return report
     compacted = compact_if_due(index_root, keep, max_segments, max_deleted_fraction) if compact else None
     if compacted is not None:
         report.compacted_to = compacted.version

@@ -75,6 +75,12 @@ class BuildConfig:
     max_deleted_fraction: float = option(
         0.2, help="index add: compact a shard once more than this fraction of its rows is deleted (upserts)"
     )
+    merges: str = option(
+        "tiered",
+        choices=("tiered", "whole"),
+        help="index add: tiered: segments of one size class merged in the "
+        "background after the add publishes; whole: a shard past --max-segments compacted before the add returns",
+    )
     keep: int = option(5, help="versions to retain")
     filterable: list[str] = option(
         default_factory=list,

@@ -37,15 +37,18 @@ from core.artifacts import layout as artifacts
 from core.artifacts.index_manifest import IndexManifest
 from core.artifacts.layout import utc_now
 from core.config import option
+from index.build.merges import merge_after_change, merge_snapshot
 from index.versions.change import ChangeReport, publish_change
-from index.versions.rebase import Superseded
+from index.versions.merge_policy import TieredMergePolicy
 from index.versions.segments import MAX_DELETED_FRACTION, MAX_SEGMENTS, UnitChange, wants_compaction
+from index.versions.units import Unit
 from index.versions.version import IndexVersion
 
 log = logging.getLogger(__name__)
 
 AUDIT_LOG = "audit.jsonl"  # in the index root: one JSON line per removal, rollback or restore
 REMOVE, ROLLBACK, RESTORE = "remove", "rollback", "restore"  # the audit log's actions
+TIERED, WHOLE = "tiered", "whole"  # how merges follow a change (`--merges`)
 
 
 @dataclass
@@ -59,6 +62,13 @@ class RemoveConfig:
         0.2, help="compact a shard (its segments merged, deleted rows dropped) once they are more than this fraction"
     )
     compact: bool = option(False, help="compact the shards the removal touches now")
+    merges: str = option(
+        TIERED,
+        choices=(TIERED, WHOLE),
+        help="tiered: the merges the tiered policy has due (a segment past "
+        "--max-deleted-fraction on its own) run in the background after the removal publishes; whole: a shard past "
+        "--max-deleted-fraction compacted before the command returns",
+    )
     keep: int = option(5, help="versions to retain")
 
     def __post_init__(self) -> None:
@@ -109,6 +119,7 @@ class RemovalReport:
     bytes_written: int = 0
     compacted_to: str | None = None  # the compaction published after the removal (size and deleted rows: its)
     touched: list[int] = field(default_factory=list, repr=False)  # the units (shards) the removal changed
+    merge_pid: int | None = None  # a merge started in the background after it (`index.build.merges`)
 
     def __str__(self) -> str:
         head = f"removed {self.removed} of {self.requested} requested ids"
@@ -132,6 +143,7 @@ def remove_items(
     source: str | None = None,
     action: str = REMOVE,
     compact_when_due: bool = True,
+    tiers: TieredMergePolicy | None = None,
 ) -> RemovalReport:
     """Publish the live version (or `source`, a rollback's target) less `ids`; ids not in it are
     reported, and when none is, nothing is published. Logged to the root's audit log either way,
@@ -141,7 +153,9 @@ def remove_items(
     The removal writes tombstones alone, under the root's writer lock. Compaction follows once
     the lock is let go (`compact_version`: other writers wait only for its publish) — of the
     shards the removal touched with `compact`, else of those past `max_deleted_fraction` or
-    MAX_SEGMENTS, unless `compact_when_due` is off (a server starts its own, after the call)."""
+    MAX_SEGMENTS, unless `compact_when_due` is off (a server starts its own, after the call).
+    `tiers`: instead of that compaction, the merges this policy has due run in a background
+    process (`report.merge_pid`)."""
     if not ids:
         raise ValueError("no item id to remove")
     started = time.perf_counter()
@@ -154,6 +168,9 @@ def remove_items(
     done = None
     if compact:
         done = compact_version(index_root, keep, units=set(report.touched))
+    elif compact_when_due and report.version is not None and tiers is not None:
+        merging = merge_after_change(index_root, keep, tiers)
+        report.merge_pid = merging.pid if merging is not None else None
     elif compact_when_due and report.version is not None:
         done = compact_if_due(index_root, keep, MAX_SEGMENTS, max_deleted_fraction)
     if done is not None:
@@ -231,20 +248,16 @@ def compact_version(
     """Merge each shard's segments of the live version into one, its deleted rows dropped and an
     HNSW graph rebuilt — on Ray, one task a shard — and publish the result; None when nothing
     is to compact (every shard one segment without deleted rows; with `only_due`, no shard past
-    `max_segments` or `max_deleted_fraction`), or when the compaction was superseded.
+    `max_segments` or `max_deleted_fraction`: each said in one line), or when the compaction
+    was superseded.
 
-    Other writers are not kept waiting for it, as Lucene's and Milvus's merges do not: the live
-    version is read as a snapshot (pinned, so no writer prunes it meanwhile) and the merged
-    segments written without the root's writer lock, which is taken only to publish. What was
-    published meanwhile is kept — the segments adds appended linked after the merged one, rows
-    removed still deleted (`index.versions.rebase`) — unless the live version no longer grew from
-    the snapshot (a rollback, another compaction, a rebuild): then the compaction is superseded,
-    says so in one line and publishes nothing (the next add or removal past the thresholds
-    compacts what is live then). `staged`: called between the two (tests pause here). `units`:
-    only these shards (by number), due or not."""
-    with artifacts.pinned_version(index_root) as name:
-        live = IndexVersion.open(index_root, name)
-        changes = []
+    Other writers are not kept waiting for it (`index.build.merges.merge_snapshot`: a pinned
+    snapshot merged without the root's writer lock, rebased onto what they published
+    meanwhile, or superseded). `staged`: called between the merge and the publish (tests pause
+    here). `units`: only these shards (by number), due or not."""
+
+    def choose(live: IndexVersion) -> tuple[list[UnitChange], str] | None:
+        changes, held = [], []
         for part in live.units():
             if units is not None:
                 wanted = part.number in units
@@ -253,17 +266,27 @@ def compact_version(
                 wanted = not only_due or wants_compaction(unit, UnitChange(), max_segments, max_deleted_fraction)
             has_work = part.segments > 1 or part.deleted > 0
             changes.append(UnitChange(compact=has_work and wanted))
+            held.append(_holds(part, bool(live.manifest.shards)))
         if not any(change.compact for change in changes):
-            log.info("nothing to compact: every shard of %s is one segment without deleted rows%s", name,
-                     " or below the thresholds" if only_due else "")  # fmt: skip
+            if not only_due:
+                log.info("nothing to compact: every shard of %s is one segment without deleted rows", live.name)
+            else:
+                thresholds = f"--max-segments {max_segments} or --max-deleted-fraction {max_deleted_fraction:g}"
+                log.info("nothing to compact in %s: %s — none past %s; nothing published",
+                         live.name, "; ".join(held), thresholds)  # fmt: skip
             return None
-        what = f"compacted {sum(c.compact for c in changes)} of {len(changes)} shard{'s' if len(changes) > 1 else ''}"
-        try:
-            return publish_change(index_root, live, changes, keep, what, on_ray=on_ray, rebase=True, staged=staged)
-        except (Superseded, artifacts.StaleParentError) as exc:
-            log.warning("compaction of %s superseded by %s: %s; nothing published", name,
-                        artifacts.current_version(index_root), exc)  # fmt: skip
-            return None
+        count = len(changes)
+        return changes, f"compacted {sum(c.compact for c in changes)} of {count} shard{'s' if count > 1 else ''}"
+
+    return merge_snapshot(index_root, keep, choose, on_ray=on_ray, staged=staged)
+
+
+def _holds(part: Unit, sharded: bool) -> str:
+    """What a unit holds, for the line that says why it was not compacted."""
+    label = f"shard {part.number}" if sharded else "the index"
+    segments = f"{part.segments} segment{'s' if part.segments != 1 else ''}"
+    share = part.deleted / part.rows if part.rows else 0.0
+    return f"{label} holds {segments}, {part.deleted} of {part.rows} rows deleted ({share:.0%})"
 
 
 def compact_if_due(
@@ -413,43 +436,6 @@ def local_identity() -> str:
         return f"uid:{os.getuid()}"
 
 
-@dataclass
-class CompactConfig:
-    """`index compact`: merge each shard's segments of the live version, dropping deleted rows."""
-
-    index_root: str = option("runs/index", help="index root (versions/ and CURRENT)")
-    max_segments: int = option(
-        0, help="compact only the shards holding more segments than this, or past --max-deleted-fraction (0: all)"
-    )
-    max_deleted_fraction: float = option(
-        0.2, help="with --max-segments: compact a shard past this share of deleted rows"
-    )
-    keep: int = option(5, help="versions to retain")
-
-    def __post_init__(self) -> None:
-        if self.max_segments < 0:
-            raise ValueError(f"max_segments must be at least 0, got {self.max_segments}")
-        if not 0 <= self.max_deleted_fraction <= 1:
-            raise ValueError(f"max_deleted_fraction must be within [0, 1], got {self.max_deleted_fraction}")
-        if self.keep < 1:
-            raise ValueError("keep must be at least 1")
-
-
-def run_compact(cfg: CompactConfig) -> ChangeReport | None:
-    """`index compact`: the new version's report, or None when no shard has anything to merge
-    or the compaction was superseded (each said in one line: not an error, the exit is 0)."""
-    artifacts.check_index_root(cfg.index_root)
-    # A task a shard on Ray where there are shards or a cluster to spread them on; one index on
-    # one machine is merged by this command's own process, which ends with it, without
-    # starting a local Ray for it (seconds, where an ingest's compaction takes fractions).
-    on_ray = bool(IndexManifest.read(artifacts.version_dir(cfg.index_root)).shards) or "RAY_ADDRESS" in os.environ
-    done = compact_version(
-        cfg.index_root, cfg.keep, on_ray=on_ray, only_due=cfg.max_segments > 0,
-        max_segments=cfg.max_segments or MAX_SEGMENTS, max_deleted_fraction=cfg.max_deleted_fraction,
-    )  # fmt: skip
-    return done
-
-
 def run_remove(cfg: RemoveConfig) -> RemovalReport:
     """`index remove`: the report (logged by `remove_items`); ValueError when none of the ids is in
     the live version, so a takedown that took nothing down does not pass for one."""
@@ -463,6 +449,7 @@ def run_remove(cfg: RemoveConfig) -> RemovalReport:
         cfg.max_deleted_fraction,
         cfg.compact,
         cfg.keep,
+        tiers=TieredMergePolicy(max_deleted_share=cfg.max_deleted_fraction) if cfg.merges == TIERED else None,
     )
     if report.version is None:
         raise ValueError(

@@ -49,6 +49,7 @@ class ChangeReport:
     seconds: float
     peak_task_rss: int = 0  # the largest peak resident bytes of the Ray tasks that wrote the units
     compacted_to: Path | None = None  # a compaction published right after it (what CURRENT then names)
+    merge_pid: int | None = None  # a merge started in the background after it (`index.build.merges`)
 
     @property
     def live_version(self) -> Path:
@@ -108,7 +109,7 @@ def publish_change(
         "published index %s (%d items, %d segment%s%s): %s%s, wrote %s in %.2f s",
         manifest.version, manifest.live_size, segments, "" if segments == 1 else "s",
         f", {manifest.deleted_rows} deleted" if manifest.deleted_rows else "", what,
-        f" (rebased from {live.name} onto {base.name})" if base is not live else "", _megabytes(written_bytes),
+        f" (rebased from {live.name} onto {base.name})" if base.name != live.name else "", _megabytes(written_bytes),
         report.seconds,
     )  # fmt: skip
     return report

@@ -1,4 +1,4 @@
-"""A compaction rebased onto what was published while it ran.
+"""A compaction — or a tiered merge — rebased onto what was published while it ran.
 
 A compaction merges a snapshot of the live version without the root's writer lock, which it
 takes only to publish (`index.build.lifecycle.compact_version`). By then other writers may have
@@ -19,6 +19,7 @@ import numpy as np
 
 from core.artifacts import layout as artifacts
 from core.artifacts.index_manifest import SegmentEntry
+from index.versions.merge_rows import MergedLayout
 from index.versions.segments import UnitWritten, unit_files
 from index.versions.version import IndexVersion
 from index.versions.version_writer import ShardWriter, VersionWriter, rows_as_segment, segment_name
@@ -88,33 +89,38 @@ def _rebased(
     live: IndexVersion,
     live_segments: list[SegmentEntry],
     grown_from: list[SegmentEntry],
-    compacted: UnitWritten,
+    merged: UnitWritten,
 ) -> UnitWritten:
-    """A unit's `compacted` segment — the live rows of `snapshot` (whose segments were
-    `grown_from`), in order — rebased onto `live`, the unit as published meanwhile (its
-    segments `live_segments`, as `_segments_of` reads them), which must be the snapshot's
-    segments with segments appended and rows deleted (what adds, removals and takedowns make;
-    `Superseded` otherwise): the compacted segment, then `live`'s appended
-    segments hard-linked and numbered after every segment `live` has (a segment's number is
-    never reused), and `live`'s deletions mapped onto those rows — a row removed while the
-    compaction ran stays removed."""
-    rows = sum(entry.rows for entry in grown_from)
+    """A unit's `merged` segments — the snapshot's (`grown_from`) with a group of them merged
+    into one, in the place of the group's first (every one: a compaction) — rebased onto
+    `live`, the unit as published meanwhile (its segments `live_segments`, as `_segments_of`
+    reads them), which must be the snapshot's segments with segments appended and rows deleted
+    (what adds, removals and takedowns make; `Superseded` otherwise): the merged segment and
+    those after it numbered after every segment `live` has (a segment's number grows along
+    the list and is never reused), then `live`'s appended segments hard-linked, numbered on,
+    and `live`'s deletions mapped onto those rows — a row removed while the merge ran stays
+    removed."""
     was_deleted, now_deleted = snapshot.deleted, live.deleted
-    appended = live_segments[len(grown_from) :]
     if live_segments[: len(grown_from)] != grown_from or len(np.setdiff1d(was_deleted, now_deleted)):
         raise Superseded("its segments were replaced or deleted rows restored (a rollback, a compaction, a rebuild)")
-    [segment] = compacted.segments
-    number = int(live_segments[-1].name) + 1
-    entries = [writer.rename_segment(segment, segment_name(number))]
-    for entry in appended:
+    layout = merged.layout
+    assert layout is not None, "a rebase is of a merge"
+    first = layout.group[0]
+    shift = int(live_segments[-1].name) - int(grown_from[-1].name)
+    renamed = list(merged.segments)
+    # Numbers only grow: renamed from the last, each one's new name was the one after it's.
+    for at in range(len(renamed) - 1, first - 1, -1) if shift else ():
+        renamed[at] = writer.rename_segment(renamed[at], segment_name(int(renamed[at].name) + shift))
+    number = int(renamed[-1].name)
+    for entry in live_segments[len(grown_from) :]:
         number += 1
         writer.link_segment(live.directory, entry, segment_name(number))
-        moved = dataclasses.replace(entry, name=segment_name(number), row_offset=entry.row_offset - rows + segment.rows)
-        entries.append(moved)
-    kept = np.setdiff1d(np.arange(rows, dtype=np.int64), was_deleted)  # the compacted segment's rows, in order
-    removed_meanwhile = np.setdiff1d(now_deleted[now_deleted < rows], was_deleted)
-    deleted = np.concatenate(
-        [np.searchsorted(kept, removed_meanwhile), now_deleted[now_deleted >= rows] - rows + segment.rows]
-    ).astype(np.int64)
+        renamed.append(dataclasses.replace(entry, name=segment_name(number)))
+    entries, offset = [], 0
+    for entry in renamed:
+        entries.append(dataclasses.replace(entry, row_offset=offset))
+        offset += entry.rows
+    onto = MergedLayout(tuple(entry.rows for entry in live_segments), layout.group, layout.kept)
+    deleted = onto.rows(now_deleted)
     writer.write_deleted(deleted)
-    return UnitWritten(entries, len(deleted), unit_files(writer), compacted.peak_rss)
+    return UnitWritten(entries, len(deleted), unit_files(writer), merged.peak_rss, onto)

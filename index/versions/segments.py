@@ -11,6 +11,8 @@ segments it keeps and writes only what changed:
   coded by the version's trained quantizer and code books (`trained.faiss`, kept beside the
   segments once a segment has copied it);
 - a removal writes only the tombstones of the shards it touches; an upsert both;
+- a tiered merge (`merge`, chosen by `index.versions.merge_policy`) merges some of a shard's
+  segments into one, in the place of the first;
 - compaction (`compact`) merges a shard's segments into one, its deleted rows dropped and an
   HNSW graph rebuilt, one Ray task a shard — beside other writers: it merges a snapshot and is
   rebased onto what they published meanwhile (`index.versions.rebase`), taking the root only
@@ -28,6 +30,7 @@ global rows, their items and filters concatenated, their vectors read in place a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,6 +45,7 @@ from core.retrieval.vectors import l2_normalized
 from index.search.faiss_index import build_index, emptied_index, empty_index, load_index
 from index.search.faiss_search import index_family
 from index.search.filters import FieldSpec, FilterIndex
+from index.versions.merge_rows import MergedLayout
 from index.versions.version import IndexVersion
 from index.versions.version_writer import VersionWriter, segment_name
 
@@ -57,17 +61,20 @@ FLAT_SEGMENT_ROWS = 10_000  # a new segment of fewer rows is Flat until compacti
 @dataclass
 class UnitChange:
     """What one unit — a version of one index, or one shard — becomes in a new version: unit
-    rows that leave (`removed`), rows that join (`vectors`, `items`: a new segment), or its
-    segments merged into one (`compact`)."""
+    rows that leave (`removed`), rows that join (`vectors`, `items`: a new segment), its
+    segments merged into one (`compact`), or some of them (`merge`: their positions, which a
+    tiered merge policy chose)."""
 
     removed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     vectors: np.ndarray | None = None
     items: ItemTable | None = None
     compact: bool = False
+    merge: tuple[int, ...] = ()
 
     @property
     def touches(self) -> bool:
-        return bool(len(self.removed)) or (self.items is not None and len(self.items) > 0) or self.compact
+        added = self.items is not None and len(self.items) > 0
+        return bool(len(self.removed)) or added or self.compact or bool(self.merge)
 
 
 @dataclass
@@ -78,6 +85,7 @@ class UnitWritten:
     deleted: int
     files: dict[str, str]
     peak_rss: int = 0  # written by a Ray task: that worker's peak resident bytes
+    layout: MergedLayout | None = None  # a merge's: where the unit's rows went (a rebase maps them again)
 
     @property
     def rows(self) -> int:
@@ -151,8 +159,8 @@ def write_unit(
     `unit`'s segments hard-linked (an unsegmented unit's row files as segment 000000), then the
     change — a new segment of its rows, its tombstones, or its segments compacted into one.
     `unit_sums`: the sha256 of an unsegmented shard's files, as its manifest lists them."""
-    if change.compact:
-        return _compacted(writer, unit, specs, change.removed)
+    if change.compact or change.merge:
+        return _merged(writer, unit, specs, change)
     entries = _kept_segments(writer, unit, unit_sums)
     offset = sum(entry.rows for entry in entries)
     if change.items is not None and len(change.items):
@@ -199,19 +207,39 @@ def unit_files(writer) -> dict[str, str]:
     }
 
 
-def _compacted(writer, unit: IndexVersion, specs: Sequence[FieldSpec], removed: np.ndarray) -> UnitWritten:
-    """`unit`'s live rows, less `removed`, in one segment: deleted rows dropped, a graph rebuilt."""
-    live = np.setdiff1d(np.arange(len(unit.items), dtype=np.int64), np.union1d(unit.deleted, removed))
-    vectors = np.asarray(unit.vectors[live])  # gathered segment by segment (RowBlocks)
-    items = unit.items.take(live)
-    last = int(unit.segment_entries[-1].name) if unit.segment_entries else 0
-    segment = writer.segment(segment_name(last + 1))
-    index, trained = segment_index(unit, vectors, final=True)
+def _merged(writer, unit: IndexVersion, specs: Sequence[FieldSpec], change: UnitChange) -> UnitWritten:
+    """`unit` with the segments `change` merges (every one, for `compact`) as one segment of
+    their live rows, less `change.removed`, in the place of the first; the others linked, those
+    after it numbered after it (a segment's number grows along the list and is never reused).
+    The merged segment is the version's factory when it is the whole unit or its base (the
+    first segment is of the factory: search parameters are read off it) or large enough
+    (FLAT_SEGMENT_ROWS), else Flat: a tier's small merge is scanned exactly, as an add's."""
+    entries = unit.segment_entries
+    sizes = [entry.rows for entry in entries] or [len(unit.items)]
+    group = tuple(range(len(sizes))) if change.compact else change.merge
+    dropped = np.union1d(unit.deleted, np.asarray(change.removed, dtype=np.int64))
+    layout = MergedLayout.of(sizes, group, dropped)
+    vectors = np.asarray(unit.vectors[layout.kept])  # gathered segment by segment (RowBlocks)
+    items = unit.items.take(layout.kept)
+    number = int(entries[-1].name) + 1 if entries else 1
+    segment = writer.segment(segment_name(number))
+    final = len(group) == len(sizes) or group[0] == 0 or len(items) >= FLAT_SEGMENT_ROWS
+    index, trained = segment_index(unit, vectors, final=final)
     segment.write_index(index)
     segment.write_vectors(vectors)
     segment.write_items(items)
     segment.write_filters(FilterIndex.build(items, specs) if specs else None)
-    return _finish(writer, unit, trained, [segment.entry(len(items), 0)], np.zeros(0, np.int64))
+    written, starts = [], layout.new_starts()
+    for position in layout.order():
+        if position is None:
+            written.append(dataclasses.replace(segment.entry(len(items), 0), row_offset=starts[None]))
+            continue
+        name = entries[position].name if position < group[0] else segment_name(number := number + 1)
+        writer.link_segment(unit.directory, entries[position], name)
+        written.append(dataclasses.replace(entries[position], name=name, row_offset=starts[position]))
+    done = _finish(writer, unit, trained, written, layout.rows(dropped))
+    done.layout = layout
+    return done
 
 
 def wants_compaction(unit: IndexVersion, change: UnitChange, max_segments: int, max_deleted_fraction: float) -> bool:

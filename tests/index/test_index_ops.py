@@ -49,7 +49,9 @@ def test_add_embeds_only_new_rows_and_keeps_existing_vectors(demo_run, tmp_path)
     assert built.returncode == 0, built.stderr
     parent = artifacts.current_version(root)
     parent_dir = artifacts.version_dir(root, parent)
-    added = index_cli("add", "--model", model, "--index-root", str(root), "--catalog", str(full), "--no-progress")
+    added = index_cli(
+        "add", "--model", model, "--index-root", str(root), "--catalog", str(full), "--no-progress", "--merges", "whole"
+    )  # its own version stays live: no base merge after it
     assert added.returncode == 0, added.stderr
     child = artifacts.current_version(root)
     assert child != parent and set(artifacts.list_versions(root)) == {parent, child}
