@@ -291,7 +291,9 @@ class RecallMonitor:
         """Keep and publish a probe round's figures as `source` (the attribute of that name)
         while `pair`, the pair live when the round started, is still live (or grew into it)."""
         with self._lock:
-            if values is None or pair is None or not self._is_live(pair.serial):
+            # No pair at all (a monitor never given one) is still "the same pair".
+            still_live = self._live is None if pair is None else self._is_live(pair.serial)
+            if values is None or not still_live:
                 return False
             setattr(self, source, values)
             self.probe_queries[source] = queries

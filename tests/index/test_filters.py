@@ -344,8 +344,8 @@ def test_add_keeps_the_declaration_and_probe_honours_a_filter(demo_run, tmp_path
         seen = []
         original = server.service.search_many
 
-        async def recording(requests, timeout):
-            answers = await original(requests, timeout)
+        async def recording(requests, timeout, **lane):
+            answers = await original(requests, timeout, **lane)
             seen.extend(n.id for a in answers for n in a.neighbors)
             return answers
 

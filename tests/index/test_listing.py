@@ -41,17 +41,20 @@ def test_each_version_says_what_made_it_its_segments_rows_and_whose_figures_it_c
         shutil.copytree(FIXTURE / name, tmp_path / name)
     for name in ("first.csv", "more.csv", "takedown.txt"):
         shutil.copy(FIXTURE / name, tmp_path / name)
+    # Merges follow each change at once (`--merges whole`), not in a background process that
+    # would publish a version of its own at a moment of its own between these steps.
     keep = ("--keep", "20")
+    changes = (*keep, "--merges", "whole")
     index_cli("build", "--model", "model", "--index-root", "r", "--catalog", "first.csv", "--factory", "Flat",
               "--no-progress", "--force", *keep, cwd=tmp_path)  # fmt: skip
     built = artifacts.current_version(tmp_path / "r")
-    index_cli("add", "--index-root", "r", "--catalog", "more.csv", "--no-progress", "--force", *keep, cwd=tmp_path)
-    index_cli("add", "--index-root", "r", "--catalog", "more.csv", "--upsert", "--no-progress", "--force", *keep,
+    index_cli("add", "--index-root", "r", "--catalog", "more.csv", "--no-progress", "--force", *changes, cwd=tmp_path)
+    index_cli("add", "--index-root", "r", "--catalog", "more.csv", "--upsert", "--no-progress", "--force", *changes,
               cwd=tmp_path)  # fmt: skip
     vectors = np.eye(16, dtype=np.float32)[:2]  # a server's ingest: rows embedded already, no catalog
     add_vectors(tmp_path / "r", vectors, ItemTable(["new-0", "new-1"], ["a", "b"], ["/a.png", "/b.png"], [{}, {}]),
                 keep=20)  # fmt: skip
-    index_cli("remove", "--index-root", "r", "--ids", "takedown.txt", *keep, cwd=tmp_path)
+    index_cli("remove", "--index-root", "r", "--ids", "takedown.txt", *changes, cwd=tmp_path)
     index_cli("compact", "--index-root", "r", "--max-segments", "1", "--no-progress", *keep, cwd=tmp_path)
     index_cli("rollback", "--index-root", "r", "--to", built, "--keep", "20", cwd=tmp_path)  # takedowns re-applied
     rollback(tmp_path / "r", built, "user:test", via="http", keep=20)  # the console's "make live"

@@ -118,7 +118,7 @@ def test_kill_9_mid_change_leaves_the_live_version_whole(tmp_path):
 def _holding(root: Path, seconds: float) -> subprocess.Popen:
     """Another process holding the root's writer lock for `seconds`, once it says so."""
     code = (
-        "import sys, time\nfrom core import artifacts\n"
+        "import sys, time\nfrom core.artifacts import layout as artifacts\n"
         f"with artifacts.writer_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep({seconds})"
     )
     holder = subprocess.Popen([sys.executable, "-c", code, str(root)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
