@@ -163,7 +163,14 @@ def init_ray(log_to_driver: bool = True, **options) -> None:
         return
     address = os.environ.get("RAY_ADDRESS")
     runtime_env = ray_runtime_env()
-    options = {"include_dashboard": False, "log_to_driver": log_to_driver, "runtime_env": runtime_env, **options}
+    # Ray's own INFO lines ("Started a local Ray instance.") are its news, not the user's stage's.
+    options = {
+        "include_dashboard": False,
+        "log_to_driver": log_to_driver,
+        "runtime_env": runtime_env,
+        "logging_level": logging.WARNING,
+        **options,
+    }
     if address:
         ray.init(address=address, **options)
         return

@@ -112,7 +112,7 @@ class QueryEmbedder(OnnxEmbedder):
             self.side_by_side_session = ort.InferenceSession(
                 str(self.model_path), sess_options=session_options(share, self.spinning), providers=[CPU]
             )
-            log.info("model %s: a %d-thread session for runs side by side", self.model_id, share)
+            log.debug("model %s: a %d-thread session for runs side by side", self.model_id, share)
         # At most this many rows per ORT run, for the full session and the side-by-side one;
         # None: a batch in one run. See `tune_run_rows`.
         self.run_rows: int | None = None

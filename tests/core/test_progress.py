@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from core import progress
 from core.progress import Progress, stage, track
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,17 +38,33 @@ def test_quiet_between_intervals_and_off_means_off(caplog):
         Progress(1, "x", mode="loud")
 
 
-def test_a_stage_without_a_count_says_when_it_starts_and_how_long_it_took(caplog):
+def test_a_stage_without_a_count_says_how_long_it_took_and_when_slow_that_it_started(caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="simsearch.progress")
+    with stage("export: loading"):
+        pass  # quick: one line, its end
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("export: loading — done in ") and lines[0].endswith("s")
+    caplog.clear()
+    monkeypatch.setattr(progress, "STAGE_START_LINE_S", 0.05)
     with stage("export: tracing the model to ONNX"):
-        pass
+        time.sleep(0.5)  # past the start line's moment: said while it runs, before its end
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == "export: tracing the model to ONNX …"
-    assert lines[1].startswith("export: tracing the model to ONNX — done in ") and lines[1].endswith("s")
+    assert lines[1].startswith("export: tracing the model to ONNX — done in ") and len(lines) == 2
     caplog.clear()
     with stage("quiet", enabled=False):
-        pass
+        time.sleep(0.2)
     assert not caplog.records
+
+
+def test_an_epoch_counts_without_a_closing_line_unless_it_said_lines_on_the_way(caplog):
+    caplog.set_level(logging.INFO, logger="simsearch.progress")
+    assert list(track(range(3), 3, "epoch 1/2", "batch", mode="lines", closing_line=False)) == [0, 1, 2]
+    assert not caplog.records  # the epoch's own line sums it up
+    with Progress(3, "epoch 2/2", "batch", mode="lines", every_s=0.0, closing_line=False) as counting:
+        counting.update(3)
+    assert [r.getMessage()[:19] for r in caplog.records] == ["epoch 2/2: 3/3 batc", "epoch 2/2: 3/3 batc"]
+    assert caplog.records[-1].getMessage().endswith(" — done")
 
 
 def test_auto_is_lines_when_stderr_is_not_a_terminal():

@@ -69,7 +69,9 @@ def progress(batches: Iterable[T], total: int, epoch: int, epochs: int, enabled:
     `tqdm_ray`, which the driver redraws properly; elsewhere plain tqdm.
     """
     if not enabled:
-        yield from track(batches, total, f"epoch {epoch + 1}/{epochs}", "batch", "lines", epoch_logger())
+        yield from track(
+            batches, total, f"epoch {epoch + 1}/{epochs}", "batch", "lines", epoch_logger(), closing_line=False
+        )
         return
     try:
         import ray.train
