@@ -37,8 +37,8 @@ class Progress:
     """Counts work done; shows it as a tqdm bar (`mode="bar"`), as log lines every `every_s`
     seconds and at the end (`"lines"`), or not at all (`"off"`). `"auto"`: a bar when stderr
     is a terminal, lines otherwise. `first_s`: lines mode's first line after that many seconds
-    (default `every_s`). `closing_line=False`: lines mode's "done" line only after lines said
-    on the way (a caller whose own line sums up the work, such as a training epoch's)."""
+    (default `every_s`). `closing_line=False`: no "done" line in lines mode (a caller whose
+    own line sums up the work, such as a training epoch's)."""
 
     def __init__(
         self,
@@ -85,7 +85,6 @@ class Progress:
             now = time.monotonic()
             if now >= self._next:
                 self._next = now + self.every_s
-                self.closing_line = True  # a count on the way is followed by its end
                 self.log.info("%s", self.line())
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from core.artifacts import layout as artifacts
 from core.config import DEVICES, option, resolve_config, section
 from core.data.catalog import read_probe_catalog
+from index.versions.merge_policy import TIERED, WHOLE
 from index.versions.segments import MAX_SEGMENTS
 from serving.monitoring.monitor import MonitorConfig
 from serving.search.engine import Limits, ServingPair, load_pair
@@ -204,8 +205,15 @@ class ServerConfig:
     )
     max_segments: int = option(
         MAX_SEGMENTS,
-        help="AddItems: compact a shard (merge its segments, drop deleted rows) once it holds more segments, "
-        "as index add --max-segments",
+        help="with --merges whole: compact a shard (merge its segments, drop deleted rows) once it holds more "
+        "segments, as index add --max-segments",
+    )
+    merges: str = option(
+        TIERED,
+        choices=(TIERED, WHOLE),
+        help="after AddItems/RemoveItems: tiered: the merges the tiered policy has due (segments of one size class, "
+        "the base once the rows beside it pass half its own), in a process of its own; whole: a shard past "
+        "--max-segments compacted whole, as index add --merges",
     )
     ingest_window_ms: float = option(
         150.0,

@@ -133,6 +133,7 @@ class SearchApp:
             config.max_segments,
             config.drain_timeout_s,
             config.ingest_window_ms / 1e3,
+            config.merges,
         )
         self.writes = IndexWrites(options, self.reload, self.service, self.metrics, self._stopping)
         self.recorder = CallRecorder(self.metrics, TrafficHistory(), config.access_log)

@@ -19,12 +19,12 @@ from core.retrieval.vectors import unit_rows
 from index.build.config import BuildConfig
 from index.build.embed import check_bad_rows, embed_catalog
 from index.build.gate import GateThresholds, gate_change
-from index.build.lifecycle import TIERED, compact_if_due
+from index.build.lifecycle import compact_if_due
 from index.build.merges import merge_after_change
 from index.embedder import OnnxEmbedder
 from index.search.filters import parse_filterable, specs_of
 from index.versions.change import ChangeReport, publish_change
-from index.versions.merge_policy import TieredMergePolicy
+from index.versions.merge_policy import TIERED, TieredMergePolicy
 from index.versions.segments import MAX_DELETED_FRACTION, MAX_SEGMENTS, UnitChange
 from index.versions.sharding import shard_keys, shard_of
 from index.versions.version import IndexVersion

@@ -39,7 +39,7 @@ from core.artifacts.layout import utc_now
 from core.config import option
 from index.build.merges import merge_after_change, merge_snapshot
 from index.versions.change import ChangeReport, publish_change
-from index.versions.merge_policy import TieredMergePolicy
+from index.versions.merge_policy import TIERED, WHOLE, TieredMergePolicy
 from index.versions.segments import MAX_DELETED_FRACTION, MAX_SEGMENTS, UnitChange, wants_compaction
 from index.versions.units import Unit
 from index.versions.version import IndexVersion
@@ -48,7 +48,6 @@ log = logging.getLogger(__name__)
 
 AUDIT_LOG = "audit.jsonl"  # in the index root: one JSON line per removal, rollback or restore
 REMOVE, ROLLBACK, RESTORE = "remove", "rollback", "restore"  # the audit log's actions
-TIERED, WHOLE = "tiered", "whole"  # how merges follow a change (`--merges`)
 
 
 @dataclass

@@ -162,15 +162,20 @@ class BackgroundMerge:
         )
 
 
-def start_background_merge(index_root: str | Path, keep: int, policy: TieredMergePolicy) -> BackgroundMerge:
-    """`index compact --tiered` in a detached process of its own (its own session: a caller's
-    Ctrl-C or exit does not end it), logging to the root's merges.log."""
-    command = [
+def merge_command(index_root: str | Path, keep: int, policy: TieredMergePolicy) -> list[str]:
+    """The `index compact --tiered` command line that merges what `policy` has due in `index_root`."""
+    return [
         sys.executable, "-m", "index", "compact", "--index-root", str(index_root), "--tiered", "--keep", str(keep),
         "--tier-factor", str(policy.tier_factor), "--segments-per-tier", str(policy.segments_per_tier),
         "--base-merge-share", str(policy.base_merge_share), "--max-deleted-fraction", str(policy.max_deleted_share),
         "--no-progress",
     ]  # fmt: skip
+
+
+def start_background_merge(index_root: str | Path, keep: int, policy: TieredMergePolicy) -> BackgroundMerge:
+    """`index compact --tiered` in a detached process of its own (its own session: a caller's
+    Ctrl-C or exit does not end it), logging to the root's merges.log."""
+    command = merge_command(index_root, keep, policy)
     path = Path(index_root) / MERGE_LOG
     with open(path, "a", encoding="utf-8") as log_file:
         process = subprocess.Popen(

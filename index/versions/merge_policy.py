@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+TIERED, WHOLE = "tiered", "whole"  # how merges follow a change (`--merges` of index add, remove, serve)
+
 BASE, TIER, DELETED = "base", "tier", "deleted"  # why a merge was chosen
 
 

@@ -20,7 +20,10 @@ from core.artifacts.index_manifest import IndexManifest
 from core.data.items import ItemTable
 from index.build.add import add_vectors
 from index.build.lifecycle import RemovalReport, remove_items
+from index.build.merges import merge_command, merge_due
+from index.versions.merge_policy import TIERED, TieredMergePolicy
 from index.versions.segments import MAX_DELETED_FRACTION, compaction_due
+from index.versions.version import IndexVersion
 from serving.api.admin_service import Ingested
 from serving.api.group_commit import AddCall, GroupCommit, commit_each, joined_adds, removal_of
 from serving.api.search_service import SearchService
@@ -43,6 +46,7 @@ class WriteOptions:
     max_segments: int
     drain_timeout_s: float
     window_s: float
+    merges: str = TIERED  # `--merges`: tiered merges, or whole shards past max_segments
 
 
 @dataclass(frozen=True)
@@ -190,14 +194,22 @@ class IndexWrites:
     def _compact_if_due(self, new: ServingPair) -> None:
         """Decided from what the server holds: a write that makes nothing due starts no `index
         compact` process (a second of CPU each, beside the searches)."""
-        if compaction_due(new.index_version, self.options.max_segments, MAX_DELETED_FRACTION):
+        if self.options.merges == TIERED:
+            # The policy reads each unit's deleted rows, which a `serve --ray` ingress does not
+            # hold: the version is opened from the root, its files left unread but those.
+            version = IndexVersion(artifacts.version_dir(self.options.index_root, new.version))
+            due = merge_due(version, TieredMergePolicy(max_deleted_share=MAX_DELETED_FRACTION))
+        else:
+            due = compaction_due(new.index_version, self.options.max_segments, MAX_DELETED_FRACTION)
+        if due:
             self._compact_soon()
 
     def _compact_soon(self) -> None:
-        """Compaction of the shards a write took past --max-segments, after the call has its answer:
-        `index compact` in a process of its own (the merge holds about three times a shard's rows,
-        which a server must not keep; on a Ray cluster, RAY_ADDRESS set, a task a shard), then the
-        version it published loaded. One at a time: a write meanwhile has it run once more after."""
+        """The merges a write made due (tiered, or with --merges whole the shards it took past
+        --max-segments), after the call has its answer: `index compact` in a process of its own
+        (the merge holds about three times a shard's rows, which a server must not keep; on a Ray
+        cluster, RAY_ADDRESS set, a task a shard), then the version it published loaded. One at a
+        time: a write meanwhile has it run once more after."""
         self._compact_again = True
         if self._compaction is None or self._compaction.done():
             self._compaction = asyncio.get_running_loop().create_task(self._compactions(), name="compaction")
@@ -209,10 +221,14 @@ class IndexWrites:
 
     async def _compacted(self) -> None:
         opts = self.options
-        command = [
-            sys.executable, "-m", "index", "compact", "--index-root", str(opts.index_root),
-            "--max-segments", str(opts.max_segments), "--keep", str(opts.keep_versions), "--no-progress",
-        ]  # fmt: skip
+        if opts.merges == TIERED:
+            policy = TieredMergePolicy(max_deleted_share=MAX_DELETED_FRACTION)
+            command = merge_command(opts.index_root, opts.keep_versions, policy)
+        else:
+            command = [
+                sys.executable, "-m", "index", "compact", "--index-root", str(opts.index_root),
+                "--max-segments", str(opts.max_segments), "--keep", str(opts.keep_versions), "--no-progress",
+            ]  # fmt: skip
         before = artifacts.current_version(opts.index_root)
         process = await asyncio.create_subprocess_exec(
             *command, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE

@@ -26,7 +26,9 @@ WINDOW_MS = 3000
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = write_catalog_index(tmp_path_factory.mktemp("groups"), items=12)
-    server, client = start(root, admin_token=ADMIN, ingest_window_ms=WINDOW_MS, keep_versions=50)
+    # These tests count the versions a group publishes: no background merge (a takedown's
+    # segment past its deleted share, under --merges tiered) may publish one of its own meanwhile.
+    server, client = start(root, admin_token=ADMIN, ingest_window_ms=WINDOW_MS, keep_versions=50, merges="whole")
     yield server, client, root
     client.close()
     server.stop(grace=1)

@@ -29,7 +29,9 @@ DIM = 16  # the tiny model's
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = write_catalog_index(tmp_path_factory.mktemp("ingest"), items=12)
-    server, client = start(root, http_port=0, admin_token=ADMIN)
+    # Whole-shard compactions past the default --max-segments only: no background merge publishes
+    # between a test's looks at what is live (tiered merges have a test of their own, below).
+    server, client = start(root, http_port=0, admin_token=ADMIN, merges="whole")
     yield server, client, f"http://127.0.0.1:{server.http_port}", root
     client.close()
     server.stop(grace=1)
@@ -233,11 +235,12 @@ def test_a_call_without_the_admin_token_is_refused(served):
 
 
 def test_ingests_past_max_segments_are_compacted_after_their_answer_and_the_result_served(tmp_path):
-    """An ingest answers once its own segment is served; the compaction it makes due (more than
-    --max-segments) runs after, as `index compact` in a process of its own, and the server then
-    serves the merged version: at most --max-segments segments, every ingested item found."""
+    """With --merges whole, an ingest answers once its own segment is served; the compaction it
+    makes due (more than --max-segments) runs after, as `index compact` in a process of its own,
+    and the server then serves the merged version: at most --max-segments segments, every
+    ingested item found."""
     root = write_catalog_index(tmp_path, items=12)
-    server, client = start(root, admin_token=ADMIN, max_segments=2)
+    server, client = start(root, admin_token=ADMIN, max_segments=2, merges="whole")
     try:
         answered = []
         for call in range(4):
@@ -271,7 +274,7 @@ def test_every_ingest_is_found_by_the_search_right_after_it_while_compactions_pu
     never go back to a compacted version older than the one an ingest has made live: each
     item answers the search sent the moment its call returned."""
     root = write_catalog_index(tmp_path, items=12)
-    server, client = start(root, admin_token=ADMIN, max_segments=2)
+    server, client = start(root, admin_token=ADMIN, max_segments=2, merges="whole")
     try:
         missed = []
         for call in range(12):
@@ -282,6 +285,37 @@ def test_every_ingest_is_found_by_the_search_right_after_it_while_compactions_pu
                 if found.neighbors[0].id != f"burst-{earlier}":
                     missed.append((call, earlier, found.index_version))
         assert missed == []
+    finally:
+        client.close()
+        server.stop(grace=1)
+
+
+def test_ingests_set_off_tiered_merges_after_their_answer_and_the_merged_version_is_served(tmp_path):
+    """By default (--merges tiered) a server's ingests make segments that the tiered policy
+    merges once due — here the ten one-row segments of size class 0, into one — in an `index
+    compact --tiered` process after the call's answer; the server then serves the merged version,
+    every ingested item found, and no --max-segments compaction ran (max_segments is left high)."""
+    from index.build.merges import merge_records
+
+    root = write_catalog_index(tmp_path, items=12)
+    server, client = start(root, admin_token=ADMIN, max_segments=1000)
+    try:
+        for call in range(10):  # the 10th fills class 0 (segments_per_tier 10; 10 rows ≤ half the base)
+            vector = pb.Embedding(values=unit(500 + call))
+            item = pb.NewItem(id=f"tier-{call}", embedding=vector, metadata={"shade": "1"})
+            client.add_items([item])
+
+        def merged() -> bool:
+            live = IndexVersion.open(root)
+            return bool(merge_records(root)) and client.get_info().index_version == live.name
+
+        wait_for(merged)
+        live = IndexVersion.open(root)
+        merge = IndexVersion(artifacts.version_dir(root, merge_records(root)[0]["version"])).manifest
+        assert "10 of 11 segments (tier 0)" in " ".join(merge.quality_gate.reasons), merge.quality_gate
+        assert len(live.manifest.segments) == 2  # the base and the ingests' segments merged into one
+        for call in range(10):
+            assert nearest(client, embedding=pb.Embedding(values=unit(500 + call))).neighbors[0].id == f"tier-{call}"
     finally:
         client.close()
         server.stop(grace=1)
