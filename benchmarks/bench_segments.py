@@ -3,15 +3,15 @@
 For each factory (Flat; IVF-PQ32 re-ranked) and shard count (S = 1, 4) a version of `--size`
 unit vectors is built, then, each against its own baseline measured in the same run:
 
-- an add of `--add` rows (`index.build.add.add_vectors`, as `index add` publishes after embedding):
+- an add of `--add` rows (`index.changes.add.add_vectors`, as `index add` publishes after embedding):
   seconds and bytes written, against the version's bytes (what an add cost before segments:
   every byte of it rewritten);
-- a removal of `--remove` ids (`index.build.lifecycle.remove_items`): seconds and bytes written;
+- a removal of `--remove` ids (`index.changes.lifecycle.remove_items`): seconds and bytes written;
 - search over the base segment plus `--segments` small ones (adds of `--segment-rows` rows)
   against the same rows compacted into one segment: q/s at `--concurrency` callers, one query a
   call (`search_within` with the version's tombstones masked, as the server's engine calls it),
   Flat answers compared to the id and ANN recall@10 against exact search;
-- the compaction itself (`index.build.lifecycle.compact_version`, on Ray, one task a shard): seconds,
+- the compaction itself (`index.changes.lifecycle.compact_version`, on Ray, one task a shard): seconds,
   and the p99 of a paced search load (one caller, BESIDE_QPS) beside it against the same load's
   p99 for `--beside-s` seconds before;
 - a reload after an add of `--reload-rows` rows: seconds to open and load the new version in a
@@ -37,10 +37,10 @@ import psutil
 from core.artifacts.index_manifest import RowCounts
 from core.data.items import ItemTable
 from core.retrieval.vectors import exact_search, l2_normalized
-from index.build.add import add_vectors
 from index.build.gate import GateThresholds
-from index.build.lifecycle import compact_version, remove_items
 from index.build.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
+from index.changes.add import add_vectors
+from index.changes.lifecycle import compact_version, remove_items
 from index.search.ann_recall import recall_with_ties, scores_of_rows
 from index.search.faiss_search import search_live
 from index.versions.version import IndexVersion

@@ -2,7 +2,7 @@
 
 For each factory and merge policy a version of `--size` unit vectors (`--dim`-d, S = `--shards`)
 is built with the bench helpers, then `--adds` adds of `--rows` rows each
-(`index.build.add.add_vectors`, what `index add` publishes after embedding), one after another:
+(`index.changes.add.add_vectors`, what `index add` publishes after embedding), one after another:
 
 - `whole` — today's: a shard past `--max-segments` compacted whole before the add returns;
 - `tiered` — `index.versions.merge_policy.TieredMergePolicy`'s merges, in a background process
@@ -32,9 +32,9 @@ from benchmarks.bench_segments import build, catalog_items, ids_of, recall, sear
 from core.artifacts import layout as artifacts
 from core.artifacts.index_manifest import IndexManifest
 from core.retrieval.vectors import exact_search
-from index.build.add import add_vectors
-from index.build.lifecycle import compact_if_due, compact_version
-from index.build.merges import merge_due, merge_lock, merge_records
+from index.changes.add import add_vectors
+from index.changes.lifecycle import compact_if_due, compact_version
+from index.changes.merges import merge_due, merge_lock, merge_records
 from index.versions.merge_policy import TieredMergePolicy
 from index.versions.units import segment_counts
 from index.versions.version import IndexVersion

@@ -7,11 +7,11 @@ import sys
 
 from core.cli import COMMAND, add_config_flag, add_progress_flag, add_verbose_flag, run_cli
 from core.config import add_options, from_cli
-from index.build.compact import CompactConfig
 from index.build.config import BuildConfig
 from index.build.duplicates import DuplicatesConfig
-from index.build.lifecycle import RemoveConfig
 from index.build.rebuild import RebuildConfig
+from index.changes.compact import CompactConfig
+from index.changes.lifecycle import RemoveConfig
 
 # command → (help, configuration class, its options this command does not take)
 COMMANDS = {
@@ -87,22 +87,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("list", "rollback"):
             artifacts.check_index_root(args.index_root)
         if args.command in ("build", "add"):
-            from index.build.add import run_add
             from index.build.build import run_build
             from index.build.config import BuildConfig
+            from index.changes.add import run_add
 
             progress = args.progress
             del args.progress
             run = run_build if args.command == "build" else run_add
             print(run(from_cli(BuildConfig, args), progress=progress))
         elif args.command == "remove":
-            from index.build.lifecycle import RemoveConfig, run_remove
+            from index.changes.lifecycle import RemoveConfig, run_remove
 
             del args.progress
             report = run_remove(from_cli(RemoveConfig, args))  # its summary is logged
             print(artifacts.version_dir(args.index_root, report.version))
         elif args.command == "compact":
-            from index.build.compact import run_compact
+            from index.changes.compact import run_compact
 
             del args.progress
             done = run_compact(from_cli(CompactConfig, args))
@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                 target = older[-1]
             if args.keep < 1:
                 raise ValueError(f"--keep must be at least 1, got {args.keep}")
-            from index.build.lifecycle import local_identity, rollback
+            from index.changes.lifecycle import rollback
+            from index.versions.audit import local_identity
 
             report = rollback(
                 args.index_root, target, local_identity(), "cli", args.restore_taken_down, keep=args.keep

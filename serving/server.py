@@ -33,7 +33,7 @@ from grpc_health.v1 import health, health_pb2
 
 from core.artifacts import layout as artifacts
 from core.artifacts.layout import ArtifactError
-from index.build.lifecycle import RollbackReport, rollback
+from index.changes.lifecycle import RollbackReport, rollback
 from serving.api.admin_service import AdminService
 from serving.api.search_service import SearchService
 from serving.api.writes import IndexWrites, WriteOptions
@@ -242,7 +242,7 @@ class SearchApp:
         self, version: str, model_dir: str | None, who: str, via: str, restore: bool, make_current: bool
     ) -> tuple[RollbackReport, ServingPair | None, ServingPair]:
         """Serve `version` again without republishing what was taken down since it was built
-        (`index.build.lifecycle.rollback`: re-applied as a new version, or restored when asked), then
+        (`index.changes.lifecycle.rollback`: re-applied as a new version, or restored when asked), then
         load what it left live. One at a time with takedowns, off the loop."""
         async with self.writes.lock:
             roll = functools.partial(

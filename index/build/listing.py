@@ -18,7 +18,7 @@ from pathlib import Path
 
 from core.artifacts import layout as artifacts
 from core.artifacts.index_manifest import IndexManifest
-from index.build.lifecycle import ROLLBACK, audit_entries
+from index.versions.audit import ROLLBACK, audit_entries
 from index.versions.units import segment_counts
 
 # More segments than this in a version: their smallest and largest rows, not each one's.

@@ -33,12 +33,12 @@ from index.build.gate import (
     describe_quality,
     quality_figures,
 )
-from index.build.lifecycle import warn_of_returning_items
 from index.search.ann_recall import EffortChoice, search_effort, tune_search_effort
 from index.search.faiss_index import build_index, select_device, trained_index, with_default_rerank
 from index.search.faiss_search import ExactRerank, searchable
 from index.search.filters import FieldSpec, FilterIndex, column_values, declared_json
 from index.search.grouping import Groups
+from index.versions.audit import warn_of_returning_items
 from index.versions.sharding import ID_KEY, build_shards, check_shard_count, partition, shard_keys
 from index.versions.version import IndexVersion
 from index.versions.version_writer import StagedUnits, VersionWriter, publish_units

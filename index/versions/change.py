@@ -49,7 +49,7 @@ class ChangeReport:
     seconds: float
     peak_task_rss: int = 0  # the largest peak resident bytes of the Ray tasks that wrote the units
     compacted_to: Path | None = None  # a compaction published right after it (what CURRENT then names)
-    merge_pid: int | None = None  # a merge started in the background after it (`index.build.merges`)
+    merge_pid: int | None = None  # a merge started in the background after it (`index.changes.merges`)
 
     @property
     def live_version(self) -> Path:

@@ -22,7 +22,7 @@ rewrite every `base_merge_share × N` new rows adds (1 + s) / s. At 1M rows, F =
 100 rows: ≈ 2.2 × (1 + 3) ≈ 9×, against ≈ 200× for a whole-shard merge every 16 adds.
 
 The policy reads sizes only (rows and deleted rows a segment), so it is a pure function of a
-unit's manifest and tombstones; `index.build.merges` runs what it chooses.
+unit's manifest and tombstones; `index.changes.merges` runs what it chooses.
 """
 
 from __future__ import annotations

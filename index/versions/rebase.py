@@ -1,7 +1,7 @@
 """A compaction — or a tiered merge — rebased onto what was published while it ran.
 
 A compaction merges a snapshot of the live version without the root's writer lock, which it
-takes only to publish (`index.build.lifecycle.compact_version`). By then other writers may have
+takes only to publish (`index.changes.lifecycle.compact_version`). By then other writers may have
 published: adds append segments, removals and takedowns delete rows. `onto_live` takes the root
 and rebases the merged units onto the version live then — the merged segment, then the
 segments appended meanwhile, renumbered after every segment the live version has, and the rows

@@ -18,7 +18,8 @@ from core.artifacts.index_manifest import IndexManifest
 from core.artifacts.layout import ArtifactError
 from core.data.items import ItemTable
 from index.build.duplicates import GROUPS_FILE, SUMMARY_FILE, runs_of
-from index.build.lifecycle import RemovalReport, RollbackReport, audit_entries
+from index.changes.lifecycle import RemovalReport, RollbackReport
+from index.versions.audit import audit_entries
 from index.versions.units import segment_counts
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable

@@ -23,7 +23,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from core.data.items import ItemTable
-from index.build.lifecycle import RemovalReport
+from index.changes.lifecycle import RemovalReport
 
 T = TypeVar("T")
 R = TypeVar("R")

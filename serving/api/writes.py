@@ -18,9 +18,9 @@ import numpy as np
 from core.artifacts import layout as artifacts
 from core.artifacts.index_manifest import IndexManifest
 from core.data.items import ItemTable
-from index.build.add import add_vectors
-from index.build.lifecycle import RemovalReport, remove_items
-from index.build.merges import merge_command, merge_due
+from index.changes.add import add_vectors
+from index.changes.lifecycle import RemovalReport, remove_items
+from index.changes.merges import merge_command, merge_due
 from index.versions.merge_policy import TIERED, TieredMergePolicy
 from index.versions.segments import MAX_DELETED_FRACTION, compaction_due
 from index.versions.version import IndexVersion
@@ -117,7 +117,7 @@ class IndexWrites:
     ) -> Ingested:  # fmt: skip
         """An ingest: the items' images embedded by `pair`'s model (in the batches queries share),
         then added with the other ingests of the window to the version CURRENT names as one
-        segment (`index.build.add.add_vectors`, which refuses them unless that version was built
+        segment (`index.changes.add.add_vectors`, which refuses them unless that version was built
         with this model), published, and loaded before it returns."""
         vectors = await self.service.item_vectors(pair, checked)
         # An upsert and a plain add never share a group: a plain add must be refused where it

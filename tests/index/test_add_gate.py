@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from core.data.items import ItemTable
-from index.build.add import add_vectors
 from index.build.gate import GateThresholds, QualityGateError
+from index.changes.add import add_vectors
 from index.versions import segments
 from index.versions.version import IndexVersion
 from tests.support import shards as support

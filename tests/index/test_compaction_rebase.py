@@ -1,4 +1,4 @@
-"""Compaction beside other writers (index/build/lifecycle.py: compact_version; index/versions/rebase.py):
+"""Compaction beside other writers (index/changes/lifecycle.py: compact_version; index/versions/rebase.py):
 it merges a pinned snapshot of the live version without the root's writer lock, and
 takes the lock only to publish — rebased onto what adds and removals published meanwhile (their
 segments kept after the merged one, their removals still removed), or not at all when a
@@ -20,8 +20,8 @@ import pytest
 from core.artifacts import layout as artifacts
 from core.data.items import ItemTable
 from core.retrieval.vectors import l2_normalized
-from index.build.add import add_vectors
-from index.build.lifecycle import compact_version, remove_items, rollback
+from index.changes.add import add_vectors
+from index.changes.lifecycle import compact_version, remove_items, rollback
 from index.search.faiss_search import search_within
 from index.versions.units import segment_counts
 from index.versions.version import IndexVersion
@@ -290,7 +290,7 @@ def test_a_removal_publishes_its_takedown_then_compacts_without_the_writer_lock(
     tombstones under the root's writer lock — the takedown in force before any merge — and
     merges after letting the lock go: an add made while it merges is published at once, and the
     compaction, rebased, keeps it. It merges the shards holding deleted rows, as `--compact` says."""
-    from index.build import lifecycle
+    from index.changes import lifecycle
 
     root = tmp_path / "index"
     expected = _segmented(root, shards)
@@ -342,7 +342,7 @@ def test_a_removal_publishes_its_takedown_then_compacts_without_the_writer_lock(
 
 COMPACT = """
 import sys, time
-from index.build.lifecycle import compact_version
+from index.changes.lifecycle import compact_version
 started = time.perf_counter()
 compact_version(sys.argv[1], on_ray=False)
 print(f"{time.perf_counter() - started:.2f}", flush=True)

@@ -13,9 +13,9 @@ import pytest
 
 from core.data.catalog import read_catalog
 from core.data.items import ItemTable
-from index.build.add import run_add
 from index.build.build import run_build
 from index.build.config import BuildConfig
+from index.changes.add import run_add
 from index.search.faiss_index import build_index, with_default_rerank
 from index.search.faiss_search import EXACT, INDEX, exact_within, search_within, searchable
 from index.search.filters import (

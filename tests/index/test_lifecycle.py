@@ -17,9 +17,10 @@ from core.artifacts import layout as artifacts
 from core.artifacts.index_manifest import RowCounts
 from core.data.items import ItemTable
 from index.build.config import BuildConfig
-from index.build.lifecycle import AUDIT_LOG, remove_items, returning_takedowns, rollback
 from index.build.publish import NewVersion, publish_index_version
+from index.changes.lifecycle import remove_items, rollback
 from index.search.filters import Condition, Filter, Range
+from index.versions.audit import AUDIT_LOG, returning_takedowns
 from index.versions.version import IndexVersion
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,7 +140,7 @@ def test_ids_not_indexed_change_nothing_and_every_removal_is_audited(tmp_path):
 def test_a_build_that_brings_taken_down_items_back_says_so(tmp_path, caplog):
     publish_synthetic(tmp_path, "Flat", {})
     remove_items(tmp_path, ["item-3", "item-4"], who="test")
-    with caplog.at_level("WARNING", logger="index.build.lifecycle"):
+    with caplog.at_level("WARNING", logger="index.changes.lifecycle"):
         publish_synthetic(tmp_path, "Flat", {})  # the same catalog again, taken-down items in it
     assert "2 items of this version were taken down earlier" in caplog.text and "item-3" in caplog.text
 
@@ -181,7 +182,7 @@ def test_restoring_taken_down_items_is_explicit_and_audited_by_id(tmp_path, capl
     assert "restored 2 taken-down items (item-3, item-4)" in entry["reason"]
     # Restored is lifted: a later rollback or build does not take them down or warn of them again.
     assert returning_takedowns(tmp_path, parent.name) == []
-    with caplog.at_level("WARNING", logger="index.build.lifecycle"):
+    with caplog.at_level("WARNING", logger="index.changes.lifecycle"):
         publish_synthetic(tmp_path, "Flat", {})
     assert "taken down earlier" not in caplog.text
 

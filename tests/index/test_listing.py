@@ -14,8 +14,8 @@ import numpy as np
 
 from core.artifacts import layout as artifacts
 from core.data.items import ItemTable
-from index.build.add import add_vectors
-from index.build.lifecycle import rollback
+from index.changes.add import add_vectors
+from index.changes.lifecycle import rollback
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "versions_dbb543c"

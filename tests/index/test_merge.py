@@ -11,7 +11,7 @@ import pytest
 from core.data.items import ItemTable
 from core.retrieval.ranking import NO_ROW
 from core.retrieval.vectors import l2_normalized
-from index.build.add import add_vectors
+from index.changes.add import add_vectors
 from index.search.faiss_index import build_index
 from index.search.merge import MergedIndex, best_rows
 from index.search.range_search import by_range_search, reaching

@@ -20,9 +20,9 @@ import pytest
 from core.artifacts import layout as artifacts
 from core.data.items import ItemTable
 from core.retrieval.vectors import l2_normalized
-from index.build.add import add_vectors
-from index.build.lifecycle import remove_items
-from index.build.merges import merge_lock, merge_records, merge_snapshot, merge_tiers, tiered_changes
+from index.changes.add import add_vectors
+from index.changes.lifecycle import remove_items
+from index.changes.merges import merge_lock, merge_records, merge_snapshot, merge_tiers, tiered_changes
 from index.search.faiss_search import search_within
 from index.versions.merge_policy import BASE, DELETED, Merge, SegmentSize, TieredMergePolicy, segment_sizes
 from index.versions.merge_rows import MergedLayout
@@ -266,7 +266,7 @@ def test_index_compact_below_the_thresholds_says_what_each_shard_holds_and_print
 
 
 def test_a_compaction_says_rebased_only_when_it_was(tmp_path, caplog):
-    from index.build.lifecycle import compact_version
+    from index.changes.lifecycle import compact_version
 
     root, _ = _built(tmp_path)
     add_vectors(root, *_rows(5, 0, seed=0), max_segments=10_000)

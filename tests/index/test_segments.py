@@ -18,8 +18,8 @@ from core.artifacts.index_manifest import IndexManifest
 from core.artifacts.layout import ArtifactError
 from core.data.items import ItemTable
 from core.retrieval.vectors import RowBlocks, l2_normalized
-from index.build.add import add_vectors
-from index.build.lifecycle import compact_version, remove_items
+from index.changes.add import add_vectors
+from index.changes.lifecycle import compact_version, remove_items
 from index.search.faiss_search import search_within
 from index.search.filters import Condition, Filter
 from index.search.grouping import search_groups

@@ -21,7 +21,7 @@ import pytest
 
 from core.artifacts import layout as artifacts
 from core.data.items import ItemTable
-from index.build.add import add_vectors
+from index.changes.add import add_vectors
 from index.versions.version import IndexVersion
 from tests.support import shards as support
 
@@ -36,8 +36,8 @@ WRITER = textwrap.dedent(
     import numpy as np
     from core.data.items import ItemTable
     from core.retrieval.vectors import l2_normalized
-    from index.build.add import add_vectors
-    from index.build.lifecycle import compact_version, remove_items
+    from index.changes.add import add_vectors
+    from index.changes.lifecycle import compact_version, remove_items
 
     root, seed = sys.argv[1], int(sys.argv[2])
     rng = np.random.default_rng(seed)
@@ -59,7 +59,7 @@ WRITER = textwrap.dedent(
 COMPACTOR = textwrap.dedent(
     """
     import sys, time
-    from index.build.lifecycle import compact_version
+    from index.changes.lifecycle import compact_version
 
     print("ready", flush=True)
     while True:

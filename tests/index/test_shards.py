@@ -25,8 +25,8 @@ from index.__main__ import main as index_main
 from index.build.build import run_build
 from index.build.config import BuildConfig
 from index.build.gate import GateThresholds
-from index.build.lifecycle import remove_items
 from index.build.publish import IndexRecipe, NewVersion, PublishTarget, publish_index_version
+from index.changes.lifecycle import remove_items
 from index.search.ann_recall import ann_recall
 from index.search.faiss_search import search, search_within
 from index.search.filters import parse_filterable
@@ -311,7 +311,7 @@ def test_build_add_and_list_a_sharded_version(photos, tmp_path, capsys):
         writer = csv.writer(out)
         writer.writerow(["id", "path", "item"])
         writer.writerows([p.stem, p.name, "item0"] for p in more)
-    from index.build.add import run_add
+    from index.changes.add import run_add
 
     added = IndexVersion(run_add(BuildConfig(index_root=str(root), catalog=str(extra), min_ann_recall=0),
                                  progress=False)).load()  # fmt: skip

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from core.data.items import ItemTable
-from index.build.add import add_vectors
+from index.changes.add import add_vectors
 from index.versions.sharding import shard_of
 from index.versions.units import units_for_id
 from index.versions.version import IndexVersion

@@ -32,7 +32,7 @@ from core.data.catalog import read_catalog
 from index.build.build import run_build
 from index.build.config import BuildConfig
 from index.build.duplicates import DuplicatesConfig, run_duplicates
-from index.build.lifecycle import audit_entries
+from index.versions.audit import audit_entries
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient, condition
 from serving.config import ServerConfig

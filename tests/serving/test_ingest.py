@@ -295,7 +295,7 @@ def test_ingests_set_off_tiered_merges_after_their_answer_and_the_merged_version
     merges once due — here the ten one-row segments of size class 0, into one — in an `index
     compact --tiered` process after the call's answer; the server then serves the merged version,
     every ingested item found, and no --max-segments compaction ran (max_segments is left high)."""
-    from index.build.merges import merge_records
+    from index.changes.merges import merge_records
 
     root = write_catalog_index(tmp_path, items=12)
     server, client = start(root, admin_token=ADMIN, max_segments=1000)

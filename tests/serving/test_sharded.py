@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from core.retrieval.vectors import l2_normalized
-from index.build.lifecycle import remove_items
+from index.changes.lifecycle import remove_items
 from index.search.filters import Condition, Filter
 from index.versions.version import IndexVersion
 from serving.monitoring.monitor import MonitorConfig, RecallMonitor

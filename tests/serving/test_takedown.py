@@ -21,7 +21,7 @@ from core.data.catalog import read_catalog
 from core.data.items import ItemTable
 from index.build.build import run_build
 from index.build.config import BuildConfig
-from index.build.lifecycle import AUDIT_LOG
+from index.versions.audit import AUDIT_LOG
 from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from tests.support.server import start

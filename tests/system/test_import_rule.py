@@ -402,6 +402,7 @@ ROOMS: dict[str, set[str]] = {
     "index.search": set(),
     "index.versions": {"index.search"},
     "index.build": {"index.embedder", "index.search", "index.versions"},
+    "index.changes": {"index.embedder", "index.search", "index.versions", "index.build"},
     "index.__main__": {"*"},
     "serving": set(),
     "serving.errors": set(),

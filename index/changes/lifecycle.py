@@ -20,13 +20,10 @@ caller asks to restore them — audited either way (docs/operations.md, "Takedow
 
 from __future__ import annotations
 
-import getpass
-import json
 import logging
-import os
 import sys
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -35,9 +32,9 @@ import numpy as np
 
 from core.artifacts import layout as artifacts
 from core.artifacts.index_manifest import IndexManifest
-from core.artifacts.layout import utc_now
 from core.config import option
-from index.build.merges import merge_after_change, merge_snapshot
+from index.changes.merges import merge_after_change, merge_snapshot
+from index.versions.audit import REMOVE, RESTORE, ROLLBACK, audit, local_identity, returning_takedowns
 from index.versions.change import ChangeReport, publish_change
 from index.versions.merge_policy import TIERED, WHOLE, TieredMergePolicy
 from index.versions.segments import MAX_DELETED_FRACTION, MAX_SEGMENTS, UnitChange, wants_compaction
@@ -45,9 +42,6 @@ from index.versions.units import Unit
 from index.versions.version import IndexVersion
 
 log = logging.getLogger(__name__)
-
-AUDIT_LOG = "audit.jsonl"  # in the index root: one JSON line per removal, rollback or restore
-REMOVE, ROLLBACK, RESTORE = "remove", "rollback", "restore"  # the audit log's actions
 
 
 @dataclass
@@ -118,7 +112,7 @@ class RemovalReport:
     bytes_written: int = 0
     compacted_to: str | None = None  # the compaction published after the removal (size and deleted rows: its)
     touched: list[int] = field(default_factory=list, repr=False)  # the units (shards) the removal changed
-    merge_pid: int | None = None  # a merge started in the background after it (`index.build.merges`)
+    merge_pid: int | None = None  # a merge started in the background after it (`index.changes.merges`)
 
     def __str__(self) -> str:
         head = f"removed {self.removed} of {self.requested} requested ids"
@@ -250,7 +244,7 @@ def compact_version(
     `max_segments` or `max_deleted_fraction`: each said in one line), or when the compaction
     was superseded.
 
-    Other writers are not kept waiting for it (`index.build.merges.merge_snapshot`: a pinned
+    Other writers are not kept waiting for it (`index.changes.merges.merge_snapshot`: a pinned
     snapshot merged without the root's writer lock, rebased onto what they published
     meanwhile, or superseded). `staged`: called between the merge and the publish (tests pause
     here). `units`: only these shards (by number), due or not."""
@@ -295,62 +289,6 @@ def compact_if_due(
     its report, or None when none is due."""
     return compact_version(index_root, keep, on_ray=True, only_due=True, max_segments=max_segments,
                            max_deleted_fraction=max_deleted_fraction)  # fmt: skip
-
-
-def audit(
-    index_root: str | Path, action: str, who: str, via: str, reason: str, report: RemovalReport, ids: list[str]
-) -> None:
-    """Append one JSON line to the root's audit log: when, who, through what, why, and what left."""
-    entry = {
-        "time": utc_now(),
-        "action": action,
-        "who": who,
-        "via": via,
-        "reason": reason,
-        "parent_version": report.parent_version,
-        "version": report.version,
-        "requested": report.requested,
-        "removed": report.removed,
-        "not_found": report.not_found,
-        "ids": ids,
-    }
-    with open(Path(index_root) / AUDIT_LOG, "a", encoding="utf-8") as log_file:
-        log_file.write(json.dumps(entry, ensure_ascii=False) + "\n")
-        log_file.flush()
-        os.fsync(log_file.fileno())
-
-
-def audit_entries(index_root: str | Path) -> list[dict]:
-    """The root's audit log, oldest entry first (none when nothing was ever removed)."""
-    path = Path(index_root) / AUDIT_LOG
-    if not path.is_file():
-        return []
-    with open(path, encoding="utf-8") as log_file:
-        return [json.loads(line) for line in log_file if line.strip()]
-
-
-def taken_down(index_root: str | Path, since: str | None = None) -> set[str]:
-    """Ids the root's audit log says are taken down: removed (by a takedown, or by a rollback
-    that re-applied takedowns) and not restored since. `since`: only takedowns that published a
-    version after that one (version names sort by the time they were made)."""
-    ids: set[str] = set()
-    for entry in audit_entries(index_root):
-        action = entry.get("action")
-        if action in (REMOVE, ROLLBACK) and (since is None or (entry.get("version") or "") > since):
-            ids.update(entry.get("ids", []))
-        elif action == RESTORE:
-            ids.difference_update(entry.get("ids", []))
-    return ids
-
-
-def returning_takedowns(index_root: str | Path, version: str) -> list[str]:
-    """Ids `version` holds that were taken down after it was built: what making it live again
-    would republish."""
-    since = taken_down(index_root, version)
-    if not since:
-        return []
-    held = IndexVersion.open(index_root, version).rows_of_ids(sorted(since))
-    return sorted(item_id for item_id, row in held.items() if row is not None)
 
 
 @dataclass
@@ -408,31 +346,6 @@ def rollback(
             audit(index_root, RESTORE, who, via, str(report), summary, back)
     log.info("%s", report)
     return report
-
-
-def warn_of_returning_items(index_root: str | Path, ids: Iterable[str]) -> int:
-    """A build from a catalog that still lists items taken down brings them back: say so."""
-    removed = taken_down(index_root)
-    if not removed:
-        return 0
-    back = [item_id for item_id in ids if item_id in removed]
-    if back:
-        log.warning(
-            "%d items of this version were taken down earlier (%s; e.g. %s) and are back: remove them "
-            "from the catalog, or run index remove again",
-            len(back),
-            Path(index_root) / AUDIT_LOG,
-            ", ".join(back[:3]),
-        )
-    return len(back)
-
-
-def local_identity() -> str:
-    """Who runs a command on this machine, for the audit log."""
-    try:
-        return f"user:{getpass.getuser()}"
-    except (KeyError, OSError):
-        return f"uid:{os.getuid()}"
 
 
 def run_remove(cfg: RemoveConfig) -> RemovalReport:

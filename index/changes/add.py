@@ -19,8 +19,8 @@ from core.retrieval.vectors import unit_rows
 from index.build.config import BuildConfig
 from index.build.embed import check_bad_rows, embed_catalog
 from index.build.gate import GateThresholds, gate_change
-from index.build.lifecycle import compact_if_due
-from index.build.merges import merge_after_change
+from index.changes.lifecycle import compact_if_due
+from index.changes.merges import merge_after_change
 from index.embedder import OnnxEmbedder
 from index.search.filters import parse_filterable, specs_of
 from index.versions.change import ChangeReport, publish_change
@@ -42,8 +42,8 @@ def run_add(cfg: BuildConfig, progress: bool = True) -> Path:
     the indexed ones: those are tombstoned as a removal tombstones them and come back in the
     new segment with their new vector and metadata. The gate measures the new rows
     (`index.build.gate.gate_change`); the merges the tiered policy has due then run in the
-    background (`index.build.merges`), or with `--merges whole` a shard past its segment count or
-    deleted share is compacted before it returns (`index.build.lifecycle.compact_if_due`).
+    background (`index.changes.merges`), or with `--merges whole` a shard past its segment count or
+    deleted share is compacted before it returns (`index.changes.lifecycle.compact_if_due`).
     The live version's model (unless --model names another directory of it), factory, search
     parameters and filterable fields hold for the rows it gains.
     """

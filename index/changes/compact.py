@@ -1,8 +1,8 @@
 """`index compact`: whole shards compacted now, or (`--tiered`) the merges the tiered policy
 has due — what `index add` and `index remove` start in the background after they publish.
 
-The whole compaction (`index.build.lifecycle.compact_version`) is synchronous and waits its
-turn behind a background merge of the same root (`index.build.merges.merge_lock`), so a shard
+The whole compaction (`index.changes.lifecycle.compact_version`) is synchronous and waits its
+turn behind a background merge of the same root (`index.changes.merges.merge_lock`), so a shard
 is merged by one process at a time; a tiered run lowers its own CPU priority and leaves at once
 when another process merges the root (that one merges what is due).
 """
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from core.artifacts import layout as artifacts
 from core.artifacts.index_manifest import IndexManifest
 from core.config import option
-from index.build.lifecycle import compact_version
-from index.build.merges import lower_priority, merge_lock, merge_tiers
+from index.changes.lifecycle import compact_version
+from index.changes.merges import lower_priority, merge_lock, merge_tiers
 from index.versions.change import ChangeReport
 from index.versions.merge_policy import TieredMergePolicy
 from index.versions.segments import MAX_SEGMENTS
