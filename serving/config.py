@@ -112,6 +112,13 @@ class Runtime:
     workers: int | None = option(
         None, help="decode threads, and inference threads with batching off (default: CPU count)"
     )
+    # Processes, not threads: one Python process tops out at about a core of gRPC and decoding
+    # however many threads it has (the GIL); workers share the index's mapped pages.
+    processes: int | None = option(
+        None,
+        help="server processes answering on the same ports, each a whole server sharing the index's memory-mapped "
+        "segments; one /metrics for all (default: CPU count; 1: one process, no supervisor)",
+    )
     event_loop: str = option("uvloop", choices=EVENT_LOOPS, help="the gRPC event loop")
     inline_decode_pixels: int = option(
         4096, help="decode on the event loop when image and model input have at most this many pixels (0: never)"
@@ -143,12 +150,17 @@ class Runtime:
     def __post_init__(self) -> None:
         if not 0 < self.run_rows_budget_s < float("inf"):
             raise ValueError(f"run_rows_budget_s must be > 0 seconds, got {self.run_rows_budget_s}")
-        for name in ("workers", "intra_op_threads"):
+        for name in ("workers", "intra_op_threads", "processes"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("inline_decode_pixels", "inference_decode_pixels", "run_rows"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be ≥ 0, got {getattr(self, name)}")
+
+    @property
+    def server_processes(self) -> int:
+        """Server processes: `processes`, by default the CPUs this process may run on."""
+        return self.processes or len(os.sched_getaffinity(0)) or 1
 
     @property
     def worker_threads(self) -> int:
