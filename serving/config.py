@@ -5,6 +5,7 @@ loads the pair it serves."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,20 @@ from serving.search.engine import Limits, ServingPair, load_pair
 from serving.search.query_embedder import MEASURE_BUDGET_S, Progress
 
 EVENT_LOOPS = ("uvloop", "asyncio")
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity, bounded by a cgroup v2 CPU quota (a
+    container's --cpus, a pod's limit), which the affinity does not show — a pod limited to 2
+    CPUs on a 64-core node must not start 64 server processes."""
+    cpus = len(os.sched_getaffinity(0)) or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota == "max":
+            return cpus
+        return max(1, min(cpus, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        return cpus
 
 
 @dataclass
@@ -117,7 +132,8 @@ class Runtime:
     processes: int | None = option(
         None,
         help="server processes answering on the same ports, each a whole server sharing the index's memory-mapped "
-        "segments; one /metrics for all (default: CPU count; 1: one process, no supervisor)",
+        "segments; one /metrics for all (default: CPU count, within a container's CPU limit; 1: one process, no "
+        "supervisor)",
     )
     event_loop: str = option("uvloop", choices=EVENT_LOOPS, help="the gRPC event loop")
     inline_decode_pixels: int = option(
@@ -160,7 +176,7 @@ class Runtime:
     @property
     def server_processes(self) -> int:
         """Server processes: `processes`, by default the CPUs this process may run on."""
-        return self.processes or len(os.sched_getaffinity(0)) or 1
+        return self.processes or available_cpus()
 
     @property
     def worker_threads(self) -> int:
