@@ -48,12 +48,13 @@ def body(request: pb.SearchRequest, path: Path) -> Path:
     return path
 
 
-def pss_mb(pid: int) -> float:
-    """The server's PSS in MB: the process and its children (a supervisor's workers)."""
+def pss_mb(pid: int, field: str = "Pss") -> float:
+    """The server's PSS in MB (`field`: Pss_Anon, Pss_File for a part): the process and its
+    children (a supervisor's workers)."""
     total = 0
     for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
         for line in Path(f"/proc/{proc.pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
+            if line.startswith(f"{field}:"):
                 total += int(line.split()[1])
     return total / 1024
 
@@ -78,6 +79,8 @@ def run(index_root: Path, processes: int, bodies: dict[str, Path], args: argpars
             result = h2load(port, path, args.concurrency, args.seconds, log, connections=args.connections)
             out[name] = {k: result[k] for k in ("qps", "p50_ms", "p99_ms")}
         out["pss_loaded_mb"] = pss_mb(proc.pid)
+        out["pss_anon_mb"] = pss_mb(proc.pid, "Pss_Anon")  # each process's own heap
+        out["pss_file_mb"] = pss_mb(proc.pid, "Pss_File")  # mapped files: the index, libraries
         return out
     finally:
         proc.terminate()
@@ -108,13 +111,16 @@ def main() -> None:
         f"\n{args.rows:,} × {args.dim} Flat, {os.cpu_count()} CPUs, concurrency {args.concurrency} over "
         f"{args.connections} connections, {args.seconds:g} s"
     )
-    print(f"{'processes':>9} {'q/s emb':>8} {'p99 ms':>7} {'q/s img':>8} {'p99 ms':>7} {'PSS MB':>7} {'× one':>6}")
+    print(
+        f"{'processes':>9} {'q/s emb':>8} {'p99 ms':>7} {'q/s img':>8} {'p99 ms':>7} {'PSS MB':>7} {'× one':>6} "
+        f"{'anon MB':>8} {'file MB':>8}"
+    )
     one = results[0]["pss_loaded_mb"]
     for r in results:
         e, i = r["embedding"], r["image"]
         print(
             f"{r['processes']:>9} {e['qps']:8.0f} {e['p99_ms']:7.1f} {i['qps']:8.0f} {i['p99_ms']:7.1f} "
-            f"{r['pss_loaded_mb']:7.0f} {r['pss_loaded_mb'] / one:6.2f}"
+            f"{r['pss_loaded_mb']:7.0f} {r['pss_loaded_mb'] / one:6.2f} {r['pss_anon_mb']:8.0f} {r['pss_file_mb']:8.0f}"
         )
     print(json.dumps(results))
 
