@@ -257,6 +257,8 @@ class ServerConfig:
             self.batching.batch_streams = 1 if self.sharding.ray else DEFAULT_BATCH_STREAMS
         if self.watch_interval_s <= 0:
             raise ValueError("watch_interval_s must be > 0")
+        if self.sharding.ray and (self.runtime.processes or 1) > 1:  # Ray Serve scales by replicas instead
+            raise ValueError("processes is for serve without --ray (--ray scales by --shard-replicas)")
         if self.keep_versions < 1:
             raise ValueError(f"keep_versions must be at least 1, got {self.keep_versions}")
         if self.max_segments < 1:
