@@ -45,6 +45,7 @@ BAD_INPUT = [
     (("serving", "serve", "--workers", "0"), "--workers must be positive"),
     (("serving", "serve", "--processes", "0"), "--processes must be positive"),
     (("serving", "serve", "--processes", "-2"), "--processes must be positive"),
+    (("serving", "serve", "--ray", "--processes", "2"), "--processes is for serve without --ray"),
     (("serving", "serve", "--intra-op-threads", "-1"), "--intra-op-threads must be positive"),
     (("serving", "serve", "--batch-streams", "0"), "--batch-streams must be positive"),
     (("serving", "serve", "--inline-decode-pixels", "-1"), "--inline-decode-pixels must be ≥ 0"),
