@@ -26,6 +26,7 @@ from serving.__main__ import server_config
 from serving.client import SearchClient
 from serving.config import available_cpus
 from serving.listen import port_lock_path
+from tests.serving.test_prometheus import needs_prometheus, query, start_prometheus
 from tests.serving.test_shutdown import free_port
 from tests.support.index import write_catalog_index
 from tests.support.server import wait_for
@@ -114,6 +115,31 @@ def test_both_workers_answer_on_one_port_and_metrics_sum_them(served):
     # the HTTP port is shared as the gRPC port is: it answers, whichever worker takes it
     http = urllib.request.urlopen(f"http://127.0.0.1:{server.ports['http_port']}/openapi.json", timeout=60)
     assert http.status == 200
+
+
+@needs_prometheus
+def test_a_real_prometheus_scrapes_one_target_for_both_workers(served, tmp_path):
+    server, _ = served
+    for seed in range(20):  # on connections of their own: both workers answer some
+        with fresh_channel(server.port) as channel:
+            pb_grpc.SimilaritySearchStub(channel).Search(pb.SearchRequest(embedding=pb.Embedding(values=unit(seed))))
+    wait_for(lambda: len(server.figure("simsearch_worker_calls_total")) == 2)
+    prom_port = free_port()
+    prometheus = start_prometheus(tmp_path, prom_port, server.metrics_port)
+    try:
+
+        def answered(expr: str) -> float | None:
+            result = query(prom_port, expr)["data"]["result"]
+            return float(result[0]["value"][1]) if result else None
+
+        # one target, whose calls of either worker sum to the server's own count of its calls
+        assert wait_for(lambda: answered("count(simsearch_worker_calls_total > 0)")) == 2
+        assert answered("sum(simsearch_worker_calls_total)") == answered("sum(simsearch_requests_total)")
+        assert answered('count(up{job="target"} == 1)') == 1
+        assert answered("simsearch_index_loaded") == 1
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=60)
 
 
 def test_a_second_server_on_the_workers_port_is_refused_with_one_line(served):
