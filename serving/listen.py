@@ -72,12 +72,20 @@ def hold_port(what: str, host: str, port: int, flag: str) -> None:
     kernel however the process ends), then claim it. Its workers bind it with SO_REUSEPORT, which
     a second server asking for it too would share without a word: every simsearch server checks
     the lock first (`claim_port`), so it is refused with one line instead."""
-    fd = os.open(port_lock_path(port), os.O_RDONLY | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    path = port_lock_path(port)
+    while True:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise PortInUse(what, host, port, flag, "held by another simsearch server's workers") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break  # the file at the path now, not one its last holder removed as it let go
+        except FileNotFoundError:
+            pass
         os.close(fd)
-        raise PortInUse(what, host, port, flag, "held by another simsearch server's workers") from None
     _held_ports[port] = fd
     try:
         claim_port(what, host, port, flag)
@@ -87,9 +95,11 @@ def hold_port(what: str, host: str, port: int, flag: str) -> None:
 
 
 def release_port(port: int) -> None:
-    """Let go of a port `hold_port` held (its file stays: removing it would race a new holder)."""
+    """Let go of a port `hold_port` held, removing its lock file first (a server that took the
+    lock on the file meanwhile sees it was removed, and takes the new one: `hold_port`)."""
     fd = _held_ports.pop(port, None)
     if fd is not None:
+        port_lock_path(port).unlink(missing_ok=True)
         os.close(fd)
 
 

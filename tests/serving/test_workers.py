@@ -184,6 +184,7 @@ def test_sigterm_stops_every_worker_cleanly_and_removes_the_metrics_files(tmp_pa
     drained = [line for line in logs.splitlines() if "draining and stopping" in line]
     assert sorted(line.rsplit("worker=", 1)[-1] for line in drained) == ["0", "1"], logs  # each worker drained
     assert not Path(metrics_dir).exists()
+    assert not port_lock_path(server.port).exists()  # the port's lock file goes with the server
 
 
 def test_a_worker_that_dies_stops_the_server_with_one_line(tmp_path):
