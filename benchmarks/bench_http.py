@@ -39,7 +39,8 @@ def main() -> None:
     grpc_port, http_port, metrics_port = free_port(), free_port(), free_port()
     server = start(
         [sys.executable, "-m", "serving", "serve", "--index-root", str(args.run / "index"), "--port", str(grpc_port)]
-        + ["--http-port", str(http_port), "--metrics-port", str(metrics_port), "--probe-interval-s", "3600"],
+        + ["--http-port", str(http_port), "--metrics-port", str(metrics_port), "--probe-interval-s", "3600"]
+        + ["--processes", "1"],
         lambda: healthy(metrics_port),
     )
     results: dict[tuple[str, str, int], list[dict]] = {}

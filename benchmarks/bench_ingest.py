@@ -74,7 +74,8 @@ def main() -> None:
         shutil.copytree(built, root)
         port, metrics_port = harness.free_port(), harness.free_port()
         command = [sys.executable, "-m", "serving", "serve", "--port", str(port), "--metrics-port",
-                   str(metrics_port), "--index-root", str(root), "--max-segments", str(args.max_segments)]  # fmt: skip
+                   str(metrics_port), "--index-root", str(root), "--max-segments", str(args.max_segments),
+                   "--processes", "1"]  # fmt: skip
         os.environ["SIMSEARCH_ADMIN_TOKEN"] = TOKEN
         proc = harness.start(command, lambda: harness.healthy(metrics_port))
         try:

@@ -198,7 +198,7 @@ def serve_stage(index_root: Path, catalog: Path, queries: int, concurrency: int)
     port, metrics_port = harness.free_port(), harness.free_port()
     command = [
         sys.executable, "-m", "serving", "serve", "--index-root", str(index_root),
-        "--port", str(port), "--metrics-port", str(metrics_port),
+        "--port", str(port), "--metrics-port", str(metrics_port), "--processes", "1",
     ]  # fmt: skip
     print(f"[serve] {' '.join(command)}", flush=True)
     started = time.perf_counter()

@@ -453,7 +453,7 @@ def run_query(
         roots = {s: folder / f"s{s}" for s in sorted({1, *shard_counts})}
         for s, root in roots.items():
             publish_vectors(root, vectors, s, model=model)
-        base = [sys.executable, "-m", "serving", "serve", "--port", "0", "--probe-interval-s", "0"]
+        base = [sys.executable, "-m", "serving", "serve", "--port", "0", "--probe-interval-s", "0", "--processes", "1"]
         for label, s in [("single process", 1)] + [(f"serve --ray, S = {s}", s) for s in shard_counts]:
             metrics_port = harness.free_port()
             command = [*base, "--index-root", str(roots[s]), "--metrics-port", str(metrics_port)]

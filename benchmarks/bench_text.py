@@ -112,7 +112,7 @@ def main() -> None:
         texts.write_text("\n".join(phrases) + "\n", encoding="utf-8")
         port, metrics_port = harness.free_port(), harness.free_port()
         command = [sys.executable, "-m", "serving", "serve", "--port", str(port), "--metrics-port", str(metrics_port)]
-        command += ["--index-root", str(root), "--probe-interval-s", "0", "--ann-sample-rate", "0"]
+        command += ["--index-root", str(root), "--probe-interval-s", "0", "--ann-sample-rate", "0", "--processes", "1"]
         proc = harness.start(command, lambda: harness.healthy(metrics_port))
         try:
             same, asked = served_equals_offline(port, root, phrases)

@@ -195,11 +195,13 @@ def grpc_body(image: bytes, k: int = 10) -> bytes:
     return b"\0" + struct.pack(">I", len(message)) + message
 
 
-def h2load(port: int, body: Path, concurrency: int, seconds: float, log: Path) -> dict:
-    """Closed loop: `concurrency` streams on one connection (as one gRPC channel), for `seconds`."""
+def h2load(port: int, body: Path, concurrency: int, seconds: float, log: Path, connections: int = 1) -> dict:
+    """Closed loop: `concurrency` streams on `connections` connections (by default one, as one gRPC
+    channel), for `seconds`."""
     duration = f"{max(1, round(seconds))}"  # h2load takes whole seconds (or a unit: 500ms)
     log.unlink(missing_ok=True)  # h2load appends to its log: rows of an earlier run would count
-    command = ["h2load", "-c", "1", "-m", str(concurrency), "-t", "1", "-D", duration]
+    streams = str(max(1, concurrency // connections))
+    command = ["h2load", "-c", str(connections), "-m", streams, "-t", "1", "-D", duration]
     command += ["-d", str(body), "--log-file", str(log)]
     command += ["-H", "content-type: application/grpc", "-H", "te: trailers"]
     out = subprocess.run(
@@ -334,7 +336,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 def serve_flags(run: Path, mode: str | None, server_flags: tuple[str, ...]) -> list[str]:
     """The `serve` flags of the benchmark's server in `mode` (None: as `server_flags` say), bar its ports."""
+    # one process: its CPU is read from its pid, and h2load's one connection reaches one worker
     flags = ["--index-root", str(run / "index"), "--max-batch-size", "32", "--probe-interval-s", "3600"]
+    flags += ["--processes", "1"]
     flags += ["--probe-size", "1", "--ann-sample-rate", "0", "--log-format", "text"]
     return [*flags, *server_flags, *(MODES[mode] if mode else ())]
 

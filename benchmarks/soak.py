@@ -563,7 +563,7 @@ def soak(
         command = [
             sys.executable, "-m", "serving", "serve", *(["--ray"] if ray else []), "--index-root", str(root),
             "--port", "0", "--metrics-port", str(harness.free_port()), "--http-port", "0", "--admin-token", TOKEN,
-            "--log-format", "text", *server_flags,
+            "--log-format", "text", *([] if ray else ["--processes", "1"]), *server_flags,
         ]  # fmt: skip
         proc, ports = harness.serving(command, env, log)
         say(f"{' '.join(command[2 : 5 if ray else 4])} serving: {ports}")

@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             str(port),
             "--metrics-port",
             str(metrics_port),
+            "--processes",
+            "1",  # the demo's few queries need one process, loaded once
         ],
     )
     try:

@@ -155,8 +155,9 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
     return config
 
 
-def _serve(args: argparse.Namespace) -> None:
+def _serve(args: argparse.Namespace, argv: list[str]) -> None:
     from serving import logs
+    from serving.listen import worker_slot
 
     logs.configure(args.log_format)
     config = _server_config(args)
@@ -165,6 +166,17 @@ def _serve(args: argparse.Namespace) -> None:
 
         ray_serve.run(config)
         return
+    if worker_slot() is None and config.runtime.server_processes > 1:  # a supervisor and its workers
+        from serving.workers import supervise
+
+        code = supervise(config, argv)
+        if code:
+            raise SystemExit(code)
+        return
+    if worker_slot() is not None:
+        from serving.workers import follow_supervisor
+
+        follow_supervisor()
     from serving.server import run
 
     run(config)
@@ -305,8 +317,9 @@ def _info(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
-    commands = {"serve": _serve, "query": _query, "info": _info}
+    commands = {"serve": lambda a: _serve(a, argv), "query": _query, "info": _info}
 
     def command() -> None:
         try:

@@ -5,6 +5,7 @@ loads the pair it serves."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,20 @@ from serving.search.engine import Limits, ServingPair, load_pair
 from serving.search.query_embedder import MEASURE_BUDGET_S, Progress
 
 EVENT_LOOPS = ("uvloop", "asyncio")
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity, bounded by a cgroup v2 CPU quota (a
+    container's --cpus, a pod's limit), which the affinity does not show — a pod limited to 2
+    CPUs on a 64-core node must not start 64 server processes."""
+    cpus = len(os.sched_getaffinity(0)) or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota == "max":
+            return cpus
+        return max(1, min(cpus, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        return cpus
 
 
 @dataclass
@@ -113,6 +128,14 @@ class Runtime:
     workers: int | None = option(
         None, help="decode threads, and inference threads with batching off (default: CPU count)"
     )
+    # Processes, not threads: one Python process tops out at about a core of gRPC and decoding
+    # however many threads it has (the GIL); workers share the index's mapped pages.
+    processes: int | None = option(
+        None,
+        help="server processes answering on the same ports, each a whole server sharing the index's memory-mapped "
+        "segments; one /metrics for all (default: CPU count, within a container's CPU limit; 1: one process, no "
+        "supervisor)",
+    )
     event_loop: str = option("uvloop", choices=EVENT_LOOPS, help="the gRPC event loop")
     inline_decode_pixels: int = option(
         4096, help="decode on the event loop when image and model input have at most this many pixels (0: never)"
@@ -144,12 +167,17 @@ class Runtime:
     def __post_init__(self) -> None:
         if not 0 < self.run_rows_budget_s < float("inf"):
             raise ValueError(f"run_rows_budget_s must be > 0 seconds, got {self.run_rows_budget_s}")
-        for name in ("workers", "intra_op_threads"):
+        for name in ("workers", "intra_op_threads", "processes"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("inline_decode_pixels", "inference_decode_pixels", "run_rows"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be ≥ 0, got {getattr(self, name)}")
+
+    @property
+    def server_processes(self) -> int:
+        """Server processes: `processes`, by default the CPUs this process may run on."""
+        return self.processes or available_cpus()
 
     @property
     def worker_threads(self) -> int:
@@ -237,6 +265,8 @@ class ServerConfig:
             self.batching.batch_streams = 1 if self.sharding.ray else DEFAULT_BATCH_STREAMS
         if self.watch_interval_s <= 0:
             raise ValueError("watch_interval_s must be > 0")
+        if self.sharding.ray and (self.runtime.processes or 1) > 1:  # Ray Serve scales by replicas instead
+            raise ValueError("processes is for serve without --ray (--ray scales by --shard-replicas)")
         if self.keep_versions < 1:
             raise ValueError(f"keep_versions must be at least 1, got {self.keep_versions}")
         if self.max_segments < 1:

@@ -1,12 +1,16 @@
 """Where the search server listens: each port claimed before anything loads (`claim_port`,
-`PortInUse`), the event loop it serves on (`loop_factory`), and its gRPC server with the
-servicers, health and reflection (`new_grpc_server`). The app (`serving.server.SearchApp`) binds them.
+`PortInUse`), held for a server's worker processes (`hold_port`, `WORKER_ENV`), the event loop it
+serves on (`loop_factory`), and its gRPC server with the servicers, health and reflection
+(`new_grpc_server`). The app (`serving.server.SearchApp`) binds them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
 import socket
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -40,19 +44,111 @@ class PortInUse(ValueError):
         )
 
 
-def claim_port(what: str, host: str, port: int, flag: str) -> None:
-    """Fail at once with `PortInUse` when `host:port` cannot be bound, as a listener would bind it
-    (SO_REUSEADDR, never SO_REUSEPORT). gRPC turns SO_REUSEPORT on by default, under which a
-    second server on the same port binds without a word and the kernel splits connections
-    between the two — two indexes answering one address; the server turns it off too, and this
-    check gives the refusal one clear line before a model is loaded."""
-    if port == 0:
-        return
+# "I/N": this process is worker I of the N that one server runs (`serving.workers`): its ports
+# are held by its supervisor, and it binds them with SO_REUSEPORT beside its siblings.
+WORKER_ENV = "SIMSEARCH_WORKER"
+
+
+def worker_slot() -> tuple[int, int] | None:
+    """(this worker's index, the server's workers) when this process is one of a server's
+    workers; None for a server that is one process."""
+    value = os.environ.get(WORKER_ENV)
+    if not value:
+        return None
+    index, count = value.split("/")
+    return int(index), int(count)
+
+
+def port_lock_path(port: int) -> Path:
+    """The lock file a multi-process server holds (flock) for `port` while its workers share it."""
+    return Path(tempfile.gettempdir()) / f"simsearch-port-{port}.lock"
+
+
+_held_ports: dict[int, int] = {}  # port → the lock file's descriptor, held by this process
+
+
+def hold_port(what: str, host: str, port: int, flag: str) -> None:
+    """Hold `port` for this server's workers (an flock on `port_lock_path`, released by the
+    kernel however the process ends), then claim it. Its workers bind it with SO_REUSEPORT, which
+    a second server asking for it too would share without a word: every simsearch server checks
+    the lock first (`claim_port`), so it is refused with one line instead."""
+    path = port_lock_path(port)
+    while True:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise PortInUse(what, host, port, flag, "held by another simsearch server's workers") from None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break  # the file at the path now, not one its last holder removed as it let go
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    _held_ports[port] = fd
+    try:
+        claim_port(what, host, port, flag)
+    except PortInUse:
+        release_port(port)
+        raise
+
+
+def release_port(port: int) -> None:
+    """Let go of a port `hold_port` held, removing its lock file first (a server that took the
+    lock on the file meanwhile sees it was removed, and takes the new one: `hold_port`)."""
+    fd = _held_ports.pop(port, None)
+    if fd is not None:
+        port_lock_path(port).unlink(missing_ok=True)
+        os.close(fd)
+
+
+def free_port(host: str) -> int:
+    """A port the system has free on `host`, for a server told port 0 whose workers must all
+    bind the same one."""
+    family, kind, proto, _, address = _address(host, 0)
+    with socket.socket(family, kind, proto) as probe:
+        probe.bind(address)
+        return probe.getsockname()[1]
+
+
+def _address(host: str, port: int) -> tuple:
     try:
         addresses = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise ValueError(f"cannot resolve the address to bind, {host!r}: {exc.strerror}") from None
-    family, kind, proto, _, address = addresses[0]
+    return addresses[0]
+
+
+def _locked_by_another(port: int) -> bool:
+    """Whether another simsearch server's workers hold `port` (`hold_port`)."""
+    if port in _held_ports:
+        return False
+    try:
+        fd = os.open(port_lock_path(port), os.O_RDONLY)
+    except OSError:
+        return False  # no lock file: no server with workers ever held it here
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the shared lock taken to test
+    return False
+
+
+def claim_port(what: str, host: str, port: int, flag: str) -> None:
+    """Fail at once with `PortInUse` when `host:port` cannot be bound, as a listener would bind it
+    (SO_REUSEADDR, never SO_REUSEPORT), or when another simsearch server's workers hold it
+    (`hold_port`). gRPC turns SO_REUSEPORT on by default, under which a second server on the
+    same port binds without a word and the kernel splits connections between the two — two
+    indexes answering one address; the server turns it off too (but among its own workers), and
+    this check gives the refusal one clear line before a model is loaded."""
+    if port == 0:
+        return
+    if _locked_by_another(port):
+        raise PortInUse(what, host, port, flag, "held by another simsearch server's workers")
+    family, kind, proto, _, address = _address(host, port)
     with socket.socket(family, kind, proto) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -79,15 +175,17 @@ def new_grpc_server(
     service: SearchService,
     admin: AdminService,
     health_servicer: health.aio.HealthServicer,
+    shared: bool = False,
 ) -> grpc.aio.Server:
     """The grpc.aio server on the running loop (it belongs to the loop it was made on), its
-    servicers, health and reflection added; no port bound yet."""
+    servicers, health and reflection added; no port bound yet. `shared`: a worker's, whose port
+    its siblings bind too (SO_REUSEPORT, the port held by their supervisor)."""
     server = grpc.aio.server(
         interceptors=[TokenAuthInterceptor(tokens)],
         options=[
             ("grpc.max_receive_message_length", config.limits.max_message_bytes),
             ("grpc.max_send_message_length", config.limits.max_message_bytes),
-            ("grpc.so_reuseport", 0),  # see claim_port
+            ("grpc.so_reuseport", 1 if shared else 0),  # see claim_port and hold_port
             *config.transport.connection_options,
         ],
         maximum_concurrent_rpcs=config.batching.max_queue + config.runtime.worker_threads,
@@ -102,11 +200,12 @@ def new_grpc_server(
     return server
 
 
-def bind_grpc(server: grpc.aio.Server, config: ServerConfig) -> int:
-    """Bind `server`'s port (TLS where the transport names a certificate), claimed first: the port,
-    or `PortInUse`."""
+def bind_grpc(server: grpc.aio.Server, config: ServerConfig, shared: bool = False) -> int:
+    """Bind `server`'s port (TLS where the transport names a certificate), claimed first — unless
+    `shared`, a worker's port its supervisor holds: the port, or `PortInUse`."""
     transport = config.transport
-    claim_port("gRPC", transport.host, transport.port, "--port")
+    if not shared:
+        claim_port("gRPC", transport.host, transport.port, "--port")
     address = f"{transport.host}:{transport.port}"
     try:
         if transport.tls_cert:

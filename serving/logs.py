@@ -9,13 +9,15 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 # A record's structured fields (`extra=`), in the order both formats write them. `deployment`
-# and `replica`: which process of a sharded server (`serve --ray`) wrote it.
+# and `replica`: which process of a sharded server (`serve --ray`) wrote it; `worker`: which of
+# a server's worker processes (`serve --processes N`).
 FIELDS = (
     "request_id", "method", "protocol", "code", "ms", "index_version", "model_id", "peer", "shard", "deployment",
-    "replica",
+    "replica", "worker",
 )  # fmt: skip
 
 
@@ -86,9 +88,23 @@ class TextFormatter(logging.Formatter):
         return f"{head} {fields}{newline}{rest}"
 
 
+def _name_worker(worker: str) -> Callable[[logging.LogRecord], bool]:
+    """A handler's filter (logging takes a callable) that names the worker on every record."""
+
+    def name(record: logging.LogRecord) -> bool:
+        record.worker = worker
+        return True
+
+    return name
+
+
 def configure(fmt: str = "json", level: int = logging.INFO) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    # A worker of `serve --processes N` (serving.listen.WORKER_ENV, "I/N"): its records say which
+    # one wrote them, since the workers share the supervisor's standard error.
+    if worker := os.environ.get("SIMSEARCH_WORKER", "").partition("/")[0]:
+        handler.addFilter(_name_worker(worker))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

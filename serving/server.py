@@ -38,7 +38,7 @@ from serving.api.admin_service import AdminService
 from serving.api.search_service import SearchService
 from serving.api.writes import IndexWrites, WriteOptions
 from serving.config import ServerConfig
-from serving.listen import PortInUse, bind_grpc, claim_port, loop_factory, new_grpc_server
+from serving.listen import PortInUse, bind_grpc, claim_port, loop_factory, new_grpc_server, worker_slot
 from serving.memory import reclaim, steady_heap
 from serving.monitoring.lineage import grew_from
 from serving.monitoring.monitor import RecallMonitor
@@ -72,7 +72,9 @@ class SearchApp:
         config.check_inputs()
         self.config = config
         steady_heap()  # before the first pair: see serving/memory.py
-        self.metrics = metrics or ServiceMetrics()
+        # One of a server's worker processes (`serving.workers`): its ports shared with its siblings
+        self.slot = worker_slot()
+        self.metrics = metrics or ServiceMetrics(worker=self.slot[0] if self.slot else None)
         self.engine = engine or SearchEngine(config.limits)
         self._load = load or config.load
         self._stopping = threading.Event()  # ends the reclaim threads' and compactions' waits
@@ -160,15 +162,19 @@ class SearchApp:
         and bind its port, not yet serving; the port."""
         config, transport = self.config, self.config.transport
         self._loop = asyncio.get_running_loop()
-        self.grpc_server = new_grpc_server(config, self.tokens, self.recorder, self.service, self.admin, self.health)
+        shared = self.slot is not None
+        self.grpc_server = new_grpc_server(
+            config, self.tokens, self.recorder, self.service, self.admin, self.health, shared=shared
+        )
         await self._set_health(False)
-        port = bind_grpc(self.grpc_server, config)
+        port = bind_grpc(self.grpc_server, config, shared=shared)
         self.port = port
         if transport.http_port is not None:
-            claim_port("HTTP", transport.host, transport.http_port, "--http-port")
+            if not shared:
+                claim_port("HTTP", transport.host, transport.http_port, "--http-port")
             tls = tls_context(transport.tls_cert, transport.tls_key) if transport.tls_cert else None
             try:
-                self.http_port = await self.http.start(transport.host, transport.http_port, tls)
+                self.http_port = await self.http.start(transport.host, transport.http_port, tls, shared=shared)
             except OSError as exc:
                 raise PortInUse("HTTP", transport.host, transport.http_port, "--http-port", exc.strerror) from None
         return port

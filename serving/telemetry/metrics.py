@@ -4,11 +4,19 @@ Each server owns its registry, so several servers (tests, benchmarks) can live i
 The registry also carries prometheus-client's process collector (`process_resident_memory_bytes`,
 `process_open_fds`, CPU seconds, …: what tells a server that grows over weeks from one that
 holds up) and its Python GC collector.
+
+A server of several processes (`serve --processes N`, `serving.workers`) counts in
+prometheus-client's multiprocess mode: each worker writes its figures to files under
+PROMETHEUS_MULTIPROC_DIR (set before the worker imports prometheus_client), and the supervisor
+serves the one /metrics that sums them (`serve_multiprocess`). There a counter or histogram is
+the sum over workers, the queue depth the live workers' sum, every other gauge the most recent
+value any worker set; the process and GC collectors, per process, are left out.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import os
 
 from prometheus_client import (
     CollectorRegistry,
@@ -82,6 +90,9 @@ FAMILIES: tuple[tuple[str, type, str, str, tuple[str, ...], tuple[float, ...] | 
      "What each Recall@K figure is a mean over (answers, probe queries, exact re-runs), by source (ann too)",
      ("k", "source"), None),
     ("reloads", Counter, "simsearch_reloads", "Successful model/index loads", (), None),
+    ("worker_calls", Counter, "simsearch_worker_calls",
+     "Calls answered by each worker process of a server of several (serve --processes), by worker", ("worker",),
+     None),
     ("items_removed", Counter, "simsearch_items_removed", "Items taken down by RemoveItems", (), None),
     ("items_added", Counter, "simsearch_items_added", "Items added by AddItems (with upsert, replaced ones too)",
      (), None),
@@ -121,6 +132,7 @@ class ServiceMetrics:
     ann_recall_at_k: Gauge
     recall_samples: Gauge
     reloads: Counter
+    worker_calls: Counter
     items_removed: Counter
     items_added: Counter
     reload_failures: Counter
@@ -132,18 +144,29 @@ class ServiceMetrics:
     build_gate_forced: Gauge
     build_created: Gauge
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, worker: int | None = None) -> None:
+        """`worker`: this process's index among a server's workers (`serving.workers`), whose
+        calls `worker_calls` counts; None for a server of one process."""
         self.registry = registry or CollectorRegistry()
+        self.worker = worker
         ProcessCollector(registry=self.registry)
         GCCollector(registry=self.registry)
+        shared = multiprocess()
         for attribute, kind, name, help_text, labels, buckets in FAMILIES:
-            extra = {"buckets": buckets} if buckets is not None else {}
+            extra: dict = {"buckets": buckets} if buckets is not None else {}
+            if kind is Gauge and shared:  # how the workers' values make one (module docstring)
+                extra["multiprocess_mode"] = "livesum" if attribute == "queue_depth" else "mostrecent"
             setattr(self, attribute, kind(name, help_text, labels, registry=self.registry, **extra))
         for path in ("exact", "index"):  # both series from the start: a panel shows 0, not "no data"
             self.filtered_queries.labels(path)
 
+    def count_call(self) -> None:
+        """One call answered, counted for this worker (a server of several processes only)."""
+        if self.worker is not None:
+            self.worker_calls.labels(str(self.worker)).inc()
+
     def set_live(self, index_version: str, index_id: str, model_id: str, factory: str, size: int) -> None:
-        self.index_info.clear()
+        _clear(self.index_info)
         self.index_info.labels(index_version, index_id, model_id, factory).set(1)
         self.index_size.set(size)
         self.loaded.set(1)
@@ -154,7 +177,7 @@ class ServiceMetrics:
         self.build_rows.labels("indexed").set(float(manifest.indexed_rows))
         self.build_rows.labels("skipped").set(float(manifest.rows.skipped_total if manifest.rows else 0))
         self.build_ann_recall.set(quality.ann_recall_at_k if quality is not None else 0.0)
-        self.build_probe_recall.clear()
+        _clear(self.build_probe_recall)
         for k, value in ((quality.probe_recall_at_k if quality is not None else None) or {}).items():
             self.build_probe_recall.labels(str(k)).set(value)
         self.build_gate_forced.set(1.0 if manifest.quality_gate is not None and manifest.quality_gate.forced else 0.0)
@@ -163,3 +186,32 @@ class ServiceMetrics:
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         start_http_server(port, addr=host, registry=self.registry)
+
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def _clear(gauge: Gauge) -> None:
+    """Forget a labelled gauge's series. In multiprocess mode a series' value stays in the
+    worker's file whatever this process forgets (prometheus-client does not clear there): 0 says
+    it is gone."""
+    if not multiprocess():
+        gauge.clear()
+        return
+    for labels in list(gauge._metrics):
+        gauge.labels(*labels).set(0)
+
+
+def multiprocess() -> bool:
+    """Whether this process counts into files a supervisor sums (prometheus-client's multiprocess
+    mode, chosen by the environment before prometheus_client was imported)."""
+    return bool(os.environ.get(MULTIPROC_ENV))
+
+
+def serve_multiprocess(directory: str, port: int, host: str = "127.0.0.1") -> None:
+    """Serve /metrics on `port`: the sum of what every worker wrote under `directory`."""
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=directory)
+    start_http_server(port, addr=host, registry=registry)

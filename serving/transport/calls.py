@@ -28,6 +28,7 @@ class CallRecorder:
 
     def finished(self, method: str, protocol: str, code: grpc.StatusCode, elapsed: float) -> None:
         self.metrics.requests.labels(method, code.name, protocol).inc()
+        self.metrics.count_call()
         self.metrics.latency.labels(method, protocol).observe(elapsed)
         self.history.observe(elapsed)
         if self.access_log:

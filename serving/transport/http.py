@@ -136,8 +136,9 @@ class HttpApi:
         app.on_response_prepare.append(self._headers)
         return app
 
-    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
-        """Listen on `host:port` (0: a free port); the port bound."""
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None, shared: bool = False) -> int:
+        """Listen on `host:port` (0: a free port); the port bound. `shared`: with SO_REUSEPORT, as
+        each of one server's processes does (`serving.workers`), never otherwise."""
         self._runner = web.AppRunner(
             self.application(),
             access_log=None,
@@ -146,7 +147,7 @@ class HttpApi:
             max_line_size=MAX_REQUEST_LINE,
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, ssl_context=tls, reuse_port=False)
+        site = web.TCPSite(self._runner, host, port, ssl_context=tls, reuse_port=shared)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
         return self.port

@@ -160,7 +160,7 @@ def _serve(root: Path) -> tuple[subprocess.Popen, int]:
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "serving", "serve", "--index-root", str(root), "--port", "0", "--metrics-port", "none",
-         "--admin-token", "crash", "--probe-interval-s", "0", "--max-segments", "4"],
+         "--admin-token", "crash", "--probe-interval-s", "0", "--max-segments", "4", "--processes", "1"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     line = proc.stdout.readline()

@@ -761,6 +761,8 @@ def test_sigterm_drains_in_flight_requests(index_root):
             "0",  # no probe round in the queue
             "--event-loop",
             "asyncio",  # the in-process tests run on uvloop, the default
+            "--processes",
+            "1",  # the hooks patch this process: a worker process would not carry them
         ],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},

@@ -59,6 +59,7 @@ def test_sigterm_during_a_probe_round_logs_no_error_and_exits_within_the_deadlin
     metrics_port = free_port()
     flags = ["--index-root", str(root), "--port", "0", "--metrics-port", str(metrics_port)]
     flags += ["--probe-interval-s", "3600", "--probe-size", "200", "--log-format", "text"]
+    flags += ["--processes", "1"]  # the hooks patch this process: a worker process would not carry them
     proc = subprocess.Popen(
         [sys.executable, "-c", SERVE_MID_ROUND, *flags],
         cwd=ROOT,

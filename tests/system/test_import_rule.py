@@ -389,7 +389,7 @@ def test_a_private_import_is_found_however_it_is_written(tmp_path):
 # Between packages the package rule above holds. Listed bottom first.
 _SERVING_LEAVES = {"serving.errors", "serving.logs", "serving.memory"}
 _SERVING_ROOMS = {"serving.telemetry", "serving.search", "serving.monitoring", "serving.shards", "serving.api"}
-_SERVING_APP = {"serving.config", "serving.listen", "serving.server"}
+_SERVING_APP = {"serving.config", "serving.listen", "serving.server", "serving.workers"}
 ROOMS: dict[str, set[str]] = {
     # core: leaves at its top (registry, config, progress, memory), then its rooms, then the CLI's behaviour
     "core": set(),
@@ -419,6 +419,8 @@ ROOMS: dict[str, set[str]] = {
     "serving.config": _SERVING_LEAVES | _SERVING_ROOMS,
     "serving.listen": _SERVING_LEAVES | _SERVING_ROOMS | {"serving.transport", "serving.config"},
     "serving.server": _SERVING_LEAVES | _SERVING_ROOMS | {"serving.transport", "serving.config", "serving.listen"},
+    # a server of several processes: the supervisor over the server each worker runs
+    "serving.workers": _SERVING_LEAVES | _SERVING_ROOMS | {"serving.config", "serving.listen", "serving.server"},
     "serving.ray_serve": _SERVING_LEAVES | _SERVING_ROOMS | _SERVING_APP | {"serving.transport"},
     "serving.__main__": {"*"},
     "training": set(),
