@@ -96,6 +96,8 @@ def sharded(cluster, roots):
         "--metrics-port", str(metrics_port), "--shard-replicas", "2", "--shard-timeout-s", "3", "--shard-retries", "1",
         "--embedder-replicas", "2", "--admin-token", TOKEN, "--probe-interval-s", "0", "--max-k", "50",
         "--log-format", "text", "--http-port", "0", "--watch-current", "--watch-interval-s", "0.5", "--access-log",
+        # Wide enough that calls released together on a busy machine land in one group.
+        "--ingest-window-ms", "1500",
     ]  # fmt: skip
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     threading.Thread(target=lambda: SERVER_LOG.extend(process.stderr), daemon=True).start()
@@ -877,6 +879,34 @@ def test_items_added_through_the_ingress_answer_from_their_shards_at_once(sharde
     with pytest.raises(grpc.RpcError) as caught:
         client.add_items(items[:1])
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "added0" in caught.value.details()
+
+
+def test_ingests_at_the_ingress_at_once_are_published_as_one_version_each_with_its_counts(sharded, roots):
+    """Issue 61 on `serve --ray`: AddItems calls arriving within --ingest-window-ms are one group —
+    one segment a shard, one version published and loaded once — and each call answers with its
+    own counts once its items answer from their shards."""
+    from tests.serving.test_group_commit import at_once
+
+    client, _, _ = sharded
+    before = set(artifacts.list_versions(roots[1]))
+    rng = np.random.default_rng(61)
+    vectors = l2_normalized(rng.standard_normal((6, DIM)).astype(np.float32))
+
+    def new_item(i: int) -> pb.NewItem:
+        return pb.NewItem(
+            id=f"grouped{i}", embedding=pb.Embedding(values=vectors[i]), metadata={"item": f"grouped{i}", "shade": "1"}
+        )
+
+    def adding(first: int):
+        return lambda: client.add_items([new_item(first), new_item(first + 1)])
+
+    answers = at_once([adding(0), adding(2), adding(4)])
+    assert all(not isinstance(a, Exception) for a in answers), answers
+    assert len({a.index_version for a in answers}) == 1 and [a.added for a in answers] == [2, 2, 2]
+    assert set(artifacts.list_versions(roots[1])) - before == {answers[0].index_version}
+    for i, v in enumerate(vectors):
+        answer = client.search(pb.SearchRequest(embedding=pb.Embedding(values=v), k=1, group_by=""))
+        assert answer.neighbors[0].id == f"grouped{i}"
 
 
 def test_image_traffic_at_concurrency_32_over_grpc_and_http(sharded, single):
