@@ -41,8 +41,12 @@ def described(answers: Sequence[Answer], version: IndexVersion, scopes: Sequence
         return list(answers)
     rows = np.fromiter((h.row for h in hits), dtype=np.int64, count=len(hits))
     items = version.items
-    taken = items.to_arrow().select(["id", "label", "metadata"]).take(pa.array(rows))
-    ids, labels, metadata = (taken.column(c).to_pylist() for c in ("id", "label", "metadata"))
+    # Each column's array taken on its own: building the whole table first (to_arrow) cost a
+    # quarter of the gather, paid on every search.
+    taken = pa.array(rows)
+    ids, labels, metadata = (
+        column.take(taken).to_pylist() for column in (items.ids.array, items.labels.array, items.metadata.text.array)
+    )
     item_field = version.manifest.item_field
     item_values = None
     if item_field and not items.labelled:
