@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 
 from index.search.filters import Filter
 from index.search.grouping import Groups
@@ -41,12 +40,9 @@ def described(answers: Sequence[Answer], version: IndexVersion, scopes: Sequence
         return list(answers)
     rows = np.fromiter((h.row for h in hits), dtype=np.int64, count=len(hits))
     items = version.items
-    # Each column's array taken on its own: building the whole table first (to_arrow) cost a
-    # quarter of the gather, paid on every search.
-    taken = pa.array(rows)
-    ids, labels, metadata = (
-        column.take(taken).to_pylist() for column in (items.ids.array, items.labels.array, items.metadata.text.array)
-    )
+    # Read row by row from each column's buffers (`StringColumn.at_rows`): building the table and
+    # taking from it cost ~40 µs a search, more than an HNSW search of 100k rows.
+    ids, labels, metadata = (column.at_rows(rows) for column in (items.ids, items.labels, items.metadata.text))
     item_field = version.manifest.item_field
     item_values = None
     if item_field and not items.labelled:
