@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 # longer search (a Flat scan of 100k rows, 2-3 ms) would hold every other call up meanwhile,
 # where on a thread the loop goes on reading and answering calls beside it.
 INLINE_SEARCH_S = 0.001
-# Weight of the newest lone search in the running estimate of a pair's search time.
+# Weight of a slower lone search in the running estimate of a pair's search time (`_measured`).
 _ESTIMATE_WEIGHT = 0.1
 
 
@@ -216,7 +216,10 @@ class BatchedExecutor:
         if query.vector is None or query.text_ids is not None or not query.k or query.scope is not EVERY_ROW:
             return
         seconds, known = work.result.search_s, self._lone_search
-        if known is not None and known[0] == query.pair.serial:
+        if known is not None and known[0] == query.pair.serial and seconds > known[1]:
+            # Down at once, up slowly: what decides is the search's own cost, and a slower sample
+            # is as often a thread preempted on a busy machine (or a cold first search) as a
+            # dearer index; a Flat scan of many rows never gives a fast one.
             seconds = known[1] + _ESTIMATE_WEIGHT * (seconds - known[1])
         self._lone_search = (query.pair.serial, seconds)
 
