@@ -51,6 +51,34 @@ class StringColumn(Sequence[str]):
         for start in range(0, len(self.array), 65536):
             yield from self.array[start : start + 65536].to_pylist()
 
+    def at_rows(self, rows: np.ndarray) -> list[str | None]:
+        """The strings of `rows`, in their order: a search's few hits read straight from the
+        array's offsets and bytes (an Arrow take and its list cost ~10 µs a column, this ~1 µs
+        for ten rows); a column with nulls or in chunks goes through Arrow's take."""
+        views = self._views
+        if views is None:
+            return self.array.take(pa.array(np.asarray(rows, dtype=np.int64))).to_pylist()
+        offsets, data = views
+        if data is None:  # every row null (an unlabelled catalog's labels)
+            return [None] * len(rows)
+        rows = np.asarray(rows, dtype=np.int64)
+        starts, ends = offsets[rows].tolist(), offsets[rows + 1].tolist()
+        return [str(data[a:b], "utf-8") for a, b in zip(starts, ends, strict=True)]
+
+    @functools.cached_property
+    def _views(self) -> tuple[np.ndarray, memoryview | None] | None:
+        """(offsets, bytes) of a single-chunk array without nulls (no bytes: all null), zero-copy
+        over its buffers (memory-mapped ones stay on disk until read); None otherwise."""
+        array = self.array
+        if isinstance(array, pa.ChunkedArray):
+            return None
+        if array.null_count == len(array):
+            return np.zeros(len(array) + 1, dtype=np.int64), None
+        if array.null_count:
+            return None
+        _, offsets, data = array.buffers()
+        return np.frombuffer(offsets, dtype=np.int64)[array.offset : array.offset + len(array) + 1], memoryview(data)
+
     def __eq__(self, other: object) -> bool:
         if isinstance(other, StringColumn):
             return _chunked(self.array).equals(_chunked(other.array))

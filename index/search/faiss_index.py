@@ -174,6 +174,8 @@ def build_index(
     if n == 0:
         raise ValueError("cannot build an index over zero vectors")
     index = empty_index(dim, factory)
+    if search_params:  # before the rows go in too: HNSW's efConstruction shapes the graph as it is built
+        apply_search_params(index, search_params)
     on_gpu = select_device(device) == "gpu"
     sample = data
     if not index.is_trained:

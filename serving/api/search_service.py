@@ -43,6 +43,11 @@ from serving.search.inference import Query, Result
 from serving.telemetry.history import TrafficHistory
 from serving.telemetry.metrics import ServiceMetrics
 
+# The stage histograms' labels, in the order `_timings` observes them.
+STAGES = ("decode", "queue", "embed", "search")
+# A row's metadata when it has none: the items table's JSON text of an empty object.
+NO_METADATA = "{}"
+
 # An AddItems call's images in the queue at once: one batch's worth (the default
 # --max-batch-size), where a thousand at once would fill the queue the queries need.
 INGEST_IN_FLIGHT = 32
@@ -82,6 +87,8 @@ class SearchService:
         self.inline_decode_pixels = inline_decode_pixels
         self.inference_decode_pixels = inference_decode_pixels
         self.feedback_log = FeedbackLog(feedback_window)
+        # The stage histograms' children, bound once: every answer observes up to four of them.
+        self._stage_latency = tuple(metrics.stage_latency.labels(stage) for stage in STAGES)
         self._thumbnails: OrderedDict[tuple[int, str, int], tuple[bytes, str]] = OrderedDict()
         # serial of a load → requests still answering from it. Only the loop thread touches it.
         self._answering: Counter[int] = Counter()
@@ -229,17 +236,6 @@ class SearchService:
             raise Unavailable(result.unavailable or f"shard {', '.join(result.shards_missing)} did not answer")
         request_id = search.request_id or uuid.uuid4().hex
         REQUEST_ID.set(request_id)  # the call's log lines (its access line, a failure) name it
-        neighbors = [
-            pb.Neighbor(
-                id=h.id,
-                # float32 dot products of unit vectors land a hair outside the cosine's range
-                score=min(1.0, max(-1.0, h.score)),
-                label=h.label,
-                metadata=json.loads(h.metadata),
-                group=h.group,
-            )
-            for h in result.hits
-        ]
         group_by = query.scope.group_by
         if group_by is not None and result.candidates is not None:
             self.metrics.group_candidates.observe(
@@ -254,10 +250,9 @@ class SearchService:
             self.monitor.maybe_sample_ann(pair.serial, result.vector, result.hits, query.exclude, query.scope)
         if result.path is not None:
             self.metrics.filtered_queries.labels(result.path).inc()
-        return pb.SearchResponse(
+        response = pb.SearchResponse(
             truncated=result.truncated,
             group_by=group_by or "",
-            neighbors=neighbors,
             request_id=request_id,
             index_version=pair.version,
             index_id=pair.index_id,
@@ -266,17 +261,24 @@ class SearchService:
             shards_answered=result.shards_answered,
             shards_missing=result.shards_missing,
         )
+        # Each neighbour made in place: built apart and handed over as a list, every one was
+        # copied into the response, twice the cost of making it.
+        add = response.neighbors.add
+        for h in result.hits:
+            # float32 dot products of unit vectors land a hair outside the cosine's range
+            score = min(1.0, max(-1.0, h.score))
+            if h.metadata == NO_METADATA:  # no map to fill: parsing "{}" cost more than the rest of it
+                add(id=h.id, score=score, label=h.label, group=h.group)
+            else:
+                add(id=h.id, score=score, label=h.label, metadata=json.loads(h.metadata), group=h.group)
+        return response
 
     def _timings(self, query: Query, result: Result) -> pb.StageTimings:
         """The query's stage times, observed in the stage histograms and returned for its answer."""
-        for stage, seconds in (
-            ("decode", result.decode_s),
-            ("queue", result.queue_s),
-            ("embed", result.embed_s),
-            ("search", result.search_s),
-        ):
-            if seconds:
-                self.metrics.stage_latency.labels(stage).observe(seconds)
+        seconds = (result.decode_s, result.queue_s, result.embed_s, result.search_s)  # in STAGES' order
+        for histogram, spent in zip(self._stage_latency, seconds, strict=True):
+            if spent:
+                histogram.observe(spent)
         return pb.StageTimings(
             decode_ms=result.decode_s * 1e3,
             queue_ms=result.queue_s * 1e3,

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 
 from index.search.filters import Filter
 from index.search.grouping import Groups
@@ -41,8 +40,9 @@ def described(answers: Sequence[Answer], version: IndexVersion, scopes: Sequence
         return list(answers)
     rows = np.fromiter((h.row for h in hits), dtype=np.int64, count=len(hits))
     items = version.items
-    taken = items.to_arrow().select(["id", "label", "metadata"]).take(pa.array(rows))
-    ids, labels, metadata = (taken.column(c).to_pylist() for c in ("id", "label", "metadata"))
+    # Read row by row from each column's buffers (`StringColumn.at_rows`): building the table and
+    # taking from it cost ~40 µs a search, more than an HNSW search of 100k rows.
+    ids, labels, metadata = (column.at_rows(rows) for column in (items.ids, items.labels, items.metadata.text))
     item_field = version.manifest.item_field
     item_values = None
     if item_field and not items.labelled:

@@ -36,6 +36,12 @@ not its batch.
 
 An Embed call is a query with k = 0: embedded in the batch it lands in, searched for nothing.
 
+A query by embedding that finds the batcher idle (nothing queued, filling or running) has no
+batch to join: when its pair's lone searches are measured under `executors.INLINE_SEARCH_S`
+(an HNSW or IVF index, not a large Flat scan) it is searched on the loop at once, without the
+queue and the two thread hops that cost more than such a search. Under load the queue is not
+empty, and queries by embedding go to faiss together, one search a batch, as images do.
+
 With batching off, a query that finds others in flight likewise runs on the session with a
 share of the threads (one each, by default) and a query alone on the full one: side by side,
 runs sharing one intra-op pool would fight over it.

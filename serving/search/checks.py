@@ -260,17 +260,22 @@ class RequestChecks:
 
     def check_embedding(self, pair: ServingPair, values: list[float] | np.ndarray) -> np.ndarray:
         """The query embedding as a unit vector of the live model's dimension."""
-        vector = np.asarray(values, dtype=np.float32)
+        if isinstance(values, np.ndarray):
+            vector = np.asarray(values, dtype=np.float32)
+        else:  # a protobuf repeated field: fromiter reads it in C, asarray goes element by element
+            vector = np.fromiter(values, dtype=np.float32, count=len(values))
         if vector.ndim != 1 or len(vector) != pair.dim:
             raise InvalidArgument(f"embedding has dimension {vector.size}, the live model's is {pair.dim}")
         if not np.isfinite(vector).all():
             raise InvalidArgument("embedding contains NaN or infinity")
         # in float64: the norm of float32 values near float32's largest overflows float32 (inf, and
-        # the unit vector would be all zeros)
-        norm = float(np.linalg.norm(vector.astype(np.float64)))
+        # the unit vector would be all zeros). A dot product, not np.linalg.norm: same sum, a
+        # fifth of the call's overhead.
+        wide = vector.astype(np.float64)
+        norm = float(np.sqrt(wide @ wide))
         if norm == 0.0:
             raise InvalidArgument("embedding is the zero vector")
-        return (vector.astype(np.float64) / norm).astype(np.float32)
+        return (wide / norm).astype(np.float32)
 
     def text_ids(self, pair: ServingPair, text: str) -> np.ndarray:
         """A text query's token ids for the pair's text model: FAILED_PRECONDITION when the version

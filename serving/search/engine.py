@@ -236,6 +236,10 @@ class SearchEngine:
     """Holds the live pair; decodes, embeds and searches against it. It checks nothing a request
     says: the service layer has (`serving.search.checks.RequestChecks`)."""
 
+    # Whether a search may run on the event loop (a lone query by embedding, `serving.search.executors`):
+    # one in this process's own faiss index, never a fan-out that waits on other processes.
+    searches_inline = True
+
     def __init__(self, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
         self._pair: ServingPair | None = None

@@ -182,8 +182,9 @@ class PlainPlan(Plan):
         scores, rows = search_live(pair.index, pair.vectors, vectors, depth, live, deleted)
         size = pair.index_version.size
         answers = []
-        for s_row, r_row, skip in zip(scores, rows, exclude, strict=True):
-            hits = [Hit(int(r), float(s)) for s, r in zip(s_row, r_row, strict=True) if r >= 0 and r not in skip]
+        # As Python numbers first: comparing and hashing numpy scalars one by one cost more than the search.
+        for s_row, r_row, skip in zip(scores.tolist(), rows.tolist(), exclude, strict=True):
+            hits = [Hit(r, s) for s, r in zip(s_row, r_row, strict=True) if r >= 0 and r not in skip]
             answers.append(Answer(hits[:k], short(len(hits), k, size - len(skip))))
         return answers
 

@@ -210,6 +210,8 @@ class ShardedSearch:
 class ShardedEngine(SearchEngine):
     """The one-index engine with its search a fan-out to the shards (`ShardedSearch`)."""
 
+    searches_inline = False  # it waits on the shards' replicas: never on the loop
+
     def __init__(self, limits, sharded: ShardedSearch) -> None:
         super().__init__(limits)
         self.sharded = sharded

@@ -25,11 +25,20 @@ class CallRecorder:
         self.metrics = metrics
         self.history = history
         self.access_log = access_log
+        # (method, code, protocol) → its counter and histogram children, bound once: `labels()`
+        # hashes and locks on every call, and a call's few label sets repeat forever.
+        self._children: dict[tuple[str, grpc.StatusCode, str], tuple] = {}
 
     def finished(self, method: str, protocol: str, code: grpc.StatusCode, elapsed: float) -> None:
-        self.metrics.requests.labels(method, code.name, protocol).inc()
+        key = (method, code, protocol)
+        children = self._children.get(key)
+        if children is None:
+            counter = self.metrics.requests.labels(method, code.name, protocol)
+            children = (counter, self.metrics.latency.labels(method, protocol))
+            self._children[key] = children
+        children[0].inc()
+        children[1].observe(elapsed)
         self.metrics.count_call()
-        self.metrics.latency.labels(method, protocol).observe(elapsed)
         self.history.observe(elapsed)
         if self.access_log:
             fields = {"method": method, "protocol": protocol, "code": code.name, "ms": round(elapsed * 1e3, 3)}

@@ -318,3 +318,22 @@ def test_check_files(tmp_path):
     (tmp_path / "a.png").write_bytes(b"")
     catalog = Catalog(["a", "b"], [tmp_path / "a.png", tmp_path / "b.png"], ["x", "x"])
     assert catalog.check_files() == [1]
+
+
+def test_a_columns_rows_read_from_its_buffers_are_arrows_take():
+    """`StringColumn.at_rows` (a search's hits described) gives what Arrow's take gives: sliced
+    arrays, non-ASCII text, empty strings, an all-null column, nulls among values, chunks."""
+    import numpy as np
+
+    from core.data.items import ItemTable, StringColumn
+
+    table = ItemTable(["a", "béta", "γγ", "", "x" * 100], None, ["p"] * 5, [{"k": "ü"}, {}, {}, {"a": "b"}, {}])
+    rows = np.array([4, 1, 2, 0, 3, 1])
+    for column in (table.ids, table.labels, table.metadata.text):
+        assert column.at_rows(rows) == column.array.take(pa.array(rows)).to_pylist()
+    assert table.labels.at_rows(rows) == [None] * 6
+    sliced = StringColumn(pa.array(["a", "bb", "ccc", "dddd"], pa.large_string()).slice(1, 3))
+    assert sliced.at_rows(np.array([2, 0])) == ["dddd", "bb"]
+    chunked = StringColumn(pa.chunked_array([pa.array(["a"], pa.large_string()), pa.array(["b"], pa.large_string())]))
+    assert chunked.at_rows(np.array([1, 0])) == ["b", "a"]
+    assert StringColumn(pa.array(["a", None, "c"], pa.large_string())).at_rows(np.array([1, 2])) == [None, "c"]

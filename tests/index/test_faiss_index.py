@@ -293,3 +293,21 @@ def test_select_device():
     with pytest.raises(ValueError, match="auto, cpu or gpu"):
         select_device("cuda", num_gpus=1)
     assert select_device("auto") in ("cpu", "gpu")  # whatever this machine has, never a crash
+
+
+def test_hnsw_build_effort_is_applied_before_the_rows_go_in():
+    """efConstruction among the build's parameters shapes the graph (issue 62: it was set after
+    `add`, where it changes nothing): a better graph finds more of the true neighbours."""
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((3000, 16)).astype(np.float32)
+    data /= np.linalg.norm(data, axis=1, keepdims=True)
+    queries = data[:200] + 0.3 * rng.standard_normal((200, 16)).astype(np.float32)
+    truth = exact_search(data, queries, 10)[1]
+
+    def recall(params: dict) -> float:
+        index = build_index(data, "HNSW8", params)
+        assert faiss.downcast_index(index).hnsw.efConstruction == params["efConstruction"]
+        rows = index.search(queries / np.linalg.norm(queries, axis=1, keepdims=True), 10)[1]
+        return np.mean([len(set(a) & set(b)) / 10 for a, b in zip(rows.tolist(), truth.tolist(), strict=True)])
+
+    assert recall({"efConstruction": 200, "efSearch": 16}) > recall({"efConstruction": 8, "efSearch": 16})
