@@ -28,8 +28,8 @@ clients with `--peers-python` (default: this interpreter, when it can import the
 client worker, which imports only numpy and the system's own client. simsearch's own client runs
 under this interpreter, through the same worker.
 
-`--workers N` is handed to `serve` only when serve runs worker processes (its --help says so):
-today's `--workers` counts threads, not processes, and is left alone.
+`--processes N` is handed to `serve` (its worker processes on one port; 0: serve's default, the
+CPUs the server may use).
 """
 
 from __future__ import annotations
@@ -76,6 +76,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
         raise BenchError(f"--k {args.k} exceeds --rows {args.rows}")
     if not args.seconds > 0:
         raise BenchError(f"--seconds must be positive, got {args.seconds}")
+    if args.processes < 0:
+        raise BenchError(f"--processes must be 0 (serve's default) or more, got {args.processes}")
     try:
         levels = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
@@ -90,16 +92,6 @@ def peers_importable(python: str, peers: list[str]) -> bool:
     """Whether `python` can import the clients and servers of `peers`."""
     modules = ", ".join(dict.fromkeys(m for p in peers for m in PEERS[p].split(", ")))
     return subprocess.run([python, "-c", f"import {modules}"], capture_output=True).returncode == 0
-
-
-def serve_runs_processes() -> bool:
-    """Whether `serve --workers` starts worker processes (the multi-process serve) rather than
-    threads: read from its --help, so a run after that change passes --workers on."""
-    text = subprocess.run(
-        [sys.executable, "-m", "serving", "serve", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
-    ).stdout
-    lines = text.split("--workers", 2)
-    return len(lines) > 2 and "process" in lines[2].split("\n  --", 1)[0].lower()
 
 
 def worker(python: str, *args: str, timeout: float = 3600) -> dict:
@@ -160,9 +152,7 @@ class Servers:
         versions = [("hnsw", a.simsearch_factory, hnsw)]
         if a.exact:
             versions.append(("exact", "Flat", {}))
-        extra = ["--workers", str(a.workers)] if a.workers and serve_runs_processes() else []
-        if a.workers and not extra:
-            print("bench_peers: serve --workers counts threads here, not processes: not passed on", file=sys.stderr)
+        extra = ["--processes", str(a.processes)] if a.processes else []
         for kind, factory, params in versions:
             root = self.folder / f"simsearch-{kind}"
             started = time.perf_counter()
@@ -299,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--simsearch-ef-search", type=int, default=64, help="simsearch's HNSW efSearch")
     parser.add_argument("--no-exact", dest="exact", action="store_false", help="leave out the exact rows")
     parser.add_argument("--peers-python", default=sys.executable, help="the interpreter with the peers' packages")
-    parser.add_argument("--workers", type=int, default=0, help="serve's worker processes, where serve has them")
+    parser.add_argument(
+        "--processes", type=int, default=0, help="serve's worker processes (0: serve's default, the CPUs)"
+    )
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
     try:
