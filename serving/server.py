@@ -369,23 +369,27 @@ async def serve(config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT, then drain: in-flight calls get SHUTDOWN_GRACE_S to
     finish, and the process exits within SHUTDOWN_DEADLINE_S of the signal. Prints the ports,
     one JSON line, once listening."""
+    stopped = asyncio.Event()
+
+    def shutdown(signum: int) -> None:  # drain in-flight requests, then exit
+        if stopped.is_set():
+            return
+        log.info("signal %d: draining and stopping", signum)
+        stopped.set()
+        exit_by(SHUTDOWN_DEADLINE_S)  # armed first: what follows, and the interpreter's exit, are bounded by it
+
+    # Before the start, not after: a signal that arrives as the server starts (a supervisor
+    # stopping its workers, an orchestrator's rollout) drains it rather than killing it.
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, shutdown, signum)
     app = SearchApp(config)
     await app.start()
     print(
         json.dumps({"port": app.port, "metrics_port": config.transport.metrics_port, "http_port": app.http_port}),
         flush=True,
     )
-    stopped = asyncio.Event()
-
-    def shutdown(signum: int) -> None:  # drain in-flight requests, then exit
-        log.info("signal %d: draining and stopping", signum)
-        stopped.set()
-
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, shutdown, signum)
     await stopped.wait()
-    exit_by(SHUTDOWN_DEADLINE_S)  # armed first: what follows, and the interpreter's exit, are bounded by it
     try:
         async with asyncio.timeout(SHUTDOWN_DEADLINE_S):
             await app.stop(grace=SHUTDOWN_GRACE_S)

@@ -82,3 +82,46 @@ def test_sigterm_during_a_probe_round_logs_no_error_and_exits_within_the_deadlin
     assert took <= SHUTDOWN_DEADLINE_S + 5, (took, logs)  # the interpreter's start-up excluded, its exit not
     assert "ERROR" not in logs and "Traceback" not in logs, logs
     assert "probe round ended unfinished" in logs
+
+
+# The real command, its start held (a model's load taking its time) until it has been signalled.
+SERVE_SLOW_START = """
+import sys, time
+from serving import __main__ as cli
+from serving.server import SearchApp
+
+start = SearchApp.start
+
+async def slow_start(self):
+    print("starting", file=sys.stderr, flush=True)
+    time.sleep(2)  # the signal comes meanwhile
+    await start(self)
+
+SearchApp.start = slow_start
+sys.exit(cli.main(["serve", *sys.argv[1:]]))
+"""
+
+
+def test_sigterm_while_the_server_starts_drains_it_instead_of_killing_it(tmp_path):
+    """A supervisor stopping its workers, or a rollout, may signal a server still loading: it
+    drains (one line, exit 0) rather than dying of the signal's default action mid-start."""
+    root = write_catalog_index(tmp_path, items=12)
+    flags = ["--index-root", str(root), "--port", "0", "--metrics-port", "none", "--log-format", "text"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE_SLOW_START, *flags, "--processes", "1"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr.readline().strip() == "starting"
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=SHUTDOWN_DEADLINE_S + 30)
+        logs = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0, logs  # not -15: the handler was in place before the start
+    assert "signal 15: draining and stopping" in logs and "Traceback" not in logs, logs
