@@ -77,6 +77,7 @@ class IndexWrites:
         self._adds: GroupCommit[AddCall, Ingested] = GroupCommit(options.window_s, self._commit_adds)
         self._removes: GroupCommit[RemoveCall, RemovalReport] = GroupCommit(options.window_s, self._commit_removes)
         self._compaction: asyncio.Task | None = None  # `index compact` after a write, in its own process
+        self._policy = TieredMergePolicy(max_deleted_share=MAX_DELETED_FRACTION)  # with --merges tiered
         self._compact_again = False  # a write came while it ran: it runs once more
 
     # -- takedowns --------------------------------------------------------------------------
@@ -106,7 +107,7 @@ class IndexWrites:
                         report.version,
                         opts.drain_timeout_s,
                     )
-                self._compact_if_due(new)
+                self._compact_if_due()
         return [removal_of(report, call.ids) for call in calls]
 
     # -- ingests ----------------------------------------------------------------------------
@@ -163,7 +164,7 @@ class IndexWrites:
             # An upsert, as a takedown, answers once no request still answers with the rows it replaced.
             if upsert and not await self.service.drained(new.serial, opts.drain_timeout_s):
                 log.warning("ingest %s: requests still answering from an earlier version", published.version)
-            self._compact_if_due(new)
+            self._compact_if_due()
             parent = published.parent_version or ""
             if len(calls) == 1:
                 counts = published.rows
@@ -191,39 +192,37 @@ class IndexWrites:
 
     # -- compaction -------------------------------------------------------------------------
 
-    def _compact_if_due(self, new: ServingPair) -> None:
-        """Decided from what the server holds: a write that makes nothing due starts no `index
-        compact` process (a second of CPU each, beside the searches)."""
-        if self.options.merges == TIERED:
-            # The policy reads each unit's deleted rows, which a `serve --ray` ingress does not
-            # hold: the version is opened from the root, its files left unread but those.
-            version = IndexVersion(artifacts.version_dir(self.options.index_root, new.version))
-            due = merge_due(version, TieredMergePolicy(max_deleted_share=MAX_DELETED_FRACTION))
-        else:
-            due = compaction_due(new.index_version, self.options.max_segments, MAX_DELETED_FRACTION)
-        if due:
-            self._compact_soon()
-
-    def _compact_soon(self) -> None:
-        """The merges a write made due (tiered, or with --merges whole the shards it took past
-        --max-segments), after the call has its answer: `index compact` in a process of its own
-        (the merge holds about three times a shard's rows, which a server must not keep; on a Ray
-        cluster, RAY_ADDRESS set, a task a shard), then the version it published loaded. One at a
-        time: a write meanwhile has it run once more after."""
+    def _compact_if_due(self) -> None:
+        """After a write's answer, the merges it made due (tiered, or with --merges whole the
+        shards it took past --max-segments): `index compact` in a process of its own (the merge
+        holds about three times a shard's rows, which a server must not keep; on a Ray cluster,
+        RAY_ADDRESS set, a task a shard), then the version it published loaded. One at a time: a
+        write meanwhile has it run once more after."""
         self._compact_again = True
         if self._compaction is None or self._compaction.done():
             self._compaction = asyncio.get_running_loop().create_task(self._compactions(), name="compaction")
 
     async def _compactions(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._compact_again and not self._stopping.is_set():
             self._compact_again = False
-            await self._compacted()
+            # Off the loop: the tiered policy reads each unit's deleted rows from the root. A write
+            # that makes nothing due starts no `index compact` process (a second of CPU each).
+            if await loop.run_in_executor(None, self._merge_due):
+                await self._compacted()
+
+    def _merge_due(self) -> bool:
+        """Whether the live version of the root has a merge due: read from the root, since a
+        `serve --ray` ingress holds none of its rows."""
+        version = IndexVersion.open(self.options.index_root)
+        if self.options.merges == TIERED:
+            return merge_due(version, self._policy)
+        return compaction_due(version, self.options.max_segments, MAX_DELETED_FRACTION)
 
     async def _compacted(self) -> None:
         opts = self.options
         if opts.merges == TIERED:
-            policy = TieredMergePolicy(max_deleted_share=MAX_DELETED_FRACTION)
-            command = merge_command(opts.index_root, opts.keep_versions, policy)
+            command = merge_command(opts.index_root, opts.keep_versions, self._policy)
         else:
             command = [
                 sys.executable, "-m", "index", "compact", "--index-root", str(opts.index_root),
