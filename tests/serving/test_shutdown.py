@@ -45,6 +45,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serving(code: str, flags: list[str]) -> subprocess.Popen:
+    """`code` (the real command with its hooks) run with `flags`, its log on a pipe."""
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *flags],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def queued(metrics_port: int) -> float:
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=60).read().decode()
@@ -60,14 +72,7 @@ def test_sigterm_during_a_probe_round_logs_no_error_and_exits_within_the_deadlin
     flags = ["--index-root", str(root), "--port", "0", "--metrics-port", str(metrics_port)]
     flags += ["--probe-interval-s", "3600", "--probe-size", "200", "--log-format", "text"]
     flags += ["--processes", "1"]  # the hooks patch this process: a worker process would not carry them
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SERVE_MID_ROUND, *flags],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = serving(SERVE_MID_ROUND, flags)
     try:
         wait_for(lambda: queued(metrics_port) > 0, timeout=120)  # the round's queries wait in the batcher
         signalled = time.monotonic()
@@ -107,14 +112,7 @@ def test_sigterm_while_the_server_starts_drains_it_instead_of_killing_it(tmp_pat
     drains (one line, exit 0) rather than dying of the signal's default action mid-start."""
     root = write_catalog_index(tmp_path, items=12)
     flags = ["--index-root", str(root), "--port", "0", "--metrics-port", "none", "--log-format", "text"]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SERVE_SLOW_START, *flags, "--processes", "1"],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = serving(SERVE_SLOW_START, [*flags, "--processes", "1"])
     try:
         assert proc.stderr.readline().strip() == "starting"
         proc.send_signal(signal.SIGTERM)
