@@ -278,6 +278,11 @@ class SearchApp:
         self.prober.item_round(self._loop)
         return figures
 
+    def probe_changes(self) -> dict[int, float] | None:
+        """The probe's last round brought up to a live version grown from its own
+        (`ProbeRunner.changes_round`); blocks, as `run_probe` does."""
+        return self.prober.changes_round(self._loop)
+
     def _probe_now(self) -> None:
         try:
             self.monitor.run_probe(self.run_probe)
@@ -315,7 +320,7 @@ class SearchApp:
             waiting = "; waiting for CURRENT to name a version (--watch-current)" if self.config.watch_current else ""
             log.warning("starting without a loaded index: %s%s", exc, waiting)
         transport = self.config.transport
-        self.monitor.start(self.run_probe)  # probe rounds only where probe_interval_s > 0
+        self.monitor.start(self.run_probe, self.probe_changes)  # probe rounds only where probe_interval_s > 0
         if self.config.watch_current:
             self._watcher = asyncio.get_running_loop().create_task(self._watch_current(), name="watch-current")
         log.info("listening on %s:%d", transport.host, self.port)

@@ -35,7 +35,6 @@ import numpy as np
 from google.protobuf import json_format
 
 from core.config import option
-from core.retrieval.metrics import recall_from_neighbor_labels
 from core.retrieval.ranking import best_k
 from index.search.ann_recall import recall_with_ties
 from index.search.filters import Filter
@@ -160,6 +159,7 @@ class RecallMonitor:
         self._lock = threading.Lock()  # a record checks the pair and publishes while no reset runs
         self._ann_jobs: queue.Queue = queue.Queue(maxsize=config.ann_queue)
         self._stop = threading.Event()
+        self._grew = threading.Event()  # a reload grew the live version since the probe last caught up
         self._threads: list[threading.Thread] = []
         self._rng = random.Random(0)
         # (pair, k, queries) → each query's exact top k rows (groups, grouped) and their scores,
@@ -186,6 +186,11 @@ class RecallMonitor:
 
     def _is_live(self, serial: int) -> bool:
         return serial in self._lineage
+
+    def in_lineage(self, serial: int) -> bool:
+        """Whether load `serial` is live, or the live one grew from it by changes alone."""
+        with self._lock:
+            return self._is_live(serial)
 
     def _record(
         self, serial: int, source: str, window: SlidingRecall, rank: int | None, length: int, key: object = None
@@ -229,6 +234,7 @@ class RecallMonitor:
             self._lineage.append(pair.serial)
             self._live = pair
             if grown:
+                self._grew.set()  # the probe's last round is brought up to it (`ProbeRunner.changes_round`)
                 return
             self.traffic.clear()
             self.feedback.clear()
@@ -244,9 +250,14 @@ class RecallMonitor:
 
     # -- background work --------------------------------------------------------------------
 
-    def start(self, probe: Callable[[], dict[int, float] | None] | None) -> None:
+    def start(
+        self,
+        probe: Callable[[], dict[int, float] | None] | None,
+        probe_changes: Callable[[], dict[int, float] | None] | None = None,
+    ) -> None:
         """Start the ANN fidelity checker and, unless probes are off (`probe_interval_s` 0),
-        the probe rounds: one at once, then one every `probe_interval_s`."""
+        the probe rounds — one at once, then one every `probe_interval_s` — and `probe_changes`
+        after each reload that grew the live version (however many came while one ran: once)."""
         checker = threading.Thread(target=self._ann_loop, name="ann-fidelity", daemon=True)
         checker.start()
         self._threads.append(checker)
@@ -254,6 +265,11 @@ class RecallMonitor:
             prober = threading.Thread(target=self._probe_loop, args=(probe,), name="probe", daemon=True)
             prober.start()
             self._threads.append(prober)
+        if probe_changes is not None and self.config.probes:
+            follower = threading.Thread(target=self._changes_loop, args=(probe_changes,), name="probe-changes")
+            follower.daemon = True
+            follower.start()
+            self._threads.append(follower)
 
     def stop(self) -> None:
         self._stop.set()
@@ -299,6 +315,22 @@ class RecallMonitor:
             self.probe_queries[source] = queries
             self._publish(source, values)
         return True
+
+    def record_probe(self, pair: ServingPair, values: dict[int, float] | None, queries: int) -> bool:
+        """A probe round brought up to `pair` (`ProbeRunner.changes_round`), kept if `pair` is
+        still live (or grew into the live one)."""
+        return self._keep_probe("probe", pair, values, queries)
+
+    def _changes_loop(self, probe_changes: Callable[[], dict[int, float] | None]) -> None:
+        while not self._stop.is_set():
+            if not self._grew.wait(1.0):
+                continue
+            self._grew.clear()
+            try:
+                probe_changes()
+            except Exception:
+                if not self._stop.is_set():  # logged; the next growth or round measures again
+                    log.exception("probe of a grown version failed")
 
     def _probe_loop(self, probe: Callable[[], dict[int, float] | None]) -> None:
         while not self._stop.is_set():
@@ -466,10 +498,3 @@ def _best(scores: np.ndarray, depth: int) -> np.ndarray:
     """The places of the `depth` best finite `scores`, best first (ties: the lower place)."""
     top = best_k(scores, depth)
     return top[np.isfinite(scores[top])]
-
-
-def probe_recall(neighbor_labels: list[list[str]], labels: list[str], ks: Sequence[int]) -> dict[int, float]:
-    """Recall@K of probe answers, with the evaluation stage's definition."""
-    width = max(ks)
-    padded = np.array([(row + [None] * width)[:width] for row in neighbor_labels], dtype=object)
-    return recall_from_neighbor_labels(padded, np.array(labels, dtype=object), ks)

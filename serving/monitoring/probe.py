@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -13,9 +14,10 @@ from typing import Protocol
 import numpy as np
 
 from core.data.catalog import read_probe_catalog
-from core.retrieval.metrics import stable_order
+from core.retrieval.metrics import recall_from_neighbor_labels, stable_order
 from protos.simsearch.v1 import search_pb2 as pb
-from serving.monitoring.monitor import RecallMonitor, probe_recall
+from serving.monitoring.monitor import RecallMonitor
+from serving.monitoring.probe_changes import ProbedQuery, ProbedRound, new_rows, touched
 from serving.search.engine import SearchEngine, ServingPair
 
 
@@ -26,6 +28,13 @@ def _read(path: str | Path) -> bytes:
     soak with a reload every 20 s)."""
     with open(path, "rb") as f:
         return f.read()
+
+
+def probe_recall(neighbor_labels: list[list[str]], labels: list[str], ks: Sequence[int]) -> dict[int, float]:
+    """Recall@K of probe answers, with the evaluation stage's definition."""
+    width = max(ks)
+    padded = np.array([(row + [None] * width)[:width] for row in neighbor_labels], dtype=object)
+    return recall_from_neighbor_labels(padded, np.array(labels, dtype=object), ks)
 
 
 class ProbedService(Protocol):
@@ -60,6 +69,9 @@ class ProbeRunner:
         self.max_batch_queries = max_batch_queries
         self.probe_catalog = probe_catalog
         self.probe_filter = probe_filter  # every probe query carries it: the filtered path is measured
+        self._round: ProbedRound | None = None  # the last round, as `changes_round` brings it up
+        self._round_lock = threading.Lock()  # one round or one update of it at a time
+        self.asked_again = 0  # queries the last `changes_round` asked again
 
     def probe_set(self, pair: ServingPair) -> tuple[list[str | Path], list[str], list[list[str]]]:
         """(image paths, labels, ids to exclude): a held-out catalog, or a fixed sample of items,
@@ -85,17 +97,72 @@ class ProbeRunner:
             raise RuntimeError("a probe round is run from another thread than the server's loop")
         if not self.engine.loaded:
             return None
-        paths, labels, excludes = self.probe_set(self.engine.pair)
-        if not paths:
+        with self._round_lock:
+            pair = self.engine.pair
+            paths, labels, excludes = self.probe_set(pair)
+            if not paths:
+                return None
+            answers = self._answers([self._request(p, ex) for p, ex in zip(paths, excludes, strict=True)], loop)
+            self.service.monitor.probe_round_size(len(answers))
+            self._round = self._probed(pair, paths, labels, excludes, answers)
+            return probe_recall([[n.label for n in a.neighbors] for a in answers], labels, self.ks)
+
+    def _request(self, path: str | Path, exclude: list[str]) -> pb.SearchRequest:
+        return pb.SearchRequest(
+            image=_read(path), k=max(self.ks), exclude_ids=exclude, filter=self.probe_filter, group_by=""
+        )
+
+    def _probed(
+        self, pair: ServingPair, paths: list, labels: list[str], excludes: list[list[str]], answers: list
+    ) -> ProbedRound | None:
+        """The round kept for `changes_round`: a sample of the index's own rows, whose exact
+        vectors are their queries' embeddings (a held-out catalog's images have none to read)."""
+        if self.probe_catalog:
             return None
-        k = max(self.ks)
-        requests = [
-            pb.SearchRequest(image=_read(p), k=k, exclude_ids=ex, filter=self.probe_filter, group_by="")
-            for p, ex in zip(paths, excludes, strict=True)
+        version = pair.index_version
+        rows = version.rows_of_ids([ex[0] for ex in excludes])
+        if any(row is None for row in rows.values()):
+            return None
+        queries = [
+            ProbedQuery(str(path), label, ex, version.vector(rows[ex[0]]), *self._answered(answer))
+            for path, label, ex, answer in zip(paths, labels, excludes, answers, strict=True)
         ]
-        answers = self._answers(requests, loop)
-        self.service.monitor.probe_round_size(len(answers))
-        return probe_recall([[n.label for n in a.neighbors] for a in answers], labels, self.ks)
+        return ProbedRound(pair.serial, version, queries)
+
+    def _answered(self, answer: pb.SearchResponse) -> tuple[list[str], list[str], float]:
+        neighbors = answer.neighbors
+        kth = neighbors[max(self.ks) - 1].score if len(neighbors) >= max(self.ks) else -np.inf
+        return [n.id for n in neighbors], [n.label for n in neighbors], float(kth)
+
+    def changes_round(self, loop: asyncio.AbstractEventLoop) -> dict[int, float] | None:
+        """The last round brought up to the live pair, grown from its own by ingests and
+        takedowns (`serving.monitoring.probe_changes`): the queries a new row or a takedown may
+        have changed are asked again as clients' are, the rest keep their answers; queries of
+        items taken down leave the round. Recorded on the monitor; None when there is no round to
+        bring up, the live pair did not grow from the round's, or the change is too large to score
+        this way (the next scheduled round measures it)."""
+        with self._round_lock:
+            probed, monitor = self._round, self.service.monitor
+            if probed is None or not self.engine.loaded:
+                return None
+            pair = self.engine.pair
+            if pair.serial == probed.serial or not monitor.in_lineage(probed.serial):
+                return None
+            added = new_rows(probed.version, pair.index_version)
+            if added is None:
+                return None
+            again, gone = touched(probed, pair.index_version, added)
+            asked = [probed.queries[n] for n in again]
+            answers = self._answers([self._request(q.path, q.exclude) for q in asked], loop)
+            for query, answer in zip(asked, answers, strict=True):
+                query.ids, query.labels, query.kth_score = self._answered(answer)
+            left = set(gone)
+            queries = [q for n, q in enumerate(probed.queries) if n not in left]
+            self._round = ProbedRound(pair.serial, pair.index_version, queries)
+            self.asked_again = len(again)
+            values = probe_recall([q.labels for q in queries], [q.label for q in queries], self.ks) if queries else None
+        monitor.record_probe(pair, values, len(queries))
+        return values
 
     def _answers(self, requests: list[pb.SearchRequest], loop: asyncio.AbstractEventLoop) -> list[pb.SearchResponse]:
         answers = []

@@ -11,13 +11,14 @@ import shutil
 import pytest
 
 from core.artifacts import layout as artifacts
+from core.retrieval.metrics import stable_key
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.search.executors import BatchedExecutor, SchedulingPolicy
 from serving.search.inference import Query, Result, Work
 from serving.telemetry.metrics import ServiceMetrics
 from tests.serving.test_ingest import ADMIN, unit
 from tests.support.index import write_catalog_index
-from tests.support.server import derived_version, start
+from tests.support.server import derived_version, start, wait_for
 
 
 class Recorded:
@@ -117,3 +118,84 @@ def test_a_reload_of_an_index_that_did_not_grow_from_the_live_one_clears_the_fig
 
     server.reload_now(derived_version(root, unrelated))
     assert figures(client.get_info()) == {}
+
+
+# -- the probe follows the stream: only what changed is asked again ---------------------------
+
+
+@pytest.fixture
+def labelled(tmp_path):
+    """A server over 24 labelled images (4 classes), its probe sampling all of them: one round
+    at start, the next an hour later."""
+    import csv
+
+    from index.build.build import run_build
+    from index.build.config import BuildConfig
+    from tests.support.index import write_images, write_tiny_model
+
+    paths = write_images(tmp_path / "images", 24)
+    catalog = tmp_path / "images" / "catalog.csv"
+    with open(catalog, "w", newline="") as out:
+        csv.writer(out).writerows(
+            [["id", "path", "label"], *([p.stem, p.name, f"class{n % 4}"] for n, p in enumerate(paths))]
+        )
+    root = tmp_path / "index"
+    model = write_tiny_model(tmp_path / "model")
+    run_build(
+        BuildConfig(model=str(model), index_root=str(root), catalog=str(catalog), min_ann_recall=0), progress=False
+    )
+    server, client = start(
+        root, admin_token=ADMIN, ingest_window_ms=0, recall_ks=(1, 5), probe_interval_s=3600, probe_size=24
+    )
+    wait_for(lambda: ("probe", 1) in figures(client.get_info()))
+    yield server, client, root, paths
+    client.close()
+    server.stop(grace=1)
+
+
+def probe_figures(client) -> dict[int, tuple[float, int]]:
+    return {k: value for (source, k), value in figures(client.get_info()).items() if source == "probe"}
+
+
+def caught_up(server) -> bool:
+    """The probe's last round describes the live load (a full round, or one brought up to it)."""
+    probed = server.prober._round
+    return probed is not None and probed.serial == server.engine.pair.serial
+
+
+def test_an_ingest_and_a_takedown_bring_the_probe_up_to_date_asking_again_only_the_queries_they_touched(labelled):
+    server, client, root, paths = labelled
+    rounds = []
+    whole_round = server.prober.run
+    server.prober.run = lambda loop: rounds.append(1) or whole_round(loop)
+    before = probe_figures(client)
+    assert before[1][1] == 24  # every image, once
+    version = server.engine.pair.index_version
+    misses = []  # probe items whose own best other neighbour has another label
+    for path in paths:
+        answer = client.search(pb.SearchRequest(image=path.read_bytes(), k=1, exclude_ids=[path.stem], group_by=""))
+        if answer.neighbors[0].label != version.items.labels[version.row_of(path.stem)]:
+            misses.append(path.stem)
+    twins = misses[:3]  # each one's exact vector again, under its own label: its query's new best answer
+    assert twins
+    last = max(stable_key(path.stem) for path in paths)
+    # Twins' ids rank after the sample's in the stable order: the next whole round samples the same items.
+    names = {i: next(f"twin-{i}-{n}" for n in range(10**6) if stable_key(f"twin-{i}-{n}") > last) for i in twins}
+    client.add_items([
+        pb.NewItem(id=names[i], embedding=pb.Embedding(values=version.vector(version.row_of(i)).tolist()),
+                   label=version.items.labels[version.row_of(i)])
+        for i in twins
+    ])  # fmt: skip
+    wait_for(lambda: caught_up(server))
+    grown = probe_figures(client)
+    assert grown[1] == (round(before[1][0] + len(twins) / 24, 6), 24)
+    assert rounds == []  # no whole round: the change was measured
+    assert len(twins) <= server.prober.asked_again < 24
+    assert server.monitor.run_probe(server.run_probe) is not None  # a whole round agrees, at every K
+    assert probe_figures(client) == grown
+
+    client.remove_items(list(names.values()))
+    wait_for(lambda: caught_up(server) and probe_figures(client)[1] == before[1])
+    assert len(twins) <= server.prober.asked_again < 24
+    assert len(rounds) == 1
+    assert probe_figures(client) == before
