@@ -67,6 +67,10 @@ class SearchClient:
             ("grpc.enable_retries", 1),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            # A client is a connection of its own: by default gRPC Python shares one subchannel
+            # between every channel to a target, so a server of worker processes
+            # (`serve --processes`) saw all of a program's clients on one connection, one worker.
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         if tls_ca is not None:
             credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())

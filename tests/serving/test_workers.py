@@ -117,6 +117,21 @@ def test_both_workers_answer_on_one_port_and_metrics_sum_them(served):
     assert http.status == 200
 
 
+def test_a_programs_clients_are_connections_of_their_own_spread_over_the_workers(served):
+    server, _ = served
+    before = server.figure("simsearch_worker_calls_total")
+    clients = [SearchClient(f"127.0.0.1:{server.port}", timeout=60) for _ in range(16)]
+    try:  # all open at once: 16 connections, each placed by the kernel on either worker
+        for n, client in enumerate(clients):
+            client.search(pb.SearchRequest(embedding=pb.Embedding(values=unit(n)), k=3))
+    finally:
+        for client in clients:
+            client.close()
+    after = server.figure("simsearch_worker_calls_total")
+    gained = {worker: after[worker] - before.get(worker, 0.0) for worker in after}
+    assert len(gained) == 2 and all(gained.values()), gained  # one shared connection would reach one worker
+
+
 @needs_prometheus
 def test_a_real_prometheus_scrapes_one_target_for_both_workers(served, tmp_path):
     server, _ = served
