@@ -210,11 +210,12 @@ def scrape(metrics_port: int) -> dict:
 
 
 def process_label(proc: psutil.Process) -> str:
-    """A process's name in the tables: a Ray actor's title (`ray::ServeReplica:app:Shard`), else
-    its command's module (`-m serving`) or name."""
+    """A process's name in the tables: a Ray actor's title (`ray::ServeReplica:app:Shard`) less
+    the method it is running (Ray retitles an actor's process for each call:
+    `ray::ServeController.listen_for_change`), else its command's module (`-m serving`) or name."""
     cmd = proc.cmdline()
     if cmd and cmd[0].startswith("ray::"):
-        return cmd[0].split()[0]
+        return cmd[0].split()[0].split(".")[0]
     if "-m" in cmd and cmd.index("-m") + 1 < len(cmd):
         return " ".join(cmd[cmd.index("-m") + 1 : cmd.index("-m") + 3])
     return proc.name()
