@@ -291,11 +291,12 @@ MERGE_FACTORIES = [("IVF256,Flat", {"nprobe": 8}), ("IVF256,PQ16", {"nprobe": 8}
 
 def publish_vectors(
     root: Path, vectors: np.ndarray, shards: int, factory: str = "Flat", params: dict | None = None,
-    model: Path | None = None, grouped: bool = False,
+    model: Path | None = None, grouped: bool = False, labels: list[str] | None = None,
 ) -> Path:  # fmt: skip
     """`vectors` published (live) as a version of `shards` shards in `root`, the search effort
     fixed (`params`), for `model` (else no model); with `grouped`, items of three rows (`item`)
-    and a `shade` field to filter by, both declared filterable."""
+    and a `shade` field to filter by, both declared filterable; with `labels`, a labelled
+    version (each row's label: what Recall@K, probe and traffic, is scored by)."""
     from core.artifacts.index_manifest import RowCounts
     from core.artifacts.model_manifests import ModelManifest
     from core.data.items import ItemTable
@@ -305,7 +306,7 @@ def publish_vectors(
 
     rows = len(vectors)
     fields = [{"item": f"item{i // 3}", "shade": str(i % 3)} for i in range(rows)] if grouped else [{}] * rows
-    items = ItemTable([f"id{i:07d}" for i in range(rows)], None, [f"/images/{i}.png" for i in range(rows)], fields)
+    items = ItemTable([f"id{i:07d}" for i in range(rows)], labels, [f"/images/{i}.png" for i in range(rows)], fields)
     new = NewVersion(
         model_id=ModelManifest.read(model).model_id if model else "bench-shards-0000", embeddings=vectors,
         items=items, catalog="/catalog.csv", rows=RowCounts(rows, rows), started=time.perf_counter(),
