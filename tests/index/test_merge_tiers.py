@@ -1,7 +1,8 @@
 """Merges in tiers (issue 61): the policy's choices, segments bounded over a stream of adds, Flat
 answers equal to exact search after tiered merges, a merge rebased onto what was published while
 it ran, an add that returns before its background merge ends, one merge a root at a time, and
-kill -9 of a background merge leaving the live version whole. Real faiss, real files."""
+kill -9 of a background merge or of a base merge leaving the live version whole. Real faiss, real
+files."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -281,3 +283,67 @@ def test_a_compaction_says_rebased_only_when_it_was(tmp_path, caplog):
         compact_version(root, on_ray=False, staged=lambda: add_vectors(root, *_rows(2, 50, seed=2)))
     rebased = [r.getMessage() for r in caplog.records if "compacted 1 of 1 shard" in r.getMessage()]
     assert len(rebased) == 1 and f"(rebased from {snapshot} onto " in rebased[0]
+
+
+def _staging(root: Path) -> set[str]:
+    return {path.name for path in (root / artifacts.VERSIONS).glob(".staging-*")}
+
+
+def _once(merging: subprocess.Popen, condition: Callable[[], bool], timeout: float = 120.0) -> float:
+    """The moment `condition` held, polled while the merge process runs."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert merging.poll() is None or condition(), "the merge exited first"
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        time.sleep(0.002)
+    return time.monotonic()
+
+
+def _base_merge(root: Path, tiered: bool) -> subprocess.Popen:
+    """`index compact` of the whole shard, or a tiered run whose base is past its share at once:
+    either rewrites the shard's base, its graph rebuilt and its deleted rows dropped."""
+    command = [sys.executable, "-m", "index", "compact", "--index-root", str(root), "--keep", "2", "--no-progress"]
+    if tiered:
+        command += ["--tiered", "--base-merge-share", "0.001"]
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_base_merge_leaves_the_live_version_whole_with_all_its_rows(tmp_path):
+    """A base merge rewrites every row of the shard, the costliest merge to lose midway: killed at
+    random moments from its first staged file to its publish, or just after its publish (pruning,
+    recording), the live version loads whole and holds the rows it held before, and the next
+    writer clears what the killed merge left in staging."""
+    data = support.catalog(6000, DIM, 100)
+    root = tmp_path / "index"
+    support.publish(root, data, support.model(tmp_path / "model", DIM), 1, "HNSW8")
+    writing = 0.0  # how long a merge writes, from its staging folder to its publish: the last one seen whole
+    rng = random.Random(61)
+    kills = published = 0
+    for round_number in range(24):
+        # A segment, and a takedown in the base: a merge has rows to move and a row to drop.
+        vectors, items = _rows(20, 20 * round_number, seed=round_number)
+        add_vectors(root, vectors, items, max_segments=10_000)
+        assert not _staging(root), round_number  # this writer cleared what the last kill left
+        remove_items(root, [f"id{round_number:05d}"], "test", max_deleted_fraction=1.0, compact_when_due=False)
+        before = IndexVersion.open(root)
+        merging = _base_merge(root, tiered=bool(round_number % 2))
+        staged = _once(merging, lambda: bool(_staging(root)))
+        if not writing or round_number % 4 == 3:
+            # Past the publish, while it prunes and records; and how long its writing took.
+            _once(merging, lambda live=before.name: artifacts.current_version(root) != live)
+            writing = time.monotonic() - staged
+            time.sleep(rng.uniform(0.0, 0.1))
+        else:
+            time.sleep(rng.uniform(0.0, 0.95) * writing)
+        if merging.poll() is None:
+            merging.send_signal(signal.SIGKILL)
+            kills += 1
+        merging.wait()
+        live = IndexVersion.open(root).load(dim=DIM)  # whole: its files agree with its manifest
+        assert _live_ids(live) == _live_ids(before), round_number
+        assert live.manifest.live_size == before.manifest.live_size == len(_live_ids(before)), round_number
+        published += live.name != before.name
+    assert kills >= 20 and published >= 6, (kills, published)
+    add_vectors(root, *_rows(2, 10**6, seed=1), max_segments=10_000)  # the next writer clears staging
+    assert not _staging(root)

@@ -3,7 +3,8 @@ compaction in a process of its own too, merging without the root's lock beside t
 rebasing onto what it published: the live version stays whole (it loads, its files agree with
 its manifest, every id it held before a round is there or was removed by a round that
 published), a second writer waits its turn, and the next writer removes what a killed one left
-in staging."""
+in staging. A server killed mid-ingest, and mid group commit (issue 61): no item of a call it
+answered is lost."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -154,13 +156,14 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
-def _serve(root: Path) -> tuple[subprocess.Popen, int]:
-    """`python -m serving serve` over `root` with an admin token, and its gRPC port once serving."""
+def _serve(root: Path, *options: str) -> tuple[subprocess.Popen, int]:
+    """`python -m serving serve` over `root` with an admin token (and `options`, which override
+    the defaults here), and its gRPC port once serving."""
     import json
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "serving", "serve", "--index-root", str(root), "--port", "0", "--metrics-port", "none",
-         "--admin-token", "crash", "--probe-interval-s", "0", "--max-segments", "4", "--processes", "1"],
+         "--admin-token", "crash", "--probe-interval-s", "0", "--max-segments", "4", "--processes", "1", *options],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     line = proc.stdout.readline()
@@ -173,8 +176,6 @@ def test_kill_9_of_a_server_mid_ingest_leaves_the_live_version_whole(tmp_path):
     """AddItems while the server is killed: whatever moment the kill lands on (embedding, writing
     the segment, publishing, compacting, swapping), the live version loads whole and holds every
     row it held before and every item an AddItems call said it added."""
-    import threading
-
     from protos.simsearch.v1 import search_pb2 as pb
     from serving.client import SearchClient
 
@@ -236,3 +237,150 @@ def test_kill_9_of_a_server_mid_ingest_leaves_the_live_version_whole(tmp_path):
     assert not alive, [p.pid for p in alive]
     add_vectors(root, *_new_rows(3, seed=6))  # the next writer clears what the killed ones left
     assert not list((root / artifacts.VERSIONS).glob(".staging-*"))
+
+
+GROUP_CALLS, CALL_ITEMS = 4, 2
+WINDOW_MS = 500  # wide: the calls of a group, released together, all land in its window on a busy machine
+# No merges after the writes: a merge process outlives the server that started it, and its own
+# kill -9 is another test's. The group commit alone writes.
+NO_MERGES = ("--merges", "whole", "--max-segments", "100000")
+
+
+def _staging(root: Path) -> set[str]:
+    return {path.name for path in (root / artifacts.VERSIONS).glob(".staging-*")}
+
+
+def _live_ids(version: IndexVersion) -> set[str]:
+    rows = range(len(version.items)) if version.live_mask is None else np.flatnonzero(version.live_mask)
+    return {version.items.ids[int(r)] for r in rows}
+
+
+class _Group:
+    """GROUP_CALLS AddItems calls of CALL_ITEMS items each, sent together on threads of their own
+    so that the server commits them as one group; each call's items, and whether it was answered.
+    With `search_after`, each call searches its own items the moment it is answered."""
+
+    def __init__(self, client, name: str, seed: int, search_after: bool = False) -> None:
+        from protos.simsearch.v1 import search_pb2 as pb
+
+        rows = np.random.default_rng(seed).standard_normal((GROUP_CALLS, CALL_ITEMS, DIM))
+        rows /= np.linalg.norm(rows, axis=2, keepdims=True)
+        self.calls = [{f"{name}-{call}-{i}": rows[call, i] for i in range(CALL_ITEMS)} for call in range(GROUP_CALLS)]
+        self.answered = [False] * GROUP_CALLS
+        self.answered_at = [0.0] * GROUP_CALLS  # time.monotonic() of each answer
+        self.found: list[list[str]] = [[] for _ in range(GROUP_CALLS)]
+        gate = threading.Barrier(GROUP_CALLS)
+
+        def send(call: int) -> None:
+            items = [
+                pb.NewItem(id=i, embedding=pb.Embedding(values=v), metadata={"item": i, "shade": "0"})
+                for i, v in self.calls[call].items()
+            ]
+            gate.wait()
+            try:
+                client.add_items(items, timeout=60)
+            except Exception:  # noqa: BLE001 — the kill ends the calls in flight
+                return
+            self.answered_at[call], self.answered[call] = time.monotonic(), True
+            if search_after:
+                self.found[call] = [_nearest(client, vector) for vector in self.calls[call].values()]
+
+        self.threads = [threading.Thread(target=send, args=(call,)) for call in range(GROUP_CALLS)]
+        for thread in self.threads:
+            thread.start()
+
+    def ids(self) -> set[str]:
+        return {item_id for call in self.calls for item_id in call}
+
+    def answered_items(self) -> dict[str, np.ndarray]:
+        return {i: v for call, done in zip(self.calls, self.answered, strict=True) if done for i, v in call.items()}
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(120)
+            assert not thread.is_alive()
+
+
+def _nearest(client, vector: np.ndarray) -> str:
+    """The id of the row nearest `vector`, ungrouped (the index groups by its item field)."""
+    from protos.simsearch.v1 import search_pb2 as pb
+
+    reply = client.search(pb.SearchRequest(k=1, group_by="", embedding=pb.Embedding(values=vector)), timeout=60)
+    return reply.neighbors[0].id
+
+
+def _once_staged(root: Path, earlier: set[str], group: _Group, timeout: float = 120.0) -> float | None:
+    """The moment the group's commit made its staging folder (one not among `earlier`); None when
+    a call was answered before one was seen."""
+    deadline = time.monotonic() + timeout
+    while not _staging(root) - earlier:
+        if any(group.answered):
+            return None
+        assert time.monotonic() < deadline, "the group's commit wrote nothing"
+        time.sleep(0.001)
+    return time.monotonic()
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_server_mid_group_commit_loses_no_answered_item_and_leaves_the_live_version_whole(tmp_path):
+    """Concurrent AddItems calls committed as one group, the server killed while it writes,
+    publishes, loads or answers the group: the live version loads whole, holds the group all or
+    not at all, and holds every item of every call answered before the kill, which the next
+    server finds by search; the next writer clears what the killed one left in staging. In each
+    round, first a group the server answers: a search right after each call's answer finds its
+    items."""
+    from serving.client import SearchClient
+
+    data = support.catalog(N, DIM, 100)
+    root = tmp_path / "index"
+    support.publish(root, data, support.model(tmp_path / "model", DIM), 1)
+    original = set(IndexVersion.open(root).items.ids)
+    answered: dict[str, np.ndarray] = {}  # every answered call's items, with their embeddings
+    unconfirmed: dict[str, np.ndarray] = {}  # the last killed server's answered items, not yet searched
+    rng = random.Random(61)
+    commit_s = 0.0  # how long a group takes from its staging folder to its last answer: the last one seen
+    kills_mid_group = 0
+    proc = None
+    try:
+        for round_number in range(22):
+            proc, port = _serve(root, "--ingest-window-ms", str(WINDOW_MS), *NO_MERGES)
+            client = SearchClient(f"127.0.0.1:{port}", timeout=60, admin_token="crash")
+            for item_id, vector in unconfirmed.items():
+                assert _nearest(client, vector) == item_id, (round_number, item_id)
+            # A group the server answers: each call's items found by a search right after its answer.
+            before = _staging(root)
+            up = _Group(client, f"up-{round_number}", seed=2 * round_number, search_after=True)
+            staged = _once_staged(root, before, up)
+            up.join()
+            commit_s = max(up.answered_at) - staged if staged is not None else commit_s
+            assert all(up.answered) and up.found == [list(call) for call in up.calls], round_number
+            answered |= up.answered_items()
+            assert not _staging(root), round_number  # its writer cleared what the last kill left
+            # A group killed from its staging folder to its last answer.
+            killed = _Group(client, f"killed-{round_number}", seed=2 * round_number + 1)
+            staged = _once_staged(root, set(), killed)
+            time.sleep(rng.uniform(0.0, 0.9) * commit_s if staged is not None else 0.0)
+            proc.send_signal(signal.SIGKILL)
+            kills_mid_group += not all(killed.answered)
+            proc.wait()
+            killed.join()
+            client.close()
+            unconfirmed = killed.answered_items()
+            answered |= unconfirmed
+            live = IndexVersion.open(root).load(dim=DIM)  # whole: its files agree with its manifest
+            held = _live_ids(live)
+            assert len(held) == live.manifest.live_size, round_number
+            assert original <= held and set(answered) <= held, (round_number, sorted(set(answered) - held)[:5])
+            assert killed.ids() <= held or not killed.ids() & held, round_number  # one version: all or nothing
+        assert kills_mid_group >= 20, kills_mid_group
+        # The last killed server's answered items, and every other answered one, found by search.
+        proc, port = _serve(root, *NO_MERGES)
+        with SearchClient(f"127.0.0.1:{port}", timeout=60, admin_token="crash") as client:
+            missed = [item_id for item_id, vector in answered.items() if _nearest(client, vector) != item_id]
+        assert not missed, missed[:5]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc is not None and proc.poll() is None:  # a failed round's server
+            proc.kill()
+            proc.wait()
