@@ -29,6 +29,7 @@ import numpy as np
 import psutil
 
 from benchmarks.bench_segments import build, catalog_items, ids_of, recall, searches, unit_vectors
+from benchmarks.harness import markdown_table
 from core.artifacts import layout as artifacts
 from core.artifacts.index_manifest import IndexManifest
 from core.retrieval.vectors import exact_search
@@ -105,19 +106,6 @@ def stream(root: Path, args, factory: str, params: dict, shards: int, policy: st
     return row
 
 
-def _table(rows: list[dict]) -> str:
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-
-    def cell(value) -> str:
-        if isinstance(value, float):
-            return f"{value:.3f}" if value < 10 else f"{value:,.1f}"
-        return "–" if value is None else str(value)
-
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=200_000, help="rows of the version the stream adds to")
@@ -140,8 +128,8 @@ def main() -> None:
                 for policy in args.policies.split(","):
                     root = Path(work) / f"{name}-{shards}-{policy}"
                     rows.append(stream(root, args, factory, params, shards, policy))
-                    print(_table(rows[-1:]), flush=True)
-    print(_table(rows))
+                    print(markdown_table(rows[-1:]), flush=True)
+    print(markdown_table(rows))
 
 
 if __name__ == "__main__":

@@ -45,18 +45,16 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 from benchmarks import harness
+from benchmarks.server_readings import K, memory, scrape
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient
 
@@ -65,7 +63,6 @@ TOKEN = "bench-stream-serving-token"
 MODES = ("serve", "ray")
 CLASSES = 1000
 NOISE = 0.5  # a row's noise against its centre, in norm (bench_shards' clustered rows: the same share)
-K = 10
 GOALS = {"qps_ratio": 0.8, "p99_ratio": 1.5}  # with ingest ÷ without: at least, at most
 
 
@@ -161,90 +158,6 @@ class Data:
                 Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(path)
                 writer.writerow([f"probe-{n:05d}", str(path), str(c)])
         return catalog
-
-
-# -- what the server says: its /metrics, its processes' memory ------------------------------------
-
-METRIC_LINE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})? ([0-9.eE+-]+|NaN|[+-]Inf)$")
-
-
-def parse_metrics(text: str, names: set[str]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """(name, sorted labels) → value of every sample of the metrics in `names`."""
-    out = {}
-    for line in text.splitlines():
-        m = METRIC_LINE.match(line)
-        if m and m.group(1) in names:
-            labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")))
-            out[(m.group(1), labels)] = float(m.group(3))
-    return out
-
-
-RECALL_METRICS = {"simsearch_recall_at_k", "simsearch_recall_samples", "simsearch_ann_recall_at_k",
-                  "simsearch_index_size", "simsearch_stage_latency_seconds_count"}  # fmt: skip
-
-
-def recall_figures(metrics: dict, k: int = K) -> dict:
-    """Recall@k by source (probe, traffic, ann) and each one's sample size; None where absent."""
-    key = str(k)
-    out = {}
-    for source in ("probe", "traffic"):
-        labels = (("k", key), ("source", source))
-        out[source] = metrics.get(("simsearch_recall_at_k", labels))
-        out[f"{source}_n"] = metrics.get(("simsearch_recall_samples", labels))
-    out["ann"] = metrics.get(("simsearch_ann_recall_at_k", (("k", key),)))
-    out["ann_n"] = metrics.get(("simsearch_recall_samples", (("k", key), ("source", "ann"))))
-    out["index_size"] = metrics.get(("simsearch_index_size", ()))
-    # Queries embedded: the probe's, the only image queries here (the callers send embeddings) —
-    # whether probe rounds still run, as the probe gauge keeps its last round's value. (Not the
-    # decode stage: serve --ray decodes on its embedder replicas, and the ingress times no decode.)
-    for stage in ("decode", "embed"):
-        counts = [v for (name, labels), v in metrics.items()
-                  if name == "simsearch_stage_latency_seconds_count" and ("stage", stage) in labels]  # fmt: skip
-        out[f"{stage}_count"] = sum(counts) if counts else None
-    return out
-
-
-def scrape(metrics_port: int) -> dict:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-    return recall_figures(parse_metrics(text, RECALL_METRICS))
-
-
-def process_label(proc: psutil.Process) -> str:
-    """A process's name in the tables: a Ray actor's title (`ray::ServeReplica:app:Shard`) less
-    the method it is running (Ray retitles an actor's process for each call:
-    `ray::ServeController.listen_for_change`), else its command's module (`-m serving`) or name."""
-    cmd = proc.cmdline()
-    if cmd and cmd[0].startswith("ray::"):
-        return cmd[0].split()[0].split(".")[0]
-    if "-m" in cmd and cmd.index("-m") + 1 < len(cmd):
-        return " ".join(cmd[cmd.index("-m") + 1 : cmd.index("-m") + 3])
-    return proc.name()
-
-
-def serving_processes(server: int, ray: bool) -> list[psutil.Process]:
-    """The server and its children; with `ray`, this process's descendants that are Ray actors
-    (the local Ray's workers hosting Serve's replicas, controller and proxy), idle ones aside."""
-    procs = []
-    with contextlib.suppress(psutil.NoSuchProcess):
-        top = psutil.Process(server)
-        procs = [top, *top.children(recursive=True)]
-    if ray:
-        seen = {p.pid for p in procs}
-        for p in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                cmd = p.cmdline()
-                if p.pid not in seen and cmd and cmd[0].startswith("ray::") and not cmd[0].startswith("ray::IDLE"):
-                    procs.append(p)
-    return procs
-
-
-def memory(server: int, ray: bool) -> dict[str, float]:
-    """Resident MiB of each serving process, by `label pid`."""
-    out = {}
-    for p in serving_processes(server, ray):
-        with contextlib.suppress(psutil.Error):
-            out[f"{process_label(p)} {p.pid}"] = p.memory_info().rss / 2**20
-    return out
 
 
 # -- the callers -----------------------------------------------------------------------------------
@@ -417,19 +330,6 @@ def run_mode(mode: str, folder: Path, data: Data, probe: Path, args: argparse.Na
 # -- report ----------------------------------------------------------------------------------------
 
 
-def _table(rows: list[dict]) -> str:
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-
-    def cell(value) -> str:
-        if isinstance(value, float):
-            return f"{value:.3f}" if abs(value) < 10 else f"{value:,.1f}"
-        return "–" if value is None else str(value)
-
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -537,12 +437,12 @@ def main() -> None:
     print(f"\nIngest at rate while serving: {args.rows:,} rows ({args.factory}, {args.dim}-d), "
           f"{args.search_callers} search callers, {args.ingest_callers} ingest callers × {args.items_per_call} "
           f"items a call, {args.minutes:g} min a phase\n")  # fmt: skip
-    print(_table(summary_rows(results, args.probe_size)))
+    print(harness.markdown_table(summary_rows(results, args.probe_size)))
     for r in results:
         print(f"\n{r['mode']}: Recall@{K} and memory every {args.sample_s:g} s\n")
-        print(_table(sample_rows(r, args.probe_size)))
+        print(harness.markdown_table(sample_rows(r, args.probe_size)))
         print(f"\n{r['mode']}: resident MiB of each serving process\n")
-        print(_table(memory_rows(r)))
+        print(harness.markdown_table(memory_rows(r)))
 
 
 if __name__ == "__main__":

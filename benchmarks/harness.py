@@ -466,3 +466,17 @@ def photo_like_images(count: int, side: int = 224, classes: int = 50, seed: int 
         images.append(out.getvalue())
         labels.append(label)
     return images, labels
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """`rows` as a markdown table, a column for each key any row has (– where a row has none)."""
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return f"{value:.3f}" if abs(value) < 10 else f"{value:,.1f}"
+        return "–" if value is None else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)

@@ -8,15 +8,8 @@ import argparse
 
 import pytest
 
-from benchmarks.bench_stream_serving import (
-    RECALL_METRICS,
-    BenchError,
-    check_args,
-    parse_metrics,
-    probe_rounds,
-    recall_figures,
-    summary_rows,
-)
+from benchmarks.bench_stream_serving import BenchError, check_args, probe_rounds, summary_rows
+from benchmarks.server_readings import RECALL_METRICS, parse_metrics, recall_figures
 
 DEFAULTS = dict(modes="serve,ray", rows=1000, dim=8, items_per_call=100, search_callers=32, ingest_callers=10,
                 probe_size=200, minutes=1.0, sample_s=60.0, probe_interval_s=30.0)  # fmt: skip
