@@ -209,6 +209,16 @@ def _segment_entries(fields: ManifestFields, where: str = "segments") -> list[Se
     return found
 
 
+MAX_ANCESTORS = 64  # a server that falls further behind a stream than this reloads as for a rebuild
+
+
+def _ancestors(fields: ManifestFields) -> list[str] | None:
+    names = fields.get("ancestors", list, required=False)
+    if names is not None and not all(isinstance(name, str) for name in names):
+        raise ArtifactError(f"{fields.source}: field 'ancestors' must be a list of version names, got {names!r}")
+    return names
+
+
 @dataclass
 class IndexManifest(Manifest):
     """`manifest.json` of an index version (index/versions/version_writer.py writes it for every version);
@@ -234,6 +244,9 @@ class IndexManifest(Manifest):
     quality_gate: QualityGate | None = None
     config: dict[str, Any] = field(default_factory=dict)
     parent_version: str | None = None  # `index add`, `remove`: the version it was made from
+    # The versions it descends from by changes alone, nearest first (at most MAX_ANCESTORS): a
+    # server that skipped versions pruned since still sees that it grew from the one it served.
+    ancestors: list[str] | None = None
     deleted_rows: int = 0  # rows removed but still in the index (HNSW tombstones, deleted.npy)
     engine: dict[str, Any] | None = None  # `index rebuild`: what embedded the catalog
     filterable: dict[str, str] = field(default_factory=dict)  # field → string|int|float (filters.npz)
@@ -295,6 +308,7 @@ class IndexManifest(Manifest):
             quality_gate=None if gate is None else _quality_gate(gate),
             config=fields.get("config", dict, required=False, default={}),
             parent_version=fields.get("parent_version", str, required=False),
+            ancestors=_ancestors(fields),
             deleted_rows=fields.get("deleted_rows", int, required=False, default=0),
             engine=fields.get("engine", dict, required=False),
             filterable=fields.get("filterable", dict, required=False, default={}),

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from core.artifacts import layout as artifacts
-from core.artifacts.index_manifest import IndexManifest, QualityGate, RowCounts, SegmentEntry, ShardEntry
+from core.artifacts.index_manifest import MAX_ANCESTORS, IndexManifest, QualityGate, RowCounts, SegmentEntry, ShardEntry
 from index.search.filters import FieldSpec, specs_of
 from index.versions.rebase import onto_live
 from index.versions.segments import UnitChange, UnitWritten, write_unit
@@ -92,6 +92,7 @@ def publish_change(
         described = dataclasses.replace(
             base.manifest,
             parent_version=base.name,
+            ancestors=[base.name, *(base.manifest.ancestors or [])][:MAX_ANCESTORS],
             model_id=model_id or base.manifest.model_id,
             quality_gate=QualityGate(passed=True, reasons=[f"not gated: {what}; quality figures of {base.name}"]),
         )

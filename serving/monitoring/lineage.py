@@ -2,7 +2,9 @@
 the old by changes alone — segments added, rows tombstoned, segments merged — with the same
 model and the same index layout. Then the monitor's figures (traffic, Feedback, ANN fidelity,
 the probe's last round) still describe what is served, and a reload under a stream of ingests
-keeps them rather than going blind after each one."""
+keeps them rather than going blind after each one. A change's manifest names its `ancestors`, so
+a server that fell behind a stream, whose intermediate versions were pruned meanwhile, still sees
+the line; versions from before that field are followed parent by parent while they are kept."""
 
 from __future__ import annotations
 
@@ -30,7 +32,9 @@ def grew_from(index_root: str | Path | None, old: IndexManifest, new: IndexManif
         return False
     if [s.name for s in old.shards or []] != [s.name for s in new.shards or []]:
         return False
-    parent = new.parent_version
+    if new.ancestors is not None:  # written by every change since: no manifest of the line need still be there
+        return old.version in new.ancestors
+    parent = new.parent_version  # a version from before `ancestors`: its parents, while they are kept
     for _ in range(MAX_STEPS):
         if not parent:
             return False
