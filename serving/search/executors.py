@@ -40,6 +40,10 @@ class DecodePlacement(StrEnum):
     AT_EMBEDDER = "embedder"  # where it is embedded: its bytes cross to the embedder deployment
 
 
+# How long a probe query waits behind users' queries at most (`BatchedExecutor._lane`).
+PROBE_MAX_WAIT_S = 2.0
+
+
 @dataclass(frozen=True)
 class SchedulingPolicy:
     """When a free stream starts a batch, and how many queued queries it takes: a function of
@@ -141,8 +145,10 @@ class BatchedExecutor:
         self.max_queue = max_queue
         self._threads = ThreadPoolExecutor(policy.streams, thread_name_prefix="inference")
         self._queue: deque[Work] = deque()
-        # The probe's lane: its queries are batched only while no user query waits, one batch
-        # at a time, so a probe round never delays a user's query by more than a batch it began.
+        # The probe's lane: its queries are batched while no user query waits, one batch at a
+        # time — or, under a load that never empties the users' queue, once the lane's oldest has
+        # waited PROBE_MAX_WAIT_S: a user's query waits at most a probe batch that long, and
+        # the round still ends (it starved behind 32 closed-loop callers, its figure stale).
         self._background: deque[Work] = deque()
         self._background_running = False
         self._running = 0  # batches handed to the inference threads and not yet answered
@@ -244,12 +250,14 @@ class BatchedExecutor:
     # -- batching task ----------------------------------------------------------------------
 
     def _lane(self, batch: list[Work]) -> deque[Work]:
-        """Where the batch takes its queries from: the users' queue, or — while it is empty, no
-        background batch runs and the batch has no user query — the probe's lane."""
+        """Where the batch takes its queries from: the users' queue, or — while it is empty (or
+        the probe's oldest has waited PROBE_MAX_WAIT_S), no background batch runs and the batch
+        has no user query — the probe's lane."""
         if batch:
             return self._background if batch[0].query.background else self._queue
-        if not self._queue and self._background and not self._background_running:
-            return self._background
+        if self._background and not self._background_running:
+            if not self._queue or time.perf_counter() - self._background[0].enqueued > PROBE_MAX_WAIT_S:
+                return self._background
         return self._queue
 
     def _take_ready(self, batch: list[Work]) -> bool:

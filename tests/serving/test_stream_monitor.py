@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 
 import pytest
 
 from core.artifacts import layout as artifacts
+from core.artifacts.index_manifest import IndexManifest
 from core.retrieval.metrics import stable_key
 from protos.simsearch.v1 import search_pb2 as pb
-from serving.search.executors import BatchedExecutor, SchedulingPolicy
+from serving.monitoring.lineage import grew_from
+from serving.search.executors import PROBE_MAX_WAIT_S, BatchedExecutor, SchedulingPolicy
 from serving.search.inference import Query, Result, Work
 from serving.telemetry.metrics import ServiceMetrics
 from tests.serving.test_ingest import ADMIN, unit
@@ -32,26 +35,34 @@ class Recorded:
         self.batches.append([work.query.k for work in batch])
 
 
-def test_a_user_query_is_batched_before_probe_queries_queued_ahead_of_it():
+def batched(probes: list[tuple[int, float | None]], users: list[int]) -> list[list[int]]:
+    """The batches (each query by its `k`) a paused batcher of batches of 4 forms once resumed,
+    given probe queries (k, when enqueued: None for now) and then user queries (k) queued in it."""
+
     async def scenario() -> list[list[int]]:
         inference = Recorded()
         executor = BatchedExecutor(inference, SchedulingPolicy(max_batch_size=4, streams=1), max_queue=100)
         executor.start()
         executor.pause()
         pair = object()  # one pair for all: a batch never mixes pairs
-        probes = [Work(Query(pair, k=100 + i, background=True), Result()) for i in range(6)]  # type: ignore[arg-type]
-        user = Work(Query(pair, k=1), Result())  # type: ignore[arg-type]
-        waiting = [asyncio.ensure_future(executor.run(work)) for work in probes]
+        works = [
+            Work(Query(pair, k=k, background=True), Result(), **({} if at is None else {"enqueued": at}))  # type: ignore[arg-type]
+            for k, at in probes
+        ]
+        works += [Work(Query(pair, k=k), Result()) for k in users]  # type: ignore[arg-type]
+        waiting = [asyncio.ensure_future(executor.run(work)) for work in works]
         await asyncio.sleep(0)
-        waiting.append(asyncio.ensure_future(executor.run(user)))
-        await asyncio.sleep(0)
-        assert executor.queued == 7
+        assert executor.queued == len(works)
         executor.resume()
         await asyncio.wait_for(asyncio.gather(*waiting), 30)
         await executor.stop()
         return inference.batches
 
-    batches = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_a_user_query_is_batched_before_probe_queries_queued_ahead_of_it():
+    batches = batched([(100 + i, None) for i in range(6)], [1])
     assert batches[0] == [1]  # the user's query alone, first, though six probes queued before it
     assert sorted(k for batch in batches[1:] for k in batch) == list(range(100, 106))
     assert all(k >= 100 for batch in batches[1:] for k in batch)  # probe batches hold no user query
@@ -111,7 +122,7 @@ def test_a_reload_of_an_index_that_did_not_grow_from_the_live_one_clears_the_fig
     live = artifacts.version_dir(root)
 
     def unrelated(staging, manifest):  # the same rows, but no lineage: a rebuild, as the monitor sees it
-        manifest["parent_version"] = None
+        manifest["parent_version"] = manifest["ancestors"] = None
         for extra in live.iterdir():  # what derived_version leaves out (the filter structure)
             if extra.is_file() and not (staging / extra.name).exists():
                 shutil.copy2(extra, staging / extra.name)
@@ -199,3 +210,30 @@ def test_an_ingest_and_a_takedown_bring_the_probe_up_to_date_asking_again_only_t
     assert len(twins) <= server.prober.asked_again < 24
     assert len(rounds) == 1
     assert probe_figures(client) == before
+
+
+def test_probe_queries_waiting_past_their_bound_go_ahead_of_a_queue_that_never_empties():
+    long_ago = time.perf_counter() - PROBE_MAX_WAIT_S - 1
+    batches = batched([(100, long_ago), (101, long_ago)], list(range(1, 9)))
+    assert batches[0] == [100, 101]  # the probes' batch first: they waited past the bound
+    assert [k for batch in batches[1:] for k in batch] == list(range(1, 9))
+
+
+def test_a_version_grew_from_one_whose_descendants_were_pruned_since_and_a_rollback_did_not(tmp_path):
+    root = write_catalog_index(tmp_path, items=6)
+    server, client = start(root, admin_token=ADMIN, ingest_window_ms=0, keep_versions=2, merges="whole")
+    try:
+        built = IndexManifest.read(artifacts.version_dir(root))
+        seen = [built]
+        for n in range(4):  # each publishes a version; two are kept
+            client.add_items([pb.NewItem(id=f"streamed-{n}", embedding=pb.Embedding(values=unit(960 + n)))])
+            seen.append(IndexManifest.read(artifacts.version_dir(root)))
+        assert not (root / artifacts.VERSIONS / seen[2].version).exists()  # the line between is gone
+        assert grew_from(root, built, seen[-1]) and grew_from(root, seen[1], seen[-1])
+        assert not grew_from(root, seen[-1], seen[1])  # an older version did not grow from a newer one
+        server._call(server.rollback(seen[-2].version, None, "test", "test", restore=False, make_current=True))
+        back = IndexManifest.read(artifacts.version_dir(root))
+        assert back.version != seen[-1].version and not grew_from(root, seen[-1], back)
+    finally:
+        client.close()
+        server.stop(grace=1)
