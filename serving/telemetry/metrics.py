@@ -9,8 +9,9 @@ A server of several processes (`serve --processes N`, `serving.workers`) counts 
 prometheus-client's multiprocess mode: each worker writes its figures to files under
 PROMETHEUS_MULTIPROC_DIR (set before the worker imports prometheus_client), and the supervisor
 serves the one /metrics that sums them (`serve_multiprocess`). There a counter or histogram is
-the sum over workers, the queue depth the live workers' sum, every other gauge the most recent
-value any worker set; the process and GC collectors, per process, are left out.
+the sum over workers, the queue depth the live workers' sum, a Recall@K figure the workers'
+mean weighted by their sample sizes (its sample size their sum), every other gauge the most
+recent value any worker set; the process and GC collectors, per process, are left out.
 """
 
 from __future__ import annotations
@@ -155,7 +156,9 @@ class ServiceMetrics:
         for attribute, kind, name, help_text, labels, buckets in FAMILIES:
             extra: dict = {"buckets": buckets} if buckets is not None else {}
             if kind is Gauge and shared:  # how the workers' values make one (module docstring)
-                extra["multiprocess_mode"] = "livesum" if attribute == "queue_depth" else "mostrecent"
+                extra["multiprocess_mode"] = (
+                    "livesum" if attribute == "queue_depth" else "liveall" if name in MERGED_RECALL else "mostrecent"
+                )
             setattr(self, attribute, kind(name, help_text, labels, registry=self.registry, **extra))
         for path in ("exact", "index"):  # both series from the start: a panel shows 0, not "no data"
             self.filtered_queries.labels(path)
@@ -208,10 +211,66 @@ def multiprocess() -> bool:
     return bool(os.environ.get(MULTIPROC_ENV))
 
 
-def serve_multiprocess(directory: str, port: int, host: str = "127.0.0.1") -> None:
-    """Serve /metrics on `port`: the sum of what every worker wrote under `directory`."""
-    from prometheus_client.multiprocess import MultiProcessCollector
+# Each worker measures Recall@K over the answers it gave: the server's figure is their mean
+# weighted by each one's sample size, and its sample size their sum (`WorkersRecall`).
+RECALL, ANN_RECALL, SAMPLES = "simsearch_recall_at_k", "simsearch_ann_recall_at_k", "simsearch_recall_samples"
+MERGED_RECALL = (RECALL, ANN_RECALL, SAMPLES)
 
+
+class WorkersRecall:
+    """The workers' files (`MultiProcessCollector`) as the supervisor's /metrics serves them,
+    with each Recall@K figure merged over the workers (written per process: "liveall") instead
+    of the last one a worker wrote."""
+
+    def __init__(self, directory: str) -> None:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        self.files = MultiProcessCollector(None, path=directory)
+
+    def collect(self):
+        families = {family.name: family for family in self.files.collect()}
+        samples: dict[tuple[str, str], dict[str, float]] = {}  # (k, source) → pid → n
+        if SAMPLES in families:
+            for sample in families[SAMPLES].samples:
+                labels = sample.labels
+                samples.setdefault((labels["k"], labels["source"]), {})[labels["pid"]] = sample.value
+        for family in families.values():
+            if family.name in MERGED_RECALL:
+                family.samples = _merged(family, samples)
+            yield family
+
+
+def _merged(family, samples: dict[tuple[str, str], dict[str, float]]) -> list:
+    """`family`'s per-worker series as one series a label set: sample sizes summed, figures
+    averaged weighted by their sample sizes (equally where none is known)."""
+    from prometheus_client.samples import Sample
+
+    groups: dict[tuple, list] = {}
+    for sample in family.samples:
+        key = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "pid"))
+        groups.setdefault(key, []).append(sample)
+    out = []
+    for key, group in groups.items():
+        labels = dict(key)
+        source = "ann" if family.name == ANN_RECALL else labels.get("source")
+        weights = samples.get((labels.get("k"), source), {})
+        if family.name == SAMPLES:
+            value = sum(s.value for s in group)
+        else:
+            sizes = [weights.get(s.labels["pid"], 0.0) for s in group]
+            total = sum(sizes)
+            value = (
+                sum(s.value * n for s, n in zip(group, sizes, strict=True)) / total
+                if total
+                else sum(s.value for s in group) / len(group)
+            )
+        out.append(Sample(group[0].name, labels, value))
+    return out
+
+
+def serve_multiprocess(directory: str, port: int, host: str = "127.0.0.1") -> None:
+    """Serve /metrics on `port`: what every worker wrote under `directory`, summed (Recall@K:
+    merged, `WorkersRecall`)."""
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=directory)
+    registry.register(WorkersRecall(directory))
     start_http_server(port, addr=host, registry=registry)

@@ -26,6 +26,7 @@ from serving.__main__ import server_config
 from serving.client import SearchClient
 from serving.config import available_cpus
 from serving.listen import port_lock_path
+from serving.telemetry.metrics import RECALL, SAMPLES
 from tests.serving.test_prometheus import needs_prometheus, query, start_prometheus
 from tests.serving.test_shutdown import free_port
 from tests.support.index import write_catalog_index
@@ -115,6 +116,32 @@ def test_both_workers_answer_on_one_port_and_metrics_sum_them(served):
     # the HTTP port is shared as the gRPC port is: it answers, whichever worker takes it
     http = urllib.request.urlopen(f"http://127.0.0.1:{server.ports['http_port']}/openapi.json", timeout=60)
     assert http.status == 200
+
+
+def test_recall_at_k_on_metrics_is_the_whole_servers_over_every_workers_answers(served):
+    server, _ = served
+
+    def traffic() -> tuple[float, float]:
+        figures = {name: server.figure(name).get('{k="1",source="traffic"}') for name in (RECALL, SAMPLES)}
+        return figures[RECALL] or 0.0, figures[SAMPLES] or 0.0
+
+    before_recall, before_n = traffic()
+    before_calls = server.figure("simsearch_worker_calls_total")
+    sent = 0
+    while True:  # labelled queries, each on a connection of its own, until both workers answered some
+        with fresh_channel(server.port) as channel:
+            label = f"item{sent % 12}"
+            pb_grpc.SimilaritySearchStub(channel).Search(
+                pb.SearchRequest(embedding=pb.Embedding(values=unit(500 + sent)), k=3, label=label), timeout=60
+            )
+        sent += 1
+        calls = server.figure("simsearch_worker_calls_total")
+        if sent >= 8 and all(calls[w] > before_calls.get(w, 0.0) for w in calls) and len(calls) == 2:
+            break
+        assert sent < 200, calls
+    recall, n = traffic()
+    assert n == before_n + sent  # every worker's answers, not the last writer's alone
+    assert 0.0 <= recall <= 1.0
 
 
 def test_a_programs_clients_are_connections_of_their_own_spread_over_the_workers(served):
