@@ -177,7 +177,9 @@ def _stage_shards(
         check_shard_count(recipe.shards, len(table))
         parts = partition(shard_keys(table, item_field), recipe.shards)
         started = time.perf_counter()
-        trained = trained_index(new.embeddings, recipe.factory, recipe.train_size, device)
+        trained = trained_index(
+            new.embeddings, recipe.factory, recipe.train_size, device, search_params=recipe.search_params
+        )
         trained_at = time.perf_counter()
         entries = build_shards(writer, trained, new.embeddings, table, parts, filterable)
         log.info(

@@ -40,7 +40,7 @@ from core.data.preprocess import ImageDecodeError, RegionError, load_image
 from index.build.config import DEFAULT_MODEL, BuildConfig, default_catalog
 from index.build.embed import check_bad_rows
 from index.build.publish import IndexRecipe, NewVersion, version_table
-from index.search.faiss_index import empty_index, trained_index
+from index.search.faiss_index import apply_search_params, empty_index, trained_index
 from index.search.filters import FieldSpec
 from index.versions.sharding import build_shard_group, check_shard_count, empty_shard, shard_keys, shard_of
 from index.versions.version_writer import VersionWriter
@@ -275,6 +275,8 @@ def build_shards_on_ray_data(
                 chosen = np.sort(rng.choice(len(kept_rows), size=recipe.train_size, replace=False))
             sample = read_rows(work, kept_rows[chosen], dim)
             trained = trained_index(sample, recipe.factory, None, device)
+        if recipe.search_params:  # HNSW's efConstruction shapes each shard's graph as its rows go in
+            apply_search_params(trained, recipe.search_params)
         trained_at = time.perf_counter()
         table, _ = version_table(catalog.subset(kept))
         arrow = table.to_arrow()

@@ -145,7 +145,8 @@ def segment_index(unit: IndexVersion, vectors: np.ndarray, final: bool) -> tuple
         return index, trained
     if not len(data):  # a shard every row has left: its factory's empty index
         return empty_index(manifest.dimension, manifest.factory), None
-    return build_index(data, manifest.factory, None, None, "cpu"), None
+    # The version's search parameters go in before the rows: HNSW's efConstruction shapes the graph.
+    return build_index(data, manifest.factory, manifest.search_params or None, None, "cpu"), None
 
 
 def write_unit(

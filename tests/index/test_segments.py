@@ -255,3 +255,20 @@ def test_tombstones_are_dropped_from_an_answer_asked_deeper(tmp_path, monkeypatc
     expected = np.argsort(-exact, axis=0, kind="stable")[:K].T
     assert (rows == expected).mean() >= 0.99 and not np.isin(rows, version.deleted).any()
     assert np.allclose(scores, np.take_along_axis(exact.T, expected, axis=1), atol=1e-5)
+
+
+@pytest.mark.parametrize("shards", [1, 4])
+def test_hnsw_build_effort_shapes_every_graph_of_a_version_its_shards_and_compacted_segments(tmp_path, shards):
+    """efConstruction is in the files as they were built (a loaded index has the manifest's
+    search parameters set on it, whatever its graph was built with)."""
+    _grown(tmp_path, "HNSW16", {"efConstruction": 72, "efSearch": 64}, shards, adds=1)
+    root = tmp_path / "index"
+
+    def built_with() -> list[int]:
+        files = list(artifacts.version_dir(root).rglob(artifacts.INDEX_FILE))
+        graphs = [faiss.downcast_index(faiss.read_index(str(p))) for p in files]
+        return [g.hnsw.efConstruction for g in graphs if isinstance(g, faiss.IndexHNSW)]
+
+    assert built_with() and set(built_with()) == {72}  # the build's (one graph a shard)
+    compact_version(root, keep=3, on_ray=False)
+    assert len(built_with()) == shards and set(built_with()) == {72}  # compaction's graphs
