@@ -15,6 +15,7 @@ import numpy as np
 
 from core.data.catalog import read_probe_catalog
 from core.retrieval.metrics import recall_from_neighbor_labels, stable_order
+from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.monitoring.monitor import RecallMonitor
 from serving.monitoring.probe_changes import ProbedQuery, ProbedRound, new_rows, touched
@@ -116,10 +117,11 @@ class ProbeRunner:
         self, pair: ServingPair, paths: list, labels: list[str], excludes: list[list[str]], answers: list
     ) -> ProbedRound | None:
         """The round kept for `changes_round`: a sample of the index's own rows, whose exact
-        vectors are their queries' embeddings (a held-out catalog's images have none to read)."""
-        if self.probe_catalog:
-            return None
+        vectors are their queries' embeddings (a held-out catalog's images have none to read, nor
+        has a version whose rows are held elsewhere, serve --ray's ingress's)."""
         version = pair.index_version
+        if self.probe_catalog or not isinstance(version, IndexVersion):  # serve --ray's ingress holds no rows
+            return None
         rows = version.rows_of_ids([ex[0] for ex in excludes])
         if any(row is None for row in rows.values()):
             return None
