@@ -1,6 +1,7 @@
 """A stream of adds (issue 61): what merges cost when a catalog takes changes one after another.
 
-For each factory and merge policy a version of `--size` unit vectors (`--dim`-d, S = `--shards`)
+For each factory and merge policy a version of `--size` unit vectors (`--dim`-d, S = `--shards`;
+clustered around shared centres as embeddings are, or i.i.d. with `--data uniform`)
 is built with the bench helpers, then `--adds` adds of `--rows` rows each
 (`index.changes.add.add_vectors`, what `index add` publishes after embedding), one after another:
 
@@ -29,6 +30,7 @@ import numpy as np
 import psutil
 
 from benchmarks.bench_segments import build, catalog_items, ids_of, recall, searches, unit_vectors
+from benchmarks.bench_shards import clustered_part
 from benchmarks.harness import markdown_table
 from core.artifacts import layout as artifacts
 from core.artifacts.index_manifest import IndexManifest
@@ -76,13 +78,21 @@ def _flat_exact(version: IndexVersion, queries: np.ndarray) -> bool:
     return ids_of(version, found) == ids_of(version, list(exact))
 
 
+def vectors_of(args, rng: np.random.Generator, part: int, count: int) -> np.ndarray:
+    """`count` unit vectors: i.i.d. (`--data uniform`, where no ANN index finds much), or around
+    bench_shards' shared centres (`clustered`, as embeddings are), each part drawn apart."""
+    if args.data == "uniform":
+        return unit_vectors(rng, count, args.dim)
+    return clustered_part(part, count, args.dim, args.seed)
+
+
 def stream(root: Path, args, factory: str, params: dict, shards: int, policy: str) -> dict:
     rng = np.random.default_rng(args.seed)
-    build(root, unit_vectors(rng, args.size, args.dim), factory, params, shards)
+    build(root, vectors_of(args, rng, 0, args.size), factory, params, shards)
     seconds, written, pids, most = [], 0, [], 0
     for number in range(args.adds):
-        took, wrote, pid = _add(root, policy, unit_vectors(rng, args.rows, args.dim), args.size + number * args.rows,
-                                args.max_segments)  # fmt: skip
+        added = vectors_of(args, rng, 1 + number, args.rows)
+        took, wrote, pid = _add(root, policy, added, args.size + number * args.rows, args.max_segments)
         seconds.append(took)
         written += wrote
         pids += [pid] if pid is not None else []
@@ -91,7 +101,7 @@ def stream(root: Path, args, factory: str, params: dict, shards: int, policy: st
         _wait_for_merges(root, pids)
         written += sum(record["bytes_written"] for record in merge_records(root))
     live = IndexVersion.open(root).load()
-    queries = unit_vectors(rng, args.queries, args.dim)
+    queries = vectors_of(args, rng, 1 + args.adds, args.queries)
     row = {"factory": factory, "S": shards, "policy": policy, "rows added": args.adds * args.rows,
            "WA": written / (args.adds * args.rows * args.dim * 4), "MB written": written / 1e6,
            "add p50 s": float(np.percentile(seconds, 50)), "add p99 s": float(np.percentile(seconds, 99)),
@@ -110,6 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=200_000, help="rows of the version the stream adds to")
     parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--data", choices=("clustered", "uniform"), default="clustered", help="how the rows are drawn")
     parser.add_argument("--adds", type=int, default=40, help="adds, one after another")
     parser.add_argument("--rows", type=int, default=100, help="rows an add")
     parser.add_argument("--factories", default="flat", help=f"comma-separated, of {','.join(FACTORIES)}")
