@@ -198,11 +198,15 @@ class SearchApp:
             await self.health.set(service, status)
 
     async def reload(
-        self, version: str | None = None, model_dir: str | None = None
+        self, version: str | None = None, model_dir: str | None = None, unless_live: bool = False
     ) -> tuple[ServingPair | None, ServingPair]:
-        """Load a pair off the loop and swap it in; on failure the old pair keeps serving."""
+        """Load a pair off the loop and swap it in; on failure the old pair keeps serving.
+        `unless_live`: nothing to do when `version` is live by the time the lock is taken (the
+        CURRENT watcher's reload, which a write's own reload of the same version may precede)."""
         async with self._reload_lock:
             engine = self.engine
+            if unless_live and engine.loaded and engine.pair.version == version and model_dir is None:
+                return engine.pair, engine.pair
             what = f"loading index {version}" if version else "loading the index CURRENT names"
 
             def progress(step: str) -> None:  # until a pair is live, UNAVAILABLE says why
@@ -299,7 +303,7 @@ class SearchApp:
             if target is None or target == live or target == self._watched_failure:
                 continue
             try:
-                await self.reload(target)
+                await self.reload(target, unless_live=True)
                 self._watched_failure = None
             except Exception as exc:
                 self._watched_failure = target  # retried only once CURRENT names something else
