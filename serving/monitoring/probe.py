@@ -170,7 +170,7 @@ class ProbeRunner:
         answers = []
         for start in range(0, len(requests), self.max_batch_queries):
             chunk = requests[start : start + self.max_batch_queries]
-            # The probe's lane: a user query waiting is always batched first (issue 61).
+            # The probe's lane: users' queries are batched first, for up to PROBE_MAX_WAIT_S (issue 61).
             answering = self.service.search_many(chunk, 60.0, background=True)
             answers += asyncio.run_coroutine_threadsafe(answering, loop).result()
         return answers
