@@ -137,7 +137,9 @@ class SearchApp:
             config.ingest_window_ms / 1e3,
             config.merges,
         )
-        self.writes = IndexWrites(options, self.reload, self.service, self.metrics, self._stopping)
+        # A write's reload finds its version live when the CURRENT watcher loaded it first: nothing to load again.
+        reload = functools.partial(self.reload, unless_live=True)
+        self.writes = IndexWrites(options, reload, self.service, self.metrics, self._stopping)
         self.recorder = CallRecorder(self.metrics, TrafficHistory(), config.access_log)
         self.admin = AdminService(
             self.reload,
@@ -201,8 +203,9 @@ class SearchApp:
         self, version: str | None = None, model_dir: str | None = None, unless_live: bool = False
     ) -> tuple[ServingPair | None, ServingPair]:
         """Load a pair off the loop and swap it in; on failure the old pair keeps serving.
-        `unless_live`: nothing to do when `version` is live by the time the lock is taken (the
-        CURRENT watcher's reload, which a write's own reload of the same version may precede)."""
+        `unless_live`: nothing to do when `version` is live by the time the lock is taken — the
+        CURRENT watcher's reload and a write's own, each of which may find the other's done; a
+        second load cost a load and cleared the monitor's figures. A `Reload` call loads again."""
         async with self._reload_lock:
             engine = self.engine
             if unless_live and engine.loaded and engine.pair.version == version and model_dir is None:

@@ -23,14 +23,12 @@ MAX_STEPS = 64
 
 
 def grew_from(index_root: str | Path | None, old: IndexManifest, new: IndexManifest) -> bool:
-    """Whether `new` is `old` with only segments and tombstones changed (or `old` itself, loaded
-    again): alike in KEPT and its shards, and `old` among its ancestors (a rollback's version
-    descends from an older one, so it is not)."""
-    if any(getattr(old, name) != getattr(new, name) for name in KEPT):
+    """Whether `new` is `old` with only segments and tombstones changed: alike in KEPT and its
+    shards, and `old` among its ancestors (a rollback's version descends from an older one, so
+    it is not)."""
+    if index_root is None or old.version == new.version:  # loaded again on purpose (Reload): measured again
         return False
-    if old.version == new.version:  # loaded again (a write's reload and the CURRENT watcher's): unchanged
-        return True
-    if index_root is None:
+    if any(getattr(old, name) != getattr(new, name) for name in KEPT):
         return False
     if [s.name for s in old.shards or []] != [s.name for s in new.shards or []]:
         return False

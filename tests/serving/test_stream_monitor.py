@@ -239,13 +239,13 @@ def test_a_version_grew_from_one_whose_descendants_were_pruned_since_and_a_rollb
         server.stop(grace=1)
 
 
-def test_the_live_version_loaded_again_keeps_the_figures(served):
-    """A write's own reload and the CURRENT watcher's can load one version twice: the second
-    cleared every figure (mid-stream, a server of worker processes showed 275 traffic samples
-    where it had 1,218)."""
+def test_a_reload_of_the_live_version_by_the_watcher_or_a_write_loads_nothing_and_keeps_the_figures(served):
+    """A write's own reload and the CURRENT watcher's can name one version: the second loaded it
+    again and cleared every figure (mid-stream, a server of worker processes showed 275 traffic
+    samples where it had 1,218)."""
     server, client, root = served
     marked(client, 2)
-    before = figures(client.get_info())
+    before, pair = figures(client.get_info()), server.engine.pair
     assert before[("feedback", 1)] == (1.0, 2)
-    server.reload_now(server.engine.pair.version)
-    assert figures(client.get_info()) == before
+    server._call(server.reload(pair.version, unless_live=True))
+    assert server.engine.pair is pair and figures(client.get_info()) == before
