@@ -34,7 +34,13 @@ from index.build.gate import (
     quality_figures,
 )
 from index.search.ann_recall import EffortChoice, search_effort, tune_search_effort
-from index.search.faiss_index import build_index, select_device, trained_index, with_default_rerank
+from index.search.faiss_index import (
+    apply_search_params,
+    build_index,
+    select_device,
+    trained_index,
+    with_default_rerank,
+)
 from index.search.faiss_search import ExactRerank, searchable
 from index.search.filters import FieldSpec, FilterIndex, column_values, declared_json
 from index.search.grouping import Groups
@@ -177,9 +183,9 @@ def _stage_shards(
         check_shard_count(recipe.shards, len(table))
         parts = partition(shard_keys(table, item_field), recipe.shards)
         started = time.perf_counter()
-        trained = trained_index(
-            new.embeddings, recipe.factory, recipe.train_size, device, search_params=recipe.search_params
-        )
+        trained = trained_index(new.embeddings, recipe.factory, recipe.train_size, device)
+        if recipe.search_params:  # HNSW's efConstruction shapes each shard's graph as its rows go in
+            apply_search_params(trained, recipe.search_params)
         trained_at = time.perf_counter()
         entries = build_shards(writer, trained, new.embeddings, table, parts, filterable)
         log.info(

@@ -215,24 +215,15 @@ def _training_sample(
 
 
 def trained_index(
-    vectors: np.ndarray,
-    factory: str = "Flat",
-    train_size: int | None = None,
-    device: str = "auto",
-    seed: int = 0,
-    search_params: dict[str, float] | None = None,
+    vectors: np.ndarray, factory: str = "Flat", train_size: int | None = None, device: str = "auto", seed: int = 0
 ) -> faiss.Index:
     """An empty CPU index of `factory`, trained as `build_index` trains one (its coarse quantizer
     and PQ/SQ code books, on the same sample): what each shard of a sharded version is a copy
-    of before its own rows are added. Flat and HNSW need no training and come back as made.
-    `search_params` are set first, as `build_index` sets them: the copies' HNSW graphs are
-    built with its efConstruction."""
+    of before its own rows are added. Flat and HNSW need no training and come back as made."""
     data = l2_normalized(vectors)
     if len(data) == 0:
         raise ValueError("cannot build an index over zero vectors")
     index = empty_index(data.shape[1], factory)
-    if search_params:
-        apply_search_params(index, search_params)
     if index.is_trained:
         return index
     sample = _training_sample(index, factory, data, train_size, seed)
