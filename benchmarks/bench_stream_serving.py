@@ -54,6 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import harness
+from benchmarks.harness import BenchError
 from benchmarks.server_readings import K, memory, scrape
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient
@@ -66,19 +67,10 @@ NOISE = 0.5  # a row's noise against its centre, in norm (bench_shards' clustere
 GOALS = {"qps_ratio": 0.8, "p99_ratio": 1.5}  # with ingest ÷ without: at least, at most
 
 
-class BenchError(Exception):
-    """A run that cannot go on: its message is the one line printed."""
-
-
 def check_args(args: argparse.Namespace) -> list[str]:
     """The modes asked for, or a BenchError naming the first bad option."""
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if not modes or unknown:
-        raise BenchError(f"--modes: unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(MODES)}")
-    for name in ("rows", "dim", "items_per_call", "search_callers", "probe_size"):
-        if getattr(args, name) < 1:
-            raise BenchError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    modes = harness.chosen("--modes", args.modes, MODES)
+    harness.at_least_one(args, ("rows", "dim", "items_per_call", "search_callers", "probe_size"))
     if args.ingest_callers < 0:
         raise BenchError(f"--ingest-callers must be 0 or more, got {args.ingest_callers}")
     if args.rows < K:

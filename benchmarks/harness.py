@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -480,3 +480,23 @@ def markdown_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+class BenchError(Exception):
+    """A run that cannot go on: its message is the one line printed."""
+
+
+def chosen(flag: str, value: str, allowed: Sequence[str]) -> list[str]:
+    """`value`'s comma-separated names, each one of `allowed`, or a BenchError naming `flag`."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in allowed]
+    if not names or unknown:
+        raise BenchError(f"{flag}: unknown {', '.join(unknown) or 'empty list'}; choose from {', '.join(allowed)}")
+    return names
+
+
+def at_least_one(args, names: Sequence[str]) -> None:
+    """A BenchError for the first of the options `names` (argparse's dests) below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise BenchError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
