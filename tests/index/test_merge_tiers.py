@@ -223,6 +223,19 @@ def _fill_a_class(root: Path, expected: dict[str, np.ndarray], first: int) -> in
     return first
 
 
+def _staging(root: Path) -> set[str]:
+    return {path.name for path in (root / artifacts.VERSIONS).glob(".staging-*")}
+
+
+def _killed(merging: subprocess.Popen) -> bool:
+    """Whether `merging` was still running and was killed (kill -9); either way, it has ended."""
+    running = merging.poll() is None
+    if running:
+        merging.send_signal(signal.SIGKILL)
+    merging.wait()
+    return running
+
+
 @pytest.mark.slow
 def test_kill_9_of_a_background_merge_leaves_the_live_version_whole(tmp_path):
     root, expected = _built(tmp_path, "HNSW8")
@@ -237,15 +250,12 @@ def test_kill_9_of_a_background_merge_leaves_the_live_version_whole(tmp_path):
         merging = _background(root)
         # Late in its life, past the imports: merging, rebasing or publishing.
         time.sleep(rng.uniform(0.5, 1.0) * lifetime)
-        if merging.poll() is None:
-            merging.send_signal(signal.SIGKILL)
-            kills += 1
-        merging.wait()
+        kills += _killed(merging)
         live = IndexVersion.open(root).load(dim=DIM)  # whole: its files agree with its manifest
         assert _live_ids(live) == set(expected), round_number
     assert kills >= 10
     add_vectors(root, *_rows(2, 10**6, seed=1), max_segments=10_000)  # the next writer clears staging
-    assert not list((root / artifacts.VERSIONS).glob(".staging-*"))
+    assert not _staging(root)
 
 
 def test_index_compact_below_the_thresholds_says_what_each_shard_holds_and_prints_no_version(tmp_path, capsys, caplog):
@@ -283,10 +293,6 @@ def test_a_compaction_says_rebased_only_when_it_was(tmp_path, caplog):
         compact_version(root, on_ray=False, staged=lambda: add_vectors(root, *_rows(2, 50, seed=2)))
     rebased = [r.getMessage() for r in caplog.records if "compacted 1 of 1 shard" in r.getMessage()]
     assert len(rebased) == 1 and f"(rebased from {snapshot} onto " in rebased[0]
-
-
-def _staging(root: Path) -> set[str]:
-    return {path.name for path in (root / artifacts.VERSIONS).glob(".staging-*")}
 
 
 def _once(merging: subprocess.Popen, condition: Callable[[], bool], timeout: float = 120.0) -> float:
@@ -336,10 +342,7 @@ def test_kill_9_of_a_base_merge_leaves_the_live_version_whole_with_all_its_rows(
             time.sleep(rng.uniform(0.0, 0.1))
         else:
             time.sleep(rng.uniform(0.0, 0.95) * writing)
-        if merging.poll() is None:
-            merging.send_signal(signal.SIGKILL)
-            kills += 1
-        merging.wait()
+        kills += _killed(merging)
         live = IndexVersion.open(root).load(dim=DIM)  # whole: its files agree with its manifest
         assert _live_ids(live) == _live_ids(before), round_number
         assert live.manifest.live_size == before.manifest.live_size == len(_live_ids(before)), round_number
