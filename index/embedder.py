@@ -6,9 +6,10 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnxruntime as ort
 
 from core.artifacts.layout import MANIFEST, MODEL_FILE, ArtifactError
 from core.artifacts.model_manifests import ModelManifest, TextModelManifest
@@ -16,17 +17,29 @@ from core.config import DEVICES
 from core.data.preprocess import InputContract, rows_per_pass
 from core.data.text import TEXT_INPUT, TEXT_MODEL_FILE, TOKENIZER_FILE, TextTokenizer
 
+if TYPE_CHECKING:
+    import onnxruntime as ort
+
 log = logging.getLogger(__name__)
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 
 
+def onnxruntime() -> ModuleType:
+    """ONNX Runtime, imported on first use rather than with this module: importing it starts a
+    native thread, and `serve`'s supervisor imports the server and then forks its workers, which
+    is only safe from a process of one thread (`serving.workers.preload`)."""
+    import onnxruntime
+
+    return onnxruntime
+
+
 def select_providers(prefer: str = "auto", available: Sequence[str] | None = None) -> list[str]:
     """Execution providers in priority order: CUDA first when present and allowed, CPU last."""
     if prefer not in DEVICES:
         raise ValueError(f"provider must be one of {', '.join(DEVICES)}, got {prefer!r}")
-    available = list(ort.get_available_providers() if available is None else available)
+    available = list(onnxruntime().get_available_providers() if available is None else available)
     if prefer == "gpu" and CUDA not in available:
         raise RuntimeError(
             "CUDA provider requested but ONNX Runtime has no CUDAExecutionProvider (install onnxruntime-gpu)"
@@ -40,6 +53,7 @@ def session_options(intra_op_threads: int | None = None, spinning: bool = True) 
     """Full graph optimisation, bounded threads. `spinning=False` stops idle intra-op threads
     from busy-waiting for the next run: right for a server whose gRPC and decode threads need
     the same cores between batches, wrong for a batch job that runs back to back."""
+    ort = onnxruntime()
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = intra_op_threads or min(os.cpu_count() or 1, 8)
@@ -62,7 +76,7 @@ def load_session(path: Path, options: ort.SessionOptions, providers: list[str]) 
     """An ONNX Runtime session of a model artifact's graph; ArtifactError naming the file when ONNX
     Runtime cannot load it."""
     try:
-        return ort.InferenceSession(str(path), sess_options=options, providers=providers)
+        return onnxruntime().InferenceSession(str(path), sess_options=options, providers=providers)
     except Exception as exc:  # ORT's own types (InvalidProtobuf, Fail, …) for a file it cannot load
         raise ArtifactError(f"{path} is damaged: ONNX Runtime cannot load it ({exc})") from exc
 

@@ -136,6 +136,11 @@ class Runtime:
         "segments; one /metrics for all (default: CPU count, within a container's CPU limit; 1: one process, no "
         "supervisor)",
     )
+    search_threads: int | None = option(
+        None,
+        help="faiss (OpenMP) threads one search may use, in each server process (default: the CPUs less one a "
+        "process for its event loop, shared out among the processes; at least 1)",
+    )
     event_loop: str = option("uvloop", choices=EVENT_LOOPS, help="the gRPC event loop")
     inline_decode_pixels: int = option(
         4096, help="decode on the event loop when image and model input have at most this many pixels (0: never)"
@@ -167,7 +172,7 @@ class Runtime:
     def __post_init__(self) -> None:
         if not 0 < self.run_rows_budget_s < float("inf"):
             raise ValueError(f"run_rows_budget_s must be > 0 seconds, got {self.run_rows_budget_s}")
-        for name in ("workers", "intra_op_threads", "processes"):
+        for name in ("workers", "intra_op_threads", "processes", "search_threads"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("inline_decode_pixels", "inference_decode_pixels", "run_rows"):
@@ -178,6 +183,16 @@ class Runtime:
     def server_processes(self) -> int:
         """Server processes: `processes`, by default the CPUs this process may run on."""
         return self.processes or available_cpus()
+
+    def search_threads_of(self, processes: int) -> int:
+        """faiss threads a search may use in one of `processes` server processes: `search_threads`,
+        by default the CPUs less one a process, shared out. Each process's event loop holds about a
+        core (the GIL); a second OpenMP thread on a core that loop needs costs more than it gives
+        (measured: 2 workers on 2 CPUs answered HNSW queries at c = 8 at 1,026 q/s with one faiss
+        thread each, 501 with two — docs/benchmarks.md)."""
+        if self.search_threads is not None:
+            return self.search_threads
+        return max(1, (available_cpus() - processes) // processes)
 
     @property
     def worker_threads(self) -> int:

@@ -45,6 +45,7 @@ from serving.monitoring.monitor import RecallMonitor
 from serving.monitoring.probe import ProbeRunner
 from serving.search.batching import DynamicBatcher
 from serving.search.engine import SearchEngine, ServingPair
+from serving.search.executors import SearchThreads
 from serving.telemetry.history import TrafficHistory
 from serving.telemetry.metrics import ServiceMetrics
 from serving.transport.auth import Tokens
@@ -103,7 +104,7 @@ class SearchApp:
             workers=workers,
             streams=batching.batch_streams,
         )
-        self.decode_pool = ThreadPoolExecutor(workers, thread_name_prefix="decode")
+        self.decode_pool = ThreadPoolExecutor(workers, "decode", SearchThreads.apply)
         self.monitor = RecallMonitor(config.monitor, self.metrics)
         self.service = SearchService(
             self.engine,
@@ -395,8 +396,13 @@ async def serve(config: ServerConfig) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, shutdown, signum)
+    slot = worker_slot()
+    threads = config.runtime.search_threads_of(slot[1] if slot else 1)
+    SearchThreads.set(threads)  # this loop's thread, where lone searches run
+    loop.set_default_executor(ThreadPoolExecutor(None, "default", SearchThreads.apply))
     app = SearchApp(config)
     await app.start()
+    log.info("faiss searches on %d thread%s a search", threads, "" if threads == 1 else "s")
     print(
         json.dumps({"port": app.port, "metrics_port": config.transport.metrics_port, "http_port": app.http_port}),
         flush=True,

@@ -13,12 +13,14 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnxruntime as ort
 
-from index.embedder import CPU, OnnxEmbedder, measures_run_rows, session_options
+from index.embedder import CPU, OnnxEmbedder, load_session, measures_run_rows, session_options
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 log = logging.getLogger(__name__)
 
@@ -109,9 +111,7 @@ class QueryEmbedder(OnnxEmbedder):
         threads = self.options.intra_op_num_threads
         share = max(1, threads // max(1, runs_at_once))
         if self.session.get_providers()[0] == CPU and share < threads:
-            self.side_by_side_session = ort.InferenceSession(
-                str(self.model_path), sess_options=session_options(share, self.spinning), providers=[CPU]
-            )
+            self.side_by_side_session = load_session(self.model_path, session_options(share, self.spinning), [CPU])
             log.debug("model %s: a %d-thread session for runs side by side", self.model_id, share)
         # At most this many rows per ORT run, for the full session and the side-by-side one;
         # None: a batch in one run. See `tune_run_rows`.

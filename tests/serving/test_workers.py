@@ -234,6 +234,10 @@ def test_sigterm_stops_every_worker_cleanly_and_removes_the_metrics_files(tmp_pa
     assert " ERROR " not in logs and "Traceback" not in logs, logs
     drained = [line for line in logs.splitlines() if "draining and stopping" in line]
     assert sorted(line.rsplit("worker=", 1)[-1] for line in drained) == ["0", "1"], logs  # each worker drained
+    # Each worker searches on its share of the CPUs (serving.search.executors.SearchThreads).
+    threads = max(1, (available_cpus() - 2) // 2)
+    said = [line for line in logs.splitlines() if "faiss searches on" in line]
+    assert len(said) == 2 and all(f"on {threads} thread" in line for line in said), logs
     assert not Path(metrics_dir).exists()
     assert not port_lock_path(server.port).exists()  # the port's lock file goes with the server
 
