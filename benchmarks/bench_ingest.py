@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import harness
-from benchmarks.soak import synthetic_run
+from benchmarks.soak_served import synthetic_run
 from protos.simsearch.v1 import search_pb2 as pb
 from serving.client import SearchClient
 

@@ -1,7 +1,8 @@
-"""soak (issue 47): a short soak of `serve`, and of `serve --ray` at S = 2, on 224-px images —
-mixed image, embedding and bad requests, half over HTTP, reloads with a damaged and a missing
-version between — exits 0 with no unexpected status and every serving process sampled through
-the run; what fails a soak (an unexpected status, a failed reload, a server error, a serving
+"""soak (issue 47): a short soak of `serve`, of `serve --processes 2` and of `serve --ray` at S = 2,
+on 224-px images — mixed image, embedding and bad requests, half over HTTP, reloads with a damaged
+and a missing version between — exits 0 with no unexpected status and every serving process
+sampled through the run (with two workers: each, each answering and each on the last version
+published); what fails a soak (an unexpected status, a failed reload, a server error, a serving
 process replaced or grown past the threshold) is one `FAILED:` line each and exit status 1."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import soak
+from benchmarks import soak, soak_memory, soak_traffic
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD = ("image", "embedding")
@@ -40,7 +41,7 @@ def check_traffic(done: subprocess.CompletedProcess, r: dict) -> None:
     assert "passed: no unexpected status" in done.stdout and "FAILED" not in done.stdout
     assert r["unexpected"] == 0 and r["queries"] > 100 and r["qps"] > 0
     for transport in ("", "/http"):  # every kind over both transports, each with its one status
-        for kind in (*GOOD, *soak.BAD_KINDS):
+        for kind in (*GOOD, *soak_traffic.BAD_KINDS):
             code = "OK" if kind in GOOD else "INVALID_ARGUMENT"
             assert r["statuses"].get(f"{kind}{transport}:{code}", 0) > 0, (kind, transport, r["statuses"])
     assert (r["reloads_ok"], r["reloads_failed"], r["bad_reloads_refused"], r["bad_reloads_wrong"]) == (2, [], 2, [])
@@ -72,6 +73,26 @@ def test_a_short_soak_of_serve_ray_passes_and_samples_every_replica(tmp_path):
         assert by_name[name]["kind"] == "ray" and by_name[name]["start_mb"] > 0, (name, sorted(by_name))
     assert "slope of minute medians after the warm-up" in done.stdout
     assert "| shard-001 |" in done.stdout and "RSS at the start (first third after 0.25 min)" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_short_soak_of_serve_with_two_workers_samples_each_and_both_answer(tmp_path):
+    done, r = short_soak(tmp_path, "--processes", "2")
+    check_traffic(done, r)
+    assert r["server"] == "serve, S = 1, 2 workers"
+    by_name = {p["process"]: p for p in r["processes"]}
+    assert sorted(by_name) == ["serve", "worker-0", "worker-1"], sorted(by_name)  # one process each
+    for name, p in by_name.items():  # the supervisor and each worker, through the whole run, judged as serving
+        assert p["kind"] == "serving" and p["whole_run"] and p["start_mb"] > 0 and p["end_mb"] > 0, (name, p)
+    assert len({p["pid"] for p in by_name.values()}) == 3
+    # Both workers took traffic, not only the GetInfo or the reloads: each answered a share of the
+    # queries (the supervisor's /metrics counts each worker's calls).
+    calls = r["worker_calls"]
+    assert set(calls) == {"0", "1"} and min(calls.values()) > 0.05 * r["queries"], (calls, r["queries"])
+    # A Reload reaches one worker; each reload's new CURRENT reached both.
+    assert r["current_version"].endswith("-reloaded")
+    assert r["worker_versions"] == {"0": r["current_version"], "1": r["current_version"]}, r["worker_versions"]
+    assert "| worker-1 |" in done.stdout
 
 
 def result(**changes) -> dict:
@@ -118,6 +139,14 @@ def test_what_fails_a_soak_is_one_line_each():
     )
     assert "shard-001 (pid 12) was sampled only from minute 0.0 to 7.2: it exited or was replaced" in failed[4]
     assert "gcs_server (pid 14) grew +11.0 MB after the warm-up (58 → 69 MB)" in failed[5]
+    # `serve --processes N`: a worker that took no call, or that is left on an older version.
+    two = result(worker_processes=2, worker_calls={"0": 90.0}, worker_versions={"0": "v2", "1": "v1"})
+    assert soak.failures(dict(two, current_version="v2"), max_growth_mb=8) == [
+        "worker-1 answered no call: the traffic reached only the other workers",
+        "worker-1 serves v1, not CURRENT's v2: it missed a reload",
+    ]
+    both = dict(two, current_version="v2", worker_calls={"0": 90.0, "1": 1.0}, worker_versions={"0": "v2", "1": "v2"})
+    assert soak.failures(both, max_growth_mb=8) == []
 
 
 def test_the_server_log_keeps_what_the_bad_input_does_not_explain(tmp_path):
@@ -150,6 +179,8 @@ def test_bad_flags_are_one_line():
         (["--synthetic", "10"], "--synthetic needs at least 64 images"),
         (["--minutes", "1", "--warmup-min", "2"], "--warmup-min (2.0) must be shorter than --minutes (1.0)"),
         (["--synthetic", "100", "--shards", "200"], "--shards must be between 1 and the catalog's images"),
+        (["--processes", "2", "--ray"], "--processes must be ≥ 1, and 1 with --ray (Ray runs the processes), got 2"),
+        (["--processes", "0"], "--processes must be ≥ 1, and 1 with --ray (Ray runs the processes), got 0"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "benchmarks.soak", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
@@ -164,7 +195,7 @@ def test_growth_is_judged_against_a_process_own_swing():
     median of the last third after the warm-up less the first third's."""
     import os
 
-    sampler = soak.Sampler(os.getpid(), 5.0)
+    sampler = soak_memory.Sampler(os.getpid(), 5.0)
     times = np.arange(0, 15.01, 5 / 60)
     swing = 50 * np.sin(times * 7.3) * np.cos(times * 2.9)
     sampler.ticks = list(times)
@@ -172,7 +203,7 @@ def test_growth_is_judged_against_a_process_own_swing():
         (("embedder", 300 + times), ("ingress", 450 + swing), ("shard-000", 316 + 0 * times)), start=1
     ):
         sampler.series[(label, pid)] = [(t, r, 20) for t, r in zip(times, rss, strict=True)]
-    by_name = {p["process"]: p for p in soak.memory_by_process(sampler, warmup_min=2.0, max_growth_mb=8.0)}
+    by_name = {p["process"]: p for p in soak_memory.memory_by_process(sampler, warmup_min=2.0, max_growth_mb=8.0)}
     embedder, ingress, shard = by_name["embedder"], by_name["ingress"], by_name["shard-000"]
     assert embedder["growth_mb"] == pytest.approx(13 * 2 / 3, abs=0.2) and embedder["allowed_mb"] == 8.0
     assert ingress["allowed_mb"] > 12 and abs(ingress["growth_mb"]) < ingress["allowed_mb"]
