@@ -49,6 +49,25 @@ class PortInUse(ValueError):
 WORKER_ENV = "SIMSEARCH_WORKER"
 
 
+# The directory a server's workers share, made by their supervisor (mode 0700): each worker
+# also listens there on a Unix socket of its own, by which its siblings reach it
+# (`serving.api.siblings`).
+WORKERS_DIR_ENV = "SIMSEARCH_WORKERS_DIR"
+
+
+def worker_socket(index: int) -> str | None:
+    """The gRPC address of worker `index` of this process's server, on its own Unix socket; None
+    for a server that is one process."""
+    directory = os.environ.get(WORKERS_DIR_ENV)
+    return f"unix:{directory}/worker-{index}.sock" if directory else None
+
+
+def worker_sockets(slot: tuple[int, int]) -> dict[int, str]:
+    """The addresses of the siblings of worker `slot` (its index, the server's workers), by index."""
+    own, count = slot
+    return {index: worker_socket(index) for index in range(count) if index != own}
+
+
 def worker_slot() -> tuple[int, int] | None:
     """(this worker's index, the server's workers) when this process is one of a server's
     workers; None for a server that is one process."""
@@ -219,4 +238,8 @@ def bind_grpc(server: grpc.aio.Server, config: ServerConfig, shared: bool = Fals
         raise PortInUse("gRPC", transport.host, transport.port, "--port", exc) from None
     if port == 0:
         raise PortInUse("gRPC", transport.host, transport.port, "--port")
+    slot = worker_slot() if shared else None
+    own = worker_socket(slot[0]) if slot is not None else None
+    if own is not None and not server.add_insecure_port(own):  # its siblings' way in: see WORKERS_DIR_ENV
+        raise RuntimeError(f"worker {slot[0]} could not listen on {own}")
     return port

@@ -36,9 +36,19 @@ from core.artifacts.layout import ArtifactError
 from index.changes.lifecycle import RollbackReport, rollback
 from serving.api.admin_service import AdminService
 from serving.api.search_service import SearchService
+from serving.api.siblings import Siblings
 from serving.api.writes import IndexWrites, WriteOptions
 from serving.config import ServerConfig
-from serving.listen import PortInUse, bind_grpc, claim_port, loop_factory, new_grpc_server, worker_slot
+from serving.listen import (
+    PortInUse,
+    bind_grpc,
+    claim_port,
+    loop_factory,
+    new_grpc_server,
+    worker_slot,
+    worker_socket,
+    worker_sockets,
+)
 from serving.memory import reclaim, steady_heap
 from serving.monitoring.lineage import grew_from
 from serving.monitoring.monitor import RecallMonitor
@@ -138,18 +148,25 @@ class SearchApp:
             config.ingest_window_ms / 1e3,
             config.merges,
         )
+        # One of a server's workers relays its reloads to its siblings (serving.api.siblings).
+        self.siblings = (
+            Siblings(self.slot[0], worker_sockets(self.slot), config.transport.admin_token)
+            if self.slot is not None and worker_socket(self.slot[0]) is not None
+            else None
+        )
         # A write's reload finds its version live when the CURRENT watcher loaded it first: nothing to load again.
-        reload = functools.partial(self.reload, unless_live=True)
+        reload = functools.partial(self.reload_server, unless_live=True)
         self.writes = IndexWrites(options, reload, self.service, self.metrics, self._stopping)
         self.recorder = CallRecorder(self.metrics, TrafficHistory(), config.access_log)
         self.admin = AdminService(
-            self.reload,
+            self.reload_server,
             self.writes.remove_items,
             config.index_root,
             rollback=self.rollback,
             live=lambda: self.engine.pair if self.engine.loaded else None,
             add=self.writes.add_items,
             checks=self.service.checks,
+            reload_here=self.reload,
         )
         self.http = HttpApi(
             self.service,
@@ -252,6 +269,16 @@ class SearchApp:
             threading.Thread(target=reclaim, args=(released, 60.0, self._stopping), name="reclaim", daemon=True).start()
         return old, new
 
+    async def reload_server(
+        self, version: str | None = None, model_dir: str | None = None, unless_live: bool = False
+    ) -> tuple[ServingPair | None, ServingPair]:
+        """`reload` here, then in every sibling worker (`serve --processes N`) before it returns:
+        the version this worker loaded, by name (CURRENT may move meanwhile)."""
+        old, new = await self.reload(version, model_dir, unless_live)
+        if self.siblings is not None:
+            await self.siblings.reload(new.version, model_dir, fresh=not unless_live)
+        return old, new
+
     async def rollback(
         self, version: str, model_dir: str | None, who: str, via: str, restore: bool, make_current: bool
     ) -> tuple[RollbackReport, ServingPair | None, ServingPair]:
@@ -275,7 +302,7 @@ class SearchApp:
                 self.metrics.reload_failures.inc()
                 raise
             self.metrics.items_removed.inc(len(report.reapplied))
-            old, new = await self.reload(report.version, model_dir)
+            old, new = await self.reload_server(report.version, model_dir)
             return report, old, new
 
     def run_probe(self) -> dict[int, float] | None:
@@ -352,6 +379,8 @@ class SearchApp:
         await asyncio.gather(self.grpc_server.stop(grace), self.http.stop(grace))
         await self.batcher.stop()
         self.decode_pool.shutdown(wait=False, cancel_futures=True)
+        if self.siblings is not None:
+            await self.siblings.close()
 
 
 # SIGTERM's drain: in-flight calls get SHUTDOWN_GRACE_S to finish, and the process is gone

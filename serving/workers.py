@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 
 from serving.config import ServerConfig
-from serving.listen import WORKER_ENV, claim_port, free_port, hold_port, release_port
+from serving.listen import WORKER_ENV, WORKERS_DIR_ENV, claim_port, free_port, hold_port, release_port
 from serving.server import SHUTDOWN_DEADLINE_S
 from serving.telemetry.metrics import MULTIPROC_ENV, serve_multiprocess
 
@@ -126,11 +126,12 @@ class Supervisor:
         self.config.check_inputs()  # once, here: a bad root is one error line, not N
         ports = hold_ports(self.config)
         metrics_dir = tempfile.mkdtemp(prefix="simsearch-metrics-")
+        workers_dir = tempfile.mkdtemp(prefix="simsearch-workers-")  # their sockets: serving.listen.worker_socket
         previous = {s: signal.signal(s, self._stop) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             if ports.metrics is not None:
                 serve_multiprocess(metrics_dir, ports.metrics, self.config.transport.host)
-            env = {**os.environ, MULTIPROC_ENV: metrics_dir}
+            env = {**os.environ, MULTIPROC_ENV: metrics_dir, WORKERS_DIR_ENV: workers_dir}
             for index in range(self.count):
                 self.workers.append(
                     subprocess.Popen(
@@ -157,6 +158,7 @@ class Supervisor:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             shutil.rmtree(metrics_dir, ignore_errors=True)
+            shutil.rmtree(workers_dir, ignore_errors=True)
             release_port(ports.grpc)
             if ports.http is not None:
                 release_port(ports.http)

@@ -43,6 +43,8 @@ class Ingested:
 
 
 Reloader = Callable[[str | None, str | None], Awaitable[tuple[ServingPair | None, ServingPair]]]
+# (version, model_dir, unless_live=…) → old pair, new pair: a reload of this worker alone
+LocalReloader = Callable[..., Awaitable[tuple[ServingPair | None, ServingPair]]]
 Remover = Callable[[list[str], str, str, str], Awaitable[RemovalReport]]
 # (pair, the items' checked images or vectors, their rows, upsert, who, via) → what the ingest did
 Adder = Callable[[ServingPair, list[CheckedImage | np.ndarray], ItemTable, bool, str, str], Awaitable[Ingested]]
@@ -68,8 +70,10 @@ class AdminService:
         live: Callable[[], ServingPair | None] | None = None,
         add: Adder | None = None,
         checks: RequestChecks | None = None,
+        reload_here: LocalReloader | None = None,
     ) -> None:
         self._reload = reload
+        self._reload_here = reload_here  # a relayed reload's: this worker alone (serving.api.siblings)
         self._remove = remove
         self._add = add
         self._checks = checks
@@ -227,6 +231,20 @@ class AdminService:
             old, new = await self._reload(request.index_version or None, request.model_dir or None)
         except (ArtifactError, FileNotFoundError, ValueError) as exc:
             raise FailedPrecondition(self._refused(request.index_version, request.model_dir, exc)) from None
+        return pb.ReloadResponse(
+            index_version=new.version, model_id=new.model_id, previous_index_version=old.version if old else ""
+        )
+
+    async def reload_relayed(self, request: pb.ReloadRequest, fresh: bool) -> pb.ReloadResponse:
+        """A sibling worker's reload, relayed (`serving.api.siblings`): the version it names, here
+        alone — neither relayed again nor rolled back again. `fresh`: load it even if it is live."""
+        if self._reload_here is None or not request.index_version:
+            raise FailedPrecondition("this server has no sibling workers to take a relayed reload from")
+        version, model_dir = request.index_version, request.model_dir or None
+        try:
+            old, new = await self._reload_here(version, model_dir, unless_live=not fresh)
+        except (ArtifactError, FileNotFoundError, ValueError) as exc:
+            raise FailedPrecondition(self._refused(version, model_dir, exc)) from None
         return pb.ReloadResponse(
             index_version=new.version, model_id=new.model_id, previous_index_version=old.version if old else ""
         )

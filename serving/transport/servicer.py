@@ -18,6 +18,7 @@ from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from serving.api.admin_service import AdminService
 from serving.api.search_service import SearchService
+from serving.api.siblings import FRESH, RELAYED
 from serving.errors import ServiceError
 from serving.transport.auth import Scope, Tokens, token_fingerprint
 from serving.transport.calls import CallRecorder
@@ -90,6 +91,9 @@ class AdminServicer(pb_grpc.IndexAdminServicer):
 
     async def Reload(self, request, context):
         # Loading takes seconds, off the loop, which keeps answering queries meanwhile.
+        relayed = dict(context.invocation_metadata() or ()).get(RELAYED)
+        if relayed is not None:  # a sibling worker's (serving.api.siblings)
+            return await self.call("Reload", context, self.admin.reload_relayed(request, relayed == FRESH))
         return await self.call("Reload", context, self.admin.reload(request, caller_identity(context), "grpc"))
 
     async def RemoveItems(self, request, context):

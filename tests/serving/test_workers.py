@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
+from core.artifacts import layout as artifacts
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from serving.__main__ import server_config
@@ -200,25 +201,46 @@ def test_a_second_server_on_the_workers_port_is_refused_with_one_line(served):
         pb_grpc.SimilaritySearchStub(channel).Search(pb.SearchRequest(embedding=pb.Embedding(values=unit(1))))
 
 
-def test_an_ingest_on_one_worker_is_loaded_by_every_worker(served):
+def versions_answering(port: int, connections: int = 8) -> set[str]:
+    """The versions answering over `connections` fresh connections, whichever worker each reaches."""
+    versions = set()
+    for _ in range(connections):
+        with fresh_channel(port) as channel:
+            versions.add(pb_grpc.SimilaritySearchStub(channel).GetInfo(pb.GetInfoRequest(), timeout=60).index_version)
+    return versions
+
+
+def test_an_ingest_on_one_worker_is_live_on_every_worker_when_it_answers(served):
     server, root = served
     with SearchClient(f"127.0.0.1:{server.port}", timeout=60, admin_token=TOKEN) as client:
-        reply = client.add_items([pb.NewItem(id="added-by-one", embedding=pb.Embedding(values=unit(99)))])
+        new = pb.NewItem(id="added-by-one", embedding=pb.Embedding(values=unit(99)), metadata={"item": "added"})
+        reply = client.add_items([new])
+    # At once, not within --watch-interval-s: the worker that published it relayed the reload to
+    # its sibling before answering (serving.api.siblings), so the next call finds the items
+    # whichever worker it reaches.
+    assert versions_answering(server.port) == {reply.index_version}
+    for _ in range(8):
+        with fresh_channel(server.port) as channel:
+            answer = pb_grpc.SimilaritySearchStub(channel).Search(
+                pb.SearchRequest(embedding=pb.Embedding(values=unit(99)), k=1), timeout=60
+            )
+        assert answer.neighbors[0].id == "added-by-one"
+    # The sibling's relayed reload and its CURRENT watcher's find each other's work done: two
+    # starts and two loads of the new version, counted a moment after each swap.
+    wait_for(lambda: server.figure("simsearch_reloads_total")[""] >= 4)
 
-    def every_connection_answers_from_the_new_version() -> bool:
-        for _ in range(6):  # whichever worker a connection reaches
-            with fresh_channel(server.port) as channel:
-                info = pb_grpc.SimilaritySearchStub(channel).GetInfo(pb.GetInfoRequest(), timeout=60)
-            if info.index_version != reply.index_version:
-                return False
-        return True
 
-    # Each worker loads the new version: the one that published it at once, the other from
-    # CURRENT within --watch-interval-s (later on a loaded machine: waited for, not assumed).
-    # Two starts and two loads of the new version: the counter follows each swap a moment after it.
-    wait_for(
-        lambda: every_connection_answers_from_the_new_version() and server.figure("simsearch_reloads_total")[""] >= 4
-    )
+def test_a_reload_of_a_named_version_reaches_every_worker_before_it_answers(served):
+    server, root = served
+    current = artifacts.current_version(root)
+    first = next(version for version in artifacts.list_versions(root) if version != current)
+    with SearchClient(f"127.0.0.1:{server.port}", timeout=120, admin_token=TOKEN) as client:
+        # A named version is served without CURRENT moving: no watcher would bring a worker to it.
+        named = client.reload(first)
+        assert artifacts.current_version(root) == current
+        assert versions_answering(server.port) == {named.index_version}
+        back = client.reload()  # CURRENT's again, on every worker
+    assert back.index_version == current and versions_answering(server.port) == {current}
 
 
 def test_sigterm_stops_every_worker_cleanly_and_removes_the_metrics_files(tmp_path):
