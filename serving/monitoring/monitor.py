@@ -29,7 +29,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 from google.protobuf import json_format
@@ -40,6 +39,7 @@ from index.search.ann_recall import recall_with_ties
 from index.search.filters import Filter
 from index.search.grouping import Groups, exact_group_scores
 from protos.simsearch.v1 import search_pb2 as pb
+from serving.monitoring.ann_samples import ANN_BATCH, ANN_GATHER_S, EXACT_DEPTH, ExactQuery, ExactRanking, SampledQuery
 from serving.monitoring.windows import SlidingRecall
 from serving.search.answers import EVERY_ROW, Exclusion, Hit, Scope
 from serving.search.engine import ServingPair
@@ -57,6 +57,11 @@ class MonitorConfig:
     window: int = option(1000, flag="--recall-window", help="labelled answers per sliding Recall@K window")
     ann_sample_rate: float = option(0.05, help="fraction of queries re-run exactly to measure ANN recall")
     ann_queue: int = option(256, cli=False, help="sampled queries waiting for their exact re-run")
+    ann_cpu_share: float = option(
+        0.05,
+        help="the most of one core the exact re-runs may take (1: no bound); past it, sampled queries are dropped, "
+        "and the figure's sample size says how many it holds",
+    )
     probe_interval_s: float = option(
         60.0, help="seconds between probe rounds; one also runs at start and after each reload (0: none at all)"
     )
@@ -75,6 +80,8 @@ class MonitorConfig:
             raise ValueError("recall ks must be positive")
         if not 0 <= self.ann_sample_rate <= 1:
             raise ValueError("ann_sample_rate must be within [0, 1]")
+        if not 0 < self.ann_cpu_share <= 1:
+            raise ValueError(f"ann_cpu_share must be within (0, 1], got {self.ann_cpu_share}")
         if self.window < 1 or self.probe_size < 1 or self.feedback_window < 1:
             raise ValueError("window, probe_size and feedback_window must be positive")
         self.probe_filter_message()  # a malformed filter fails at start, not in every probe round
@@ -97,47 +104,6 @@ class MonitorConfig:
     def probes(self) -> bool:
         """Whether probe rounds run at all: on a schedule and after each reload."""
         return self.probe_interval_s > 0
-
-
-ANN_BATCH = 64  # sampled queries a sharded server checks in one call to its shards
-ANN_GATHER_S = 0.5  # how long it gathers them (the figure is a window's mean: it can wait)
-# A sharded server's exact re-run lists the top EXACT_DEPTH×K: its scores are all the monitor
-# knows of the answer's rows, so a row tied with the K-th but listed past that (more than K
-# copies of one vector) is not seen as tied and counts as a miss.
-EXACT_DEPTH = 2
-
-
-@dataclass(frozen=True)
-class ExactQuery:
-    """A sampled query as a sharded server's `exact_top` re-runs it: its vector, what it left out,
-    its filter and the field it was grouped by."""
-
-    vector: np.ndarray
-    exclude: Exclusion
-    filter: Filter | None
-    group_by: str | None
-
-
-class SampledQuery(NamedTuple):
-    """A live query queued for an exact re-run: the load that answered it, its vector, the rows
-    it answered (`groups_seen`: a grouped answer's groups by value, in the order it shows them),
-    what it left out, and its scope (its filter's mask, kept by reference, and its groups)."""
-
-    serial: int
-    vector: np.ndarray
-    rows: list[int]
-    exclude: Exclusion
-    scope: Scope
-    groups_seen: list[str] | None = None
-
-
-class ExactRanking(NamedTuple):
-    """An exact re-run's answer to one query: its top rows (a grouped query's groups, by value),
-    best first, and their exact scores (a group's: its best row's). A plain (ids, scores) tuple
-    is one too."""
-
-    ids: list[int] | list[str]
-    scores: list[float]
 
 
 class RecallMonitor:
@@ -352,6 +318,7 @@ class RecallMonitor:
                 except queue.Empty:
                     break
             checked = [job for job in jobs if job is not None]
+            started = time.thread_time()
             try:
                 if self.exact_top is not None and checked:
                     self.check_ann_remote(checked)
@@ -364,6 +331,10 @@ class RecallMonitor:
                     self._ann_jobs.task_done()
             if len(checked) < len(jobs):
                 return
+            # Bounded CPU: an exact re-run reads every stored vector (5% of 1,000 q/s over 100k
+            # rows took 30% of a worker's time, beside the users' queries it slowed).
+            spent = time.thread_time() - started
+            self._stop.wait(spent * (1 / self.config.ann_cpu_share - 1))
 
     def ann_settled(self, timeout: float | None = None) -> bool:
         """Wait until every query sampled so far has been checked (or dropped); whether that

@@ -37,7 +37,7 @@ from serving.shards.messages import ShardAnswer, ShardRequest, ShardScope
 from serving.shards.searcher import ShardSearcher
 
 if TYPE_CHECKING:
-    from serving.monitoring.monitor import ExactQuery
+    from serving.monitoring.ann_samples import ExactQuery
 
 
 class ShardSet(Protocol):

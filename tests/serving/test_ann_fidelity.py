@@ -4,13 +4,16 @@ duplicated vectors reads 1.0 whatever order it lists the copies in, one that mis
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 from core.retrieval.vectors import l2_normalized
 from index.search.faiss_index import apply_search_params, build_index
 from index.versions.version import IndexVersion
-from serving.monitoring.monitor import EXACT_DEPTH, MonitorConfig, RecallMonitor, SampledQuery
+from serving.monitoring.ann_samples import EXACT_DEPTH, SampledQuery
+from serving.monitoring.monitor import MonitorConfig, RecallMonitor
 from serving.search.answers import EVERY_ROW, NOTHING_EXCLUDED
 from serving.search.engine import SearchEngine, ServingPair
 from serving.telemetry.metrics import ServiceMetrics
@@ -124,3 +127,29 @@ def test_a_sharded_servers_exact_rankings_are_compared_by_their_scores(version):
 def jobs(pair: ServingPair, queries: np.ndarray, rows: list[list[int]]) -> list[SampledQuery]:
     """Sampled queries as the monitor queues them: plain, nothing excluded, no filter."""
     return [SampledQuery(pair.serial, q, r, NOTHING_EXCLUDED, EVERY_ROW) for q, r in zip(queries, rows, strict=True)]
+
+
+def test_the_exact_re_runs_take_at_most_their_share_of_a_core(version):
+    """After each re-run the checker waits out what it spent, scaled to its share: 10 re-runs of
+    10 ms of CPU each take at least 10 × 10 ms / share of wall time (unbounded: about 0.1 s)."""
+    share = 0.2
+    monitor = RecallMonitor(MonitorConfig(ks=KS, ann_sample_rate=1.0, ann_cpu_share=share), ServiceMetrics())
+    pair = ServingPair(None, version.index, version)  # type: ignore[arg-type]
+    monitor.reset(pair)
+
+    def rerun(job: SampledQuery) -> None:  # an exact re-run of a known cost, in the checker's thread
+        done = time.thread_time() + 0.01
+        while time.thread_time() < done:
+            pass
+
+    monitor.check_sampled = rerun  # type: ignore[method-assign]
+    monitor.start(None)
+    try:
+        started = time.monotonic()
+        for row in range(10):
+            monitor.maybe_sample_ann(pair.serial, version.vector(row), [], NOTHING_EXCLUDED)
+        assert monitor.ann_settled(timeout=60)
+        elapsed = time.monotonic() - started
+    finally:
+        monitor.stop()
+    assert elapsed >= 9 * 0.01 / share, elapsed  # the last re-run's wait comes after it settled
