@@ -142,9 +142,11 @@ class IndexWrites:
         async with self.lock:
             opts = self.options
             vectors, rows = joined_adds(calls)
+            engine = self.service.engine
             add = functools.partial(
                 add_vectors, opts.index_root, vectors, rows, upsert=upsert, keep=opts.keep_versions,
                 max_segments=opts.max_segments, model_id=model_id, compact=False,
+                opened=engine.pair.index_version if engine.loaded else None,
             )  # fmt: skip
             loop = asyncio.get_running_loop()
             report = await loop.run_in_executor(None, add)

@@ -234,6 +234,18 @@ def test_bad_rows_are_refused_precisely(tmp_path):
         add_vectors(root, bad, items)
 
 
+def test_an_add_uses_a_version_open_already_only_while_current_names_it(tmp_path):
+    _grown(tmp_path, "Flat", {}, 1, adds=0)
+    root = tmp_path / "index"
+    opened = IndexVersion.open(root).load()  # a server's live version
+    extra, items = _more(2, seed=1)
+    report = add_vectors(root, extra, items, opened=opened)  # CURRENT names it: its lookups are used
+    assert IndexVersion.open(root).row_of(items.ids[0]) is not None
+    # CURRENT moved on: an add given the old version checks the new one, which holds these ids.
+    with pytest.raises(ValueError, match=rf"2 of the 2 new ids are already in version {report.live_version.name}"):
+        add_vectors(root, extra, items, opened=opened)
+
+
 @pytest.mark.parametrize("deleted", [10, 50])
 def test_tombstones_are_dropped_from_an_answer_asked_deeper(tmp_path, monkeypatch, deleted):
     """A few tombstones: the index asked that much deeper and them dropped; many: the planner
