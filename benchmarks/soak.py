@@ -23,10 +23,10 @@ query), each of which must answer INVALID_ARGUMENT; every good query must answer
 seconds an authenticated `Reload` of CURRENT loads a fresh model+index pair and swaps it in;
 every `--bad-reload-every`-th time a reload of a damaged version (its index files cut short)
 and one of a missing version go first, and must fail with FAILED_PRECONDITION while the live
-pair keeps serving. A Reload reaches only the worker that answers it: with `--processes N` each
-Reload of CURRENT follows a new version made CURRENT (the live one's files under a new name),
-which every worker follows (`--watch-current`), and the gRPC callers each have a connection of
-their own, since the kernel spreads connections, not calls, over the workers.
+pair keeps serving. With `--processes N` the worker that takes a Reload relays it to the others
+before it answers (`serving/api/siblings.py`), so every worker must end on CURRENT's version; the
+gRPC callers each have a connection of their own, since the kernel spreads connections, not
+calls, over the workers.
 
 Every few seconds the RSS and open file descriptors of each process are sampled: the server's; with
 `--processes N` also each worker's (worker-0, …); with `--ray` also every Ray process under this
@@ -126,21 +126,21 @@ WORKER_CALLS = re.compile(r'^simsearch_worker_calls_total\{worker="(\d+)"\} (\S+
 
 def workers_after(log: Path, root: Path, metrics_port: int, processes: int, wait_s: float = 30.0) -> dict:
     """After the traffic, what each worker of `serve --processes N` did: the calls it answered
-    (`simsearch_worker_calls_total` on the supervisor's /metrics) and the version it serves — the
-    last its log records (`worker=I`) say it loaded — waited for up to `wait_s` until every worker
-    serves CURRENT's (a worker reads CURRENT every --watch-interval-s, 5 s by default, so the last
-    reload may reach it after the traffic stopped)."""
+    (`simsearch_worker_calls_total` on the supervisor's /metrics), the loads its log records
+    (`worker=I`) and the version it serves — the last it loaded — waited for up to `wait_s` until
+    every worker serves CURRENT's (a reload still under way as the traffic stopped may end after it)."""
     current = artifacts.current_version(root)
     deadline = time.monotonic() + wait_s
     while True:
-        found = SERVING_INDEX.finditer(log.read_text(errors="replace"))
+        found = list(SERVING_INDEX.finditer(log.read_text(errors="replace")))
         versions = {record["worker"]: record["version"] for record in found}  # the last of each
+        loads = Counter(record["worker"] for record in found)
         if (len(versions) == processes and set(versions.values()) == {current}) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as metrics:
         calls = {worker: float(n) for worker, n in WORKER_CALLS.findall(metrics.read().decode())}
-    return {"worker_calls": calls, "worker_versions": versions, "current_version": current}
+    return {"worker_calls": calls, "worker_versions": versions, "worker_loads": dict(loads), "current_version": current}
 
 
 def soak(
@@ -199,10 +199,7 @@ def soak(
                 if over_http:
                     jobs.append(http_callers(f"127.0.0.1:{ports['http_port']}", traffic, over_http, stop_at, tally))
                 if reload_every:
-                    republish = root if processes > 1 else None  # a Reload reaches one worker, CURRENT all
-                    jobs.append(
-                        reloader(target, reload_every, bad_reload_every, bad_versions, stop_at, tally, republish)
-                    )
+                    jobs.append(reloader(target, reload_every, bad_reload_every, bad_versions, stop_at, tally))
                 await asyncio.gather(*jobs)
                 return time.monotonic() - began
 

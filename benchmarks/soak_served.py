@@ -6,7 +6,6 @@ versions a soak publishes into its copy of that root while it runs.
 from __future__ import annotations
 
 import csv
-import os
 import shutil
 import subprocess
 import sys
@@ -91,14 +90,3 @@ def damaged_and_missing_versions(root: Path) -> list[str]:
     damaged = artifacts.new_version_name("damaged00000000")
     artifacts.publish_version(root, staging, damaged, make_current=False)
     return [damaged, "v-no-such-version"]
-
-
-def republish_live(root: Path) -> str:
-    """The live version published again under a new name and made CURRENT, as an ingest publishes
-    one: what every worker of `serve --processes N` follows (--watch-current), where a Reload
-    call reaches only the worker that answers it. Its files are hard links to the live one's (a
-    version's files are never written again), so the root does not grow with each reload."""
-    with artifacts.writer_lock(root):  # a writer in the server waits for it, and it for one
-        version = artifacts.new_version_name("reloaded")
-        artifacts.publish_version(root, live_copy(root, os.link), version)
-    return version

@@ -16,7 +16,6 @@ from urllib.parse import quote
 import grpc
 import numpy as np
 
-from benchmarks.soak_served import republish_live
 from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
@@ -181,11 +180,9 @@ async def reloader(
     bad_versions: list[str],
     stop_at: float,
     tally: Tally,
-    republish: Path | None = None,
 ) -> None:
     """Every `every_s` seconds a Reload of CURRENT, every `bad_every`-th after a Reload of each bad
-    version; with `republish` (the index root of a server of several workers) each Reload of
-    CURRENT follows a new version made CURRENT there (`republish_live`), which every worker loads."""
+    version (a server of several workers relays each to every worker before it answers)."""
     metadata = [("authorization", f"Bearer {TOKEN}")]
     async with grpc.aio.insecure_channel(target) as channel:
         admin = pb_grpc.IndexAdminStub(channel)
@@ -204,8 +201,6 @@ async def reloader(
                         else:
                             tally.bad_reloads_wrong.append(f"{version}: {exc.code().name} {exc.details()}")
             try:
-                if republish is not None:
-                    await asyncio.to_thread(republish_live, republish)
                 await admin.Reload(pb.ReloadRequest(), metadata=metadata, timeout=120)
                 tally.reloads_ok += 1
             except grpc.aio.AioRpcError as exc:

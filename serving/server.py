@@ -148,12 +148,15 @@ class SearchApp:
             config.ingest_window_ms / 1e3,
             config.merges,
         )
-        # One of a server's workers relays its reloads to its siblings (serving.api.siblings).
+        # One of a server's workers relays its reloads to its siblings and merges their figures
+        # into its GetInfo (serving.api.siblings).
+        transport = config.transport
         self.siblings = (
-            Siblings(self.slot[0], worker_sockets(self.slot), config.transport.admin_token)
+            Siblings(self.slot[0], worker_sockets(self.slot), transport.admin_token, transport.search_token)
             if self.slot is not None and worker_socket(self.slot[0]) is not None
             else None
         )
+        self.service.siblings = self.siblings
         # A write's reload finds its version live when the CURRENT watcher loaded it first: nothing to load again.
         reload = functools.partial(self.reload_server, unless_live=True)
         self.writes = IndexWrites(options, reload, self.service, self.metrics, self._stopping)
@@ -221,12 +224,14 @@ class SearchApp:
         self, version: str | None = None, model_dir: str | None = None, unless_live: bool = False
     ) -> tuple[ServingPair | None, ServingPair]:
         """Load a pair off the loop and swap it in; on failure the old pair keeps serving.
-        `unless_live`: nothing to do when `version` is live by the time the lock is taken — the
-        CURRENT watcher's reload and a write's own, each of which may find the other's done; a
-        second load cost a load and cleared the monitor's figures. A `Reload` call loads again."""
+        `unless_live`: nothing to do when `version` is live by the time the lock is taken, or an
+        ancestor of the live one — the CURRENT watcher's reload, a write's own and a sibling
+        worker's relayed one, each of which may find another's done, or a later version's (two
+        workers' writes published back to back: loading the earlier after the later went back
+        a version and cleared the monitor's figures). A `Reload` call loads what it names."""
         async with self._reload_lock:
             engine = self.engine
-            if unless_live and engine.loaded and engine.pair.version == version and model_dir is None:
+            if unless_live and engine.loaded and model_dir is None and _holds(engine.pair, version):
                 return engine.pair, engine.pair
             what = f"loading index {version}" if version else "loading the index CURRENT names"
 
@@ -381,6 +386,11 @@ class SearchApp:
         self.decode_pool.shutdown(wait=False, cancel_futures=True)
         if self.siblings is not None:
             await self.siblings.close()
+
+
+def _holds(pair: ServingPair, version: str | None) -> bool:
+    """Whether `pair` serves `version` or a version descended from it by changes."""
+    return version is not None and (pair.version == version or version in (pair.manifest.ancestors or ()))
 
 
 # SIGTERM's drain: in-flight calls get SHUTDOWN_GRACE_S to finish, and the process is gone

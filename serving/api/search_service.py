@@ -30,6 +30,7 @@ from core.data.preprocess import EncodedImage, ImageNotFound, load_pixels, open_
 from index.search import filters
 from index.search.grouping import EXACT_PASS
 from protos.simsearch.v1 import search_pb2 as pb
+from serving.api.siblings import Siblings, merged_figures
 from serving.errors import DeadlineExceeded, InvalidArgument, NotFound, Unavailable, at_place, image_errors
 from serving.logs import REQUEST_ID
 from serving.monitoring.feedback import FeedbackLog
@@ -87,6 +88,7 @@ class SearchService:
         self.inline_decode_pixels = inline_decode_pixels
         self.inference_decode_pixels = inference_decode_pixels
         self.feedback_log = FeedbackLog(feedback_window)
+        self.siblings: Siblings | None = None  # a worker's of `serve --processes N`: GetInfo merges their figures
         # The stage histograms' children, bound once: every answer observes up to four of them.
         self._stage_latency = tuple(metrics.stage_latency.labels(stage) for stage in STAGES)
         self._thumbnails: OrderedDict[tuple[int, str, int], tuple[bytes, str]] = OrderedDict()
@@ -376,7 +378,19 @@ class SearchService:
         accepted = self.monitor.record_feedback(serial, ids, relevant, request.request_id)
         return pb.FeedbackResponse(accepted=accepted)
 
-    async def info(self) -> pb.GetInfoResponse:
+    async def info(self, whole_server: bool = True) -> pb.GetInfoResponse:
+        """What is served and how well; `whole_server`: Recall@K over every worker of a server of
+        several (`serving.api.siblings`), else this process's own."""
+        own = self._info()
+        if whole_server and self.siblings is not None:
+            others = await self.siblings.infos()
+            for field in ("recall_at_k", "ann_recall_at_k"):
+                merged = merged_figures([getattr(own, field), *(getattr(other, field) for other in others)])
+                own.ClearField(field)
+                getattr(own, field).extend(merged)
+        return own
+
+    def _info(self) -> pb.GetInfoResponse:
         pair = self.engine.pair
         limits = self.engine.limits
         samples = self.monitor.samples()

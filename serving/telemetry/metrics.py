@@ -257,15 +257,18 @@ def _merged(family, samples: dict[tuple[str, str], dict[str, float]]) -> list:
         if family.name == SAMPLES:
             value = sum(s.value for s in group)
         else:
-            sizes = [weights.get(s.labels["pid"], 0.0) for s in group]
-            total = sum(sizes)
-            value = (
-                sum(s.value * n for s, n in zip(group, sizes, strict=True)) / total
-                if total
-                else sum(s.value for s in group) / len(group)
-            )
+            value = merged_recall([s.value for s in group], [weights.get(s.labels["pid"], 0.0) for s in group])
         out.append(Sample(group[0].name, labels, value))
     return out
+
+
+def merged_recall(values: list[float], samples: list[float]) -> float:
+    """Several workers' figures of one Recall@K as the whole server's: their mean weighted by
+    their sample sizes (equal weights where none is known)."""
+    total = sum(samples)
+    if not total:
+        return sum(values) / len(values)
+    return sum(value * n for value, n in zip(values, samples, strict=True)) / total
 
 
 def serve_multiprocess(directory: str, port: int, host: str = "127.0.0.1") -> None:

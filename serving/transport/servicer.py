@@ -81,7 +81,8 @@ class SearchServicer(pb_grpc.SimilaritySearchServicer):
         return await self.call("Feedback", context, self.service.feedback(request))
 
     async def GetInfo(self, request, context):
-        return await self.call("GetInfo", context, self.service.info())
+        relayed = RELAYED in dict(context.invocation_metadata() or ())  # a sibling's: this worker's own
+        return await self.call("GetInfo", context, self.service.info(whole_server=not relayed))
 
 
 class AdminServicer(pb_grpc.IndexAdminServicer):

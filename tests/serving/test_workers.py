@@ -143,6 +143,12 @@ def test_recall_at_k_on_metrics_is_the_whole_servers_over_every_workers_answers(
     recall, n = traffic()
     assert n == before_n + sent  # every worker's answers, not the last writer's alone
     assert 0.0 <= recall <= 1.0
+    # GetInfo, whichever worker answers it, is the whole server's too (serving.api.siblings).
+    for _ in range(6):
+        with fresh_channel(server.port) as channel:
+            info = pb_grpc.SimilaritySearchStub(channel).GetInfo(pb.GetInfoRequest(), timeout=60)
+        (figure,) = [f for f in info.recall_at_k if f.source == "traffic" and f.k == 1]
+        assert figure.samples == n and figure.value == pytest.approx(recall, abs=1e-9)
 
 
 def test_a_programs_clients_are_connections_of_their_own_spread_over_the_workers(served):
