@@ -119,7 +119,8 @@ def add_vectors(
     live version is read, changed and published by this writer alone."""
     with artifacts.writer_lock(index_root):
         current = artifacts.current_version(index_root)
-        live = opened if opened is not None and opened.name == current else IndexVersion.open(index_root, current)
+        usable = isinstance(opened, IndexVersion) and opened.name == current  # not a sharded ingress's view
+        live = opened if usable else IndexVersion.open(index_root, current)
         vectors, replaced = _checked_rows(live, vectors, items, upsert, model_id)
         rows = RowCounts(
             catalog=catalog_rows if catalog_rows is not None else len(items),
