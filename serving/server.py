@@ -330,13 +330,16 @@ class SearchApp:
             log.exception("probe after reload failed")
 
     async def _watch_current(self) -> None:
-        """Reload whenever CURRENT names a version other than the live one."""
+        """Reload whenever CURRENT comes to name a version other than the live one — a change of
+        CURRENT, not any difference: a Reload naming another version stays until CURRENT moves."""
         loop = asyncio.get_running_loop()
+        seen = None
         while True:
             await asyncio.sleep(self.config.watch_interval_s)
             target = await loop.run_in_executor(None, artifacts.current_version, self.config.index_root)
             live = self.engine.pair.version if self.engine.loaded else None
-            if target is None or target == live or target == self._watched_failure:
+            changed, seen = target != seen or live is None, target
+            if target is None or not changed or target == live or target == self._watched_failure:
                 continue
             try:
                 await self.reload(target, unless_live=True)

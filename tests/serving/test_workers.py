@@ -240,6 +240,10 @@ def test_a_reload_of_a_named_version_reaches_every_worker_before_it_answers(serv
     server, root = served
     current = artifacts.current_version(root)
     first = next(version for version in artifacts.list_versions(root) if version != current)
+    # Every worker's CURRENT watcher (--watch-interval-s 0.5) has read CURRENT since the last
+    # publish: a watcher that had not would load CURRENT after the named Reload (make test, loaded).
+    wait_for(lambda: versions_answering(server.port) == {current})
+    time.sleep(2.0)
     with SearchClient(f"127.0.0.1:{server.port}", timeout=120, admin_token=TOKEN) as client:
         # A named version is served without CURRENT moving: no watcher would bring a worker to it.
         named = client.reload(first)
