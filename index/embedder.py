@@ -28,8 +28,8 @@ CPU = "CPUExecutionProvider"
 
 def onnxruntime() -> ModuleType:
     """ONNX Runtime, imported on first use rather than with this module: importing it starts a
-    native thread, and `serve`'s supervisor imports the server and then forks its workers, which
-    is only safe from a process of one thread (`serving.workers.preload`)."""
+    native thread and maps the library, which a process that imports the server but never loads
+    a model (`serve --processes N`'s supervisor, `serving.workers`) has no use for."""
     import onnxruntime
 
     return onnxruntime

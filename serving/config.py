@@ -138,8 +138,8 @@ class Runtime:
     )
     search_threads: int | None = option(
         None,
-        help="faiss (OpenMP) threads one search may use, in each server process (default: the CPUs less one a "
-        "process for its event loop, shared out among the processes; at least 1)",
+        help="faiss (OpenMP) and BLAS threads one search may use, in each server process (default: the CPUs less "
+        "one a process for its event loop, shared out among the processes; at least 1)",
     )
     event_loop: str = option("uvloop", choices=EVENT_LOOPS, help="the gRPC event loop")
     inline_decode_pixels: int = option(
@@ -185,11 +185,10 @@ class Runtime:
         return self.processes or available_cpus()
 
     def search_threads_of(self, processes: int) -> int:
-        """faiss threads a search may use in one of `processes` server processes: `search_threads`,
-        by default the CPUs less one a process, shared out. Each process's event loop holds about a
-        core (the GIL); a second OpenMP thread on a core that loop needs costs more than it gives
-        (measured: 2 workers on 2 CPUs answered HNSW queries at c = 8 at 1,026 q/s with one faiss
-        thread each, 501 with two — docs/benchmarks.md)."""
+        """Threads a search may use in one of `processes` server processes: `search_threads`, by
+        default the CPUs less one a process, shared out — each process's event loop holds about a
+        core (the GIL), and a search thread on the core it needs costs more than it gives
+        (`serving.search.executors.SearchThreads` says what was measured)."""
         if self.search_threads is not None:
             return self.search_threads
         return max(1, (available_cpus() - processes) // processes)

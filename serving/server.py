@@ -333,13 +333,14 @@ class SearchApp:
         """Reload whenever CURRENT comes to name a version other than the live one — a change of
         CURRENT, not any difference: a Reload naming another version stays until CURRENT moves."""
         loop = asyncio.get_running_loop()
-        seen = None
+        seen = None  # what CURRENT named at the last look
         while True:
             await asyncio.sleep(self.config.watch_interval_s)
             target = await loop.run_in_executor(None, artifacts.current_version, self.config.index_root)
             live = self.engine.pair.version if self.engine.loaded else None
-            changed, seen = target != seen or live is None, target
-            if target is None or not changed or target == live or target == self._watched_failure:
+            moved = target != seen or live is None  # nothing loaded yet: CURRENT is what to load
+            seen = target
+            if target is None or not moved or target == live or target == self._watched_failure:
                 continue
             try:
                 await self.reload(target, unless_live=True)

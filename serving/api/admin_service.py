@@ -231,9 +231,7 @@ class AdminService:
             old, new = await self._reload(request.index_version or None, request.model_dir or None)
         except (ArtifactError, FileNotFoundError, ValueError) as exc:
             raise FailedPrecondition(self._refused(request.index_version, request.model_dir, exc)) from None
-        return pb.ReloadResponse(
-            index_version=new.version, model_id=new.model_id, previous_index_version=old.version if old else ""
-        )
+        return _reloaded(old, new)
 
     async def reload_relayed(self, request: pb.ReloadRequest, fresh: bool) -> pb.ReloadResponse:
         """A sibling worker's reload, relayed (`serving.api.siblings`): the version it names, here
@@ -245,9 +243,7 @@ class AdminService:
             old, new = await self._reload_here(version, model_dir, unless_live=not fresh)
         except (ArtifactError, FileNotFoundError, ValueError) as exc:
             raise FailedPrecondition(self._refused(version, model_dir, exc)) from None
-        return pb.ReloadResponse(
-            index_version=new.version, model_id=new.model_id, previous_index_version=old.version if old else ""
-        )
+        return _reloaded(old, new)
 
     async def _roll_back(
         self, version: str, model_dir: str | None, who: str, via: str, restore: bool, make_current: bool
@@ -258,13 +254,7 @@ class AdminService:
             report, old, new = await self._rollback(version, model_dir, who, via, restore, make_current)
         except (ArtifactError, FileNotFoundError, ValueError) as exc:
             raise FailedPrecondition(self._refused(version, model_dir, exc)) from None
-        return pb.ReloadResponse(
-            index_version=new.version,
-            model_id=new.model_id,
-            previous_index_version=old.version if old else "",
-            reapplied_ids=report.reapplied,
-            restored_ids=report.restored,
-        )
+        return _reloaded(old, new, reapplied_ids=report.reapplied, restored_ids=report.restored)
 
     def _refused(self, version: str | None, model_dir: str | None, exc: Exception) -> str:
         """A refused reload's message: the candidate it refused, and the pair still serving."""
@@ -272,3 +262,10 @@ class AdminService:
         live = self._live() if self._live is not None else None
         serving = f"index {live.version} with model {live.model_id}" if live is not None else "nothing loaded yet"
         return f"reload of {candidate} refused, still serving the old pair ({serving}): {exc}"
+
+
+def _reloaded(old: ServingPair | None, new: ServingPair, **rollback: list[str]) -> pb.ReloadResponse:
+    """A Reload's answer: the pair now served, the one before it, what a rollback re-applied or restored."""
+    return pb.ReloadResponse(
+        index_version=new.version, model_id=new.model_id, previous_index_version=old.version if old else "", **rollback
+    )

@@ -42,8 +42,8 @@ class SearchThreads:
     OMP_NUM_THREADS, by default every CPU — so a server sets both on its loop's thread (`set`)
     and makes every pool whose threads search apply OpenMP's as they start (`apply`, their
     initializer). Why it matters: numpy's OpenBLAS threads spin after each call, taking the core
-    the other worker or the event loop needs (2 workers on 2 CPUs, HNSW at c = 8: 516 q/s with
-    its default 2 threads, 902 with 1, docs/benchmarks.md)."""
+    the other worker or the event loop needs (2 workers on 2 CPUs, HNSW at c = 8: 531 q/s with
+    the libraries' own counts, 882 with one thread each; docs/benchmarks.md)."""
 
     count: int | None = None  # None: the libraries' own
 
