@@ -367,7 +367,9 @@ class SearchApp:
         self.monitor.start(self.run_probe, self.probe_changes)  # probe rounds only where probe_interval_s > 0
         if self.config.watch_current:
             self._watcher = asyncio.get_running_loop().create_task(self._watch_current(), name="watch-current")
-        log.info("listening on %s:%d", transport.host, self.port)
+        threads = SearchThreads.count
+        searching = f"; faiss searches on {threads} thread{'' if threads == 1 else 's'} a search" if threads else ""
+        log.info("listening on %s:%d%s", transport.host, self.port, searching)
         if self.http_port is not None:
             log.info(
                 "HTTP API and console on http%s://%s:%d/",
@@ -445,7 +447,6 @@ async def serve(config: ServerConfig) -> None:
     loop.set_default_executor(ThreadPoolExecutor(None, "default", SearchThreads.apply))
     app = SearchApp(config)
     await app.start()
-    log.info("faiss searches on %d thread%s a search", threads, "" if threads == 1 else "s")
     print(
         json.dumps({"port": app.port, "metrics_port": config.transport.metrics_port, "http_port": app.http_port}),
         flush=True,
