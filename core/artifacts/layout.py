@@ -27,6 +27,7 @@ MANIFEST = "manifest.json"
 MODEL_FILE = "model.onnx"
 INDEX_FILE = "index.faiss"
 ITEMS_FILE = "items.parquet"
+ID_LOOKUP_FILE = "ids.npy"  # the items' id hashes sorted and their rows: finds an id without reading the items
 NEIGHBOURS_FILE = "neighbours.png"  # sample queries and their neighbours, to look at
 EMBEDDINGS_FILE = "embeddings.npy"  # the exact vectors indexed, row for row
 DELETED_FILE = "deleted.npy"  # rows removed but still in the index (HNSW tombstones), sorted

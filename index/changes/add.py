@@ -216,7 +216,7 @@ def _as_live(cfg: BuildConfig, live: IndexVersion) -> BuildConfig:
 
 
 def _check_labelled_alike(catalog: Catalog, live: IndexVersion) -> None:
-    if catalog.labelled != live.items.labelled:
+    if catalog.labelled != live.labelled:
         has, lacks = (
             (catalog.source, f"version {live.manifest.version}")
             if catalog.labelled

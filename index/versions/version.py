@@ -1,9 +1,10 @@
 """An index version opened: its manifest, faiss index, items table and exact vectors.
 
-`<root>/versions/<version>/` holds `manifest.json`, `index.faiss`, `items.parquet` and
-`embeddings.npy` (the exact vectors indexed, row for row), `filters.npz` when fields were
-declared filterable (their value → rows structure, `index/search/filters.py`), and `deleted.npy` when rows were
-removed from an index that cannot drop them (HNSW: its rows stay in the graph, masked at search
+`<root>/versions/<version>/` holds `manifest.json`, `index.faiss`, `items.parquet` (and `ids.npy`,
+its id lookup: an id is found without reading the table), `embeddings.npy` (the exact vectors
+indexed, row for row), `filters.npz` when fields were declared filterable (their value → rows
+structure, `index/search/filters.py`), and `deleted.npy` when rows were removed from an index
+that cannot drop them (HNSW: its rows stay in the graph, masked at search
 time until a rebuild compacts them). `index add` extends one, the quality
 gate compares against one, and a server serves one; each opens it through `IndexVersion`.
 The files are read when first used, so reading the manifest alone costs only the manifest.
@@ -30,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -40,7 +41,7 @@ import numpy as np
 from core.artifacts import layout as artifacts
 from core.artifacts.index_manifest import IndexManifest
 from core.artifacts.layout import ArtifactError
-from core.data.items import ItemTable
+from core.data.items import ItemTable, hashed_rows, labelled_items, read_lookup
 from core.retrieval.metrics import stable_key, stable_order
 from core.retrieval.vectors import RowBlocks
 from index.search.faiss_index import apply_search_params, load_index
@@ -272,8 +273,39 @@ class IndexVersion(VersionParts):
 
     def row_of(self, item_id: str) -> int | None:
         """The row of `item_id`, or None when it is not in this version (or was deleted)."""
-        mask = self.live_mask
-        return next((row for row in self.items.rows_of(item_id) if mask is None or mask[row]), None)
+        deleted = self.deleted
+        for row in self._rows_holding(item_id):
+            at = int(np.searchsorted(deleted, row))
+            if at == len(deleted) or deleted[at] != row:
+                return row
+        return None
+
+    def _rows_holding(self, item_id: str) -> Iterator[int]:
+        """Every row whose item is `item_id`, deleted or not, in row order — found through each
+        part's written id lookup, whose items are read only when a row's id hashes alike: an add
+        checking that its ids are new reads no items (a version written before the lookups
+        were, or a table not written, builds its lookup from the items)."""
+        parts = self._parts()
+        if parts is not None:
+            for part, offset in zip(*parts, strict=True):
+                yield from (int(offset) + row for row in part._rows_holding(item_id))
+            return
+        if self._written_lookup is None:
+            yield from self.items.rows_of(item_id)
+            return
+        yield from (row for row in hashed_rows(*self._written_lookup, item_id) if self.items.ids[row] == item_id)
+
+    @functools.cached_property
+    def _written_lookup(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Its items' id lookup as written beside them (memory-mapped); None where there is none."""
+        if not (self.directory / artifacts.ID_LOOKUP_FILE).is_file():
+            return None
+        order, hashes = self._read(read_lookup, artifacts.ID_LOOKUP_FILE, "an id lookup")
+        if len(order) != self.manifest.size:
+            path = self.directory / artifacts.ID_LOOKUP_FILE
+            counted = f"{path} looks up {len(order)} rows; the manifest counts {self.manifest.size}"
+            raise self._named(ArtifactError(counted))
+        return order, hashes
 
     def locate(self, item_id: str, field: str | None = None) -> ItemLocation | None:
         """Where `item_id` lives: its row, its stored vector and its value of `field` (asked for an
@@ -287,11 +319,17 @@ class IndexVersion(VersionParts):
     @property
     def labelled(self) -> bool:
         """Whether its rows have labels (all do or none: `core.data.items.ItemTable.labelled`); a
-        sharded version's, from its first shard with rows (its other shards' items unread)."""
-        if self.manifest.shards and "items" not in self.__dict__:
+        sharded or segmented version's, from its first part with rows (the others' items unread),
+        and an unread table's from its labels alone."""
+        if "items" in self.__dict__:
+            return self.items.labelled
+        if self.manifest.shards:
             number = next((n for n, e in enumerate(self.manifest.shards) if e.rows), None)
             return True if number is None else self.shard(number).labelled
-        return self.items.labelled
+        if self.manifest.segments:  # a segment's rows are labelled alike with the others'
+            number = next((n for n, e in enumerate(self.manifest.segments) if e.rows), None)
+            return True if number is None else self.segment(number).labelled
+        return self._read(labelled_items, artifacts.ITEMS_FILE, "an items table")
 
     def probe_sample(self, size: int, item_field: str | None = None) -> list[SampledItem]:
         """Its probe sample (`sampled_items`): the first `size` rows by id, or — with `item_field`

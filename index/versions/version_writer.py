@@ -46,7 +46,10 @@ from index.search.faiss_index import save_index
 from index.search.filters import FilterIndex
 
 # What a takedown that only adds tombstones reuses of its parent unchanged.
-ROW_FILES = (artifacts.INDEX_FILE, artifacts.EMBEDDINGS_FILE, artifacts.ITEMS_FILE, artifacts.FILTERS_FILE)
+ROW_FILES = (
+    artifacts.INDEX_FILE, artifacts.EMBEDDINGS_FILE, artifacts.ITEMS_FILE, artifacts.ID_LOOKUP_FILE,
+    artifacts.FILTERS_FILE,
+)  # fmt: skip
 
 
 class _FolderWriter:
@@ -69,7 +72,9 @@ class _FolderWriter:
             np.save(self.folder / artifacts.DELETED_FILE, np.asarray(deleted, dtype=np.int64))
 
     def write_items(self, table: ItemTable) -> None:
+        """The items, and their id lookup (what an add reads to check its ids are new)."""
         table.write(self.folder / artifacts.ITEMS_FILE)
+        table.write_lookup(self.folder / artifacts.ID_LOOKUP_FILE)
 
     def write_filters(self, filter_index: FilterIndex | None) -> None:
         """The filterable fields' value → rows structure; no file when none is declared."""

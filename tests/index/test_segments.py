@@ -211,12 +211,39 @@ def test_a_version_opened_beside_its_parent_shares_the_segments_it_keeps(tmp_pat
         assert child.segment(number).index is parent.segment(number).index
     assert isinstance(child.vectors, RowBlocks) and len(child.vectors.blocks) == 3
     assert child.vectors.blocks[0].ctypes.data == parent.vectors.blocks[0].ctypes.data  # one map
-    # Ids are looked up in each segment's own table, built once for every version keeping it: the
-    # version's table holds no lookup of its own (16 bytes a row, a sort of every id, per reload).
+    # Ids are looked up in each segment's written lookup, memory-mapped: no table builds one of
+    # its own (16 bytes a row, a sort of every id, per reload).
     assert parent.row_of("id00005") == child.row_of("id00005") == 5
     assert child.row_of(items.ids[2]) == len(child.items) - 1 and parent.row_of(items.ids[2]) is None
-    assert "_lookup" not in vars(child.items) and "_lookup" in vars(child.segment(0).items)
-    assert list(child.items.rows_of("no-such-id")) == []
+    assert "_lookup" not in vars(child.items) and "_lookup" not in vars(child.segment(0).items)
+    assert child.segment(0)._written_lookup is parent.segment(0)._written_lookup is not None
+    assert list(child.items.rows_of("no-such-id")) == [] and child.row_of("no-such-id") is None
+
+
+def test_an_add_checks_its_ids_against_the_written_lookups_without_reading_the_items(tmp_path):
+    _grown(tmp_path, "Flat", {}, 1, adds=1)
+    root = tmp_path / "index"
+    live = IndexVersion.open(root)
+    extra, items = _more(3, seed=7, first=7000)
+    # What an add asks of the live version: each new id absent, and whether its rows are labelled.
+    assert set(live.rows_of_ids(items.ids).values()) == {None} and live.labelled is False
+    assert "items" not in vars(live) and all("items" not in vars(live.segment(n)) for n in range(2))
+    # An id it holds is found, and its segment's items read to tell it from a hash collision.
+    assert live.row_of("id00005") == 5 and "items" in vars(live.segment(0))
+    child = IndexVersion(add_vectors(root, extra, items).version)
+    assert child.row_of(items.ids[1]) == len(live.items) + 1
+    with pytest.raises(ValueError, match="already in version"):
+        add_vectors(root, extra[:1], items.take(np.array([1])))
+
+
+def test_a_version_without_written_lookups_finds_its_ids_from_its_items(tmp_path):
+    _grown(tmp_path, "Flat", {}, 1, adds=0)
+    version = IndexVersion.open(tmp_path / "index")
+    (version.directory / artifacts.ID_LOOKUP_FILE).unlink()  # written before the lookups were
+    fresh = IndexVersion.open(tmp_path / "index")
+    assert fresh._written_lookup is None
+    assert fresh.row_of("id00005") == 5 and fresh.row_of("no-such-id") is None
+    assert "_lookup" in vars(fresh.items)
 
 
 def test_bad_rows_are_refused_precisely(tmp_path):
