@@ -138,8 +138,9 @@ class Runtime:
     )
     search_threads: int | None = option(
         None,
-        help="faiss (OpenMP) and BLAS threads one search may use, in each server process (default: the CPUs less "
-        "one a process for its event loop, shared out among the processes; at least 1)",
+        help="faiss (OpenMP) and BLAS threads one search may use, in each process that searches — a serve worker, "
+        "a serve --ray shard replica (default: the CPUs less one a process for its event loop, shared out among "
+        "those processes; at least 1)",
     )
     event_loop: str = option("uvloop", choices=EVENT_LOOPS, help="the gRPC event loop")
     inline_decode_pixels: int = option(

@@ -55,7 +55,7 @@ from serving.monitoring.monitor import RecallMonitor
 from serving.monitoring.probe import ProbeRunner
 from serving.search.batching import DynamicBatcher
 from serving.search.engine import SearchEngine, ServingPair
-from serving.search.executors import SearchThreads
+from serving.search.threads import SearchThreads
 from serving.telemetry.history import TrafficHistory
 from serving.telemetry.metrics import ServiceMetrics
 from serving.transport.auth import Tokens

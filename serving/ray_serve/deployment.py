@@ -200,6 +200,8 @@ def build(config: ServerConfig, version: IndexVersion, log_sink: Sink | None = N
 
     # No cores asked: replicas share the machine's as threads do (a cluster sets resources).
     cpus = {"num_cpus": 0, "runtime_env": {"env_vars": arena_environment()}}
+    units = len(version.units())
+    search_threads = config.runtime.search_threads_of(units * config.sharding.shard_replicas)
     shard_apps = [
         serve.deployment(ShardReplica)
         .options(
@@ -209,8 +211,8 @@ def build(config: ServerConfig, version: IndexVersion, log_sink: Sink | None = N
             max_ongoing_requests=64,
             health_check_period_s=2.0,
         )
-        .bind(config.index_root, n, log_sink)
-        for n in range(len(version.units()))
+        .bind(config.index_root, n, log_sink, search_threads)
+        for n in range(units)
     ]
     embedder = (
         serve.deployment(EmbedderReplica)

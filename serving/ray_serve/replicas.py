@@ -5,6 +5,7 @@ stack; an embedder replica ONNX Runtime, never faiss (docs/operations.md, memory
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from serving.config import ServerConfig
     from serving.search.query_embedder import QueryEmbedder
     from serving.shards.messages import ShardAnswer, ShardRequest
+    from serving.shards.searcher import ShardSearcher
 
 EMBEDDER = "embedder"
 
@@ -39,12 +41,30 @@ def shard_deployment(number: int) -> str:
 class ShardReplica:
     """A shard deployment's replica: a `ShardSearcher` over its shard of the index root."""
 
-    def __init__(self, index_root: str, number: int, log_sink: Sink | None = None) -> None:
+    def __init__(self, index_root: str, number: int, log_sink: Sink | None = None, search_threads: int = 1) -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         ship_records(log_sink, shard_deployment(number))
+        from serving.search.threads import SearchThreads
         from serving.shards.searcher import ShardSearcher
 
+        # As a `serve` worker's (serving.search.threads says why): the BLAS libraries' count is the
+        # process's, set here; OpenMP's is a thread's, applied on the thread the searches run on.
+        SearchThreads.set(search_threads)
+        self._on_search_thread = threading.local()
         self.searcher = ShardSearcher(index_root, number)
+        logging.getLogger(__name__).info(
+            "shard %s: faiss searches on %d thread%s a search", shard_label(number), search_threads,
+            "" if search_threads == 1 else "s",
+        )  # fmt: skip
+
+    def _searching(self) -> ShardSearcher:
+        """The searcher, OpenMP's thread count applied on the calling thread (once a thread)."""
+        if not getattr(self._on_search_thread, "applied", False):
+            from serving.search.threads import SearchThreads
+
+            SearchThreads.apply()
+            self._on_search_thread.applied = True
+        return self.searcher
 
     def warm(self, version: str) -> dict:
         return self.searcher.warm(version)
@@ -56,19 +76,19 @@ class ShardReplica:
     # `warm` stays sync, so opening a version runs beside the searches. Serve's health checks
     # run on the replica's own loop, not the one user code blocks.
     async def search(self, version: str, request: ShardRequest) -> ShardAnswer:
-        return self.searcher.search(version, request)
+        return self._searching().search(version, request)
 
     async def exact(self, version: str, request: ShardRequest) -> ShardAnswer:
-        return self.searcher.exact(version, request)
+        return self._searching().exact(version, request)
 
     async def fill(self, version: str, request: ShardRequest) -> ShardAnswer:
-        return self.searcher.fill(version, request)
+        return self._searching().fill(version, request)
 
     async def locate(self, version: str, asked: tuple[str, str | None]) -> ItemLocation | None:
-        return self.searcher.locate(version, asked)
+        return self._searching().locate(version, asked)
 
     async def probe_sample(self, version: str, asked: tuple[int, str | None]) -> list[SampledItem]:
-        return self.searcher.probe_sample(version, asked)
+        return self._searching().probe_sample(version, asked)
 
 
 @dataclass(frozen=True)

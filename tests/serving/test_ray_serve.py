@@ -43,6 +43,7 @@ from index.versions.version import IndexVersion
 from protos.simsearch.v1 import search_pb2 as pb
 from protos.simsearch.v1 import search_pb2_grpc as pb_grpc
 from serving.client import SearchClient
+from serving.config import available_cpus
 from tests.support import server as support_server
 from tests.support import shards as support
 from tests.support.images import encode
@@ -750,6 +751,23 @@ def test_every_replica_process_starts_with_two_malloc_arenas(sharded):
             pid = ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             assert b"MALLOC_ARENA_MAX=2" in environ, (deployment, pid)
+
+
+def test_every_shard_replica_searches_on_its_share_of_the_cpus(sharded):
+    """A shard replica sets the BLAS libraries' threads as a `serve` worker does (numpy's
+    OpenBLAS threads spin between calls, taking the cores the other replicas search on): the
+    CPUs less one a replica, shared out among the 4 shards × 2 replicas — at least 1."""
+    import ray
+    from threadpoolctl import threadpool_info
+
+    def blas_threads(_) -> list[int]:
+        return [library["num_threads"] for library in threadpool_info() if library["user_api"] == "blas"]
+
+    expected = max(1, (available_cpus() - 8) // 8)
+    for shard in ("000", "003"):
+        for actor in _replicas(shard):
+            counts = ray.get(actor.__ray_call__.remote(blas_threads), timeout=30)
+            assert counts and set(counts) == {expected}, (shard, counts)
 
 
 def test_a_stalled_shard_keeps_the_calls_one_deadline(sharded):

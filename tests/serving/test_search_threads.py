@@ -33,7 +33,7 @@ import json, threading
 from concurrent.futures import ThreadPoolExecutor
 import faiss
 from threadpoolctl import threadpool_info
-from serving.search.executors import SearchThreads
+from serving.search.threads import SearchThreads
 
 default = faiss.omp_get_max_threads()
 SearchThreads.set(1)
