@@ -28,15 +28,17 @@ with Arrow on the C heap). `steady_heap` also sends Arrow to the C heap
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
 
 from core.memory import arrow_on_c_heap, pin_mmap_threshold, return_free_heap
 
-__all__ = ["arena_environment", "pin_mmap_threshold", "reclaim", "return_free_heap", "steady_heap"]
+__all__ = ["arena_environment", "holders", "pin_mmap_threshold", "reclaim", "return_free_heap", "steady_heap"]
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +74,76 @@ def reclaim(released: weakref.ref, timeout_s: float = 60.0, stop: threading.Even
         if released() is None:
             break
         if time.monotonic() > deadline:
-            log.warning("%r is still referenced %.0f s after it was released", released(), timeout_s)
+            held = released()
+            log.warning(
+                "%r is still referenced %.0f s after it was released, held by: %s",
+                held, timeout_s, "; ".join(holders(held)) or "nothing it can name",
+            )  # fmt: skip
+            del held
             return False
         if stop.wait(0.5):
             return False
     return_free_heap()
     return True
+
+
+def holders(target: object, depth: int = 4, most: int = 8) -> list[str]:
+    """What keeps `target` alive, as far as it can be named: the frames (function, file:line) and
+    the objects' attributes (`Class.attribute`) that refer to it, followed up through containers
+    (dicts, lists, tuples, deques, cells) for `depth` links — what a warning that a released pair
+    is still referenced needs to say for anyone to find the holder. At most `most` of them."""
+    mine = inspect.currentframe()
+    # The collector does not see what an executing frame holds: each running thread's frames'
+    # locals are looked through apart.
+    running = [frame for top in sys._current_frames().values() for frame in _stack(top) if frame is not mine]
+    found: list[str] = []
+    seen = {id(target), id(running)}
+    level = [target]
+    for _ in range(depth):
+        above: list[object] = []
+        for obj in level:
+            holding = [frame for frame in running if any(value is obj for value in frame.f_locals.values())]
+            for ref in [*holding, *gc.get_referrers(obj)]:
+                if id(ref) in seen or ref is level or ref is above or ref is mine:
+                    continue
+                seen.add(id(ref))
+                named = _named_holder(ref, obj)
+                if named is not None:
+                    found.append(named)
+                    if len(found) >= most:
+                        return found
+                elif not (inspect.isframe(ref) or inspect.iscoroutine(ref) or inspect.isgenerator(ref)):
+                    above.append(ref)
+        level = above
+    return found
+
+
+def _named_holder(ref: object, held: object) -> str | None:
+    """`ref` named, when it names a place: a frame, or an object's attribute holding `held`."""
+    if inspect.isframe(ref) or inspect.iscoroutine(ref) or inspect.isgenerator(ref):
+        frame = ref if inspect.isframe(ref) else getattr(ref, "cr_frame", None) or getattr(ref, "gi_frame", None)
+        code = frame.f_code if frame is not None else getattr(ref, "cr_code", None) or ref.gi_code
+        if code.co_filename == __file__:
+            return None
+        line = f":{frame.f_lineno}" if frame is not None else ""
+        return f"{code.co_qualname} ({os.path.basename(code.co_filename)}{line})"
+    if isinstance(ref, dict):
+        owners = [o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref]
+        if owners:
+            key = next((k for k, v in ref.items() if v is held), "?")
+            return f"{type(owners[0]).__qualname__}.{key}"
+        return None
+    attributes = getattr(ref, "__dict__", None)  # an instance whose attributes are inline (no dict object)
+    if isinstance(attributes, dict) and not isinstance(ref, type):
+        key = next((k for k, v in attributes.items() if v is held), None)
+        if key is not None:
+            return f"{type(ref).__qualname__}.{key}"
+    return None
+
+
+def _stack(frame: object) -> list[object]:
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames

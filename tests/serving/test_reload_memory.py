@@ -42,6 +42,35 @@ class Node:
         self.me = self
 
 
+def test_what_stays_referenced_is_named_by_its_holders(caplog):
+    """The warning names what holds a released pair: an object's attribute (through a list), and
+    a thread waiting with it in a local — without the names, nobody can find the holder."""
+
+    class Keeper:
+        def __init__(self, kept) -> None:
+            self.kept = [kept]
+
+    def waiting_with(pair, release: threading.Event) -> None:
+        release.wait(10)
+        del pair
+
+    node = Node()
+    keeper = Keeper(node)
+    release = threading.Event()
+    waiter = threading.Thread(target=waiting_with, args=(node, release))
+    waiter.start()
+    try:
+        with caplog.at_level("WARNING", logger="serving.memory"):
+            assert not reclaim(weakref.ref(node), timeout_s=0.2)
+        said = caplog.text
+        assert "still referenced" in said and "Keeper.kept" in said, said
+        assert "waiting_with (test_reload_memory.py:" in said, said
+    finally:
+        release.set()
+        waiter.join()
+    del keeper
+
+
 def test_reclaim_collects_cycles_and_reports_what_stays_referenced():
     gc.disable()  # the collector must not run by itself meanwhile: reclaim is what runs it
     try:
