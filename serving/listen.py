@@ -58,8 +58,15 @@ WORKERS_DIR_ENV = "SIMSEARCH_WORKERS_DIR"
 def worker_socket(index: int) -> str | None:
     """The gRPC address of worker `index` of this process's server, on its own Unix socket; None
     for a server that is one process."""
-    directory = os.environ.get(WORKERS_DIR_ENV)
+    directory = workers_folder()
     return f"unix:{directory}/worker-{index}.sock" if directory else None
+
+
+def workers_folder() -> Path | None:
+    """The folder a server's workers share (their sockets, their traffic histories); None for a
+    server that is one process."""
+    directory = os.environ.get(WORKERS_DIR_ENV)
+    return Path(directory) if directory else None
 
 
 def worker_sockets(slot: tuple[int, int]) -> dict[int, str]:

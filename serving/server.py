@@ -48,6 +48,7 @@ from serving.listen import (
     worker_slot,
     worker_socket,
     worker_sockets,
+    workers_folder,
 )
 from serving.memory import reclaim, steady_heap
 from serving.monitoring.lineage import grew_from
@@ -161,6 +162,9 @@ class SearchApp:
         reload = functools.partial(self.reload_server, unless_live=True)
         self.writes = IndexWrites(options, reload, self.service, self.metrics, self._stopping)
         self.recorder = CallRecorder(self.metrics, TrafficHistory(), config.access_log)
+        shared = workers_folder()
+        if self.slot is not None and shared is not None:  # the console's last hour is the whole server's
+            self.recorder.history.share(shared / "history", f"worker-{self.slot[0]}")
         self.admin = AdminService(
             self.reload_server,
             self.writes.remove_items,
@@ -390,6 +394,7 @@ class SearchApp:
         await asyncio.gather(self.grpc_server.stop(grace), self.http.stop(grace))
         await self.batcher.stop()
         self.decode_pool.shutdown(wait=False, cancel_futures=True)
+        self.recorder.history.stop()
         if self.siblings is not None:
             await self.siblings.close()
 

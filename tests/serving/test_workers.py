@@ -151,6 +151,32 @@ def test_recall_at_k_on_metrics_is_the_whole_servers_over_every_workers_answers(
         assert figure.samples == n and figure.value == pytest.approx(recall, abs=1e-9)
 
 
+def test_the_consoles_last_hour_from_either_worker_counts_every_workers_calls(served):
+    """The Health page's history (GET /v1/health/history), whichever worker answers it: the
+    calls of both workers in each interval (serving.telemetry.history, shared through the
+    workers' folder), not the answering worker's alone."""
+    server, _ = served
+    interval = 10.0  # TrafficHistory's
+    time.sleep(interval - time.time() % interval + 0.1)  # just into a fresh interval
+    start = time.time() - 0.1
+    before = server.figure("simsearch_worker_calls_total")
+    sent = 0
+    while sent < 40 or not all(server.figure("simsearch_worker_calls_total")[w] > before.get(w, 0) for w in before):
+        with fresh_channel(server.port) as channel:
+            pb_grpc.SimilaritySearchStub(channel).Search(
+                pb.SearchRequest(embedding=pb.Embedding(values=unit(900 + sent)), k=3), timeout=60
+            )
+        sent += 1
+        assert sent < 400
+    end = time.time()
+    time.sleep(interval - end % interval + 0.15 * interval)  # the last interval ended and is written
+    url = f"http://127.0.0.1:{server.ports['http_port']}/v1/health/history"
+    for _ in range(6):  # new connections: either worker answers
+        history = json.loads(urllib.request.urlopen(url, timeout=60).read())
+        counted = sum(p["qps"] * history["intervalS"] for p in history["points"] if start < p["t"] <= end + interval)
+        assert round(counted) == sent, (sent, history["points"][-4:])
+
+
 def test_a_programs_clients_are_connections_of_their_own_spread_over_the_workers(served):
     server, _ = served
     before = server.figure("simsearch_worker_calls_total")
