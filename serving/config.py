@@ -189,7 +189,7 @@ class Runtime:
         """Threads a search may use in one of `processes` server processes: `search_threads`, by
         default the CPUs less one a process, shared out — each process's event loop holds about a
         core (the GIL), and a search thread on the core it needs costs more than it gives
-        (`serving.search.executors.SearchThreads` says what was measured)."""
+        (`serving.search.threads.SearchThreads` says what was measured)."""
         if self.search_threads is not None:
             return self.search_threads
         return max(1, (available_cpus() - processes) // processes)

@@ -371,8 +371,7 @@ class SearchApp:
         self.monitor.start(self.run_probe, self.probe_changes)  # probe rounds only where probe_interval_s > 0
         if self.config.watch_current:
             self._watcher = asyncio.get_running_loop().create_task(self._watch_current(), name="watch-current")
-        threads = SearchThreads.count
-        searching = f"; faiss searches on {threads} thread{'' if threads == 1 else 's'} a search" if threads else ""
+        searching = f"; {SearchThreads.described()}" if SearchThreads.count else ""
         log.info("listening on %s:%d%s", transport.host, self.port, searching)
         if self.http_port is not None:
             log.info(

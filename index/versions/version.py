@@ -323,12 +323,12 @@ class IndexVersion(VersionParts):
         and an unread table's from its labels alone."""
         if "items" in self.__dict__:
             return self.items.labelled
-        if self.manifest.shards:
-            number = next((n for n, e in enumerate(self.manifest.shards) if e.rows), None)
-            return True if number is None else self.shard(number).labelled
-        if self.manifest.segments:  # a segment's rows are labelled alike with the others'
-            number = next((n for n, e in enumerate(self.manifest.segments) if e.rows), None)
-            return True if number is None else self.segment(number).labelled
+        sharded = bool(self.manifest.shards)
+        entries = self.manifest.shards if sharded else self.manifest.segments
+        part = self.shard if sharded else self.segment
+        if entries:  # a part's rows are labelled alike with the others'
+            number = next((n for n, entry in enumerate(entries) if entry.rows), None)
+            return True if number is None else part(number).labelled
         return self._read(labelled_items, artifacts.ITEMS_FILE, "an items table")
 
     def probe_sample(self, size: int, item_field: str | None = None) -> list[SampledItem]:

@@ -50,19 +50,15 @@ class ShardReplica:
         # As a `serve` worker's (serving.search.threads says why): the BLAS libraries' count is the
         # process's, set here; OpenMP's is a thread's, applied on the thread the searches run on.
         SearchThreads.set(search_threads)
+        self._apply_threads = SearchThreads.apply
         self._on_search_thread = threading.local()
         self.searcher = ShardSearcher(index_root, number)
-        logging.getLogger(__name__).info(
-            "shard %s: faiss searches on %d thread%s a search", shard_label(number), search_threads,
-            "" if search_threads == 1 else "s",
-        )  # fmt: skip
+        logging.getLogger(__name__).info("shard %s: %s", shard_label(number), SearchThreads.described())
 
     def _searching(self) -> ShardSearcher:
         """The searcher, OpenMP's thread count applied on the calling thread (once a thread)."""
         if not getattr(self._on_search_thread, "applied", False):
-            from serving.search.threads import SearchThreads
-
-            SearchThreads.apply()
+            self._apply_threads()
             self._on_search_thread.applied = True
         return self.searcher
 

@@ -27,6 +27,11 @@ class SearchThreads:
         cls.apply()
 
     @classmethod
+    def described(cls) -> str:
+        """The count as a server's log says it."""
+        return f"faiss searches on {cls.count} thread{'' if cls.count == 1 else 's'} a search"
+
+    @classmethod
     def apply(cls) -> None:
         if cls.count is not None:
             faiss.omp_set_num_threads(cls.count)

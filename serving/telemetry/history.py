@@ -66,7 +66,8 @@ class TrafficHistory:
         self._lock = threading.Lock()
         self._start = self._aligned(clock())
         self._counts = np.zeros(BUCKETS, dtype=np.int64)
-        self._shared: Path | None = None
+        self._shared: Path | None = None  # where the workers write their rings (`share`)
+        self._name = ""  # this process's file there
         self._stopped = threading.Event()
 
     def observe(self, seconds: float) -> None:
