@@ -7,7 +7,9 @@ import argparse
 import importlib.util
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -145,6 +147,28 @@ def ray_runtime_env() -> dict:
 # still fails is tried again from nothing, then reported in one line (`RayStartError`).
 LOCAL_RAY_START_ENV = {"RAY_raylet_start_wait_time_s": "60"}
 LOCAL_RAY_START_TRIES = 3
+# The raylet calls its disk full past a fraction of it (0.95), and then logs an error every 10 s
+# to every driver's terminal: on CI's 252 GB disk with 10 GB free, five lines in a two-minute
+# demo. A fraction is the wrong measure on a big disk; what a local cluster must keep free is room
+# to spill its object store (Ray's default: 30% of the memory). FS_THRESHOLD_ENV is set to that.
+FS_THRESHOLD_ENV = "RAY_local_fs_capacity_threshold"
+RAY_DEFAULT_FS_THRESHOLD = 0.95
+OBJECT_STORE_SHARE = 0.3
+
+
+def local_fs_capacity_threshold(disk_bytes: int, memory_bytes: int) -> float:
+    """The full fraction of a disk of `disk_bytes` at which a local raylet should call it full:
+    what keeps room to spill an object store of Ray's default size on a machine of
+    `memory_bytes`, never stricter than Ray's own 0.95."""
+    keep_free = OBJECT_STORE_SHARE * memory_bytes
+    return max(RAY_DEFAULT_FS_THRESHOLD, 1.0 - keep_free / disk_bytes)
+
+
+def _local_fs_threshold_env() -> dict[str, str]:
+    temp = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    threshold = local_fs_capacity_threshold(shutil.disk_usage(temp).total, memory)
+    return {FS_THRESHOLD_ENV: f"{threshold:.4f}"}
 
 
 class RayStartError(RuntimeError):
@@ -176,7 +200,7 @@ def init_ray(log_to_driver: bool = True, **options) -> None:
         return
     # The user's own setting of a variable wins.
     runtime_env["env_vars"] = {name: os.environ.get(name, value) for name, value in LOCAL_RAY_ENV.items()}
-    for name, value in LOCAL_RAY_START_ENV.items():
+    for name, value in {**LOCAL_RAY_START_ENV, **_local_fs_threshold_env()}.items():
         os.environ.setdefault(name, value)  # read by this process's core worker and the raylet it starts
     for attempt in range(1, LOCAL_RAY_START_TRIES + 1):
         try:
