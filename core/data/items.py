@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import overload
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 COLUMNS = ("id", "label", "path", "metadata")
@@ -164,23 +165,29 @@ def labelled_items(path: str | Path) -> bool:
     return pq.read_table(str(path), columns=["label"]).column("label").null_count == 0
 
 
-def hashed_rows(order: np.ndarray, hashes: np.ndarray, item_id: str) -> list[int]:
-    """The rows whose id hashes as `item_id` does (in row order): its rows, and any collision's —
-    which the caller tells apart by comparing the ids."""
-    key = _string_hash(item_id)
-    lo, hi = int(np.searchsorted(hashes, key, side="left")), int(np.searchsorted(hashes, key, side="right"))
-    return [int(row) for row in order[lo:hi]]
+def id_array(ids: Sequence[str] | pa.Array) -> pa.Array:
+    """Ids as the Arrow (large_)string array the batched lookups take."""
+    return ids if isinstance(ids, pa.Array) else pa.array(list(ids), type=pa.large_string())
 
 
-def _string_hash(text: str) -> np.uint64:
-    """`string_hashes` of one string."""
-    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-    if not len(data):
-        return np.uint64(0)
-    with np.errstate(over="ignore"):
-        powers = np.cumprod(np.full(len(data) + 1, _HASH_BASE, dtype=np.uint64))
-        terms = (data.astype(np.uint64) + np.uint64(1)) * powers[: len(data)]
-        return np.uint64(len(data)) + np.sum(terms, dtype=np.uint64)
+def hashed_matches(
+    order: np.ndarray, hashes: np.ndarray, keys: np.ndarray, ids: pa.Array, ids_at: Callable[[np.ndarray], pa.Array]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every (position in `ids`, row) where the row's id is that id, through a lookup (`id_lookup`):
+    `keys` are the ids' `string_hashes`, and `ids_at(rows)` reads the ids of the rows whose hash
+    matched — only those, and only when any did (a collision's row is dropped there). An id's
+    rows come in row order. One numpy pass for a whole batch: a catalog re-sent whole looked up
+    its ids one Python call an id a part."""
+    lo, hi = np.searchsorted(hashes, keys, side="left"), np.searchsorted(hashes, keys, side="right")
+    counts = hi - lo
+    total = int(counts.sum())
+    if not total:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    which = np.repeat(np.arange(len(keys), dtype=np.int64), counts)
+    starts = np.repeat(lo - (np.cumsum(counts) - counts), counts)
+    rows = np.asarray(order[starts + np.arange(total)], dtype=np.int64)
+    same = np.asarray(pc.equal(ids_at(rows), ids.take(pa.array(which))), dtype=bool)
+    return which[same], rows[same]
 
 
 class ItemTable:
@@ -222,7 +229,7 @@ class ItemTable:
         self._parts = list(parts)
 
     @functools.cached_property
-    def _lookup(self) -> tuple[np.ndarray, np.ndarray]:
+    def lookup(self) -> tuple[np.ndarray, np.ndarray]:
         """id → rows (`id_lookup`), made on the first lookup: a table that is only read row by
         row never pays for it."""
         return id_lookup(self.ids.array)
@@ -246,16 +253,21 @@ class ItemTable:
         return len(self.ids)
 
     def row_of(self, item_id: str) -> int | None:
-        return next(self.rows_of(item_id), None)
+        """The first row holding `item_id` (`matches`), or None."""
+        _, rows = self.matches(id_array([item_id]))
+        return int(rows.min()) if len(rows) else None
 
-    def rows_of(self, item_id: str) -> Iterator[int]:
-        """Every row holding `item_id`, in row order: one, except in a version whose removed rows
-        are still in its index (deleted.npy) when the id came back."""
+    def matches(self, ids: pa.Array, keys: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Every (position in `ids`, row) where the row holds that id (`hashed_matches`): one row
+        an id, except in a version whose removed rows are still in its index (deleted.npy) when
+        the id came back. `keys`: the ids' hashes, where the caller has them."""
+        keys = string_hashes(ids) if keys is None else keys
         if self._parts:
-            for part, offset in self._parts:
-                yield from (offset + row for row in part.rows_of(item_id))
-            return
-        yield from (row for row in hashed_rows(*self._lookup, item_id) if self.ids[row] == item_id)
+            found = [part.matches(ids, keys) for part, _ in self._parts]
+            which = np.concatenate([w for w, _ in found])
+            rows = np.concatenate([r + offset for (_, r), (_, offset) in zip(found, self._parts, strict=True)])
+            return which, rows
+        return hashed_matches(*self.lookup, keys, ids, self.ids.array.take)
 
     def take(self, rows: np.ndarray) -> ItemTable:
         """These rows, in this order."""
@@ -282,7 +294,7 @@ class ItemTable:
         """Its id lookup as one .npy (`read_lookup`): what finds an id in a written table without
         reading the table — an add at 1M rows read every segment's ids and hashed them to learn
         that its new ids were not there (~0.5 s of each `index add`)."""
-        order, hashes = self._lookup
+        order, hashes = self.lookup
         np.save(path, np.stack([hashes, order.astype(np.uint64)]))
 
     @classmethod

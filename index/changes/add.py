@@ -228,9 +228,9 @@ def _check_labelled_alike(catalog: Catalog, live: IndexVersion) -> None:
 def _rows_to_embed(cfg: BuildConfig, catalog: Catalog, live: IndexVersion) -> tuple[list[int], np.ndarray, int]:
     """The catalog rows to embed, the live rows their ids already hold (sorted), and how many
     catalog rows are skipped as already indexed (none with `upsert`, which replaces them)."""
-    indexed_rows = [live.row_of(item_id) for item_id in catalog.ids]
-    replaced = np.array(sorted(r for r in indexed_rows if r is not None), dtype=np.int64)
-    new_rows = [r for r, row in enumerate(indexed_rows) if row is None or cfg.upsert]
+    indexed_rows = live.live_rows(catalog.ids)
+    replaced = np.sort(indexed_rows[indexed_rows >= 0])
+    new_rows = list(range(len(catalog))) if cfg.upsert else np.flatnonzero(indexed_rows < 0).tolist()
     already = 0 if cfg.upsert else len(replaced)
     if not new_rows:
         raise ValueError(

@@ -100,7 +100,7 @@ class VersionParts:
         which holds no rows, reads for its call."""
         found: dict[str, int | None] = dict.fromkeys(ids)
         if not self.manifest.shards:
-            return {item_id: self.row_of(item_id) for item_id in found}
+            return {item_id: _row(row) for item_id, row in zip(found, self.live_rows(list(found)), strict=True)}
         homes = {i: units_for_id(self.manifest, i) for i in found}
         for unit in self.units():
             wanted = [i for i, row in found.items() if row is None and unit.number in homes[i]]
@@ -108,9 +108,8 @@ class VersionParts:
                 continue
             with self._shards_lock:
                 shard = self._shards.get(unit.number) or self._shard_view(unit.number)
-            for item_id in wanted:
-                row = shard.row_of(item_id)
-                found[item_id] = None if row is None else unit.offset + row
+            for item_id, row in zip(wanted, shard.live_rows(wanted), strict=True):
+                found[item_id] = None if row < 0 else unit.offset + int(row)
         return found
 
     # -- units: what a change writes apart and a shard replica serves (index.versions.units) --------------
@@ -253,3 +252,8 @@ def _contiguous(entries: list, kind: str, where: str) -> int:
             )
         offset += entry.rows
     return offset
+
+
+def _row(row: np.integer) -> int | None:
+    """A row `live_rows` found, None for its -1."""
+    return None if row < 0 else int(row)

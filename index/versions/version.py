@@ -31,17 +31,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 import faiss
 import numpy as np
+import pyarrow as pa
 
 from core.artifacts import layout as artifacts
 from core.artifacts.index_manifest import IndexManifest
 from core.artifacts.layout import ArtifactError
-from core.data.items import ItemTable, hashed_rows, labelled_items, read_lookup
+from core.data.items import ItemTable, hashed_matches, id_array, labelled_items, read_lookup, string_hashes
 from core.retrieval.metrics import stable_key, stable_order
 from core.retrieval.vectors import RowBlocks
 from index.search.faiss_index import apply_search_params, load_index
@@ -273,27 +274,39 @@ class IndexVersion(VersionParts):
 
     def row_of(self, item_id: str) -> int | None:
         """The row of `item_id`, or None when it is not in this version (or was deleted)."""
-        deleted = self.deleted
-        for row in self._rows_holding(item_id):
-            at = int(np.searchsorted(deleted, row))
-            if at == len(deleted) or deleted[at] != row:
-                return row
-        return None
+        row = int(self.live_rows([item_id])[0])
+        return None if row < 0 else row
 
-    def _rows_holding(self, item_id: str) -> Iterator[int]:
-        """Every row whose item is `item_id`, deleted or not, in row order — found through each
-        part's written id lookup, whose items are read only when a row's id hashes alike: an add
-        checking that its ids are new reads no items (a version written before the lookups
-        were, or a table not written, builds its lookup from the items)."""
+    def live_rows(self, ids: Sequence[str] | pa.Array) -> np.ndarray:
+        """Each id's live row, -1 where this version does not hold it (or it was deleted): one
+        batched lookup (`core.data.items.hashed_matches`) through each part's written id lookup,
+        whose items are read only for the rows whose id hashes alike — an add checking that its
+        ids are new reads no items. A version written before the lookups were builds its lookup
+        from its items."""
+        ids = id_array(ids)
+        which, rows = self._matches(ids, string_hashes(ids))
+        if len(self.deleted) and len(rows):
+            at = np.minimum(np.searchsorted(self.deleted, rows), len(self.deleted) - 1)
+            alive = self.deleted[at] != rows
+            which, rows = which[alive], rows[alive]
+        found = np.full(len(ids), -1, dtype=np.int64)
+        first = np.lexsort((rows, which))  # each id's rows in row order; its first is live
+        which, rows = which[first], rows[first]
+        heads = np.unique(which, return_index=True)[1]
+        found[which[heads]] = rows[heads]
+        return found
+
+    def _matches(self, ids: pa.Array, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Every (position in `ids`, row) where the row — deleted or not — holds that id."""
         parts = self._parts()
         if parts is not None:
-            for part, offset in zip(*parts, strict=True):
-                yield from (int(offset) + row for row in part._rows_holding(item_id))
-            return
+            found = [part._matches(ids, keys) for part in parts[0]]
+            which = np.concatenate([w for w, _ in found])
+            rows = np.concatenate([r + int(offset) for (_, r), offset in zip(found, parts[1], strict=True)])
+            return which, rows
         if self._written_lookup is None:
-            yield from self.items.rows_of(item_id)
-            return
-        yield from (row for row in hashed_rows(*self._written_lookup, item_id) if self.items.ids[row] == item_id)
+            return self.items.matches(ids, keys)
+        return hashed_matches(*self._written_lookup, keys, ids, lambda rows: self.items.ids.array.take(rows))
 
     @functools.cached_property
     def _written_lookup(self) -> tuple[np.ndarray, np.ndarray] | None:

@@ -16,7 +16,7 @@ import pytest
 from core.artifacts import layout as artifacts
 from core.artifacts.index_manifest import IndexManifest
 from core.artifacts.layout import ArtifactError
-from core.data.items import ItemTable
+from core.data.items import ItemTable, hashed_matches, id_array
 from core.retrieval.vectors import RowBlocks, l2_normalized
 from index.changes.add import add_vectors
 from index.changes.lifecycle import compact_version, remove_items
@@ -170,6 +170,29 @@ def test_a_removal_writes_tombstones_alone_and_an_upsert_both(tmp_path):
     np.testing.assert_array_equal(upserted.vector(row), new_vector[0])
     assert upserted.size == after.size and len(upserted.deleted) == 3
     assert _top(upserted, new_vector, 1) == [[before.items.ids[7]]]
+    # All at once, as an add of a whole catalog asks: removed ids, the upserted one (its first row
+    # deleted, a later one live), absent ones and repeats, against a scan of the items.
+    asked = [*upserted.items.ids, *victims, "no-such-id", before.items.ids[7], "no-such-id"]
+    np.testing.assert_array_equal(upserted.live_rows(asked), _live_rows_by_scan(upserted, asked))
+
+
+def _live_rows_by_scan(version: IndexVersion, ids: list[str]) -> list[int]:
+    deleted = set(version.deleted.tolist())
+    first: dict[str, int] = {}
+    for row, item_id in enumerate(version.items.ids):
+        if row not in deleted:
+            first.setdefault(item_id, row)
+    return [first.get(item_id, -1) for item_id in ids]
+
+
+def test_ids_whose_hashes_collide_are_told_apart_by_the_ids():
+    table = ItemTable(["a", "b", "c", "b"], None, ["/a", "/b", "/c", "/b2"], [{}] * 4)
+    order, _ = table.lookup
+    alike = np.zeros(4, dtype=np.uint64)  # every id hashing alike: only the ids can tell them apart
+    asked = id_array(["b", "z", "c"])
+    which, rows = hashed_matches(order, alike, np.zeros(3, dtype=np.uint64), asked, table.ids.array.take)
+    assert sorted(zip(which.tolist(), rows.tolist(), strict=True)) == [(0, 1), (0, 3), (2, 2)]
+    assert table.row_of("b") == 1 and table.row_of("z") is None
 
 
 def test_compaction_runs_by_itself_past_the_segment_count_or_deleted_share(tmp_path):
@@ -215,9 +238,9 @@ def test_a_version_opened_beside_its_parent_shares_the_segments_it_keeps(tmp_pat
     # its own (16 bytes a row, a sort of every id, per reload).
     assert parent.row_of("id00005") == child.row_of("id00005") == 5
     assert child.row_of(items.ids[2]) == len(child.items) - 1 and parent.row_of(items.ids[2]) is None
-    assert "_lookup" not in vars(child.items) and "_lookup" not in vars(child.segment(0).items)
+    assert "lookup" not in vars(child.items) and "lookup" not in vars(child.segment(0).items)
     assert child.segment(0)._written_lookup is parent.segment(0)._written_lookup is not None
-    assert list(child.items.rows_of("no-such-id")) == [] and child.row_of("no-such-id") is None
+    assert child.items.row_of("no-such-id") is None and child.row_of("no-such-id") is None
 
 
 def test_an_add_checks_its_ids_against_the_written_lookups_without_reading_the_items(tmp_path):
@@ -243,7 +266,7 @@ def test_a_version_without_written_lookups_finds_its_ids_from_its_items(tmp_path
     fresh = IndexVersion.open(tmp_path / "index")
     assert fresh._written_lookup is None
     assert fresh.row_of("id00005") == 5 and fresh.row_of("no-such-id") is None
-    assert "_lookup" in vars(fresh.items)
+    assert "lookup" in vars(fresh.items)
 
 
 def test_bad_rows_are_refused_precisely(tmp_path):
