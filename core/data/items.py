@@ -170,6 +170,10 @@ def id_array(ids: Sequence[str] | pa.Array) -> pa.Array:
     return ids if isinstance(ids, pa.Array) else pa.array(list(ids), type=pa.large_string())
 
 
+NO_MATCHES = (np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))  # read-only: shared by every miss
+NO_MATCHES[0].flags.writeable = NO_MATCHES[1].flags.writeable = False
+
+
 def hashed_matches(
     order: np.ndarray, hashes: np.ndarray, keys: np.ndarray, ids: pa.Array, ids_at: Callable[[np.ndarray], pa.Array]
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -178,11 +182,11 @@ def hashed_matches(
     matched — only those, and only when any did (a collision's row is dropped there). An id's
     rows come in row order. One numpy pass for a whole batch: a catalog re-sent whole looked up
     its ids one Python call an id a part."""
-    lo, hi = np.searchsorted(hashes, keys, side="left"), np.searchsorted(hashes, keys, side="right")
+    lo, hi = hashes.searchsorted(keys, side="left"), hashes.searchsorted(keys, side="right")
     counts = hi - lo
     total = int(counts.sum())
     if not total:
-        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        return NO_MATCHES
     which = np.repeat(np.arange(len(keys), dtype=np.int64), counts)
     starts = np.repeat(lo - (np.cumsum(counts) - counts), counts)
     rows = np.asarray(order[starts + np.arange(total)], dtype=np.int64)

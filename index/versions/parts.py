@@ -145,6 +145,9 @@ class VersionParts:
         """Segment `number` as a version of its own (its rows, none deleted: the tombstones are
         this version's). The same segment, by content, is one object in a process, whichever
         version opened it first: its index, vectors and items are read once."""
+        held = self._segments.get(number)
+        if held is not None and held.directory.is_dir():  # each id lookup asks every segment: no key built
+            return held
         entries = self.segment_entries
         if not 0 <= number < len(entries):
             raise IndexError(f"{self._what} has {len(entries)} segments, not segment {number}")

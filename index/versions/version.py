@@ -42,7 +42,7 @@ import pyarrow as pa
 from core.artifacts import layout as artifacts
 from core.artifacts.index_manifest import IndexManifest
 from core.artifacts.layout import ArtifactError
-from core.data.items import ItemTable, hashed_matches, id_array, labelled_items, read_lookup, string_hashes
+from core.data.items import NO_MATCHES, ItemTable, hashed_matches, id_array, labelled_items, read_lookup, string_hashes
 from core.retrieval.metrics import stable_key, stable_order
 from core.retrieval.vectors import RowBlocks
 from index.search.faiss_index import apply_search_params, load_index
@@ -284,12 +284,14 @@ class IndexVersion(VersionParts):
         ids are new reads no items. A version written before the lookups were builds its lookup
         from its items."""
         ids = id_array(ids)
+        found = np.full(len(ids), -1, dtype=np.int64)
         which, rows = self._matches(ids, string_hashes(ids))
-        if len(self.deleted) and len(rows):
+        if not len(rows):
+            return found
+        if len(self.deleted):
             at = np.minimum(np.searchsorted(self.deleted, rows), len(self.deleted) - 1)
             alive = self.deleted[at] != rows
             which, rows = which[alive], rows[alive]
-        found = np.full(len(ids), -1, dtype=np.int64)
         first = np.lexsort((rows, which))  # each id's rows in row order; its first is live
         which, rows = which[first], rows[first]
         heads = np.unique(which, return_index=True)[1]
@@ -300,10 +302,14 @@ class IndexVersion(VersionParts):
         """Every (position in `ids`, row) where the row — deleted or not — holds that id."""
         parts = self._parts()
         if parts is not None:
-            found = [part._matches(ids, keys) for part in parts[0]]
-            which = np.concatenate([w for w, _ in found])
-            rows = np.concatenate([r + int(offset) for (_, r), offset in zip(found, parts[1], strict=True)])
-            return which, rows
+            found = []
+            for part, offset in zip(*parts, strict=True):
+                which, rows = part._matches(ids, keys)
+                if len(rows):
+                    found.append((which, rows + int(offset)))
+            if not found:
+                return NO_MATCHES
+            return np.concatenate([w for w, _ in found]), np.concatenate([r for _, r in found])
         if self._written_lookup is None:
             return self.items.matches(ids, keys)
         return hashed_matches(*self._written_lookup, keys, ids, lambda rows: self.items.ids.array.take(rows))
