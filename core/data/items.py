@@ -174,6 +174,15 @@ NO_MATCHES = (np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))  # read-
 NO_MATCHES[0].flags.writeable = NO_MATCHES[1].flags.writeable = False
 
 
+def joined_matches(parts: Iterable[tuple[tuple[np.ndarray, np.ndarray], int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The matches of a whole made of parts, from each part's matches and its first row: the
+    parts in row order keep each id's rows in row order."""
+    found = [(which, rows + offset) for (which, rows), offset in parts if len(rows)]
+    if not found:
+        return NO_MATCHES
+    return np.concatenate([which for which, _ in found]), np.concatenate([rows for _, rows in found])
+
+
 def hashed_matches(
     order: np.ndarray, hashes: np.ndarray, keys: np.ndarray, ids: pa.Array, ids_at: Callable[[np.ndarray], pa.Array]
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -267,10 +276,7 @@ class ItemTable:
         the id came back. `keys`: the ids' hashes, where the caller has them."""
         keys = string_hashes(ids) if keys is None else keys
         if self._parts:
-            found = [part.matches(ids, keys) for part, _ in self._parts]
-            which = np.concatenate([w for w, _ in found])
-            rows = np.concatenate([r + offset for (_, r), (_, offset) in zip(found, self._parts, strict=True)])
-            return which, rows
+            return joined_matches((part.matches(ids, keys), offset) for part, offset in self._parts)
         return hashed_matches(*self.lookup, keys, ids, self.ids.array.take)
 
     def take(self, rows: np.ndarray) -> ItemTable:

@@ -42,7 +42,15 @@ import pyarrow as pa
 from core.artifacts import layout as artifacts
 from core.artifacts.index_manifest import IndexManifest
 from core.artifacts.layout import ArtifactError
-from core.data.items import NO_MATCHES, ItemTable, hashed_matches, id_array, labelled_items, read_lookup, string_hashes
+from core.data.items import (
+    ItemTable,
+    hashed_matches,
+    id_array,
+    joined_matches,
+    labelled_items,
+    read_lookup,
+    string_hashes,
+)
 from core.retrieval.metrics import stable_key, stable_order
 from core.retrieval.vectors import RowBlocks
 from index.search.faiss_index import apply_search_params, load_index
@@ -302,14 +310,7 @@ class IndexVersion(VersionParts):
         """Every (position in `ids`, row) where the row — deleted or not — holds that id."""
         parts = self._parts()
         if parts is not None:
-            found = []
-            for part, offset in zip(*parts, strict=True):
-                which, rows = part._matches(ids, keys)
-                if len(rows):
-                    found.append((which, rows + int(offset)))
-            if not found:
-                return NO_MATCHES
-            return np.concatenate([w for w, _ in found]), np.concatenate([r for _, r in found])
+            return joined_matches((part._matches(ids, keys), int(offset)) for part, offset in zip(*parts, strict=True))
         if self._written_lookup is None:
             return self.items.matches(ids, keys)
         return hashed_matches(*self._written_lookup, keys, ids, lambda rows: self.items.ids.array.take(rows))
